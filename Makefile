@@ -1,0 +1,55 @@
+# `make demo` and `make test` each do the whole set-up on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+EXTRAS := dev,mooncake,nixl
+# Debian libraries the Mooncake wheel links against (installed when missing and we are root).
+SYSLIBS := libibverbs1 librdmacm1 libnuma1
+
+.PHONY: demo test lint typecheck unit bench setup sysdeps clean
+
+# Until the end-to-end transfer demo exists: explain a conforming backend (exit 0), then show
+# that a Mori-style backend is rejected, as a plain class and when given the mixin (exit 1).
+demo: $(STAMP)
+	$(VENV)/bin/staging-contracts check examples.hosts:ExampleKVManager
+	$(VENV)/bin/staging-contracts check examples.hosts:MoriStyleKVManager \
+		examples.mori_with_staging:MoriWithStaging; test $$? -eq 1
+
+test: $(STAMP) lint typecheck unit
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+unit: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(VENV)/bin/staging-contracts bench
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(MAKE) sysdeps
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	touch $(STAMP)
+
+sysdeps:
+	@missing=""; for p in $(SYSLIBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	else \
+		echo "note:$$missing missing and not root: the Mooncake engine will be skipped"; \
+	fi
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .mypy_cache .pytest_cache .ruff_cache .hypothesis

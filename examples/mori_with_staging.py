@@ -1,0 +1,15 @@
+"""What happens when the staging mixin is given to a backend without staging support.
+
+Importing this module raises ``ContractError`` at the ``class`` statement, naming the two
+members Mori does not declare: the mistake surfaces at import, not when the first STAGING_REQ
+arrives on a listener thread.
+"""
+
+from __future__ import annotations
+
+from examples.hosts import MoriStyleKVManager
+from staging_contracts import StagingManagerMixin
+
+
+class MoriWithStaging(StagingManagerMixin, MoriStyleKVManager):
+    """Rejected: Mori declares neither ``_staging_handler`` nor ``_staging_ctx``."""

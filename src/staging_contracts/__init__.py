@@ -1,0 +1,76 @@
+"""staging-contracts: the staging path of PD-disaggregated LLM serving, with typed contracts.
+
+The public surface is re-exported here; import from ``staging_contracts`` only.
+"""
+
+from __future__ import annotations
+
+from .contract import ClassReport, Contract, MemberReport, MemberSpec, MemberStatus
+from .enforcement import ContractMixin
+from .mixin import STAGING_CONTRACT, StagingManagerMixin
+from .problems import ContractError, ContractProblem, ProblemKind
+from .protocols import (
+    Allocation,
+    ArrivalOutcome,
+    DecodeStagingContext,
+    KVArgs,
+    KVArgsRecord,
+    KVBufferTensors,
+    Notification,
+    PrefillStagingContext,
+    StagingHandler,
+    StagingHost,
+    StagingHostCore,
+    StagingReqOutcome,
+    StagingRing,
+    Transfer,
+    TransferEngine,
+    TransferError,
+    Watermark,
+    WatermarkBook,
+)
+
+__all__ = [
+    "STAGING_CONTRACT",
+    "Allocation",
+    "ArrivalOutcome",
+    "ClassReport",
+    "Contract",
+    "ContractError",
+    "ContractMixin",
+    "ContractProblem",
+    "DecodeStagingContext",
+    "KVArgs",
+    "KVArgsRecord",
+    "KVBufferTensors",
+    "MemberReport",
+    "MemberSpec",
+    "MemberStatus",
+    "Notification",
+    "PrefillStagingContext",
+    "ProblemKind",
+    "StagingHandler",
+    "StagingHost",
+    "StagingHostCore",
+    "StagingManagerMixin",
+    "StagingReqOutcome",
+    "StagingRing",
+    "Transfer",
+    "TransferEngine",
+    "TransferError",
+    "Watermark",
+    "WatermarkBook",
+]
+
+__version__ = "0.1.0"
+
+
+def _claim_public_names() -> None:
+    """Give every public class and function this package as its ``__module__``."""
+    for name in __all__:
+        obj = globals()[name]
+        if isinstance(obj, type) or callable(obj):
+            obj.__module__ = __name__
+
+
+_claim_public_names()

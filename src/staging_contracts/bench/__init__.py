@@ -1,0 +1,121 @@
+"""Benchmarks: our figure against an anchor measured in the same run, as a ratio.
+
+Each group is a module of this package with a ``run(quick: bool) -> list[BenchRow]``
+function, loaded lazily by name. Figures are medians of repeated measurements. Benchmarks are
+never timed tests: they report, and the goals are for people to read.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Final, Literal
+
+__all__ = ["GROUPS", "BenchRow", "format_table", "run_groups", "write_json"]
+
+GROUPS: Final[dict[str, str]] = {
+    "contract": "staging_contracts.bench.contract_bench",
+}
+"""Group name -> module that implements it."""
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRow:
+    """One benchmark result."""
+
+    name: str
+    """Dotted name, ``group.benchmark``."""
+    ours: float
+    """Our figure, in ``unit``."""
+    anchor: float
+    """The anchor's figure in the same unit, measured in the same run."""
+    unit: str
+    """Unit of ``ours`` and ``anchor`` (e.g. ``ns/call``, ``GB/s``)."""
+    ratio: float
+    """As each benchmark defines it (usually ours / anchor)."""
+    goal: str
+    """The goal on ``ratio``, e.g. ``<= 1.02`` or ``>= 0.5``; empty when informative only."""
+
+    @property
+    def goal_met(self) -> bool | None:
+        """Whether ``ratio`` meets ``goal``; ``None`` when there is no goal."""
+        if not self.goal:
+            return None
+        op, _, bound = self.goal.partition(" ")
+        limit = float(bound)
+        return self.ratio <= limit if op == "<=" else self.ratio >= limit
+
+
+def ratio_row(
+    name: str,
+    ours: float,
+    anchor: float,
+    unit: str,
+    goal: str = "",
+    *,
+    kind: Literal["ours/anchor", "anchor/ours"] = "ours/anchor",
+) -> BenchRow:
+    """Build a row whose ratio is ``ours / anchor`` (or the inverse)."""
+    if kind == "ours/anchor":
+        ratio = ours / anchor if anchor else math.inf
+    else:
+        ratio = anchor / ours if ours else math.inf
+    return BenchRow(name, ours, anchor, unit, ratio, goal)
+
+
+def run_groups(
+    groups: Sequence[str] | None,
+    *,
+    quick: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> list[BenchRow]:
+    """Run the named groups (all when ``None``), in the order given.
+
+    Raises:
+        KeyError: an unknown group name.
+    """
+    rows: list[BenchRow] = []
+    for group in groups or list(GROUPS):
+        module = importlib.import_module(GROUPS[group])
+        if progress is not None:
+            progress(f"bench {group} ...")
+        rows.extend(module.run(quick=quick))
+    return rows
+
+
+def format_table(rows: Iterable[BenchRow]) -> str:
+    """Rows as an aligned text table: name, ours, anchor, unit, ratio, goal, met."""
+    header = ("name", "ours", "anchor", "unit", "ratio", "goal", "met")
+    table = [header]
+    for row in rows:
+        met = {None: "", True: "yes", False: "NO"}[row.goal_met]
+        table.append(
+            (
+                row.name,
+                _fmt(row.ours),
+                _fmt(row.anchor),
+                row.unit,
+                f"{row.ratio:.3f}",
+                row.goal or "-",
+                met,
+            )
+        )
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(value: float) -> str:
+    if value == 0 or 0.01 <= abs(value) < 1e6:
+        return f"{value:.4g}"
+    return f"{value:.3e}"
+
+
+def write_json(rows: Iterable[BenchRow], path: str | Path) -> None:
+    """Write rows as a JSON list of objects with keys name, ours, anchor, unit, ratio, goal."""
+    Path(path).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")

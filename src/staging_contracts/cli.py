@@ -1,0 +1,140 @@
+"""Command line: ``staging-contracts check | bench``.
+
+The CLI is the only place in the package that prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+from .contract import Contract, is_abstract
+from .enforcement import contract_roots
+from .mixin import STAGING_CONTRACT
+from .problems import ContractError
+
+__all__ = ["main"]
+
+EXIT_OK = 0
+EXIT_NONCONFORMING = 1
+EXIT_UNIMPORTABLE = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    status: int = args.run(args)
+    return status
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="staging-contracts",
+        description="Typed staging path for PD-disaggregated LLM serving.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    check = commands.add_parser(
+        "check",
+        help="explain how classes satisfy the staging host contract",
+        description=(
+            "Import each MODULE:CLASS and print how it satisfies the contract of every "
+            "enforcing mixin it uses (the StagingHost contract when it uses none). "
+            "Exit 0 if all conform, 1 if any does not, 2 if a name cannot be imported."
+        ),
+    )
+    check.add_argument("targets", nargs="+", metavar="MODULE:CLASS")
+    check.set_defaults(run=_run_check)
+
+    from .bench import GROUPS  # noqa: PLC0415 - keeps `check` free of benchmark imports
+
+    bench = commands.add_parser(
+        "bench",
+        help="run benchmarks against anchors measured in the same run",
+        description=f"Groups: {', '.join(GROUPS)} (default: all).",
+    )
+    bench.add_argument("groups", nargs="*", metavar="GROUP", choices=[[], *GROUPS])
+    bench.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list")
+    bench.add_argument(
+        "--quick", action="store_true", help="fewer repetitions (for smoke tests, not figures)"
+    )
+    bench.set_defaults(run=_run_bench)
+    return parser
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: local modules are importable
+    status = EXIT_OK
+    for target in args.targets:
+        status = max(status, _check_one(target))
+        print()
+    return status
+
+
+def _check_one(target: str) -> int:
+    module_name, sep, qualname = target.partition(":")
+    if not sep or not module_name or not qualname:
+        print(f"{target}: expected MODULE:CLASS", file=sys.stderr)
+        return EXIT_UNIMPORTABLE
+    try:
+        module = importlib.import_module(module_name)
+    except ContractError as exc:
+        print(f"{target}: the contract rejected a class while importing {module_name!r}:")
+        print(exc)
+        return EXIT_NONCONFORMING
+    except ImportError as exc:
+        print(f"{target}: cannot import {module_name!r}: {exc}", file=sys.stderr)
+        return EXIT_UNIMPORTABLE
+    obj: object = module
+    for part in qualname.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            print(f"{target}: {module_name!r} has no attribute {qualname!r}", file=sys.stderr)
+            return EXIT_UNIMPORTABLE
+    if not isinstance(obj, type):
+        print(f"{target}: {qualname!r} is not a class", file=sys.stderr)
+        return EXIT_UNIMPORTABLE
+    contracts: list[Contract] = [root.__dict__["contract"] for root in contract_roots(obj)]
+    if not contracts:
+        print(f"{target} does not use an enforcing mixin; against the StagingHost contract:")
+        contracts = [STAGING_CONTRACT]
+    status = EXIT_OK
+    for contract in contracts:
+        print(contract.explain(obj))
+        report = contract.inspect_class(obj, abstract=is_abstract(obj))
+        if not report.conforms:
+            print(
+                ContractError(
+                    obj,
+                    report.problems,
+                    contract_name=contract.name,
+                    mixin_name=contract.mixin.__qualname__ if contract.mixin else None,
+                )
+            )
+            status = EXIT_NONCONFORMING
+    return status
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from .bench import format_table, run_groups, write_json  # noqa: PLC0415 - heavy imports
+
+    rows = run_groups(args.groups or None, quick=args.quick, progress=_progress)
+    print(format_table(rows))
+    if args.json:
+        write_json(rows, args.json)
+        print(f"wrote {len(rows)} rows to {args.json}")
+    return EXIT_OK
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

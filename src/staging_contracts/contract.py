@@ -1,0 +1,376 @@
+"""Contracts: a ``typing.Protocol`` that a mixin requires of the classes it is mixed into.
+
+Domain-free. A :class:`Contract` is built once from a Protocol (its members and their types are
+resolved then, never per check) and answers three questions about a host class:
+
+* :meth:`Contract.check_class` — does the class *declare* every required member, with a
+  declared type that is not clearly incompatible, and does no base listed before the mixin
+  shadow a method the mixin provides?
+* :meth:`Contract.check_instance` — after construction, does each member *hold* a value of its
+  declared type (typeguard, every item of every collection)?
+* :meth:`Contract.explain` — a table of each member: expected type, where and how it is
+  declared, and its status.
+
+:class:`ContractMixin` is the base a mixin derives from to enforce its contract on every
+subclass: at class creation (``__init_subclass__``) and once per instance, after the outermost
+``__init__`` returns. Method calls pay nothing. A second, unrelated mixin uses it the same way::
+
+    class CacheHost(Protocol):
+        cache_dir: str
+
+    class CacheMixin(ContractMixin, contract=Contract(CacheHost)):
+        def cache_path(self: CacheHost, key: str) -> str: ...
+"""
+
+from __future__ import annotations
+
+import enum
+import typing
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import ClassVar, Final
+
+from typeguard import TypeCheckError
+
+from .declarations import Declaration, DeclarationKind, find_declaration, provided_methods
+from .problems import ContractError, ContractProblem, ProblemKind
+from .typeforms import Compat, declared_compatibility, type_name
+from .valuecheck import ValueChecker, compile_checker
+
+ABSTRACT_MARK: Final = "__contract_abstract__"
+"""Class attribute set by enforcing mixins on classes created with ``abstract=True``."""
+
+__all__ = [
+    "ClassReport",
+    "Contract",
+    "ContractError",
+    "ContractProblem",
+    "MemberReport",
+    "MemberSpec",
+    "MemberStatus",
+    "ProblemKind",
+]
+
+
+class MemberStatus(enum.Enum):
+    """Status of one member in a class report."""
+
+    OK = "ok"
+    MISSING = "missing"
+    MISMATCHED = "mismatched"
+    UNRESOLVED = "unresolved, checked per instance"
+    UNTYPED = "declared without a type, checked per instance"
+    ABSENT = "optional, not declared"
+
+
+@dataclass(frozen=True, slots=True)
+class MemberSpec:
+    """A member of a contract: its name and the type the Protocol declares for it."""
+
+    name: str
+    expected: object
+    optional: bool
+
+    @property
+    def expected_name(self) -> str:
+        """The expected type as text."""
+        return type_name(self.expected)
+
+
+@dataclass(frozen=True, slots=True)
+class MemberReport:
+    """One row of :meth:`Contract.explain`."""
+
+    spec: MemberSpec
+    declaration: Declaration | None
+    status: MemberStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ClassReport:
+    """Everything :meth:`Contract.check_class` found about one class."""
+
+    cls: type
+    members: tuple[MemberReport, ...]
+    problems: tuple[ContractProblem, ...]
+    abstract: bool
+
+    @property
+    def conforms(self) -> bool:
+        """True when the class has no problem (abstract classes are not judged)."""
+        return self.abstract or not self.problems
+
+
+# --------------------------------------------------------------------------- the contract
+
+
+class Contract:
+    """A Protocol turned into a checkable contract.
+
+    Built once; immutable afterwards except for the one-time binding to the mixin that
+    enforces it. Thread-safe: checks only read.
+
+    Args:
+        protocol: a ``typing.Protocol`` class whose annotated attributes are the members.
+        optional: names of members that are checked only when present.
+        name: how messages name the contract; defaults to the Protocol's name.
+
+    Raises:
+        TypeError: ``protocol`` is not a Protocol, its hints cannot be resolved, or an
+            optional name is not one of its members.
+    """
+
+    def __init__(
+        self, protocol: type, *, optional: Iterable[str] = (), name: str | None = None
+    ) -> None:
+        if not getattr(protocol, "_is_protocol", False):
+            raise TypeError(f"Contract needs a typing.Protocol class, got {protocol!r}")
+        try:
+            hints = typing.get_type_hints(protocol)
+        except Exception as exc:
+            raise TypeError(
+                f"cannot resolve the annotations of {protocol.__qualname__}: {exc}"
+            ) from exc
+        optional_names = frozenset(optional)
+        unknown = sorted(optional_names - hints.keys())
+        if unknown:
+            raise TypeError(f"optional names {unknown!r} are not members of {protocol!r}")
+        self.protocol: Final = protocol
+        self.name: Final = name or protocol.__qualname__
+        self.members: Final[tuple[MemberSpec, ...]] = tuple(
+            MemberSpec(member, tp, member in optional_names)
+            for member, tp in hints.items()
+            if typing.get_origin(tp) is not ClassVar
+        )
+        self._checkers: Final[tuple[tuple[MemberSpec, ValueChecker], ...]] = tuple(
+            (spec, compile_checker(spec.expected)) for spec in self.members
+        )
+        self._mixin: type | None = None
+
+    def __repr__(self) -> str:
+        return f"Contract({self.name}, members={[m.name for m in self.members]!r})"
+
+    @property
+    def mixin(self) -> type | None:
+        """The mixin that enforces this contract, once bound."""
+        return self._mixin
+
+    @property
+    def required(self) -> tuple[str, ...]:
+        """Names of the required members, in Protocol order."""
+        return tuple(m.name for m in self.members if not m.optional)
+
+    @property
+    def optional(self) -> tuple[str, ...]:
+        """Names of the optional members, in Protocol order."""
+        return tuple(m.name for m in self.members if m.optional)
+
+    def bind(self, mixin: type) -> None:
+        """Record the mixin that enforces this contract (called once, by :class:`ContractMixin`).
+
+        Raises:
+            TypeError: the contract is already bound to another mixin.
+        """
+        if self._mixin is not None and self._mixin is not mixin:
+            raise TypeError(
+                f"contract {self.name} is already enforced by {self._mixin.__qualname__}"
+            )
+        self._mixin = mixin
+
+    # ----------------------------------------------------------------- class creation
+
+    def inspect_class(self, cls: type, *, abstract: bool = False) -> ClassReport:
+        """Collect declarations, statuses and problems of ``cls`` without raising.
+
+        Args:
+            cls: the host class.
+            abstract: report only; the class opted out of being judged.
+        """
+        excluded = self._excluded_classes()
+        rows: list[MemberReport] = []
+        problems: list[ContractProblem] = []
+        for spec in self.members:
+            decl = find_declaration(cls, spec.name, excluded)
+            status = _status(spec, decl)
+            rows.append(MemberReport(spec, decl, status))
+            if status is MemberStatus.MISSING:
+                problems.append(ContractProblem(ProblemKind.MISSING, spec.name, spec.expected_name))
+            elif status is MemberStatus.MISMATCHED and decl is not None:
+                problems.append(
+                    ContractProblem(
+                        ProblemKind.MISMATCHED,
+                        spec.name,
+                        spec.expected_name,
+                        actual=decl.declared_name,
+                        where=decl.owner.__qualname__,
+                    )
+                )
+        problems.extend(self._shadowing_problems(cls))
+        return ClassReport(cls, tuple(rows), tuple(problems), abstract)
+
+    def check_class(self, cls: type) -> None:
+        """Raise :class:`ContractError` listing every problem of ``cls``; return if none."""
+        report = self.inspect_class(cls)
+        if report.problems:
+            raise ContractError(
+                cls, report.problems, contract_name=self.name, mixin_name=self._mixin_name()
+            )
+
+    def _excluded_classes(self) -> frozenset[type]:
+        if self._mixin is None:
+            return frozenset({object})
+        return frozenset(self._mixin.__mro__)
+
+    def _mixin_name(self) -> str | None:
+        return self._mixin.__qualname__ if self._mixin is not None else None
+
+    def _shadowing_problems(self, cls: type) -> Iterator[ContractProblem]:
+        mixin = self._mixin
+        if mixin is None or mixin not in cls.__mro__:
+            return
+        for method in provided_methods(mixin):
+            owner = next(k for k in cls.__mro__ if method in k.__dict__)
+            if owner not in mixin.__mro__ and not issubclass(owner, mixin):
+                yield ContractProblem(ProblemKind.SHADOWED, method, "", actual=owner.__qualname__)
+
+    # ----------------------------------------------------------------- per instance
+
+    def instance_problems(self, obj: object) -> list[ContractProblem]:
+        """Check each member's current value; return the problems (empty when it conforms)."""
+        problems: list[ContractProblem] = []
+        for spec, checker in self._checkers:
+            try:
+                value = getattr(obj, spec.name)
+            except AttributeError:
+                if not spec.optional:
+                    problems.append(
+                        ContractProblem(ProblemKind.MISSING, spec.name, spec.expected_name)
+                    )
+                continue
+            try:
+                checker(value)
+            except TypeCheckError as exc:
+                problems.append(
+                    ContractProblem(
+                        ProblemKind.MISMATCHED,
+                        spec.name,
+                        spec.expected_name,
+                        actual=type_name(type(value)),
+                        detail=_typeguard_detail(exc),
+                    )
+                )
+        return problems
+
+    def check_instance(self, obj: object) -> None:
+        """Raise :class:`ContractError` if a member of ``obj`` is unset or of the wrong type.
+
+        **Called by** the enforcing mixin once per construction, after the outermost
+        ``__init__`` returns; may be called directly, from any thread.
+        """
+        problems = self.instance_problems(obj)
+        if problems:
+            raise ContractError(
+                type(obj),
+                problems,
+                contract_name=self.name,
+                mixin_name=self._mixin_name(),
+                instance=True,
+            )
+
+    def check_member(self, obj: object, name: str, value: object) -> None:
+        """Check that ``value`` may be assigned to member ``name`` of ``obj``.
+
+        Raises:
+            KeyError: ``name`` is not a member of the contract.
+            ContractError: the value's type does not match.
+        """
+        for spec, checker in self._checkers:
+            if spec.name != name:
+                continue
+            try:
+                checker(value)
+            except TypeCheckError as exc:
+                problem = ContractProblem(
+                    ProblemKind.MISMATCHED,
+                    name,
+                    spec.expected_name,
+                    actual=type_name(type(value)),
+                    detail=_typeguard_detail(exc),
+                )
+                raise ContractError(
+                    type(obj),
+                    [problem],
+                    contract_name=self.name,
+                    mixin_name=self._mixin_name(),
+                    instance=True,
+                ) from None
+            return
+        raise KeyError(name)
+
+    # ----------------------------------------------------------------- explanation
+
+    def explain(self, cls: type) -> str:
+        """A table of every member of the contract as ``cls`` declares it, then a verdict.
+
+        Columns: member, expected type, declared in, declared as, status. Shadowed mixin
+        methods follow the table.
+        """
+        report = self.inspect_class(cls, abstract=is_abstract(cls))
+        header = ("member", "expected", "declared in", "declared type", "status")
+        rows = [header]
+        for row in report.members:
+            decl = row.declaration
+            rows.append(
+                (
+                    row.spec.name + (" (optional)" if row.spec.optional else ""),
+                    row.spec.expected_name,
+                    f"{decl.owner.__qualname__} ({decl.kind.value})" if decl else "-",
+                    decl.declared_name if decl else "-",
+                    row.status.value,
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = [
+            f"{cls.__module__}.{cls.__qualname__} against the {self.name} contract"
+            + (f" of {self._mixin_name()}" if self._mixin else "")
+        ]
+        for index, row_text in enumerate(rows):
+            lines.append(
+                "  ".join(c.ljust(w) for c, w in zip(row_text, widths, strict=True)).rstrip()
+            )
+            if index == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        for problem in report.problems:
+            if problem.kind is ProblemKind.SHADOWED:
+                lines.append(f"! {problem.describe(instance=False)}")
+        if report.abstract:
+            verdict = "abstract (abstract=True): not judged; its subclasses are"
+        elif report.problems:
+            verdict = f"does not conform: {len(report.problems)} problem(s)"
+        else:
+            verdict = "conforms"
+        lines.append(f"verdict: {verdict}")
+        return "\n".join(lines)
+
+
+def _typeguard_detail(exc: TypeCheckError) -> str:
+    text = str(exc)
+    return "" if text.startswith("is not an instance of") else text
+
+
+def _status(spec: MemberSpec, decl: Declaration | None) -> MemberStatus:
+    if decl is None:
+        return MemberStatus.ABSENT if spec.optional else MemberStatus.MISSING
+    if not decl.resolved:
+        return MemberStatus.UNRESOLVED
+    if decl.declared is None and decl.kind is not DeclarationKind.ANNOTATION:
+        return MemberStatus.UNTYPED
+    verdict = declared_compatibility(decl.declared, spec.expected)
+    if verdict is Compat.NO:
+        return MemberStatus.MISMATCHED
+    return MemberStatus.OK if verdict is Compat.YES else MemberStatus.UNRESOLVED
+
+
+def is_abstract(cls: type) -> bool:
+    """True for a class created with ``abstract=True`` (the flag is not inherited)."""
+    return bool(cls.__dict__.get(ABSTRACT_MARK, False))

@@ -1,0 +1,150 @@
+"""Enforcement of a :class:`~staging_contracts.contract.Contract` on every subclass of a mixin.
+
+:class:`ContractMixin` is the base a mixin derives from to enforce its contract on every
+class it is mixed into:
+
+* at class creation (``__init_subclass__``), unless the class is created with
+  ``abstract=True``, which opts out that class only;
+* once per instance, after the outermost ``__init__`` (or dataclass ``__post_init__``)
+  returns, whatever the ``super().__init__`` chain, and also when ``__init__`` is inherited
+  from a base that knows nothing of the mixin;
+* never on method calls.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Final
+
+from .contract import ABSTRACT_MARK, Contract, is_abstract
+
+__all__ = ["ContractMixin", "contract_roots"]
+
+_ROOT_MARK: Final = "__contract_root__"
+_constructing = threading.local()
+
+
+def contract_roots(cls: type) -> tuple[type, ...]:
+    """The enforcing mixins in ``cls``'s MRO, nearest first."""
+    return tuple(k for k in cls.__mro__ if k.__dict__.get(_ROOT_MARK, False))
+
+
+def _active() -> set[int]:
+    active: set[int] | None = getattr(_constructing, "ids", None)
+    if active is None:
+        active = set()
+        _constructing.ids = active
+    return active
+
+
+def _check_new_instance(obj: object) -> None:
+    cls = type(obj)
+    if is_abstract(cls):
+        return
+    for root in contract_roots(cls):
+        contract: Contract = root.__dict__["contract"]
+        contract.check_instance(obj)
+
+
+def _outermost(method: Callable[..., None]) -> Callable[..., None]:
+    """Wrap an initialiser so the instance check runs once, after the outermost call returns."""
+
+    def wrapper(self: object, *args: Any, **kwargs: Any) -> None:
+        active = _active()
+        key = id(self)
+        if key in active:
+            method(self, *args, **kwargs)
+            return
+        active.add(key)
+        try:
+            method(self, *args, **kwargs)
+        finally:
+            active.discard(key)
+        _check_new_instance(self)
+
+    wrapper.__name__ = getattr(method, "__name__", "__init__")
+    wrapper.__qualname__ = getattr(method, "__qualname__", wrapper.__name__)
+    wrapper.__doc__ = method.__doc__
+    wrapper.__module__ = method.__module__
+    wrapper.__wrapped__ = method  # type: ignore[attr-defined]  # functools.wraps convention
+    wrapper.__contract_wrapper__ = True  # type: ignore[attr-defined]  # marks ours
+    return wrapper
+
+
+def _install_instance_check(cls: type) -> None:
+    for name in ("__init__", "__post_init__"):
+        own = cls.__dict__.get(name)
+        if own is not None and callable(own) and not getattr(own, "__contract_wrapper__", False):
+            setattr(cls, name, _outermost(own))
+    if "__init__" in cls.__dict__:
+        return
+    owner = next(k for k in cls.__mro__ if "__init__" in k.__dict__)
+    if not issubclass(owner, ContractMixin):
+        # The inherited __init__ comes from a base listed before the mixin: nothing of ours
+        # would run around it, so this class gets its own outermost wrapper.
+        host: type = cls
+
+        def forward(self: object, *args: Any, **kwargs: Any) -> None:
+            # mypy accepts only a class literal as super()'s first argument:
+            super(host, self).__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+        forward.__qualname__ = f"{cls.__qualname__}.__init__"
+        forward.__module__ = cls.__module__
+        type.__setattr__(cls, "__init__", _outermost(forward))
+
+
+class ContractMixin:
+    """Base for mixins that enforce a :class:`Contract` on every class they are mixed into.
+
+    Define the mixin with ``contract=``; every subclass is then checked:
+
+    * at class creation, unless created with ``abstract=True`` (for itself only);
+    * once per instance, after the outermost ``__init__`` (or dataclass ``__post_init__``)
+      returns, whatever the ``super().__init__`` chain;
+    * never on method calls.
+
+    Class keywords:
+        contract: on the mixin itself: the contract it enforces.
+        abstract: on a host: skip the checks for this class (its subclasses are checked).
+    """
+
+    contract: ClassVar[Contract]
+    """The contract the mixin enforces on its hosts."""
+
+    def __init_subclass__(
+        cls, *, contract: Contract | None = None, abstract: bool = False, **kwargs: Any
+    ) -> None:
+        super().__init_subclass__(**kwargs)
+        if contract is not None:
+            if abstract:
+                raise TypeError("a contract mixin cannot also be abstract=True")
+            contract.bind(cls)
+            type.__setattr__(cls, "contract", contract)
+            type.__setattr__(cls, _ROOT_MARK, True)
+            _install_instance_check(cls)
+            return
+        type.__setattr__(cls, ABSTRACT_MARK, abstract)
+        if not abstract:
+            for root in contract_roots(cls):
+                root.__dict__["contract"].check_class(cls)
+        _install_instance_check(cls)
+
+    if not TYPE_CHECKING:
+        # Runtime only, so that type checkers keep seeing the host's own constructor
+        # signature. With the mixin listed first, a host without an __init__ of its own
+        # enters here, and this is then the outermost initialiser.
+        def _forward_init(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+
+        __init__ = _outermost(_forward_init)
+        del _forward_init
+
+        def __post_init__(self, *args):
+            # Dataclass hosts: the generated __init__ never calls super().__init__, but it
+            # calls __post_init__ last.
+            follow = getattr(super(), "__post_init__", None)
+            if follow is not None:
+                follow(*args)
+            if id(self) not in _active():
+                _check_new_instance(self)

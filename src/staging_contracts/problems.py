@@ -1,0 +1,133 @@
+"""What can be wrong with a host of a contract, and the error that reports it."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["ContractError", "ContractProblem", "ProblemKind"]
+
+
+class ProblemKind(enum.Enum):
+    """What is wrong with one member of a host."""
+
+    MISSING = "missing"
+    """The class declares the member nowhere, or an instance does not hold it."""
+    MISMATCHED = "mismatched"
+    """The declared type, or the value's type, is incompatible with the Protocol's."""
+    SHADOWED = "shadowed"
+    """A method the mixin provides resolves to a base listed before the mixin."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContractProblem:
+    """One problem of a host class or instance, with the facts the message is built from."""
+
+    kind: ProblemKind
+    """What is wrong."""
+    member: str
+    """The member (or, for ``SHADOWED``, the mixin method) concerned."""
+    expected: str
+    """The expected type, rendered (empty for ``SHADOWED``)."""
+    actual: str = ""
+    """The declared type, the value's type, or the shadowing base's name."""
+    where: str = ""
+    """The class that declares the member, when known."""
+    detail: str = ""
+    """Extra detail from typeguard about where inside the value the mismatch is."""
+
+    def describe(self, *, instance: bool) -> str:
+        """One lowercase fragment describing the problem, names quoted with ``!r``."""
+        if self.kind is ProblemKind.SHADOWED:
+            return (
+                f"method {self.member!r} of the mixin is shadowed by base {self.actual!r}, "
+                "which is listed before the mixin"
+            )
+        if instance:
+            if self.kind is ProblemKind.MISSING:
+                return f"attribute {self.member!r} is not set (expected {self.expected})"
+            extra = f": {self.detail}" if self.detail else ""
+            return f"attribute {self.member!r} is {self.actual} (expected {self.expected}){extra}"
+        if self.kind is ProblemKind.MISSING:
+            return f"has no declaration of {self.member!r} (expected {self.expected})"
+        return (
+            f"declares {self.member!r} as {self.actual} in {self.where} (expected {self.expected})"
+        )
+
+
+class ContractError(TypeError):
+    """A class or instance does not satisfy a contract.
+
+    Every problem is reported at once. The message is built from the fields: a header naming
+    the class, the contract and the mixin, one indented line per problem, then how to fix it.
+
+    Attributes:
+        cls: the class that was checked.
+        contract_name: the Protocol's name, e.g. ``StagingHost``.
+        mixin_name: the enforcing mixin's name, or ``None`` for a standalone check.
+        problems: one entry per problem, in member order.
+        missing: names of members not declared (class) or not set (instance).
+        mismatched: names of members whose declared type or value type is wrong.
+        shadowed: names of mixin methods shadowed by a base listed before the mixin.
+        instance: ``True`` when raised by the per-instance check.
+    """
+
+    def __init__(
+        self,
+        cls: type,
+        problems: Iterable[ContractProblem],
+        *,
+        contract_name: str,
+        mixin_name: str | None,
+        instance: bool = False,
+    ) -> None:
+        self.cls = cls
+        self.problems = tuple(problems)
+        self.contract_name = contract_name
+        self.mixin_name = mixin_name
+        self.instance = instance
+        self.missing = self._names(ProblemKind.MISSING)
+        self.mismatched = self._names(ProblemKind.MISMATCHED)
+        self.shadowed = self._names(ProblemKind.SHADOWED)
+        super().__init__(self._render())
+
+    def _names(self, kind: ProblemKind) -> tuple[str, ...]:
+        return tuple(p.member for p in self.problems if p.kind is kind)
+
+    def _render(self) -> str:
+        of_mixin = f" of {self.mixin_name}" if self.mixin_name else ""
+        subject = f"{self.cls.__qualname__} instance" if self.instance else self.cls.__qualname__
+        after = " after __init__" if self.instance else ""
+        lines = [f"{subject} does not satisfy the {self.contract_name} contract{of_mixin}{after}:"]
+        lines.extend(f"  - {p.describe(instance=self.instance)}" for p in self.problems)
+        lines.append(self._fix())
+        return "\n".join(lines)
+
+    def _fix(self) -> str:
+        hints: list[str] = []
+        if self.instance:
+            hints.append("Assign each member a value of its expected type before __init__ returns.")
+        else:
+            if self.missing:
+                first = next(p for p in self.problems if p.kind is ProblemKind.MISSING)
+                hints.append(
+                    "Declare each missing member on the class or one of its bases, e.g. "
+                    f"'{first.member}: {first.expected}'"
+                    + (
+                        ", or pass abstract=True for an intermediate base."
+                        if self.mixin_name
+                        else "."
+                    )
+                )
+            if self.mismatched:
+                hints.append("Change each mismatched declaration to the expected type.")
+            if self.shadowed:
+                mixin = self.mixin_name or "the mixin"
+                bases = ", ".join(
+                    dict.fromkeys(
+                        repr(p.actual) for p in self.problems if p.kind is ProblemKind.SHADOWED
+                    )
+                )
+                hints.append(f"List {mixin} before {bases} in the bases of the class.")
+        return "Fix: " + " ".join(hints)
