@@ -15,6 +15,7 @@ from .contract import Contract, is_abstract
 from .enforcement import contract_roots
 from .mixin import STAGING_CONTRACT
 from .problems import ContractError
+from .typeforms import class_label
 
 __all__ = ["main"]
 
@@ -114,7 +115,7 @@ def _check_one(target: str) -> int:
                     obj,
                     report.problems,
                     contract_name=contract.name,
-                    mixin_name=contract.mixin.__qualname__ if contract.mixin else None,
+                    mixin_name=class_label(contract.mixin) if contract.mixin else None,
                 )
             )
             status = EXIT_NONCONFORMING

@@ -34,7 +34,7 @@ from typeguard import TypeCheckError
 
 from .declarations import Declaration, DeclarationKind, find_declaration, provided_methods
 from .problems import ContractError, ContractProblem, ProblemKind
-from .typeforms import Compat, declared_compatibility, type_name
+from .typeforms import Compat, class_label, declared_compatibility, type_name
 from .valuecheck import ValueChecker, compile_checker
 
 ABSTRACT_MARK: Final = "__contract_abstract__"
@@ -129,14 +129,14 @@ class Contract:
             hints = typing.get_type_hints(protocol)
         except Exception as exc:
             raise TypeError(
-                f"cannot resolve the annotations of {protocol.__qualname__}: {exc}"
+                f"cannot resolve the annotations of {class_label(protocol)}: {exc}"
             ) from exc
         optional_names = frozenset(optional)
         unknown = sorted(optional_names - hints.keys())
         if unknown:
             raise TypeError(f"optional names {unknown!r} are not members of {protocol!r}")
         self.protocol: Final = protocol
-        self.name: Final = name or protocol.__qualname__
+        self.name: Final = name or class_label(protocol)
         self.members: Final[tuple[MemberSpec, ...]] = tuple(
             MemberSpec(member, tp, member in optional_names)
             for member, tp in hints.items()
@@ -173,7 +173,7 @@ class Contract:
         """
         if self._mixin is not None and self._mixin is not mixin:
             raise TypeError(
-                f"contract {self.name} is already enforced by {self._mixin.__qualname__}"
+                f"contract {self.name} is already enforced by {class_label(self._mixin)}"
             )
         self._mixin = mixin
 
@@ -202,7 +202,7 @@ class Contract:
                         spec.name,
                         spec.expected_name,
                         actual=decl.declared_name,
-                        where=decl.owner.__qualname__,
+                        where=class_label(decl.owner),
                     )
                 )
         problems.extend(self._shadowing_problems(cls))
@@ -222,7 +222,7 @@ class Contract:
         return frozenset(self._mixin.__mro__)
 
     def _mixin_name(self) -> str | None:
-        return self._mixin.__qualname__ if self._mixin is not None else None
+        return class_label(self._mixin) if self._mixin is not None else None
 
     def _shadowing_problems(self, cls: type) -> Iterator[ContractProblem]:
         mixin = self._mixin
@@ -231,7 +231,7 @@ class Contract:
         for method in provided_methods(mixin):
             owner = next(k for k in cls.__mro__ if method in k.__dict__)
             if owner not in mixin.__mro__ and not issubclass(owner, mixin):
-                yield ContractProblem(ProblemKind.SHADOWED, method, "", actual=owner.__qualname__)
+                yield ContractProblem(ProblemKind.SHADOWED, method, "", actual=class_label(owner))
 
     # ----------------------------------------------------------------- per instance
 
@@ -324,14 +324,14 @@ class Contract:
                 (
                     row.spec.name + (" (optional)" if row.spec.optional else ""),
                     row.spec.expected_name,
-                    f"{decl.owner.__qualname__} ({decl.kind.value})" if decl else "-",
+                    f"{class_label(decl.owner)} ({decl.kind.value})" if decl else "-",
                     decl.declared_name if decl else "-",
                     row.status.value,
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = [
-            f"{cls.__module__}.{cls.__qualname__} against the {self.name} contract"
+            f"{cls.__module__}.{class_label(cls)} against the {self.name} contract"
             + (f" of {self._mixin_name()}" if self._mixin else "")
         ]
         for index, row_text in enumerate(rows):

@@ -6,6 +6,8 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from .typeforms import class_label
+
 __all__ = ["ContractError", "ContractProblem", "ProblemKind"]
 
 
@@ -97,7 +99,7 @@ class ContractError(TypeError):
 
     def _render(self) -> str:
         of_mixin = f" of {self.mixin_name}" if self.mixin_name else ""
-        subject = f"{self.cls.__qualname__} instance" if self.instance else self.cls.__qualname__
+        subject = f"{class_label(self.cls)} instance" if self.instance else class_label(self.cls)
         after = " after __init__" if self.instance else ""
         lines = [f"{subject} does not satisfy the {self.contract_name} contract{of_mixin}{after}:"]
         lines.extend(f"  - {p.describe(instance=self.instance)}" for p in self.problems)

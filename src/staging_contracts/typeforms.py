@@ -26,6 +26,7 @@ from typing import Any, Final
 
 __all__ = [
     "Compat",
+    "class_label",
     "declared_compatibility",
     "is_protocol_class",
     "protocol_member_names",
@@ -35,6 +36,7 @@ __all__ = [
 ]
 
 _NONE_TYPES: Final = (None, type(None))
+_MAX_QUOTING: Final = 3
 # PEP 484 numeric tower: an int is acceptable where a float is expected, and so on.
 _NUMERIC_PROMOTIONS: Final[Mapping[type, tuple[type, ...]]] = {
     float: (int,),
@@ -132,7 +134,12 @@ def _class_name(cls: Any) -> str:
     name = getattr(cls, "__qualname__", None) or getattr(cls, "__name__", None)
     if name is None:
         return repr(cls).removeprefix("typing.")
-    return str(name)
+    return str(name).rpartition("<locals>.")[2]
+
+
+def class_label(cls: type) -> str:
+    """A class's qualified name without module or ``<locals>`` noise (``Outer.Inner``)."""
+    return _class_name(cls)
 
 
 # --------------------------------------------------------------------------- resolving
@@ -154,19 +161,22 @@ def resolve_annotation(annotation: object, owner: type) -> tuple[object, bool]:
     Returns:
         ``(type, True)`` when resolved, ``(annotation, False)`` otherwise.
     """
-    if isinstance(annotation, typing.ForwardRef):
-        annotation = annotation.__forward_arg__
-    if not isinstance(annotation, str):
-        return annotation, True
     module = sys.modules.get(owner.__module__)
     global_ns: dict[str, Any] = dict(vars(module)) if module is not None else {}
     global_ns.setdefault("__builtins__", builtins)
     local_ns = dict(vars(owner))
-    try:
-        value = eval(annotation, global_ns, local_ns)
-    except Exception:  # noqa: BLE001 - any failure means "not resolvable yet", never a verdict
-        return annotation, False
-    return value, True
+    value = annotation
+    # A quoted annotation in a module with postponed annotations is a string of a string.
+    for _ in range(_MAX_QUOTING):
+        if isinstance(value, typing.ForwardRef):
+            value = value.__forward_arg__
+        if not isinstance(value, str):
+            return value, True
+        try:
+            value = eval(value, global_ns, local_ns)
+        except Exception:  # noqa: BLE001 - any failure means "not resolvable yet", no verdict
+            return annotation, False
+    return annotation, False
 
 
 # --------------------------------------------------------------------------- protocols

@@ -1,0 +1,1 @@
+"""Modules whose classes are created at import, for tests that need real module namespaces."""
