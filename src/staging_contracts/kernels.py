@@ -1,0 +1,380 @@
+"""Gather a chunk's head slice out of paged KV pools into staging bytes, and scatter it back.
+
+Layout of one writer's bytes (SPEC §3): K of layer ``0 .. L-1``, then V of layer ``0 .. L-1``,
+each block row-major ``[tokens, heads, head_dim]`` in the KV dtype, tokens in the chunk's page
+order. A chunk is whole pages: page ``p`` of a pool holds pool tokens
+``p * page_size .. p * page_size + page_size - 1``.
+
+Bytes are moved as integer words (8, 4, 2 or 1 bytes, the widest the geometry allows), through
+``Tensor.view(dtype)``: no numeric conversion, so every KV dtype (fp8, fp16, bf16, fp32,
+fp64, int64, ...) round-trips bit for bit, NaN payloads included. Each layer is one
+``index_select`` (gather) or one ``index_copy_`` (scatter) on a page view of the pool; nothing
+is allocated per call except what the page count needs.
+
+On CUDA the work is enqueued on the caller's ``stream`` (which first waits on the current
+stream) or, without one, on the current stream; the functions return once it is enqueued.
+On CPU they return once the bytes are copied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from .layout import WriterPlacement
+
+__all__ = [
+    "KernelBackend",
+    "PoolGeometry",
+    "WriterPlacement",
+    "gather_chunk",
+    "pool_geometry",
+    "scatter_chunk",
+]
+
+_WORDS: dict[int, torch.dtype] = {
+    8: torch.int64,
+    4: torch.int32,
+    2: torch.int16,
+    1: torch.uint8,
+}
+
+
+class KernelBackend(enum.Enum):
+    """Which implementation moves the bytes (a typed setting, never an environment string)."""
+
+    TORCH = "torch"
+    """Torch indexing ops; CPU and CUDA. Always available."""
+
+
+class PoolGeometry(NamedTuple):
+    """Shape facts shared by every K and V pool of one rank."""
+
+    pool_pages: int
+    """Whole pages in each pool (``pool_tokens // page_size``)."""
+    num_heads: int
+    """KV heads per pool token (this rank's heads)."""
+    head_dim: int
+    """Elements per head."""
+    element_size: int
+    """Bytes per element of the KV dtype."""
+    num_layers: int
+    """Layers (length of the K and of the V buffer sequences)."""
+    dtype: torch.dtype
+    """The KV dtype."""
+    device: torch.device
+    """Device of every pool."""
+
+    @property
+    def bytes_per_head_token(self) -> int:
+        """``head_dim · element_size``: bytes of one head of one token."""
+        return self.head_dim * self.element_size
+
+
+def pool_geometry(
+    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], page_size: int
+) -> PoolGeometry:
+    """Validate a rank's paged KV pools and describe them.
+
+    Args:
+        k_buffers: one K pool per layer, each contiguous ``[pool_tokens, heads, head_dim]``.
+        v_buffers: one V pool per layer, same shape, dtype and device as the K pools.
+        page_size: tokens per page (>= 1).
+
+    Returns:
+        The geometry shared by all pools.
+
+    Raises:
+        ValueError: no layers, K/V counts differ, a pool is not 3-D or not contiguous, pools
+            disagree in shape, dtype or device, ``page_size < 1``, or a pool holds no whole
+            page.
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size={page_size!r} must be >= 1")
+    if len(k_buffers) != len(v_buffers):
+        raise ValueError(f"{len(k_buffers)} K buffers but {len(v_buffers)} V buffers")
+    if not k_buffers:
+        raise ValueError("at least one layer of K and V buffers is needed")
+    first = k_buffers[0]
+    if first.dim() != 3:
+        raise ValueError(
+            f"KV pools must be [pool_tokens, heads, head_dim], got shape {tuple(first.shape)}"
+        )
+    for kind, buffers in (("K", k_buffers), ("V", v_buffers)):
+        for layer, pool in enumerate(buffers):
+            if pool.shape != first.shape or pool.dtype != first.dtype:
+                raise ValueError(
+                    f"{kind} pool of layer {layer} is {tuple(pool.shape)} {pool.dtype}, "
+                    f"expected {tuple(first.shape)} {first.dtype} like K pool of layer 0"
+                )
+            if pool.device != first.device:
+                raise ValueError(
+                    f"{kind} pool of layer {layer} is on {pool.device}, expected {first.device}"
+                )
+            if not pool.is_contiguous():
+                raise ValueError(f"{kind} pool of layer {layer} is not contiguous")
+    tokens, heads, head_dim = first.shape
+    pool_pages = tokens // page_size
+    if pool_pages < 1 or heads < 1 or head_dim < 1:
+        raise ValueError(
+            f"KV pools of shape {tuple(first.shape)} hold no whole page of page_size={page_size}"
+        )
+    return PoolGeometry(
+        pool_pages,
+        heads,
+        head_dim,
+        first.element_size(),
+        len(k_buffers),
+        first.dtype,
+        first.device,
+    )
+
+
+def gather_chunk(
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    page_indices: torch.Tensor,
+    page_size: int,
+    head_start: int,
+    num_heads: int,
+    out: torch.Tensor,
+    *,
+    stream: torch.cuda.Stream | None = None,
+    backend: KernelBackend = KernelBackend.TORCH,
+) -> int:
+    """Copy heads ``[head_start, head_start + num_heads)`` of a chunk into staging bytes.
+
+    Writes one writer's bytes to ``out[:n]``: K of every layer, then V of every layer, each
+    ``[tokens, num_heads, head_dim]`` with tokens in ``page_indices`` order.
+
+    **Side:** prefill. **Called by:** the transfer worker, before the bulk write.
+    **Blocking:** on CPU until copied; on CUDA until enqueued (synchronize ``stream`` before
+    the engine reads ``out``). **Thread-safety:** safe on distinct ``out`` buffers.
+
+    Args:
+        k_buffers: K pool per layer, contiguous ``[pool_tokens, heads, head_dim]``.
+        v_buffers: V pool per layer, same geometry.
+        page_indices: int64 1-D tensor of the chunk's pool pages, on the pools' device.
+        page_size: tokens per page.
+        head_start: first local head to send.
+        num_heads: heads to send.
+        out: contiguous 1-D ``uint8`` tensor on the pools' device, at least ``n`` bytes.
+        stream: CUDA only: stream to enqueue on (it first waits on the current stream).
+        backend: implementation to use.
+
+    Returns:
+        ``n``, the bytes written: ``tokens · num_heads · head_dim · element_size · 2 · L``.
+        ``out`` stays owned by the caller.
+
+    Raises:
+        ValueError: invalid pools, pages, head range or ``out``; a page index out of range
+            (checked on CPU; on CUDA the device reports it); a stream with CPU tensors.
+    """
+    geometry = pool_geometry(k_buffers, v_buffers, page_size)
+    num_pages = _check_pages(page_indices, geometry)
+    _check_head_range("head_start", head_start, num_heads, geometry.num_heads)
+    _check_bytes_tensor("out", out, geometry.device)
+    _check_backend(backend)
+    bpht = geometry.bytes_per_head_token
+    block = num_pages * page_size * num_heads * bpht
+    total = block * 2 * geometry.num_layers
+    if out.numel() < total:
+        raise ValueError(f"out holds {out.numel()} bytes, the chunk needs {total}")
+    word = _word_bytes(
+        geometry.num_heads * bpht,
+        head_start * bpht,
+        num_heads * bpht,
+        int(out.storage_offset()),
+        *_pool_offsets(k_buffers, v_buffers, geometry.element_size),
+    )
+    dtype = _WORDS[word]
+    with _on_stream(stream, geometry.device):
+        for layer, pool in enumerate((*k_buffers, *v_buffers)):
+            source = _page_view(
+                pool, dtype, page_size, geometry, head_start=head_start, num_heads=num_heads
+            )
+            start = layer * block
+            target = out[start : start + block].view(dtype).view((num_pages, *source.shape[1:]))
+            torch.index_select(source, 0, page_indices, out=target)
+    return total
+
+
+def scatter_chunk(
+    region: torch.Tensor,
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    page_indices: torch.Tensor,
+    page_size: int,
+    writers: Sequence[WriterPlacement],
+    *,
+    stream: torch.cuda.Stream | None = None,
+    backend: KernelBackend = KernelBackend.TORCH,
+) -> None:
+    """Copy every writer's bytes of a chunk region into the decode KV pools.
+
+    The inverse of :func:`gather_chunk`: writer ``w`` at ``writers[w].byte_offset`` fills
+    heads ``[dst_head_start, dst_head_start + num_heads)`` of the chunk's pages.
+    ``layout.writer_placements`` builds ``writers`` for a decode rank.
+
+    **Side:** decode. **Called by:** the arrival path once every writer of the chunk arrived.
+    **Blocking:** on CPU until copied; on CUDA until enqueued (record an event on ``stream``
+    and free the region once it completes). **Thread-safety:** callers serialize scatters
+    into the same pool pages.
+
+    Args:
+        region: contiguous 1-D ``uint8`` tensor (a slice of the ring) on the pools' device.
+        k_buffers: K pool per layer, contiguous ``[pool_tokens, heads, head_dim]``.
+        v_buffers: V pool per layer, same geometry.
+        page_indices: int64 1-D tensor of the chunk's pool pages, on the pools' device.
+        page_size: tokens per page.
+        writers: each writer's byte offset in ``region`` and destination heads.
+        stream: CUDA only: stream to enqueue on (it first waits on the current stream).
+        backend: implementation to use.
+
+    Raises:
+        ValueError: invalid pools, pages, writers or region; a page index out of range
+            (checked on CPU; on CUDA the device reports it); a stream with CPU tensors.
+    """
+    geometry = pool_geometry(k_buffers, v_buffers, page_size)
+    num_pages = _check_pages(page_indices, geometry)
+    _check_bytes_tensor("region", region, geometry.device)
+    _check_backend(backend)
+    if not writers:
+        raise ValueError("writers must name at least one writer")
+    bpht = geometry.bytes_per_head_token
+    quantities = [geometry.num_heads * bpht]
+    for index, writer in enumerate(writers):
+        _check_head_range(
+            f"writers[{index}].dst_head_start",
+            writer.dst_head_start,
+            writer.num_heads,
+            geometry.num_heads,
+        )
+        size = num_pages * page_size * writer.num_heads * bpht * 2 * geometry.num_layers
+        if writer.byte_offset < 0 or writer.byte_offset + size > region.numel():
+            raise ValueError(
+                f"writers[{index}] needs bytes [{writer.byte_offset}, {writer.byte_offset + size})"
+                f" but region holds {region.numel()} bytes"
+            )
+        quantities += [
+            writer.dst_head_start * bpht,
+            writer.num_heads * bpht,
+            int(region.storage_offset()) + writer.byte_offset,
+        ]
+    word = _word_bytes(*quantities, *_pool_offsets(k_buffers, v_buffers, geometry.element_size))
+    dtype = _WORDS[word]
+    with _on_stream(stream, geometry.device):
+        for writer in writers:
+            block = num_pages * page_size * writer.num_heads * bpht
+            for layer, pool in enumerate((*k_buffers, *v_buffers)):
+                target = _page_view(
+                    pool,
+                    dtype,
+                    page_size,
+                    geometry,
+                    head_start=writer.dst_head_start,
+                    num_heads=writer.num_heads,
+                )
+                start = writer.byte_offset + layer * block
+                source = region[start : start + block].view(dtype)
+                target.index_copy_(0, page_indices, source.view((num_pages, *target.shape[1:])))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _page_view(
+    pool: torch.Tensor,
+    dtype: torch.dtype,
+    page_size: int,
+    geometry: PoolGeometry,
+    *,
+    head_start: int,
+    num_heads: int,
+) -> torch.Tensor:
+    """``pool`` as ``dtype`` words, one row per page, restricted to a head range."""
+    words = pool.view(pool.shape[0], -1).view(torch.uint8).view(dtype)
+    row = words.shape[1]
+    paged = words[: geometry.pool_pages * page_size]
+    if num_heads == geometry.num_heads:
+        return paged.view(geometry.pool_pages, page_size * row)
+    # The word size divides both byte counts (see _word_bytes), not necessarily one head.
+    start = head_start * geometry.bytes_per_head_token // dtype.itemsize
+    count = num_heads * geometry.bytes_per_head_token // dtype.itemsize
+    return paged.view(geometry.pool_pages, page_size, row)[:, :, start : start + count]
+
+
+def _check_pages(page_indices: torch.Tensor, geometry: PoolGeometry) -> int:
+    if page_indices.dtype != torch.int64 or page_indices.dim() != 1:
+        raise ValueError(
+            f"page_indices must be a 1-D int64 tensor, got {page_indices.dim()}-D "
+            f"{page_indices.dtype}"
+        )
+    if page_indices.device != geometry.device:
+        raise ValueError(
+            f"page_indices is on {page_indices.device}, the pools on {geometry.device}"
+        )
+    num_pages = page_indices.numel()
+    if num_pages < 1:
+        raise ValueError("page_indices is empty: a chunk holds at least one page")
+    if page_indices.device.type == "cpu":
+        low, high = torch.aminmax(page_indices)
+        if int(low) < 0 or int(high) >= geometry.pool_pages:
+            raise ValueError(
+                f"page_indices range over [{int(low)}, {int(high)}], the pools hold pages "
+                f"[0, {geometry.pool_pages - 1}]"
+            )
+    return num_pages
+
+
+def _check_head_range(name: str, start: int, count: int, heads: int) -> None:
+    if count < 1:
+        raise ValueError(f"num_heads={count!r} must be >= 1 (for {name})")
+    if start < 0 or start + count > heads:
+        raise ValueError(
+            f"{name}={start!r} with num_heads={count} does not fit the pools' {heads} heads"
+        )
+
+
+def _check_bytes_tensor(name: str, tensor: torch.Tensor, device: torch.device) -> None:
+    if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous 1-D uint8 tensor, got {tensor.dim()}-D {tensor.dtype}"
+            + ("" if tensor.is_contiguous() else " (not contiguous)")
+        )
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, the pools on {device}")
+
+
+def _check_backend(backend: KernelBackend) -> None:
+    if not isinstance(backend, KernelBackend):
+        raise ValueError(f"backend must be a KernelBackend, got {backend!r}")
+
+
+def _pool_offsets(
+    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], element_size: int
+) -> list[int]:
+    return [int(pool.storage_offset()) * element_size for pool in (*k_buffers, *v_buffers)]
+
+
+def _word_bytes(*byte_quantities: int) -> int:
+    """The widest word (8, 4, 2 or 1 bytes) that divides every byte quantity."""
+    return math.gcd(8, *byte_quantities)
+
+
+def _on_stream(
+    stream: torch.cuda.Stream | None, device: torch.device
+) -> contextlib.AbstractContextManager[object]:
+    if device.type != "cuda":
+        if stream is not None:
+            raise ValueError(f"stream is for CUDA tensors only, the pools are on {device}")
+        return contextlib.nullcontext()
+    if stream is None:
+        return contextlib.nullcontext()
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return torch.cuda.stream(stream)
