@@ -1,0 +1,237 @@
+"""Mooncake transfer engine (``mooncake.engine.TransferEngine``): TCP here, RDMA on clusters.
+
+Peers find each other by P2P handshake: no metadata server, a session id is
+``"host:rpc_port"`` and the first write to a session connects to it. Arrival is not signalled
+by this engine (``supports_notifications`` is ``False``): the caller sends ``CHUNK_READY`` over
+its own ZMQ socket after ``write`` returned.
+
+Requires the ``mooncake`` extra: ``pip install 'staging-contracts[mooncake]'``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from mooncake.engine import TransferEngine as _NativeEngine
+
+from ..protocols import Notification, Transfer, TransferError
+from ._common import InflightGate, RegionTable, format_problems, transfer_problems
+
+__all__ = ["MooncakeEngine"]
+
+logger = logging.getLogger(__name__)
+
+P2P_HANDSHAKE = "P2PHANDSHAKE"
+"""Mooncake's metadata-server setting for peer-to-peer handshakes (no etcd, no HTTP server)."""
+
+
+class MooncakeEngine:
+    """A :class:`~staging_contracts.protocols.TransferEngine` over Mooncake.
+
+    **Thread-safety:** every method may be called from any thread; ``write`` calls may run
+    concurrently (Mooncake batches are independent). ``close`` waits for running writes.
+
+    Args:
+        host: Address peers reach this process at (also the address Mooncake's RPC listener
+            binds to), e.g. ``"127.0.0.1"`` for one machine or the NIC's address on a cluster.
+        protocol: Mooncake transport: ``"tcp"`` (default, works everywhere) or ``"rdma"``.
+        device_name: RDMA device(s) for ``protocol="rdma"``, e.g. ``"mlx5_0"``; empty lets
+            Mooncake discover the topology.
+        close_timeout_s: How long ``close`` waits for running writes before it gives up
+            and leaks the native engine rather than free it under them.
+
+    Raises:
+        TransferError: Mooncake failed to initialize (bad host, transport unavailable).
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        *,
+        protocol: str = "tcp",
+        device_name: str = "",
+        close_timeout_s: float = 30.0,
+    ) -> None:
+        native = _NativeEngine()
+        status = native.initialize(host, P2P_HANDSHAKE, protocol, device_name)
+        if status != 0:
+            raise TransferError(
+                f"mooncake failed to initialize on host {host!r} with protocol {protocol!r}"
+                f" (device {device_name!r}): status {status}"
+            )
+        self._native: _NativeEngine | None = native
+        self._session_id = f"{host}:{native.get_rpc_port()}"
+        self._protocol = protocol
+        self._close_timeout_s = close_timeout_s
+        self._lock = threading.Lock()
+        self._regions = RegionTable()
+        self._peers: set[str] = set()
+        self._gate = InflightGate(f"mooncake engine {self._session_id!r}")
+        logger.info("mooncake engine %s ready (protocol %s)", self._session_id, protocol)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._gate.closed else f"{len(self._regions)} regions"
+        return f"MooncakeEngine({self._session_id!r}, {self._protocol!r}, {state})"
+
+    @property
+    def session_id(self) -> str:
+        """``"host:rpc_port"``, as Mooncake names this engine's segment."""
+        return self._session_id
+
+    @property
+    def supports_notifications(self) -> bool:
+        """Always ``False``: signal arrival separately (``CHUNK_READY``) after ``write``."""
+        return False
+
+    def metadata(self) -> bytes:
+        """The session id, UTF-8 encoded: the P2P handshake needs nothing else."""
+        return self._session_id.encode()
+
+    def add_peer(self, session_id: str, metadata: bytes) -> None:
+        """Accept ``session_id`` as a target of ``write`` (idempotent).
+
+        Nothing is sent: Mooncake connects on the first write to a session.
+
+        Raises:
+            ValueError: ``metadata`` is not that peer's ``metadata()``.
+            TransferError: the engine is closed.
+        """
+        if metadata != session_id.encode():
+            raise ValueError(
+                f"metadata {metadata!r} does not belong to mooncake session {session_id!r}"
+            )
+        with self._gate.entered(), self._lock:
+            self._peers.add(session_id)
+
+    def register(self, ptr: int, length: int) -> None:
+        """Register ``[ptr, ptr + length)`` (host or, with RDMA, device memory) with Mooncake.
+
+        **Blocking:** for the registration (milliseconds; RDMA pins pages). Registering the
+        same range again does nothing.
+
+        Raises:
+            ValueError: bad address or length, or ``ptr`` is registered with another length.
+            TransferError: Mooncake refused the registration, or the engine is closed.
+        """
+        with self._gate.entered(), self._lock:
+            if not self._regions.add(ptr, length):
+                return
+            status = self._require().register_memory(ptr, length)
+            if status != 0:
+                self._regions.remove(ptr)
+                raise TransferError(
+                    f"mooncake engine {self._session_id!r} failed to register"
+                    f" [{ptr:#x}, {ptr + length:#x}): status {status}"
+                )
+
+    def deregister(self, ptr: int) -> None:
+        """Unregister the range registered at ``ptr`` (unknown addresses are ignored).
+
+        A failure is logged, not raised: the range is forgotten either way.
+        """
+        with self._lock:
+            if self._regions.remove(ptr) is None or self._native is None:
+                return
+            status = self._native.unregister_memory(ptr)
+        if status != 0:
+            logger.warning(
+                "mooncake engine %s failed to unregister %#x: status %d",
+                self._session_id,
+                ptr,
+                status,
+            )
+
+    def write(self, peer: str, transfers: Sequence[Transfer], notify: bytes | None = None) -> None:
+        """Write every transfer into ``peer``'s memory in one synchronous Mooncake batch.
+
+        Local ranges are checked here (Mooncake's TCP transport would read any address);
+        remote ranges are checked by the peer, which rejects the whole batch.
+
+        **Blocking:** until Mooncake reports the batch complete; the source memory may be
+        reused then.
+
+        Raises:
+            ValueError: ``notify`` was given (this engine has no notifications).
+            TransferError: ``peer`` was not added, a local range lies outside registered
+                memory, the engine is closed, or Mooncake reported a failure (unreachable
+                peer, remote range not registered there); nothing is known about the bytes.
+        """
+        if notify is not None:
+            raise ValueError(
+                "the mooncake engine does not deliver notifications; signal arrival separately"
+            )
+        if not transfers:
+            return
+        with self._gate.entered():
+            with self._lock:
+                if peer not in self._peers:
+                    raise TransferError(
+                        f"unknown peer {peer!r} of mooncake engine {self._session_id!r};"
+                        " call add_peer first"
+                    )
+                problems = transfer_problems(transfers, local=self._regions, remote=None)
+            if problems:
+                raise TransferError(
+                    format_problems(
+                        f"mooncake engine {self._session_id!r} cannot write to {peer!r}:",
+                        problems,
+                    )
+                )
+            status = self._require().batch_transfer_sync_write(
+                peer,
+                [transfer.local for transfer in transfers],
+                [transfer.remote for transfer in transfers],
+                [transfer.length for transfer in transfers],
+            )
+        if status != 0:
+            logger.debug("mooncake write to %s failed: status %d", peer, status)
+            raise TransferError(
+                f"mooncake engine {self._session_id!r} failed to write {len(transfers)}"
+                f" transfers ({sum(t.length for t in transfers)} bytes) to {peer!r}:"
+                f" status {status} (peer unreachable, or a remote range not registered there)"
+            )
+
+    def poll_notifications(self) -> list[Notification]:
+        """Always empty: this engine delivers no notifications."""
+        return []
+
+    def close(self) -> None:
+        """Unregister all memory and release the native engine; safe to call twice.
+
+        **Blocking:** waits up to ``close_timeout_s`` for running writes; if they do not
+        finish, the native engine is leaked (logged) rather than freed under them.
+        """
+        drained = self._gate.close(self._close_timeout_s)
+        if drained is None:
+            return
+        with self._lock:
+            native, regions = self._native, self._regions.clear()
+            self._peers.clear()
+            if not drained:
+                logger.error(
+                    "mooncake engine %s closed with writes still running; leaking it",
+                    self._session_id,
+                )
+                return
+            self._native = None
+        if native is None:
+            return
+        if regions:
+            status = native.batch_unregister_memory([ptr for ptr, _ in regions])
+            if status != 0:
+                logger.warning(
+                    "mooncake engine %s failed to unregister %d regions: status %d",
+                    self._session_id,
+                    len(regions),
+                    status,
+                )
+        del native
+        logger.info("mooncake engine %s closed", self._session_id)
+
+    def _require(self) -> _NativeEngine:
+        native = self._native
+        if native is None:
+            raise TransferError(f"mooncake engine {self._session_id!r} is closed")
+        return native

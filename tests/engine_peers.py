@@ -1,0 +1,257 @@
+"""Child-process entry points for the two-process engine tests (started with ``spawn``).
+
+A receiver registers a zeroed uint8 tensor and sends ``(session_id, metadata, address)`` to
+the writer over a pipe; the writer registers seeded random bytes, writes a plan of transfers
+in one bulk call (with a notification where the engine has them), and tells the receiver the
+plan; the receiver checks every byte (at the moment the notification arrives, where there is
+one) and reports to the parent. Each side closes its engine and returns, so the process
+exits 0 by itself; any failure raises, so it exits 1, after reporting the error.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from staging_contracts.engines import load_engine_class
+from staging_contracts.protocols import Notification, Transfer, TransferEngine, TransferError
+
+__all__ = [
+    "PLAN",
+    "PeerJob",
+    "expected_buffer",
+    "receiver_main",
+    "seeded_bytes",
+    "threaded_main",
+    "writer_main",
+]
+
+BUFFER_BYTES = 1 << 20
+SEED = 1234
+PLAN: tuple[tuple[int, int, int], ...] = (
+    # (source offset, destination offset, length)
+    (0, 0, 4096),
+    (10_000, 65_536, 1),
+    (123_457, 200_003, 77_777),
+    (500_000, BUFFER_BYTES - 12_345, 12_345),
+)
+NOTIFY = b"chunk-7-ready"
+
+
+def seeded_bytes(size: int, seed: int = SEED) -> torch.Tensor:
+    """``size`` random bytes, the same in every process for the same seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+
+
+def expected_buffer(plan: tuple[tuple[int, int, int], ...] = PLAN) -> torch.Tensor:
+    """What the receiver's buffer holds after the writer carried out ``plan``."""
+    source = seeded_bytes(BUFFER_BYTES)
+    expected = torch.zeros(BUFFER_BYTES, dtype=torch.uint8)
+    for src, dst, length in plan:
+        expected[dst : dst + length] = source[src : src + length]
+    return expected
+
+
+@dataclass(frozen=True, slots=True)
+class PeerJob:
+    """What a child process runs: which engine, how to build it, and its bounds."""
+
+    engine: str
+    """Registry name of the engine."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """Constructor options of the engine."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Environment set in the child before the engine is built (e.g. ``UCX_TLS``)."""
+    timeout_s: float = 40.0
+    """Bound on everything the child waits for."""
+    bad_first: bool = False
+    """Writer only: try writes outside the peer's memory first, expecting TransferError."""
+    stall_s: float = 0.0
+    """Receiver: drive no progress for this long after sending its metadata; the writer
+    expects its first write to time out (its ``write_timeout_s`` must be shorter)."""
+
+
+def _make(job: PeerJob) -> TransferEngine:
+    os.environ.update(job.env)
+    engine_class = load_engine_class(job.engine)
+    made: TransferEngine = engine_class(**job.options)
+    return made
+
+
+def _recv(conn: Connection, deadline: float, engine: TransferEngine) -> Any:
+    """Receive one message, driving ``engine`` while waiting (NIXL needs target progress)."""
+    while not conn.poll(0.001):
+        engine.poll_notifications()
+        if time.monotonic() > deadline:
+            raise TimeoutError("peer process sent nothing in time")
+    return conn.recv()
+
+
+def receiver_main(job: PeerJob, peer: Connection, parent: Connection) -> None:
+    """Receive the writer's plan into a registered buffer and verify every byte."""
+    deadline = time.monotonic() + job.timeout_s
+    made: TransferEngine | None = None
+    try:
+        made = _make(job)
+        buffer = torch.zeros(BUFFER_BYTES, dtype=torch.uint8)
+        made.register(buffer.data_ptr(), BUFFER_BYTES)
+        peer.send((made.session_id, made.metadata(), buffer.data_ptr()))
+        time.sleep(job.stall_s)
+        notes: list[Notification] = []
+        seen_at_note: torch.Tensor | None = None
+        done = None
+        while done is None or (made.supports_notifications and not notes):
+            arrived = made.poll_notifications()
+            if arrived and not notes:
+                seen_at_note = buffer.clone()  # the data must be there when the note is
+            notes.extend(arrived)
+            if done is None and peer.poll(0.001):
+                done = peer.recv()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"receiver timed out (done={done!r}, notes={notes!r})")
+        expected = expected_buffer()
+        if not torch.equal(buffer, expected):
+            wrong = int((buffer != expected).sum())
+            raise AssertionError(f"{wrong} bytes differ from the plan")
+        if made.supports_notifications:
+            if seen_at_note is None or not torch.equal(seen_at_note, expected):
+                raise AssertionError("the notification arrived before the data")
+            writer_session = done[1]
+            if notes != [Notification(writer_session, NOTIFY)]:
+                raise AssertionError(f"unexpected notifications {notes!r}")
+        peer.send("verified")
+        parent.send(("ok", len(notes)))
+    except BaseException:
+        parent.send(("error", traceback.format_exc()))
+        raise
+    finally:
+        if made is not None:
+            made.close()
+
+
+def writer_main(job: PeerJob, peer: Connection, parent: Connection) -> None:
+    """Write the plan in one bulk call; with ``bad_first``, rejected writes come first."""
+    deadline = time.monotonic() + job.timeout_s
+    made: TransferEngine | None = None
+    try:
+        made = _make(job)
+        source = seeded_bytes(BUFFER_BYTES)
+        base = source.data_ptr()
+        made.register(base, BUFFER_BYTES)
+        session, metadata, remote = _recv(peer, deadline, made)
+        made.add_peer(session, metadata)
+        notify = NOTIFY if made.supports_notifications else None
+        rejected: list[str] = []
+        if job.bad_first:
+            past_end = Transfer(base, remote + BUFFER_BYTES - 10, 100)
+            unregistered = Transfer(base, remote + (1 << 32), 100)
+            for bad in (past_end, unregistered):
+                try:
+                    made.write(session, [bad], notify=b"bad" if notify else None)
+                except TransferError as exc:
+                    rejected.append(str(exc))
+                else:
+                    raise AssertionError(f"a write outside the peer's memory was accepted: {bad}")
+        transfers = [Transfer(base + src, remote + dst, n) for src, dst, n in PLAN]
+        if job.stall_s:
+            try:
+                made.write(session, transfers)  # the same bytes, whenever they land
+            except TransferError as exc:
+                rejected.append(str(exc))
+            else:
+                raise AssertionError("a write to a stalled receiver did not time out")
+            time.sleep(job.stall_s)  # the receiver drives progress again by then
+        started = time.perf_counter()
+        made.write(session, transfers, notify=notify)
+        elapsed = time.perf_counter() - started
+        peer.send(("done", made.session_id))
+        if _recv(peer, deadline, made) != "verified":
+            raise AssertionError("receiver did not verify")
+        parent.send(("ok", {"rejected": rejected, "write_s": elapsed}))
+    except BaseException:
+        parent.send(("error", traceback.format_exc()))
+        raise
+    finally:
+        if made is not None:
+            made.close()
+
+
+def threaded_main(job: PeerJob, parent: Connection) -> None:
+    """Two engines in one process: two threads write while a third polls notifications."""
+    deadline = time.monotonic() + job.timeout_s
+    writes_per_thread, chunk = 50, 4096
+    engines: list[TransferEngine] = []
+    try:
+        source, target = _make(job), _make(job)
+        engines += [source, target]
+        data = seeded_bytes(2 * writes_per_thread * chunk)
+        sink = torch.zeros_like(data)
+        source.register(data.data_ptr(), data.numel())
+        target.register(sink.data_ptr(), sink.numel())
+        source.add_peer(target.session_id, target.metadata())
+        notes: list[Notification] = []
+        stop = threading.Event()
+        failures: list[str] = []
+
+        def poll() -> None:
+            while not stop.is_set() and time.monotonic() < deadline:
+                notes.extend(target.poll_notifications())
+                time.sleep(0.0001)
+
+        def write(thread: int) -> None:
+            try:
+                for index in range(writes_per_thread):
+                    offset = (thread * writes_per_thread + index) * chunk
+                    transfer = Transfer(data.data_ptr() + offset, sink.data_ptr() + offset, chunk)
+                    payload = f"{thread}:{index}".encode()
+                    note = payload if source.supports_notifications else None
+                    source.write(target.session_id, [transfer], notify=note)
+            except (TransferError, ValueError):
+                failures.append(traceback.format_exc())
+
+        poller = threading.Thread(target=poll, name="poller")
+        writers = [threading.Thread(target=write, args=(n,), name=f"writer-{n}") for n in (0, 1)]
+        for thread in (poller, *writers):
+            thread.start()
+        for thread in writers:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        expected = 2 * writes_per_thread if source.supports_notifications else 0
+        if source.supports_notifications:  # notifications without data, and empty ones
+            whole = Transfer(data.data_ptr(), sink.data_ptr(), chunk)
+            source.write(target.session_id, [], notify=b"bare")
+            source.write(target.session_id, [whole], notify=b"")
+            expected += 2
+        while len(notes) < expected and time.monotonic() < deadline:
+            time.sleep(0.001)
+        stop.set()
+        poller.join(max(0.0, deadline - time.monotonic()))
+        if failures or any(t.is_alive() for t in (poller, *writers)):
+            raise AssertionError("".join(failures) or "a thread did not finish in time")
+        if not torch.equal(sink, data):
+            raise AssertionError("the threaded writes did not land exactly")
+        for writer_index in (0, 1):
+            prefix = f"{writer_index}:".encode()
+            mine = [n.payload for n in notes if n.payload.startswith(prefix)]
+            if mine != [prefix + str(index).encode() for index in range(len(mine))]:
+                raise AssertionError(f"notes of writer {writer_index} out of order: {mine!r}")
+        extra = [n.payload for n in notes if b":" not in n.payload]
+        if source.supports_notifications and extra != [b"bare", b""]:
+            raise AssertionError(f"unexpected bare or empty notifications: {extra!r}")
+        if len(notes) != expected or {n.peer for n in notes} - {source.session_id}:
+            raise AssertionError(f"expected {expected} notifications, got {len(notes)}")
+        parent.send(("ok", len(notes)))
+    except BaseException:
+        parent.send(("error", traceback.format_exc()))
+        raise
+    finally:
+        for made in engines:
+            made.close()
