@@ -49,8 +49,9 @@ def test_second_protocol_is_enforced_at_class_creation() -> None:
     assert str(info.value) == (
         "NoEntries does not satisfy the CacheHost contract of CacheMixin:\n"
         "  - has no declaration of 'entries' (expected list[int])\n"
-        "Fix: Declare each missing member on the class or one of its bases, e.g. "
-        "'entries: list[int]', or pass abstract=True for an intermediate base."
+        "Fix: Declare each missing member on the class or one of its bases (annotate it, e.g. "
+        "'entries: list[int]', or assign it in __init__), or pass abstract=True for an "
+        "intermediate base."
     )
     assert info.value.contract_name == "CacheHost"
     assert info.value.mixin_name == "CacheMixin"

@@ -45,8 +45,9 @@ def test_mori_style_host_is_rejected_at_class_creation() -> None:
         "MoriKVManager does not satisfy the StagingHost contract of StagingManagerMixin:\n"
         f"  - has no declaration of '_staging_handler' (expected {HANDLER_T})\n"
         f"  - has no declaration of '_staging_ctx' (expected {CTX_T})\n"
-        "Fix: Declare each missing member on the class or one of its bases, e.g. "
-        f"'_staging_handler: {HANDLER_T}', or pass abstract=True for an intermediate base."
+        "Fix: Declare each missing member on the class or one of its bases (annotate it, e.g. "
+        f"'_staging_handler: {HANDLER_T}', or assign it in __init__), or pass abstract=True "
+        "for an intermediate base."
     )
     assert info.value.cls.__name__ == "MoriKVManager"
     assert info.value.missing == ("_staging_handler", "_staging_ctx")
@@ -556,3 +557,51 @@ def test_staging_manager_mixin_exposes_its_contract() -> None:
         "attn_tp_size",
     )
     assert STAGING_CONTRACT.optional == ("kv_buffer_tensors",)
+
+
+def test_member_assigned_in_init_counts_as_declared() -> None:
+    """self.<name> = ... in __init__ declares the member, as mypy sees it."""
+
+    class AssignsInInit(StagingManagerMixin, CommonBase):
+        def __init__(self) -> None:
+            super().__init__()
+            self._staging_handler: StagingHandler | None = None
+            self._staging_ctx = None
+
+    report = STAGING_CONTRACT.inspect_class(AssignsInInit)
+    kinds = {row.spec.name: row.declaration.kind.value for row in report.members if row.declaration}
+    assert kinds["_staging_handler"] == "assigned in __init__"
+    assert kinds["_staging_ctx"] == "assigned in __init__"
+    assert AssignsInInit()._staging_ctx is None
+
+
+def test_annotated_init_assignment_with_wrong_type_is_rejected() -> None:
+    """An annotated assignment in __init__ is held to the expected type."""
+    with pytest.raises(ContractError, match=r"^WrongInInit does not satisfy") as info:
+
+        class WrongInInit(StagingManagerMixin, CommonBase):
+            def __init__(self) -> None:
+                super().__init__()
+                self._staging_handler: StagingHandler | None = None
+                self._staging_ctx: int = 0  # the mistake under test
+
+    assert info.value.mismatched == ("_staging_ctx",)
+    assert "declares '_staging_ctx' as int in WrongInInit" in str(info.value)
+
+
+def test_assignments_in_nested_scopes_do_not_count() -> None:
+    """A nested function's self.<name> is another object's attribute."""
+    with pytest.raises(ContractError, match=r"^Nested does not satisfy") as info:
+
+        class Nested(StagingManagerMixin, CommonBase):
+            _staging_handler: StagingHandler | None = None
+
+            def __init__(self) -> None:
+                super().__init__()
+
+                def other(self: Any) -> None:
+                    self._staging_ctx = None
+
+                del other
+
+    assert info.value.missing == ("_staging_ctx",)

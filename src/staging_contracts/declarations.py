@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import ast
 import enum
+import functools
 import inspect
+import textwrap
+import types
 from dataclasses import dataclass
 from typing import Final
 
 from .typeforms import resolve_annotation, type_name
 
-__all__ = ["Declaration", "DeclarationKind", "find_declaration", "provided_methods"]
+__all__ = [
+    "Declaration",
+    "DeclarationKind",
+    "find_declaration",
+    "init_assignments",
+    "provided_methods",
+]
 
 _LITERAL_TYPES: Final = (type(None), bool, int, float, complex, str, bytes)
 
@@ -22,6 +32,7 @@ class DeclarationKind(enum.Enum):
     PROPERTY = "property"
     DESCRIPTOR = "descriptor"
     SLOT = "__slots__"
+    INIT = "assigned in __init__"
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +42,7 @@ class Declaration:
     owner: type
     """The class in the MRO whose body declares it (the most derived one)."""
     kind: DeclarationKind
-    """Annotation, class attribute, property, descriptor or slot."""
+    """Annotation, class attribute, property, descriptor, slot or ``__init__`` assignment."""
     declared: object
     """The declared type (resolved when ``resolved``), or ``None`` when none is stated."""
     resolved: bool
@@ -49,7 +60,9 @@ def find_declaration(cls: type, name: str, excluded: frozenset[type]) -> Declara
     """The most derived declaration of ``name`` in ``cls``'s MRO, skipping ``excluded`` classes.
 
     A member counts as declared by a class annotation, a class attribute, a property or other
-    descriptor, or a ``__slots__`` entry. Returns ``None`` when no class declares it.
+    descriptor, a ``__slots__`` entry, or an assignment ``self.<name> = ...`` in the class's
+    own ``__init__`` (found by reading its source; ``self.<name>: T = ...`` declares ``T``).
+    Returns ``None`` when no class declares it.
     """
     for owner in cls.__mro__:
         if owner in excluded:
@@ -63,6 +76,84 @@ def find_declaration(cls: type, name: str, excluded: frozenset[type]) -> Declara
             return _declaration_from_attribute(owner, name, namespace[name])
         if name in _slot_names(owner):
             return Declaration(owner, DeclarationKind.SLOT, None, True)
+        assigned = init_assignments(owner)
+        if name in assigned:
+            raw = assigned[name]
+            if raw is None:
+                return Declaration(owner, DeclarationKind.INIT, None, True)
+            declared, resolved = resolve_annotation(raw, owner)
+            return Declaration(owner, DeclarationKind.INIT, declared, resolved)
+    return None
+
+
+def init_assignments(owner: type) -> dict[str, str | None]:
+    """Attributes that ``owner``'s own ``__init__`` assigns on ``self``.
+
+    Returns:
+        Attribute name -> its annotation's source text (``self.x: int = ...``), or ``None``
+        when unannotated. Empty when the class defines no ``__init__`` or its source cannot
+        be read (built-in, generated, or defined interactively).
+    """
+    init = owner.__dict__.get("__init__")
+    if init is None:
+        return {}
+    func = inspect.unwrap(init)
+    code = getattr(func, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return {}
+    return dict(_assignments_in(code))
+
+
+@functools.lru_cache(maxsize=512)
+def _assignments_in(code: types.CodeType) -> tuple[tuple[str, str | None], ...]:
+    try:
+        source = textwrap.dedent(inspect.getsource(code))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return ()
+    function = tree.body[0] if tree.body else None
+    if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef) or not function.args.args:
+        return ()
+    self_name = function.args.args[0].arg
+    found: dict[str, str | None] = {}
+    pending: list[ast.AST] = list(function.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
+            continue  # another scope: its ``self`` is not ours
+        if isinstance(node, ast.AnnAssign):
+            name = _self_attribute(node.target, self_name)
+            if name is not None:
+                found[name] = ast.unparse(node.annotation)
+        elif isinstance(node, ast.Assign | ast.AugAssign):
+            targets: list[ast.expr] = (
+                list(node.targets) if isinstance(node, ast.Assign) else [node.target]
+            )
+            for target in _flatten(targets):
+                name = _self_attribute(target, self_name)
+                if name is not None:
+                    found.setdefault(name, None)
+        pending.extend(ast.iter_child_nodes(node))
+    return tuple(found.items())
+
+
+def _flatten(targets: list[ast.expr]) -> list[ast.expr]:
+    flat: list[ast.expr] = []
+    for target in targets:
+        if isinstance(target, ast.Tuple | ast.List):
+            flat.extend(_flatten(list(target.elts)))
+        else:
+            flat.append(target)
+    return flat
+
+
+def _self_attribute(target: ast.expr, self_name: str) -> str | None:
+    if (
+        isinstance(target, ast.Attribute)
+        and isinstance(target.value, ast.Name)
+        and target.value.id == self_name
+    ):
+        return target.attr
     return None
 
 

@@ -114,8 +114,8 @@ class ContractError(TypeError):
             if self.missing:
                 first = next(p for p in self.problems if p.kind is ProblemKind.MISSING)
                 hints.append(
-                    "Declare each missing member on the class or one of its bases, e.g. "
-                    f"'{first.member}: {first.expected}'"
+                    "Declare each missing member on the class or one of its bases (annotate "
+                    f"it, e.g. '{first.member}: {first.expected}', or assign it in __init__)"
                     + (
                         ", or pass abstract=True for an intermediate base."
                         if self.mixin_name
