@@ -18,6 +18,8 @@ from .protocols import (
     KVBufferTensors,
     Notification,
     PrefillStagingContext,
+    RegionAnswer,
+    RegionBook,
     StagingHandler,
     StagingHost,
     StagingHostCore,
@@ -29,6 +31,7 @@ from .protocols import (
     Watermark,
     WatermarkBook,
 )
+from .stats import StagingCounters, StagingStats
 
 __all__ = [
     "STAGING_CONTRACT",
@@ -49,12 +52,16 @@ __all__ = [
     "Notification",
     "PrefillStagingContext",
     "ProblemKind",
+    "RegionAnswer",
+    "RegionBook",
+    "StagingCounters",
     "StagingHandler",
     "StagingHost",
     "StagingHostCore",
     "StagingManagerMixin",
     "StagingReqOutcome",
     "StagingRing",
+    "StagingStats",
     "Transfer",
     "TransferEngine",
     "TransferError",

@@ -15,13 +15,51 @@ after construction — never on the hot path.
 from __future__ import annotations
 
 import logging
-from typing import Any, ClassVar, Final
+from collections.abc import Sequence
+from typing import Any, ClassVar, Final, Protocol, TypeVar
 
 from .contract import Contract
 from .enforcement import ContractMixin
-from .protocols import StagingHandler, StagingHost, StagingHostCore
+from .protocols import (
+    ArrivalOutcome,
+    PrefillStagingContext,
+    RegionAnswer,
+    StagingHandler,
+    StagingHost,
+    StagingHostCore,
+    StagingReqOutcome,
+    Watermark,
+)
+from .stats import StagingCounters, StagingStats
+from .wire import (
+    ChunkReady,
+    MalformedMessage,
+    Message,
+    StagingReq,
+    StagingRsp,
+    WatermarkUpdate,
+    decode_message,
+    decode_notification,
+)
 
 __all__ = ["STAGING_CONTRACT", "StagingManagerMixin", "host_logger"]
+
+_M = TypeVar("_M", StagingReq, StagingRsp, WatermarkUpdate, ChunkReady)
+
+_REQ_COUNTER: Final[dict[StagingReqOutcome, str]] = {
+    StagingReqOutcome.ALLOCATED: "allocated",
+    StagingReqOutcome.SHARED: "",
+    StagingReqOutcome.OVERSIZED: "oversized",
+    StagingReqOutcome.UNKNOWN_ROOM: "dropped",
+    StagingReqOutcome.REJECTED: "rejected",
+}
+_ARRIVAL_COUNTER: Final[dict[ArrivalOutcome, str]] = {
+    ArrivalOutcome.WAITING: "arrivals",
+    ArrivalOutcome.COMPLETE: "arrivals",
+    ArrivalOutcome.DUPLICATE: "",
+    ArrivalOutcome.UNKNOWN: "dropped",
+    ArrivalOutcome.REJECTED: "rejected",
+}
 
 STAGING_CONTRACT: Final = Contract(StagingHost, optional=("kv_buffer_tensors",))
 """The :class:`StagingHost` contract, as enforced by :class:`StagingManagerMixin`."""
@@ -31,6 +69,41 @@ def host_logger(host: object) -> logging.Logger:
     """The logger of a staging host's concrete class (its module's logger)."""
     logger: logging.Logger = getattr(type(host), "_staging_logger")  # noqa: B009 - `host` is typed `object`
     return logger
+
+
+class _StagingReceiver(StagingHostCore, Protocol):
+    """A host together with the mixin's message handlers (so overrides are honoured)."""
+
+    def _handle_staging_req(self, frames: Sequence[bytes]) -> StagingReqOutcome | None: ...
+    def _handle_chunk_ready(self, frames: Sequence[bytes]) -> ArrivalOutcome | None: ...
+    def _handle_staging_rsp(self, frames: Sequence[bytes]) -> RegionAnswer | None: ...
+    def _handle_watermark(self, frames: Sequence[bytes]) -> bool: ...
+
+
+def _counters(host: StagingHostCore) -> StagingCounters | None:
+    ctx = host._staging_ctx
+    return None if ctx is None else ctx.counters
+
+
+def _count(counters: StagingCounters | None, name: str) -> None:
+    if counters is not None and name:
+        counters.add(name)
+
+
+def _expect(frames: Sequence[bytes], kind: type[_M], counters: StagingCounters | None) -> _M:
+    try:
+        message: Message = decode_message(frames)
+    except MalformedMessage:
+        _count(counters, "malformed")
+        raise
+    if not isinstance(message, kind):
+        _count(counters, "malformed")
+        raise MalformedMessage(
+            f"expected {kind.WIRE_TYPE.decode()}, got {type(message).WIRE_TYPE.decode()}",
+            0,
+            "type",
+        )
+    return message
 
 
 class StagingManagerMixin(ContractMixin, contract=STAGING_CONTRACT):
@@ -77,3 +150,195 @@ class StagingManagerMixin(ContractMixin, contract=STAGING_CONTRACT):
         """
         host: StagingHostCore = self
         host._staging_handler = None
+
+    # ------------------------------------------------------------------ decode side
+
+    def _handle_staging_req(
+        self: StagingHostCore, frames: Sequence[bytes]
+    ) -> StagingReqOutcome | None:
+        """Hand one ``STAGING_REQ`` to the attached handler.
+
+        **Side:** decode. **Called by:** the host's listener thread. **Blocking:** no (the
+        handler answers with non-blocking sends).
+
+        Returns:
+            What the handler did, or ``None`` when no handler is attached yet (the message is
+            dropped with a warning and counted).
+
+        Raises:
+            MalformedMessage: the frames are not a valid ``STAGING_REQ`` (counted first).
+        """
+        counters = _counters(self)
+        _count(counters, "received")
+        req = _expect(frames, StagingReq, counters)
+        handler = self._staging_handler
+        if handler is None:
+            _count(counters, "dropped")
+            host_logger(self).warning(
+                "STAGING_REQ room=%d chunk=%d dropped: no staging handler attached yet",
+                req.room,
+                req.chunk_idx,
+            )
+            return None
+        outcome = handler.handle_staging_req(
+            req.room,
+            req.chunk_idx,
+            num_pages=req.num_pages,
+            session_id=req.session_id,
+            pp_rank=req.pp_rank,
+        )
+        _count(counters, _REQ_COUNTER[outcome])
+        return outcome
+
+    def _handle_chunk_ready(
+        self: StagingHostCore, frames: Sequence[bytes]
+    ) -> ArrivalOutcome | None:
+        """Hand one ``CHUNK_READY`` (Mooncake's arrival signal) to the attached handler.
+
+        **Side:** decode. **Called by:** the host's listener thread.
+
+        Returns:
+            What the handler did, or ``None`` when no handler is attached (dropped, counted).
+
+        Raises:
+            MalformedMessage: the frames are not a valid ``CHUNK_READY`` (counted first).
+        """
+        counters = _counters(self)
+        _count(counters, "received")
+        return _deliver_arrival(self, _expect(frames, ChunkReady, counters), counters)
+
+    def _handle_chunk_notification(self: StagingHostCore, payload: bytes) -> ArrivalOutcome | None:
+        """Hand one arrival notification (NIXL's write notification payload) to the handler.
+
+        **Side:** decode. **Called by:** the thread that polls the engine's notifications.
+
+        Raises:
+            MalformedMessage: the payload is not a valid encoded ``CHUNK_READY`` (counted).
+        """
+        counters = _counters(self)
+        _count(counters, "received")
+        try:
+            arrival = decode_notification(payload)
+        except MalformedMessage:
+            _count(counters, "malformed")
+            raise
+        return _deliver_arrival(self, arrival, counters)
+
+    # ------------------------------------------------------------------ prefill side
+
+    def _handle_staging_rsp(self: StagingHostCore, frames: Sequence[bytes]) -> RegionAnswer | None:
+        """Record decode's answer to a ``STAGING_REQ`` and wake the waiting transfer worker.
+
+        **Side:** prefill. **Called by:** the host's listener thread.
+
+        Returns:
+            The recorded answer, or ``None`` when this host has no prefill staging context.
+
+        Raises:
+            MalformedMessage: the frames are not a valid ``STAGING_RSP`` (counted first).
+        """
+        counters = _counters(self)
+        _count(counters, "received")
+        rsp = _expect(frames, StagingRsp, counters)
+        ctx = self._staging_ctx
+        if not isinstance(ctx, PrefillStagingContext):
+            _count(counters, "dropped")
+            host_logger(self).warning("STAGING_RSP room=%d dropped: not a prefill host", rsp.room)
+            return None
+        answer = RegionAnswer(rsp.offset, rsp.round, rsp.end)
+        ctx.regions.record(rsp.room, rsp.chunk_idx, rsp.session_id, answer)
+        _count(counters, "responses")
+        return answer
+
+    def _handle_watermark(self: StagingHostCore, frames: Sequence[bytes]) -> bool:
+        """Record a decode session's new watermark and wake writers waiting on it.
+
+        **Side:** prefill. **Called by:** the host's listener thread.
+
+        Returns:
+            ``True`` if the session's watermark moved forward.
+
+        Raises:
+            MalformedMessage: the frames are not a valid ``WATERMARK`` (counted first).
+        """
+        counters = _counters(self)
+        _count(counters, "received")
+        update = _expect(frames, WatermarkUpdate, counters)
+        ctx = self._staging_ctx
+        if not isinstance(ctx, PrefillStagingContext):
+            _count(counters, "dropped")
+            return False
+        moved = ctx.watermarks.observe(update.session_id, Watermark(update.round, update.tail))
+        if moved:
+            _count(counters, "watermarks")
+        return moved
+
+    def _is_watermark_ready(
+        self: StagingHostCore, session_id: str, alloc_round: int, alloc_end: int
+    ) -> bool:
+        """May this prefill write a region of ``alloc_round`` ending at ``alloc_end`` now?
+
+        **Side:** prefill. **Called by:** transfer workers, before each chunk's write.
+        **Blocking:** no. A host without a prefill staging context is never ready.
+        """
+        ctx = self._staging_ctx
+        if not isinstance(ctx, PrefillStagingContext):
+            return False
+        return ctx.watermarks.is_ready(session_id, alloc_round, alloc_end)
+
+    # ------------------------------------------------------------------ both sides
+
+    def _dispatch_staging(self: _StagingReceiver, frames: Sequence[bytes]) -> bool:
+        """Route a staging message by its frame type; ``False`` if it is not one.
+
+        **Called by:** a listener thread that shares its socket with other traffic.
+
+        Raises:
+            MalformedMessage: a staging message type with invalid frames.
+        """
+        if not frames:
+            return False
+        kind = bytes(frames[0])
+        if kind == StagingReq.WIRE_TYPE:
+            self._handle_staging_req(frames)
+        elif kind == ChunkReady.WIRE_TYPE:
+            self._handle_chunk_ready(frames)
+        elif kind == StagingRsp.WIRE_TYPE:
+            self._handle_staging_rsp(frames)
+        elif kind == WatermarkUpdate.WIRE_TYPE:
+            self._handle_watermark(frames)
+        else:
+            return False
+        return True
+
+    def staging_stats(self: StagingHostCore) -> StagingStats:
+        """What the staging message handling counted on this host (zeros without a context).
+
+        **Called by:** anyone, any thread (monitoring, tests).
+        """
+        counters = _counters(self)
+        return StagingStats() if counters is None else counters.snapshot()
+
+
+def _deliver_arrival(
+    host: StagingHostCore, arrival: ChunkReady, counters: StagingCounters | None
+) -> ArrivalOutcome | None:
+    handler = host._staging_handler
+    if handler is None:
+        _count(counters, "dropped")
+        host_logger(host).warning(
+            "arrival room=%d chunk=%d dropped: no staging handler attached yet",
+            arrival.room,
+            arrival.chunk_idx,
+        )
+        return None
+    outcome = handler.handle_chunk_arrival(
+        arrival.room,
+        arrival.chunk_idx,
+        page_start=arrival.page_start,
+        num_pages=arrival.num_pages,
+        session_id=arrival.session_id,
+        writer_rank=arrival.writer_rank,
+    )
+    _count(counters, _ARRIVAL_COUNTER[outcome])
+    return outcome

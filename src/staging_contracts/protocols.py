@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
+from .stats import StagingCounters
+
 if TYPE_CHECKING:
     import torch
 
@@ -37,6 +39,8 @@ __all__ = [
     "KVBufferTensors",
     "Notification",
     "PrefillStagingContext",
+    "RegionAnswer",
+    "RegionBook",
     "StagingHandler",
     "StagingHost",
     "StagingHostCore",
@@ -231,6 +235,35 @@ class WatermarkBook(Protocol):
         ...
 
 
+class RegionAnswer(NamedTuple):
+    """Decode's answer to a STAGING_REQ: the region ``[offset, end)`` of ring round ``round``.
+
+    ``offset == -2`` (``ALLOC_OVERSIZED``, with ``round == 0`` and ``end == -1``) means the
+    chunk can never fit the ring, or decode refused it: the room fails.
+    """
+
+    offset: int
+    round: int
+    end: int
+
+    @property
+    def refused(self) -> bool:
+        """True for the failure answer (offset -2)."""
+        return self.offset < 0
+
+
+class RegionBook(Protocol):
+    """Prefill side: the regions decode announced, per (room, chunk, decode session)."""
+
+    def record(self, room: int, chunk_idx: int, session_id: str, answer: RegionAnswer) -> None:
+        """Store an answer (the latest wins) and wake any waiter."""
+        ...
+
+    def get(self, room: int, chunk_idx: int, session_id: str) -> RegionAnswer | None:
+        """The answer for a chunk, or ``None`` before one arrived."""
+        ...
+
+
 # --------------------------------------------------------------------------- contexts
 
 
@@ -238,24 +271,29 @@ class WatermarkBook(Protocol):
 class DecodeStagingContext:
     """Decode-side staging state a host holds in ``_staging_ctx``.
 
-    **Side:** decode. **Thread-safety:** the allocator is thread-safe; the record is frozen.
+    **Side:** decode. **Thread-safety:** the allocator and the counters are thread-safe; the
+    record itself is frozen.
     """
 
     allocator: StagingRing
     """The ring the prefill ranks write into."""
+    counters: StagingCounters = field(default_factory=StagingCounters)
+    """What the mixin's message handling counted."""
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillStagingContext:
     """Prefill-side staging state a host holds in ``_staging_ctx``.
 
-    **Side:** prefill. **Thread-safety:** the watermark book is thread-safe.
+    **Side:** prefill. **Thread-safety:** both books and the counters are thread-safe.
     """
 
     watermarks: WatermarkBook
     """Latest watermark per decode session, fed by ``WATERMARK`` messages."""
-    staging_buffers: tuple[torch.Tensor, ...] = field(default=())
-    """Private gather buffers, one per in-flight chunk slot."""
+    regions: RegionBook
+    """Regions announced by ``STAGING_RSP`` messages."""
+    counters: StagingCounters = field(default_factory=StagingCounters)
+    """What the mixin's message handling counted."""
 
 
 # --------------------------------------------------------------------------- handler

@@ -20,6 +20,7 @@ __all__ = ["GROUPS", "BenchRow", "format_table", "run_groups", "write_json"]
 GROUPS: Final[dict[str, str]] = {
     "contract": "staging_contracts.bench.contract_bench",
     "staging": "staging_contracts.bench.staging_bench",
+    "control": "staging_contracts.bench.control_bench",
 }
 """Group name -> module that implements it."""
 

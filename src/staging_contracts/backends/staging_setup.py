@@ -1,0 +1,148 @@
+"""Wiring shared by every staging backend: contexts, handler, writer, listener hooks.
+
+Backends differ only in their engine and bootstrap; everything else about staging is the same,
+so it lives here, in functions of the host (typed by :class:`StagingBackend`), rather than in
+a base class every backend would have to inherit in a particular order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+
+from ..allocator import StagingAllocator
+from ..decode import DecodeStagingHandler
+from ..prefill import PrefillTimeouts, StagingWriter
+from ..prefill_state import RegionAnswerTable, WatermarkTracker
+from ..protocols import (
+    ArrivalOutcome,
+    DecodeStagingContext,
+    KVBufferTensors,
+    PrefillStagingContext,
+    StagingHandler,
+    StagingHostCore,
+    TransferEngine,
+)
+from ..transport import PeerSockets
+from ..wire import MalformedMessage
+
+__all__ = [
+    "StagingBackend",
+    "enable_decode_staging",
+    "enable_prefill_staging",
+    "staging_idle",
+]
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_INTERVAL_S = 0.01
+"""How often the listener's idle hook completes scatters and checks stalled rooms."""
+
+
+class StagingBackend(StagingHostCore, Protocol):
+    """A staging host built on ``CommonKVManager``: the contract plus engine and sockets."""
+
+    kv_buffer_tensors: KVBufferTensors | None
+    engine: TransferEngine
+    peers: PeerSockets
+    pp_size: int
+
+    def attach_staging_handler(self, handler: StagingHandler) -> None: ...
+    def _handle_chunk_notification(self, payload: bytes) -> ArrivalOutcome | None: ...
+
+
+def enable_decode_staging(
+    backend: StagingBackend,
+    *,
+    kv_buffers: KVBufferTensors,
+    ring_bytes: int,
+    scatter_stream: torch.cuda.Stream | None = None,
+    stall_timeout_s: float = 60.0,
+) -> DecodeStagingHandler:
+    """Give a decode backend its staging ring, context and handler.
+
+    The ring (one ``uint8`` tensor on ``kv_args.device``) is registered with the engine once.
+
+    **Side:** decode. **Called by:** the backend's constructor or the scheduler, before the
+    listener starts.
+
+    Returns:
+        The attached handler (register rooms on it).
+    """
+    kv_args = backend.kv_args
+    allocator = StagingAllocator(ring_bytes, device=kv_args.device)
+    backend.engine.register(allocator.base_ptr, ring_bytes)
+    backend.kv_buffer_tensors = kv_buffers
+    backend._staging_ctx = DecodeStagingContext(allocator)
+    handler = DecodeStagingHandler(
+        allocator=allocator,
+        kv_buffers=kv_buffers,
+        decode_tp=backend.attn_tp_size,
+        decode_rank=kv_args.engine_rank,
+        total_kv_heads=kv_args.total_kv_head_num,
+        session_id=backend.engine.session_id,
+        sender=backend.peers,
+        scatter_stream=scatter_stream,
+        stall_timeout_s=stall_timeout_s,
+    )
+    backend.attach_staging_handler(handler)
+    return handler
+
+
+def enable_prefill_staging(
+    backend: StagingBackend,
+    *,
+    kv_buffers: KVBufferTensors,
+    max_chunk_pages: int,
+    timeouts: PrefillTimeouts | None = None,
+    stream: torch.cuda.Stream | None = None,
+) -> StagingWriter:
+    """Give a prefill backend its staging context and writer.
+
+    **Side:** prefill. **Called by:** the backend's constructor or the scheduler.
+
+    Returns:
+        The writer (one per rank; its staging buffer is registered with the engine).
+    """
+    kv_args = backend.kv_args
+    watermarks = WatermarkTracker()
+    regions = RegionAnswerTable()
+    backend.kv_buffer_tensors = kv_buffers
+    backend._staging_ctx = PrefillStagingContext(watermarks, regions)
+    return StagingWriter(
+        kv_buffers=kv_buffers,
+        engine=backend.engine,
+        sender=backend.peers,
+        watermarks=watermarks,
+        regions=regions,
+        prefill_tp=backend.attn_tp_size,
+        prefill_rank=kv_args.engine_rank,
+        total_kv_heads=kv_args.total_kv_head_num,
+        max_chunk_pages=max_chunk_pages,
+        pp_rank=None if backend.pp_size == 1 else kv_args.pp_rank,
+        timeouts=timeouts,
+        stream=stream,
+    )
+
+
+def staging_idle(backend: StagingBackend) -> None:
+    """The listener's idle work for a staging backend.
+
+    Delivers the engine's arrival notifications (NIXL) to the mixin, and every
+    ``PROGRESS_INTERVAL_S`` lets the decode handler free finished scatters and fail stalled
+    rooms. A malformed notification is counted and logged; the listener keeps serving.
+
+    **Called by:** the backend's ``_on_idle``, on the listener thread.
+    """
+    engine = backend.engine
+    if engine.supports_notifications:
+        for note in engine.poll_notifications():
+            try:
+                backend._handle_chunk_notification(note.payload)
+            except MalformedMessage as exc:
+                logger.warning("malformed notification from %s dropped: %s", note.peer, exc)
+    handler = backend._staging_handler
+    if isinstance(handler, DecodeStagingHandler):
+        handler.progress(min_interval_s=PROGRESS_INTERVAL_S)

@@ -1,0 +1,158 @@
+"""Group ``control``: how fast a decode rank answers ``STAGING_REQ``.
+
+``control.staging-req-rate`` — requests answered per second by a real decode listener (codec,
+mixin, handler, allocator, ``STAGING_RSP`` sent back over ZMQ), against a raw pyzmq
+PUSH/PULL echo of the same frames measured in the same run (goal >= 0.5).
+
+Both sides run in this process: a client thread keeps a window of requests in flight and
+counts the answers; only the server differs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Final
+
+import torch
+import zmq
+
+from ..backends.common import Role
+from ..backends.local import LocalKVManager
+from ..backends.staging_setup import enable_decode_staging
+from ..decode import RoomPlan
+from ..decode_rooms import PrefillPeer
+from ..protocols import KVArgsRecord, KVBufferTensors
+from ..wire import StagingReq, StagingRsp
+from . import BenchRow, ratio_row
+
+__all__ = ["run"]
+
+WINDOW: Final = 256
+"""Requests in flight at once."""
+
+
+def _socket(ctx: zmq.Context[zmq.Socket[bytes]], kind: int) -> zmq.Socket[bytes]:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
+
+
+def _bind(sock: zmq.Socket[bytes]) -> str:
+    sock.bind("tcp://127.0.0.1:*")
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+
+
+def _drive(
+    requests: list[list[bytes]],
+    send_to: str,
+    answers: zmq.Socket[bytes],
+    is_answer: Callable[[list[bytes]], bool],
+) -> float:
+    """Send every request keeping ``WINDOW`` in flight; return the seconds until the last answer."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    push = _socket(ctx, zmq.PUSH)
+    push.connect(send_to)
+    try:
+        start = time.perf_counter()
+        sent = answered = 0
+        total = len(requests)
+        while answered < total:
+            while sent < total and sent - answered < WINDOW:
+                push.send_multipart(requests[sent])
+                sent += 1
+            if answers.poll(5000) == 0:
+                raise TimeoutError(f"no answer after {answered} of {total}")
+            if is_answer(answers.recv_multipart()):
+                answered += 1
+        return time.perf_counter() - start
+    finally:
+        push.close(linger=0)
+
+
+def _decode_rate(count: int) -> float:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    answers = _socket(ctx, zmq.PULL)
+    endpoint = _bind(answers)
+    kv_args = KVArgsRecord(
+        page_size=1,
+        kv_item_lens=(16,) * 2,
+        engine_rank=0,
+        device="cpu",
+        total_kv_head_num=1,
+        kv_head_num=1,
+        kv_layer_ids=(0,),
+    )
+    pool = KVBufferTensors((torch.zeros(4, 1, 8),), (torch.zeros(4, 1, 8),), 1)
+    manager = LocalKVManager(kv_args, role=Role.DECODE, attn_tp_size=1)
+    try:
+        handler = enable_decode_staging(manager, kv_buffers=pool, ring_bytes=1 << 20)
+        manager.start()
+        handler.register_room(RoomPlan(1, (0,) * count, 1, 1, (PrefillPeer(0, endpoint),)))
+        session = manager.engine.session_id
+        requests = [StagingReq(1, chunk, 1, session).to_frames() for chunk in range(count)]
+        seconds = _drive(requests, manager.endpoint, answers, lambda f: f[0] == b"STAGING_RSP")
+        handler.release_room(1)
+        return count / seconds
+    finally:
+        manager.close()
+        answers.close(linger=0)
+
+
+def _echo_rate(count: int) -> float:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    answers = _socket(ctx, zmq.PULL)
+    answers_endpoint = _bind(answers)
+    inbox = _socket(ctx, zmq.PULL)
+    inbox_endpoint = _bind(inbox)
+    reply = StagingRsp(1, 0, 0, 0, 64, "echo").to_frames()
+    stop = threading.Event()
+
+    def echo() -> None:
+        out = _socket(ctx, zmq.PUSH)
+        out.connect(answers_endpoint)
+        try:
+            while not stop.is_set():
+                if inbox.poll(5):
+                    while True:
+                        try:
+                            inbox.recv_multipart(flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        out.send_multipart(reply)
+        finally:
+            out.close(linger=0)
+            inbox.close(linger=0)
+
+    thread = threading.Thread(target=echo, name="bench-echo", daemon=True)
+    thread.start()
+    try:
+        requests = [StagingReq(1, chunk, 1, "echo").to_frames() for chunk in range(count)]
+        seconds = _drive(requests, inbox_endpoint, answers, lambda f: True)
+        return count / seconds
+    finally:
+        stop.set()
+        thread.join(5)
+        answers.close(linger=0)
+
+
+def run(quick: bool = False) -> list[BenchRow]:
+    """Run the group; ``quick`` trades precision for time (smoke tests)."""
+    count = 2_000 if quick else 20_000
+    repeats = 1 if quick else 5
+    ours: list[float] = []
+    anchor: list[float] = []
+    for _ in range(repeats):
+        anchor.append(_echo_rate(count))
+        ours.append(_decode_rate(count))
+    return [
+        ratio_row(
+            "control.staging-req-rate",
+            sorted(ours)[len(ours) // 2],
+            sorted(anchor)[len(anchor) // 2],
+            "msg/s",
+            ">= 0.5",
+        )
+    ]

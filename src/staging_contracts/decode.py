@@ -1,0 +1,575 @@
+"""``DecodeStagingHandler``: the decode side of the staging path (SPEC §4).
+
+One handler per decode rank. It implements :class:`~staging_contracts.protocols.StagingHandler`
+(the mixin hands it decoded ``STAGING_REQ`` and arrival messages from the listener thread) and
+offers the scheduler room registration, status polling and teardown.
+
+Threads: the **listener** thread calls ``handle_staging_req`` and ``handle_chunk_arrival``;
+the **scheduler** calls ``register_room``, ``poll_room`` and ``release_room``; anyone may call
+``progress``. One lock guards the room table; scatters run outside it, and teardown waits for
+them. Every send is non-blocking (:class:`~staging_contracts.transport.PeerSockets`): a dead
+prefill never blocks a decode thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from .allocator import StagingAllocator
+from .decode_publisher import PrefillPublisher
+from .decode_rooms import ChunkRegion, PrefillPeer, RoomPlan, RoomState, RoomStatus
+from .kernels import pool_geometry, scatter_chunk
+from .layout import (
+    compute_staging_layout,
+    prefill_ranks_for_decode,
+    validate_tp_pair,
+    writer_placements,
+)
+from .protocols import ArrivalOutcome, KVBufferTensors, StagingReqOutcome, Watermark
+from .transport import PeerSockets
+from .wire import StagingRsp, WatermarkUpdate
+
+__all__ = ["DecodeStagingHandler", "PrefillPeer", "RoomPlan", "RoomStatus"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Outgoing(NamedTuple):
+    """A message to send once the lock is released."""
+
+    endpoint: str
+    frames: list[bytes]
+    watermark: bool = False
+    """A ``WATERMARK``: skipped if the peer already has it, unless ``force``."""
+    force: bool = False
+
+
+class DecodeStagingHandler:
+    """Decode-side staging: ring regions, arrivals, scatter, watermarks, room lifecycle.
+
+    **Side:** decode. Implements ``StagingHandler``.
+
+    Args:
+        allocator: the decode rank's staging ring (registered with the engine by the host).
+        kv_buffers: the decode rank's paged KV pool (scattered into in place).
+        decode_tp: attention TP size of decode.
+        decode_rank: this rank's attention-TP rank.
+        total_kv_heads: KV heads of the whole model.
+        session_id: this rank's engine session id (carried by every message it answers).
+        sender: non-blocking PUSH sockets to the prefill ranks' listeners.
+        scatter_stream: CUDA only: the dedicated stream scatters run on.
+        stall_timeout_s: a room that holds ring regions without progress for this long fails
+            (its regions are freed), so one stuck prefill cannot pin the shared ring.
+        clock: monotonic clock (tests pass a fake one).
+
+    Raises:
+        ValueError: the KV pool does not match ``total_kv_heads // decode_tp`` heads.
+    """
+
+    def __init__(
+        self,
+        *,
+        allocator: StagingAllocator,
+        kv_buffers: KVBufferTensors,
+        decode_tp: int,
+        decode_rank: int,
+        total_kv_heads: int,
+        session_id: str,
+        sender: PeerSockets,
+        scatter_stream: torch.cuda.Stream | None = None,
+        stall_timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._geometry = pool_geometry(
+            kv_buffers.k_buffers, kv_buffers.v_buffers, kv_buffers.page_size
+        )
+        expected_heads = max(1, total_kv_heads // decode_tp)
+        if self._geometry.num_heads != expected_heads:
+            raise ValueError(
+                f"decode KV pool has {self._geometry.num_heads} heads per token, expected "
+                f"{expected_heads} (total_kv_heads={total_kv_heads}, decode_tp={decode_tp})"
+            )
+        self._allocator = allocator
+        self._kv = kv_buffers
+        self._decode_tp = decode_tp
+        self._decode_rank = decode_rank
+        self._total_heads = total_kv_heads
+        self.session_id = session_id
+        self._sender = sender
+        self._stream = scatter_stream
+        self._stall_timeout = stall_timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._rooms: dict[int, RoomState] = {}
+        self._publisher = PrefillPublisher(sender)
+        self._last_pass = 0.0
+        self._region_sizes: dict[tuple[int, int], int] = {}
+        self._watermark_cache: tuple[Watermark, list[bytes]] | None = None
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def register_room(self, plan: RoomPlan) -> RoomStatus:
+        """Register a room before decode sends its metadata to prefill.
+
+        Idempotent: registering a known room again keeps its in-flight state. A prefix that is
+        not page-aligned, or a plan that does not fit this rank, fails that room only.
+
+        **Called by:** the scheduler. **Blocking:** no.
+
+        Returns:
+            The room's status after registration.
+        """
+        with self._lock:
+            existing = self._rooms.get(plan.room)
+            if existing is not None:
+                return existing.status
+            state = RoomState(
+                plan=plan,
+                pages=torch.tensor(
+                    plan.page_indices, dtype=torch.int64, device=self._geometry.device
+                ),
+                writer_ranks=frozenset(),
+                last_progress=self._clock(),
+            )
+            self._rooms[plan.room] = state
+            problem = self._plan_problem(plan)
+            if problem is not None:
+                self._fail(state, problem)
+                return state.status
+            state.writer_ranks = frozenset(
+                prefill_ranks_for_decode(plan.prefill_tp, self._decode_tp, self._decode_rank)
+            )
+            unanswered = sorted(state.writer_ranks - {peer.tp_rank for peer in plan.peers})
+            if unanswered:
+                self._fail(state, f"no endpoint registered for prefill writer ranks {unanswered}")
+            return state.status
+
+    def _plan_problem(self, plan: RoomPlan) -> str | None:
+        if plan.prefix_tokens % self._kv.page_size:
+            return (
+                f"decode prefix of {plan.prefix_tokens} tokens is not aligned to "
+                f"page_size={self._kv.page_size}"
+            )
+        if plan.chunk_pages < 1 or not plan.page_indices:
+            return f"empty transfer or chunk_pages={plan.chunk_pages} < 1"
+        try:
+            validate_tp_pair(plan.prefill_tp, self._decode_tp, self._total_heads)
+        except ValueError as exc:
+            return str(exc)
+        if any(page < 0 or page >= self._geometry.pool_pages for page in plan.page_indices):
+            return f"page indices outside the pool of {self._geometry.pool_pages} pages"
+        return None
+
+    def poll_room(self, room: int) -> RoomStatus | None:
+        """The room's status (``None`` if unknown), after completing finished scatters.
+
+        **Called by:** the scheduler, any thread.
+        """
+        self.progress()
+        with self._lock:
+            state = self._rooms.get(room)
+            return None if state is None else state.status
+
+    def room_failure(self, room: int) -> str | None:
+        """Why a failed room failed (``None`` if it did not, or is unknown)."""
+        with self._lock:
+            state = self._rooms.get(room)
+            return None if state is None else state.failure
+
+    def fail_room(self, room: int, reason: str) -> None:
+        """Fail a room from outside (e.g. its prefill reported failure); frees its regions."""
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is not None and state.status is not RoomStatus.FAILED:
+                self._fail(state, reason)
+        self._broadcast_watermark()
+
+    def release_room(self, room: int, timeout: float = 10.0) -> None:
+        """Tear a room down (after success, failure or abort); safe to call twice.
+
+        Stops new arrivals for the room first, waits for scatters in flight (up to
+        ``timeout``), frees every region the room still holds and broadcasts the watermark.
+
+        **Called by:** the scheduler. **Blocking:** until in-flight scatters of the room end.
+
+        Raises:
+            TimeoutError: a scatter of the room did not finish within ``timeout`` (the room
+                stays registered and closing; call again).
+        """
+        deadline = self._clock() + timeout
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is None:
+                return
+            state.closing = True
+            while state.scattering:
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    raise TimeoutError(f"room {room}: a scatter did not finish in {timeout}s")
+                self._idle.wait(remaining)
+            for event, _ in state.pending_events:
+                _synchronize(event)
+            for alloc_id in state.held_allocations():
+                self._allocator.free(alloc_id)
+            state.regions.clear()
+            state.pending_events.clear()
+            del self._rooms[room]
+        self._publisher.unsubscribe_room(room)
+        self._broadcast_watermark()
+
+    @property
+    def live_rooms(self) -> int:
+        """Rooms registered and not yet released."""
+        with self._lock:
+            return len(self._rooms)
+
+    def progress(self, min_interval_s: float = 0.0) -> None:
+        """Free regions whose scatters completed; fail rooms that stalled.
+
+        **Called by:** the listener's idle hook and ``poll_room``; any thread.
+
+        Args:
+            min_interval_s: do nothing if the last pass was less than this long ago.
+        """
+        freed = False
+        now = self._clock()
+        if now - self._last_pass < min_interval_s:
+            return
+        self._last_pass = now
+        with self._lock:
+            for state in self._rooms.values():
+                freed |= self._reap_events(state)
+                if (
+                    state.status is RoomStatus.TRANSFERRING
+                    and state.regions
+                    and now - state.last_progress > self._stall_timeout
+                ):
+                    self._fail(
+                        state, f"no progress for {self._stall_timeout}s while holding the ring"
+                    )
+                    freed = True
+        if freed:
+            self._broadcast_watermark()
+
+    # ------------------------------------------------------------------ listener side
+
+    def handle_staging_req(
+        self, room: int, chunk_idx: int, *, num_pages: int, session_id: str, pp_rank: int | None
+    ) -> StagingReqOutcome:
+        """Assign (or re-announce) the chunk's region and answer the room's prefill ranks.
+
+        One region per (room, chunk), shared by the chunk's writers. Every prefill rank of the
+        room (only those of ``pp_rank`` when given) gets the answer, is subscribed to watermark
+        broadcasts and receives the current watermark at once (which also recovers a lost
+        ``WATERMARK``). A chunk already consumed, beyond the room, with a page count that
+        disagrees with the registered geometry, or for another session, is refused with the
+        failure answer (offset -2); a geometry mismatch fails the room.
+
+        **Called by:** the listener thread, through the mixin. **Blocking:** no.
+        """
+        out: list[_Outgoing] = []
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is None or state.closing:
+                logger.warning("STAGING_REQ for unknown room %d chunk %d dropped", room, chunk_idx)
+                return StagingReqOutcome.UNKNOWN_ROOM
+            outcome = self._answer_request(state, chunk_idx, num_pages, session_id, pp_rank, out)
+        self._flush(out)
+        return outcome
+
+    def _answer_request(
+        self,
+        state: RoomState,
+        chunk_idx: int,
+        num_pages: int,
+        session_id: str,
+        pp_rank: int | None,
+        out: list[_Outgoing],
+    ) -> StagingReqOutcome:
+        plan = state.plan
+        peers = [p for p in plan.peers if pp_rank is None or p.pp_rank == pp_rank]
+        problem = None
+        if session_id != self.session_id:
+            problem = f"STAGING_REQ for session {session_id!r}, this rank is {self.session_id!r}"
+        elif state.status is RoomStatus.FAILED:
+            problem = f"room failed earlier: {state.failure}"
+        elif chunk_idx >= plan.num_chunks:
+            problem = f"chunk {chunk_idx} is beyond the room's {plan.num_chunks} chunks"
+        elif chunk_idx in state.consumed:
+            problem = f"chunk {chunk_idx} was already consumed"
+        elif num_pages != plan.chunk_page_count(chunk_idx):
+            self._fail(
+                state,
+                f"chunk {chunk_idx}: STAGING_REQ says {num_pages} pages, decode registered "
+                f"{plan.chunk_page_count(chunk_idx)}",
+            )
+            problem = state.failure
+        if problem is not None:
+            logger.warning("room %d: STAGING_REQ refused: %s", plan.room, problem)
+            refusal = StagingRsp.oversized(plan.room, chunk_idx, session_id).to_frames()
+            out.extend(_Outgoing(p.endpoint, refusal) for p in peers)
+            return StagingReqOutcome.REJECTED
+        region = state.regions.get(chunk_idx)
+        outcome = StagingReqOutcome.SHARED
+        if region is None:
+            size = self._region_bytes(plan, num_pages)
+            allocation = self._allocator.assign(size)
+            if allocation is None:
+                self._fail(
+                    state,
+                    f"chunk {chunk_idx} needs {size} bytes, "
+                    f"the ring has {self._allocator.total_size}",
+                )
+                refusal = StagingRsp.oversized(plan.room, chunk_idx, session_id).to_frames()
+                out.extend(_Outgoing(p.endpoint, refusal) for p in peers)
+                return StagingReqOutcome.OVERSIZED
+            region = ChunkRegion(
+                allocation=allocation,
+                num_pages=num_pages,
+                page_start=chunk_idx * plan.chunk_pages,
+                expected_writers=len(state.writer_ranks),
+            )
+            state.regions[chunk_idx] = region
+            state.status = RoomStatus.TRANSFERRING
+            state.last_progress = self._clock()
+            outcome = StagingReqOutcome.ALLOCATED
+        alloc = region.allocation
+        answer = StagingRsp(
+            plan.room, chunk_idx, alloc.offset, alloc.round, alloc.end, self.session_id
+        ).to_frames()
+        update = self._watermark_frames()
+        # The current watermark follows the answer: on a re-request (SHARED) always, since
+        # the peer may have lost the last one; otherwise only if the peer lacks it.
+        force = outcome is StagingReqOutcome.SHARED
+        for peer in peers:
+            self._publisher.subscribe(peer.endpoint, plan.room)
+            out.append(_Outgoing(peer.endpoint, answer))
+            out.append(_Outgoing(peer.endpoint, update, watermark=True, force=force))
+        return outcome
+
+    def _region_bytes(self, plan: RoomPlan, num_pages: int) -> int:
+        key = (plan.prefill_tp, num_pages)
+        cached = self._region_sizes.get(key)
+        if cached is not None:
+            return cached
+        geometry = self._geometry
+        layout = compute_staging_layout(
+            plan.prefill_tp,
+            self._decode_tp,
+            self._decode_rank,
+            self._total_heads,
+            num_pages * self._kv.page_size,
+            geometry.bytes_per_head_token,
+            geometry.num_layers,
+        )
+        self._region_sizes[key] = layout.total_bytes
+        return layout.total_bytes
+
+    def handle_chunk_arrival(
+        self,
+        room: int,
+        chunk_idx: int,
+        *,
+        page_start: int,
+        num_pages: int,
+        session_id: str,
+        writer_rank: int | None,
+    ) -> ArrivalOutcome:
+        """Count one writer's arrival; scatter, free and broadcast once all writers arrived.
+
+        Arrivals are de-duplicated by writer rank; the geometry must agree with the region's;
+        a writer that does not feed this rank, or a failed scatter, fails the room (the
+        arrival is never silently lost).
+
+        **Called by:** the listener thread (``CHUNK_READY`` or an engine notification).
+        **Blocking:** on CPU, for the scatter.
+        """
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is None or state.closing or state.status is RoomStatus.FAILED:
+                return ArrivalOutcome.UNKNOWN
+            region = state.regions.get(chunk_idx)
+            if region is None:
+                return (
+                    ArrivalOutcome.DUPLICATE
+                    if chunk_idx in state.consumed
+                    else ArrivalOutcome.UNKNOWN
+                )
+            problem = self._arrival_problem(
+                state, region, page_start, num_pages, session_id, writer_rank
+            )
+            if problem is not None:
+                self._fail(state, problem)
+                logger.warning("room %d chunk %d: arrival rejected: %s", room, chunk_idx, problem)
+                rejected = True
+            else:
+                rejected = False
+                if writer_rank is None:
+                    region.anonymous += 1
+                elif writer_rank in region.arrived:
+                    return ArrivalOutcome.DUPLICATE
+                else:
+                    region.arrived.add(writer_rank)
+                state.last_progress = self._clock()
+                if not region.complete:
+                    return ArrivalOutcome.WAITING
+                del state.regions[chunk_idx]
+                state.consumed.add(chunk_idx)
+                state.scattering += 1
+        if rejected:
+            self._broadcast_watermark()
+            return ArrivalOutcome.REJECTED
+        return self._scatter(state, chunk_idx, region)
+
+    def _arrival_problem(
+        self,
+        state: RoomState,
+        region: ChunkRegion,
+        page_start: int,
+        num_pages: int,
+        session_id: str,
+        writer_rank: int | None,
+    ) -> str | None:
+        if session_id != self.session_id:
+            return f"arrival for session {session_id!r}, this rank is {self.session_id!r}"
+        if page_start != region.page_start or num_pages != region.num_pages:
+            return (
+                f"arrival covers pages [{page_start}, {page_start + num_pages}), the region "
+                f"holds [{region.page_start}, {region.page_start + region.num_pages})"
+            )
+        if writer_rank is not None and writer_rank not in state.writer_ranks:
+            return f"writer rank {writer_rank} does not feed decode rank {self._decode_rank}"
+        return None
+
+    def _scatter(self, state: RoomState, chunk_idx: int, region: ChunkRegion) -> ArrivalOutcome:
+        plan = state.plan
+        alloc = region.allocation
+        pages = state.pages[region.page_start : region.page_start + region.num_pages]
+        try:
+            placements = writer_placements(
+                plan.prefill_tp,
+                self._decode_tp,
+                self._decode_rank,
+                self._total_heads,
+                region.num_pages * self._kv.page_size,
+                self._geometry.bytes_per_head_token,
+                self._geometry.num_layers,
+            )
+            view = self._allocator.buffer[alloc.offset : alloc.end]
+            scatter_chunk(
+                view,
+                self._kv.k_buffers,
+                self._kv.v_buffers,
+                pages,
+                self._kv.page_size,
+                placements,
+                stream=self._stream,
+            )
+            event = _record_event(self._stream)
+        except Exception as exc:  # any scatter failure fails the room, never the thread
+            logger.exception("room %d chunk %d: scatter failed", plan.room, chunk_idx)
+            with self._lock:
+                state.scattering -= 1
+                self._allocator.free(alloc.alloc_id)
+                self._fail(state, f"scatter of chunk {chunk_idx} failed: {exc}")
+                self._idle.notify_all()
+            self._broadcast_watermark()
+            return ArrivalOutcome.REJECTED
+        with self._lock:
+            state.scattering -= 1
+            if event is None:
+                self._allocator.free(alloc.alloc_id)
+            else:
+                state.pending_events.append((event, alloc.alloc_id))
+            self._maybe_succeed(state)
+            self._idle.notify_all()
+        if event is None:
+            self._broadcast_watermark()
+        return ArrivalOutcome.COMPLETE
+
+    # ------------------------------------------------------------------ internals (lock held)
+
+    def _maybe_succeed(self, state: RoomState) -> None:
+        if (
+            state.status is RoomStatus.TRANSFERRING
+            and len(state.consumed) == state.plan.num_chunks
+            and not state.pending_events
+            and not state.scattering
+        ):
+            state.status = RoomStatus.SUCCESS
+
+    def _reap_events(self, state: RoomState) -> bool:
+        done = [(event, alloc_id) for event, alloc_id in state.pending_events if _event_done(event)]
+        for item in done:
+            state.pending_events.remove(item)
+            self._allocator.free(item[1])
+        if done:
+            self._maybe_succeed(state)
+        return bool(done)
+
+    def _fail(self, state: RoomState, reason: str) -> None:
+        state.status = RoomStatus.FAILED
+        state.failure = reason
+        for region in state.regions.values():
+            self._allocator.free(region.allocation.alloc_id)
+        state.regions.clear()
+        logger.warning("room %d failed: %s", state.plan.room, reason)
+
+    # ------------------------------------------------------------------ sending (no lock)
+
+    def _watermark_frames(self) -> list[bytes]:
+        """The current watermark, encoded (cached until it moves)."""
+        watermark = self._allocator.get_watermark()
+        cached = self._watermark_cache
+        if cached is None or cached[0] != watermark:
+            frames = WatermarkUpdate(watermark.round, watermark.tail, self.session_id).to_frames()
+            cached = self._watermark_cache = (watermark, frames)
+        return cached[1]
+
+    def _broadcast_watermark(self) -> None:
+        self._publisher.broadcast_watermark(self._watermark_frames())
+
+    def _flush(self, out: list[_Outgoing]) -> None:
+        for message in out:
+            if message.watermark:
+                self._publisher.send_watermark(
+                    message.endpoint, message.frames, force=message.force
+                )
+            else:
+                self._publisher.send(message.endpoint, message.frames)
+
+
+def _record_event(stream: torch.cuda.Stream | None) -> object | None:
+    if stream is None:
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
+    event.record(stream)
+    return event
+
+
+def _event_done(event: object) -> bool:
+    query = getattr(event, "query", None)
+    return bool(query()) if callable(query) else True
+
+
+def _synchronize(event: object) -> None:
+    sync = getattr(event, "synchronize", None)
+    if callable(sync):
+        sync()
+
+
+def peers_for(
+    prefill_endpoints: Sequence[str], prefill_tp: int, decode_tp: int, decode_rank: int
+) -> tuple[PrefillPeer, ...]:
+    """The prefill peers of a decode rank, given every prefill rank's listener endpoint."""
+    return tuple(
+        PrefillPeer(rank, prefill_endpoints[rank])
+        for rank in prefill_ranks_for_decode(prefill_tp, decode_tp, decode_rank)
+    )

@@ -1,0 +1,379 @@
+"""``StagingWriter``: the prefill side of the staging path (SPEC §5).
+
+Per chunk and per decode rank it feeds: make sure a ``STAGING_REQ`` was sent (prefetch,
+deduplicated), wait for decode's region (bounded; re-request on timeout, which recovers a lost
+``STAGING_RSP``), wait until the watermark says the region is free (bounded; re-request,
+which makes decode re-send its watermark), gather this rank's heads into a private staging
+buffer, write it with the engine in one bulk write, and signal arrival (``CHUNK_READY`` over
+ZMQ, or the write's notification where the engine has them).
+
+Every failure of a chunk (decode refused it, no answer before the deadline, an engine error)
+raises :class:`StagingFailed` for that room; the worker thread that called lives on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .kernels import gather_chunk, pool_geometry
+from .layout import (
+    compute_head_slice_params,
+    compute_staging_layout,
+    decode_ranks_for_prefill,
+    validate_tp_pair,
+    writer_index,
+)
+from .prefill_state import RegionAnswerTable, WatermarkTracker
+from .protocols import KVBufferTensors, RegionAnswer, Transfer, TransferEngine, TransferError
+from .transport import PeerSockets
+from .wire import ChunkReady, StagingReq
+
+__all__ = ["ChunkSpec", "DecodeTarget", "PrefillTimeouts", "StagingFailed", "StagingWriter"]
+
+logger = logging.getLogger(__name__)
+
+
+class StagingFailed(RuntimeError):
+    """A room's staged transfer failed on prefill (the room fails; the thread lives on).
+
+    Attributes:
+        room: the room.
+        reason: what went wrong.
+    """
+
+    def __init__(self, room: int, reason: str) -> None:
+        super().__init__(f"room {room}: {reason}")
+        self.room = room
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTarget:
+    """One decode rank as prefill reaches it (learned at bootstrap)."""
+
+    tp_rank: int
+    """The decode rank's attention-TP rank."""
+    session_id: str
+    """Its engine session id (Mooncake ``host:port``, NIXL agent name)."""
+    endpoint: str
+    """Its control listener (``STAGING_REQ`` and ``CHUNK_READY`` go there)."""
+    ring_base: int
+    """Address of its staging ring."""
+    ring_size: int
+    """Bytes of its staging ring."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSpec:
+    """One chunk of a request, as this prefill rank holds it."""
+
+    chunk_idx: int
+    """Index of the chunk in the request."""
+    page_start: int
+    """Index of the chunk's first page in the transferred part of the request."""
+    pages: tuple[int, ...]
+    """This rank's KV-pool pages of the chunk, in token order."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTimeouts:
+    """Bounds of the waits of one chunk."""
+
+    answer_s: float = 0.5
+    """Wait this long for ``STAGING_RSP`` before re-sending ``STAGING_REQ``."""
+    ready_s: float = 0.5
+    """Wait this long for the watermark before re-sending ``STAGING_REQ``."""
+    deadline_s: float = 30.0
+    """Give the chunk up (the room fails) after this long."""
+
+
+class StagingWriter:
+    """Writes this prefill rank's KV heads of each chunk into the decode rings.
+
+    **Side:** prefill. **Thread-safety:** ``prefetch`` may be called from the scheduler
+    while one worker thread calls ``send_chunk``; one staging buffer is used, so only one
+    ``send_chunk`` runs at a time (an internal lock serializes them).
+
+    Args:
+        kv_buffers: this rank's paged KV pool (read in place).
+        engine: the transfer engine; the staging buffer is registered with it here.
+        sender: non-blocking PUSH sockets to the decode listeners.
+        watermarks: fed by the host's listener from ``WATERMARK`` messages.
+        regions: fed by the host's listener from ``STAGING_RSP`` messages.
+        prefill_tp: attention TP size of prefill.
+        prefill_rank: this rank's attention-TP rank.
+        total_kv_heads: KV heads of the whole model.
+        max_chunk_pages: the largest chunk, in pages (sizes the staging buffer).
+        pp_rank: this rank's pipeline stage, sent with each ``STAGING_REQ`` when not ``None``.
+        timeouts: bounds of the waits.
+        stream: CUDA only: the stream gathers run on.
+    """
+
+    def __init__(
+        self,
+        *,
+        kv_buffers: KVBufferTensors,
+        engine: TransferEngine,
+        sender: PeerSockets,
+        watermarks: WatermarkTracker,
+        regions: RegionAnswerTable,
+        prefill_tp: int,
+        prefill_rank: int,
+        total_kv_heads: int,
+        max_chunk_pages: int,
+        pp_rank: int | None = None,
+        timeouts: PrefillTimeouts | None = None,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        self._geometry = pool_geometry(
+            kv_buffers.k_buffers, kv_buffers.v_buffers, kv_buffers.page_size
+        )
+        if max_chunk_pages < 1:
+            raise ValueError(f"max_chunk_pages={max_chunk_pages!r} must be >= 1")
+        self._kv = kv_buffers
+        self._engine = engine
+        self._sender = sender
+        self._watermarks = watermarks
+        self._regions = regions
+        self._prefill_tp = prefill_tp
+        self._prefill_rank = prefill_rank
+        self._total_heads = total_kv_heads
+        self._pp_rank = pp_rank
+        self._timeouts = timeouts or PrefillTimeouts()
+        self._stream = stream
+        geometry = self._geometry
+        self._buffer_bytes = (
+            max_chunk_pages
+            * kv_buffers.page_size
+            * geometry.num_heads
+            * geometry.bytes_per_head_token
+            * 2
+            * geometry.num_layers
+        )
+        self._buffer = torch.empty(self._buffer_bytes, dtype=torch.uint8, device=geometry.device)
+        self._buffer_ptr = self._buffer.data_ptr()
+        engine.register(self._buffer_ptr, self._buffer_bytes)
+        self._write_lock = threading.Lock()
+        self._requested: set[tuple[int, int, str]] = set()
+        self._requested_lock = threading.Lock()
+        self._closed = False
+        self.requests_sent = 0
+        """``STAGING_REQ`` messages sent, re-requests included."""
+        self.bytes_written = 0
+        """Payload bytes written into decode rings."""
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Size of the private staging buffer."""
+        return self._buffer_bytes
+
+    # ------------------------------------------------------------------ requests
+
+    def targets_of(self, decode: Sequence[DecodeTarget]) -> list[DecodeTarget]:
+        """The decode ranks this prefill rank writes to, out of all of a request's ranks."""
+        return [
+            decode[d]
+            for d in decode_ranks_for_prefill(self._prefill_tp, len(decode), self._prefill_rank)
+        ]
+
+    def prefetch(
+        self, room: int, chunks: Iterable[tuple[int, int]], decode: Sequence[DecodeTarget]
+    ) -> int:
+        """Send one ``STAGING_REQ`` per (chunk, decode rank fed), skipping those already sent.
+
+        **Called by:** the scheduler right after the batch is formed. **Blocking:** no.
+
+        Args:
+            room: the request's room.
+            chunks: ``(chunk_idx, num_pages)`` of every chunk to come.
+            decode: every decode rank of the request, indexed by TP rank.
+
+        Returns:
+            Requests sent now.
+        """
+        sent = 0
+        targets = self.targets_of(decode)
+        for chunk_idx, num_pages in chunks:
+            for target in targets:
+                key = (room, chunk_idx, target.session_id)
+                with self._requested_lock:
+                    if key in self._requested:
+                        continue
+                    self._requested.add(key)
+                self._request(room, chunk_idx, num_pages, target)
+                sent += 1
+        return sent
+
+    def _request(self, room: int, chunk_idx: int, num_pages: int, target: DecodeTarget) -> None:
+        req = StagingReq(room, chunk_idx, num_pages, target.session_id, self._pp_rank)
+        self._sender.send(target.endpoint, req.to_frames())
+        self.requests_sent += 1
+
+    def forget_room(self, room: int) -> None:
+        """Drop a finished or failed room's requests and answers."""
+        with self._requested_lock:
+            self._requested = {key for key in self._requested if key[0] != room}
+        self._regions.forget_room(room)
+
+    # ------------------------------------------------------------------ one chunk
+
+    def send_chunk(self, room: int, chunk: ChunkSpec, decode: Sequence[DecodeTarget]) -> int:
+        """Stage one chunk into every decode rank this prefill rank feeds.
+
+        **Called by:** the prefill transfer worker. **Blocking:** until every write landed,
+        or the deadline passed.
+
+        Returns:
+            Bytes written.
+
+        Raises:
+            StagingFailed: decode refused the chunk, no answer or readiness before the
+                deadline, the region does not fit the layout, or the engine failed.
+        """
+        if self._closed:
+            raise StagingFailed(room, "the staging writer is closed")
+        validate_tp_pair(self._prefill_tp, len(decode), self._total_heads)
+        num_pages = len(chunk.pages)
+        self.prefetch(room, [(chunk.chunk_idx, num_pages)], decode)
+        pages = torch.tensor(chunk.pages, dtype=torch.int64, device=self._geometry.device)
+        written = 0
+        with self._write_lock:
+            for target in self.targets_of(decode):
+                written += self._stage_into(room, chunk, pages, target, len(decode))
+        self.bytes_written += written
+        return written
+
+    def _stage_into(
+        self,
+        room: int,
+        chunk: ChunkSpec,
+        pages: torch.Tensor,
+        target: DecodeTarget,
+        decode_tp: int,
+    ) -> int:
+        num_pages = len(chunk.pages)
+        tokens = num_pages * self._kv.page_size
+        if (
+            tokens
+            * self._geometry.num_heads
+            * self._geometry.bytes_per_head_token
+            * 2
+            * self._geometry.num_layers
+            > self._buffer_bytes
+        ):
+            raise StagingFailed(
+                room, f"chunk {chunk.chunk_idx} of {num_pages} pages exceeds max_chunk_pages"
+            )
+        layout = compute_staging_layout(
+            self._prefill_tp,
+            decode_tp,
+            target.tp_rank,
+            self._total_heads,
+            tokens,
+            self._geometry.bytes_per_head_token,
+            self._geometry.num_layers,
+        )
+        writer = writer_index(self._prefill_tp, decode_tp, self._prefill_rank)
+        offset_in_region = layout.writer_offsets[writer]
+        nbytes = layout.writer_bytes[writer]
+        deadline = time.monotonic() + self._timeouts.deadline_s
+        answer = self._await_region(room, chunk.chunk_idx, num_pages, target, deadline)
+        if answer.end - answer.offset < layout.total_bytes or answer.end > target.ring_size:
+            raise StagingFailed(
+                room,
+                f"chunk {chunk.chunk_idx}: decode region [{answer.offset}, {answer.end}) does "
+                f"not fit the layout of {layout.total_bytes} bytes",
+            )
+        self._await_ready(room, chunk.chunk_idx, num_pages, target, answer, deadline)
+        head = compute_head_slice_params(
+            self._prefill_tp, decode_tp, self._prefill_rank, target.tp_rank, self._total_heads
+        )
+        gather_chunk(
+            self._kv.k_buffers,
+            self._kv.v_buffers,
+            pages,
+            self._kv.page_size,
+            head.src_head_start,
+            head.num_heads,
+            self._buffer[:nbytes],
+            stream=self._stream,
+        )
+        if self._stream is not None:
+            self._stream.synchronize()
+        arrival = ChunkReady(
+            room,
+            chunk.chunk_idx,
+            chunk.page_start,
+            num_pages,
+            target.session_id,
+            self._prefill_rank,
+        )
+        notify = arrival.to_notification() if self._engine.supports_notifications else None
+        remote = target.ring_base + answer.offset + offset_in_region
+        try:
+            self._engine.write(
+                target.session_id, [Transfer(self._buffer_ptr, remote, nbytes)], notify
+            )
+        except TransferError as exc:
+            raise StagingFailed(
+                room, f"chunk {chunk.chunk_idx}: engine write failed: {exc}"
+            ) from exc
+        if notify is None:
+            self._sender.send(target.endpoint, arrival.to_frames())
+        return nbytes
+
+    def _await_region(
+        self, room: int, chunk_idx: int, num_pages: int, target: DecodeTarget, deadline: float
+    ) -> RegionAnswer:
+        while True:
+            answer = self._regions.wait(room, chunk_idx, target.session_id, self._timeouts.answer_s)
+            if answer is not None:
+                if answer.refused:
+                    raise StagingFailed(
+                        room, f"decode refused chunk {chunk_idx} (offset {answer.offset})"
+                    )
+                return answer
+            if time.monotonic() >= deadline:
+                raise StagingFailed(
+                    room, f"no STAGING_RSP for chunk {chunk_idx} before the deadline"
+                )
+            logger.info("room %d chunk %d: no STAGING_RSP yet, asking again", room, chunk_idx)
+            self._request(room, chunk_idx, num_pages, target)
+
+    def _await_ready(
+        self,
+        room: int,
+        chunk_idx: int,
+        num_pages: int,
+        target: DecodeTarget,
+        answer: RegionAnswer,
+        deadline: float,
+    ) -> None:
+        session = target.session_id
+        while not self._watermarks.wait_ready(
+            session, answer.round, answer.end, self._timeouts.ready_s
+        ):
+            if time.monotonic() >= deadline:
+                raise StagingFailed(
+                    room,
+                    f"chunk {chunk_idx}: region of round {answer.round} never became writable "
+                    f"(watermark {tuple(self._watermarks.latest(session))})",
+                )
+            logger.info(
+                "room %d chunk %d: waiting for the watermark, asking again", room, chunk_idx
+            )
+            self._request(room, chunk_idx, num_pages, target)
+
+    def close(self) -> None:
+        """Deregister the staging buffer; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._write_lock:
+            self._engine.deregister(self._buffer_ptr)
