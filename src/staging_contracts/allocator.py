@@ -73,10 +73,13 @@ class StagingAllocator:
         "_buffer",
         "_head",
         "_live",
+        "_live_bytes",
         "_lock",
         "_next_id",
         "_oldest",
+        "_peak_bytes",
         "_round",
+        "_sizes",
         "_total_size",
         "_watermark",
     )
@@ -94,6 +97,9 @@ class StagingAllocator:
         # by one per assign, so allocation order is id order and the oldest live id is found
         # by walking forward from the previous oldest (amortized O(1)).
         self._live: dict[int, Watermark] = {}
+        self._sizes: dict[int, int] = {}
+        self._live_bytes = 0
+        self._peak_bytes = 0
         self._oldest = 0
         self._watermark = Watermark(0, 0)
 
@@ -122,6 +128,18 @@ class StagingAllocator:
         """Allocations assigned and not yet freed."""
         with self._lock:
             return len(self._live)
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of the allocations assigned and not yet freed."""
+        with self._lock:
+            return self._live_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most bytes ever live at once (the ring's peak use)."""
+        with self._lock:
+            return self._peak_bytes
 
     def assign(self, size: int) -> Allocation | None:
         """Take a region of ``size`` bytes at the ring's head, wrapping to a new round if needed.
@@ -155,6 +173,9 @@ class StagingAllocator:
             self._next_id = alloc_id + 1
             alloc_round = self._round
             self._live[alloc_id] = _new_record(Watermark, (alloc_round, offset))
+            self._sizes[alloc_id] = size
+            self._live_bytes += size
+            self._peak_bytes = max(self._peak_bytes, self._live_bytes)
         return _new_record(Allocation, (alloc_id, offset, alloc_round, offset + size))
 
     def free(self, alloc_id: int) -> None:
@@ -171,6 +192,7 @@ class StagingAllocator:
             live = self._live
             if live.pop(alloc_id, None) is None:
                 return
+            self._live_bytes -= self._sizes.pop(alloc_id)
             if not live:
                 self._round += 1
                 self._head = 0

@@ -51,6 +51,20 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("targets", nargs="+", metavar="MODULE:CLASS")
     check.set_defaults(run=_run_check)
 
+    demo = commands.add_parser(
+        "demo",
+        help="run a verified heterogeneous-TP staged transfer across processes",
+        description=(
+            "Fill each prefill rank's KV pool with seeded data, stage R requests into the "
+            "decode ranks through the chosen engine, and verify every decode page. "
+            "Exit 0 only when every page verified."
+        ),
+    )
+    from .demo import add_demo_arguments  # noqa: PLC0415 - keeps `check` light
+
+    add_demo_arguments(demo)
+    demo.set_defaults(run=_run_demo)
+
     from .bench import GROUPS  # noqa: PLC0415 - keeps `check` free of benchmark imports
 
     bench = commands.add_parser(
@@ -120,6 +134,17 @@ def _check_one(target: str) -> int:
             )
             status = EXIT_NONCONFORMING
     return status
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from .demo import config_from_args, run_demo  # noqa: PLC0415 - heavy imports
+
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"staging-contracts demo: {exc}", file=sys.stderr)
+        return EXIT_UNIMPORTABLE
+    return run_demo(config)
 
 
 def _run_bench(args: argparse.Namespace) -> int:

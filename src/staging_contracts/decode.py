@@ -113,6 +113,21 @@ class DecodeStagingHandler:
         self._region_sizes: dict[tuple[int, int], int] = {}
         self._watermark_cache: tuple[Watermark, list[bytes]] | None = None
 
+    @property
+    def decode_tp(self) -> int:
+        """Attention TP size of decode."""
+        return self._decode_tp
+
+    @property
+    def decode_rank(self) -> int:
+        """This rank's attention-TP rank."""
+        return self._decode_rank
+
+    @property
+    def allocator(self) -> StagingAllocator:
+        """The staging ring (read its ``live_count``, watermark, peak use)."""
+        return self._allocator
+
     # ------------------------------------------------------------------ scheduler side
 
     def register_room(self, plan: RoomPlan) -> RoomStatus:

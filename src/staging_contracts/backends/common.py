@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..protocols import KVArgs, TransferEngine
 from ..transport import Listener, PeerSockets
@@ -81,6 +81,7 @@ class CommonKVManager:
             idle=self._on_idle,
             poll_interval_s=poll_interval_s,
         )
+        self._control: dict[bytes, Callable[[list[bytes]], None]] = {}
         self._closed = False
 
     @property
@@ -92,14 +93,29 @@ class CommonKVManager:
         """Start the listener thread."""
         self.listener.start()
 
-    def _on_message(self, frames: list[bytes]) -> None:
-        """Handle one control message (listener thread). The base knows none.
+    def register_control(self, kind: bytes, handler: Callable[[list[bytes]], None]) -> None:
+        """Route control messages whose frame 0 is ``kind`` to ``handler`` (listener thread).
+
+        **Called by:** the per-request layer, before the listener starts.
 
         Raises:
-            MalformedMessage: always; backends override this for the messages they handle.
+            ValueError: ``kind`` already has a handler.
+        """
+        if kind in self._control:
+            raise ValueError(f"control message {kind!r} already has a handler")
+        self._control[kind] = handler
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        """Handle one control message on the listener thread, by its registered type.
+
+        Raises:
+            MalformedMessage: no handler for the message's type (or the handler rejected it).
         """
         kind = bytes(frames[0][:32]) if frames else b""
-        raise MalformedMessage(f"{type(self).__name__} handles no message of type {kind!r}")
+        handler = self._control.get(kind)
+        if handler is None:
+            raise MalformedMessage(f"{type(self).__name__} handles no message of type {kind!r}")
+        handler(frames)
 
     def _on_idle(self) -> None:
         """Periodic work on the listener thread (nothing in the base)."""

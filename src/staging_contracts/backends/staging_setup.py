@@ -25,6 +25,7 @@ from ..protocols import (
     StagingHostCore,
     TransferEngine,
 )
+from ..stats import StagingStats
 from ..transport import PeerSockets
 from ..wire import MalformedMessage
 
@@ -51,6 +52,7 @@ class StagingBackend(StagingHostCore, Protocol):
 
     def attach_staging_handler(self, handler: StagingHandler) -> None: ...
     def _handle_chunk_notification(self, payload: bytes) -> ArrivalOutcome | None: ...
+    def staging_stats(self) -> StagingStats: ...
 
 
 def enable_decode_staging(

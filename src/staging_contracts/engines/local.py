@@ -73,6 +73,11 @@ class LocalEngine:
         return f"LocalEngine({self._session_id!r}, {state})"
 
     @property
+    def registered_regions(self) -> int:
+        """Memory ranges registered now (0 after every ``deregister`` and after ``close``)."""
+        return len(self._regions)
+
+    @property
     def session_id(self) -> str:
         """The name peers pass to ``write`` (the ``name`` given at construction)."""
         return self._session_id

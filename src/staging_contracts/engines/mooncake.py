@@ -76,6 +76,11 @@ class MooncakeEngine:
         return f"MooncakeEngine({self._session_id!r}, {self._protocol!r}, {state})"
 
     @property
+    def registered_regions(self) -> int:
+        """Memory ranges registered now (0 after every ``deregister`` and after ``close``)."""
+        return len(self._regions)
+
+    @property
     def session_id(self) -> str:
         """``"host:rpc_port"``, as Mooncake names this engine's segment."""
         return self._session_id

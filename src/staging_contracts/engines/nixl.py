@@ -172,6 +172,11 @@ class NixlEngine:
         return f"NixlEngine({self._session_id!r}, {self._mem_type!r}, {state})"
 
     @property
+    def registered_regions(self) -> int:
+        """Memory ranges registered now (0 after every ``deregister`` and after ``close``)."""
+        return len(self._regions)
+
+    @property
     def session_id(self) -> str:
         """The agent name."""
         return self._session_id

@@ -1,0 +1,200 @@
+"""Bootstrap: how prefill and decode ranks in separate processes find each other.
+
+A :class:`BootstrapServer` (a ZMQ REP socket on loopback, served by a thread) collects one
+:class:`RankInfo` per rank — its control endpoint, engine session id and metadata, and on
+decode the staging ring's base address and size — and answers queries for all ranks of a
+role once every one of them has registered. Requests and answers are small JSON documents;
+a malformed request gets an error answer and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Final
+
+import zmq
+
+__all__ = ["BootstrapError", "BootstrapServer", "RankInfo", "query_ranks", "register_rank"]
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES: Final = 1 << 20
+
+
+class BootstrapError(RuntimeError):
+    """The bootstrap server did not answer, or refused a request."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """What a rank tells its peers at bootstrap."""
+
+    role: str
+    """``"prefill"`` or ``"decode"``."""
+    tp_rank: int
+    """Attention-TP rank."""
+    endpoint: str
+    """Control listener (``tcp://host:port``)."""
+    session_id: str
+    """Engine session id (Mooncake ``host:port``, NIXL agent name)."""
+    metadata: bytes
+    """Engine metadata a peer passes to ``add_peer``."""
+    ring_base: int = 0
+    """Decode: address of the staging ring."""
+    ring_size: int = 0
+    """Decode: bytes of the staging ring."""
+
+    def to_json(self) -> dict[str, Any]:
+        """As a JSON-ready dict (metadata base64-encoded)."""
+        doc = asdict(self)
+        doc["metadata"] = base64.b64encode(self.metadata).decode()
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: object) -> RankInfo:
+        """Parse a dict made by :meth:`to_json`.
+
+        Raises:
+            ValueError: missing or mistyped fields.
+        """
+        if not isinstance(doc, dict):
+            raise ValueError("rank info must be an object")
+        try:
+            info = cls(
+                role=str(doc["role"]),
+                tp_rank=int(doc["tp_rank"]),
+                endpoint=str(doc["endpoint"]),
+                session_id=str(doc["session_id"]),
+                metadata=base64.b64decode(str(doc["metadata"]), validate=True),
+                ring_base=int(doc.get("ring_base", 0)),
+                ring_size=int(doc.get("ring_size", 0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"bad rank info: {exc}") from None
+        if info.role not in ("prefill", "decode") or info.tp_rank < 0:
+            raise ValueError(f"bad rank info: role {info.role!r}, rank {info.tp_rank}")
+        return info
+
+
+class BootstrapServer:
+    """Collects rank infos and answers queries, on a thread of its own.
+
+    **Thread-safety:** ``start``/``stop`` from the owner's thread; requests are served on
+    the server thread.
+
+    Args:
+        host: address to bind (loopback by default).
+    """
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._socket = self._ctx.socket(zmq.REP)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(f"tcp://{host}:*")
+        last = self._socket.getsockopt(zmq.LAST_ENDPOINT)
+        self.endpoint: str = last.decode() if isinstance(last, bytes) else str(last)
+        """Where ranks send their requests."""
+        self._infos: dict[tuple[str, int], RankInfo] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bootstrap-server", daemon=True)
+
+    def start(self) -> None:
+        """Start serving."""
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop serving and close the socket; safe to call twice."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        elif not self._socket.closed:
+            self._socket.close(linger=0)
+
+    def infos(self, role: str) -> list[RankInfo]:
+        """The ranks of a role registered so far, by rank."""
+        return sorted(
+            (i for (r, _), i in self._infos.items() if r == role), key=lambda i: i.tp_rank
+        )
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._socket.poll(20):
+                    continue
+                request = self._socket.recv()
+                self._socket.send(json.dumps(self._answer(request)).encode())
+        finally:
+            self._socket.close(linger=0)
+
+    def _answer(self, raw: bytes) -> dict[str, Any]:
+        try:
+            if len(raw) > MAX_REQUEST_BYTES:
+                raise ValueError("request too large")
+            doc = json.loads(raw)
+            if not isinstance(doc, dict):
+                raise ValueError("request must be an object")
+            op = doc.get("op")
+            if op == "register":
+                info = RankInfo.from_json(doc.get("info"))
+                self._infos[(info.role, info.tp_rank)] = info
+                return {"ok": True}
+            if op == "query":
+                role = str(doc.get("role"))
+                count = int(doc.get("count", 0))
+                found = self.infos(role)
+                if count < 1 or len(found) < count:
+                    return {"ok": True, "pending": count - len(found)}
+                return {"ok": True, "infos": [i.to_json() for i in found[:count]]}
+            raise ValueError(f"unknown op {op!r}")
+        except (ValueError, TypeError) as exc:
+            logger.warning("bootstrap request rejected: %s", exc)
+            return {"ok": False, "error": str(exc)}
+
+
+def _request(endpoint: str, doc: dict[str, Any], timeout: float) -> dict[str, Any]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(json.dumps(doc).encode())
+        if not sock.poll(int(timeout * 1000)):
+            raise BootstrapError(f"bootstrap server {endpoint} did not answer in {timeout}s")
+        answer = json.loads(sock.recv())
+    finally:
+        sock.close(linger=0)
+    if not isinstance(answer, dict) or not answer.get("ok"):
+        raise BootstrapError(f"bootstrap server refused: {answer}")
+    return answer
+
+
+def register_rank(endpoint: str, info: RankInfo, timeout: float = 10.0) -> None:
+    """Tell the bootstrap server about this rank.
+
+    Raises:
+        BootstrapError: no answer within ``timeout``, or refused.
+    """
+    _request(endpoint, {"op": "register", "info": info.to_json()}, timeout)
+
+
+def query_ranks(endpoint: str, role: str, count: int, timeout: float = 60.0) -> list[RankInfo]:
+    """Wait until ``count`` ranks of ``role`` have registered; return them by rank.
+
+    Raises:
+        BootstrapError: they did not all register within ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BootstrapError(f"{count} {role} ranks did not register within {timeout}s")
+        answer = _request(endpoint, {"op": "query", "role": role, "count": count}, remaining)
+        infos = answer.get("infos")
+        if isinstance(infos, list):
+            return [RankInfo.from_json(doc) for doc in infos]
+        time.sleep(0.02)

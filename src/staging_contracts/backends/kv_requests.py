@@ -1,0 +1,405 @@
+"""The per-request API, in the style of the serving stack: ``KVSender``, ``KVReceiver``, ``KVPoll``.
+
+Prefill: ``KVSender(transfers, room)``; ``init(num_pages)``; ``send(pages, last=...)`` once per
+chunk of the chunked prefill; ``poll()``. Decode: ``KVReceiver(transfers, room)``;
+``init(page_indices, chunk_pages=...)`` registers the room; ``send_metadata()`` tells the
+prefill ranks it is ready; ``poll()``.
+
+:class:`PrefillTransfers` owns the prefill worker thread that stages queued chunks one after
+another; :class:`DecodeTransfers` ties receivers to the decode handler. Both route the
+per-request control messages (``ROOM_META``, ``ROOM_FAILED``) through the manager's
+listener.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..decode import DecodeStagingHandler, RoomPlan, RoomStatus, peers_for
+from ..prefill import ChunkSpec, DecodeTarget, StagingFailed, StagingWriter
+from ..protocols import KVArgs
+from .room_messages import RoomFailed, RoomMeta
+
+__all__ = ["DecodeTransfers", "KVPoll", "KVReceiver", "KVSender", "PrefillTransfers"]
+
+logger = logging.getLogger(__name__)
+
+
+class KVPoll(enum.IntEnum):
+    """State of one request's transfer (values as in the reference)."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+class ControlHost(Protocol):
+    """What the per-request layer needs of a manager (``CommonKVManager`` provides it)."""
+
+    @property
+    def kv_args(self) -> KVArgs: ...
+
+    def register_control(self, kind: bytes, handler: Callable[[list[bytes]], None]) -> None: ...
+
+    def send(self, endpoint: str, frames: Sequence[bytes]) -> bool: ...
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+@dataclass
+class _SendState:
+    num_pages: int
+    decode: tuple[DecodeTarget, ...] = ()
+    """Every decode rank of the request (known from ``init``)."""
+    fed: frozenset[int] | None = None
+    """Decode ranks this prefill rank writes to (``None`` until ``init``)."""
+    ready: set[int] = field(default_factory=set)
+    chunk_pages: int | None = None
+    prefetched: bool = False
+    submitted_pages: int = 0
+    chunks: int = 0
+    pending: int = 0
+    last_submitted: bool = False
+    status: KVPoll = KVPoll.Bootstrapping
+    failure: str | None = None
+
+
+class PrefillTransfers:
+    """Prefill side: queued chunks staged by one worker thread, in submission order.
+
+    **Side:** prefill. **Thread-safety:** senders may be used from any thread; the listener
+    thread delivers ``ROOM_META`` and ``ROOM_FAILED``.
+
+    Args:
+        manager: the prefill manager (its listener must route control messages).
+        writer: the rank's staging writer.
+        meta_timeout_s: how long a chunk waits for decode's ``ROOM_META`` before the room fails.
+    """
+
+    def __init__(
+        self, manager: ControlHost, writer: StagingWriter, *, meta_timeout_s: float = 30.0
+    ) -> None:
+        self._manager = manager
+        self._writer = writer
+        self._meta_timeout = meta_timeout_s
+        self._cond = threading.Condition()
+        self._rooms: dict[int, _SendState] = {}
+        self._jobs: queue.SimpleQueue[tuple[int, ChunkSpec, bool] | None] = queue.SimpleQueue()
+        manager.register_control(RoomMeta.KIND, self._on_room_meta)
+        manager.register_control(RoomFailed.KIND, self._on_room_failed)
+        rank = manager.kv_args.engine_rank
+        self._thread = threading.Thread(
+            target=self._run, name=f"prefill-transfer-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------------ senders' calls
+
+    def open_room(self, room: int, num_pages: int, decode: Sequence[DecodeTarget]) -> None:
+        """Start tracking a room (``KVSender.init``).
+
+        Args:
+            room: the request's room.
+            num_pages: pages of the request.
+            decode: every decode rank of the request, indexed by TP rank (from bootstrap).
+        """
+        if num_pages < 1:
+            raise ValueError(f"num_pages={num_pages} must be >= 1")
+        targets = tuple(decode)
+        fed = frozenset(t.tp_rank for t in self._writer.targets_of(targets))
+        with self._cond:
+            state = self._rooms.setdefault(room, _SendState(num_pages))
+            state.decode = targets
+            state.fed = fed
+            self._check_meta(state)
+            prefetch = self._take_prefetch(state)
+            self._cond.notify_all()
+        self._prefetch(room, prefetch)
+
+    def submit(self, room: int, pages: Sequence[int], last: bool) -> None:
+        """Queue the next chunk of a room (``KVSender.send``)."""
+        with self._cond:
+            state = self._rooms.get(room)
+            if state is None:
+                raise KeyError(f"room {room} was not initialised")
+            if state.last_submitted:
+                raise ValueError(f"room {room}: a chunk after the last one")
+            chunk = ChunkSpec(state.chunks, state.submitted_pages, tuple(pages))
+            state.chunks += 1
+            state.submitted_pages += len(pages)
+            state.pending += 1
+            state.last_submitted = last
+            if state.status in (KVPoll.Bootstrapping, KVPoll.WaitingForInput):
+                state.status = KVPoll.Transferring
+        self._jobs.put((room, chunk, last))
+
+    def status(self, room: int) -> tuple[KVPoll, str | None]:
+        """The room's state and failure reason."""
+        with self._cond:
+            state = self._rooms.get(room)
+            if state is None:
+                return KVPoll.Failed, "unknown room"
+            return state.status, state.failure
+
+    def close_room(self, room: int) -> None:
+        """Forget a finished or failed room."""
+        with self._cond:
+            self._rooms.pop(room, None)
+        self._writer.forget_room(room)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the worker after the queued chunks; safe to call twice."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ listener thread
+
+    def _on_room_meta(self, frames: list[bytes]) -> None:
+        meta = RoomMeta.from_frames(frames)
+        with self._cond:
+            state = self._rooms.setdefault(meta.room, _SendState(meta.num_pages))
+            state.chunk_pages = meta.chunk_pages
+            state.ready.add(meta.decode_rank)
+            if meta.num_pages != state.num_pages:
+                self._fail(
+                    meta.room,
+                    state,
+                    f"decode expects {meta.num_pages} pages, prefill {state.num_pages}",
+                )
+                return
+            self._check_meta(state)
+            prefetch = self._take_prefetch(state)
+            self._cond.notify_all()
+        self._prefetch(meta.room, prefetch)
+
+    @staticmethod
+    def _check_meta(state: _SendState) -> None:
+        """Move a room to WaitingForInput once every decode rank it feeds is ready (lock held)."""
+        ready = state.fed is not None and state.fed <= state.ready
+        if ready and state.status is KVPoll.Bootstrapping:
+            state.status = KVPoll.WaitingForInput
+
+    def _take_prefetch(self, state: _SendState) -> list[tuple[int, int]] | None:
+        """The chunks to prefetch, once, when the room became ready (lock held)."""
+        if state.prefetched or state.fed is None or not state.fed <= state.ready:
+            return None
+        if state.chunk_pages is None or state.status is KVPoll.Failed:
+            return None
+        state.prefetched = True
+        grid = state.chunk_pages
+        count = -(-state.num_pages // grid)
+        return [(i, min(grid, state.num_pages - i * grid)) for i in range(count)]
+
+    def _prefetch(self, room: int, chunks: list[tuple[int, int]] | None) -> None:
+        if chunks is None:
+            return
+        with self._cond:
+            state = self._rooms.get(room)
+            decode = state.decode if state is not None else ()
+        if decode:
+            self._writer.prefetch(room, chunks, decode)
+
+    def _on_room_failed(self, frames: list[bytes]) -> None:
+        message = RoomFailed.from_frames(frames)
+        with self._cond:
+            state = self._rooms.get(message.room)
+            if state is not None and state.status is not KVPoll.Failed:
+                state.status = KVPoll.Failed
+                state.failure = f"decode failed the room: {message.reason}"
+                self._cond.notify_all()
+
+    # ------------------------------------------------------------------ worker thread
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            room, chunk, last = job
+            try:
+                self._stage(room, chunk, last)
+            except StagingFailed as exc:
+                with self._cond:
+                    state = self._rooms.get(room)
+                    if state is not None:
+                        self._fail(room, state, exc.reason)
+
+    def _stage(self, room: int, chunk: ChunkSpec, last: bool) -> None:
+        deadline = time.monotonic() + self._meta_timeout
+        with self._cond:
+            while True:
+                state = self._rooms.get(room)
+                if state is None or state.status is KVPoll.Failed:
+                    return
+                if state.fed is not None and state.fed <= state.ready:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise StagingFailed(room, "decode never sent ROOM_META")
+                self._cond.wait(remaining)
+            expected = min(state.chunk_pages or 0, state.num_pages - chunk.page_start)
+            if len(chunk.pages) != expected:
+                raise StagingFailed(
+                    room,
+                    f"chunk {chunk.chunk_idx} has {len(chunk.pages)} pages, decode's grid of "
+                    f"{state.chunk_pages} pages expects {expected}",
+                )
+            decode = state.decode
+        self._writer.send_chunk(room, chunk, decode)
+        with self._cond:
+            state = self._rooms.get(room)
+            if state is None:
+                return
+            state.pending -= 1
+            if last and state.status is KVPoll.Transferring and state.pending == 0:
+                state.status = KVPoll.Success
+            self._cond.notify_all()
+
+    def _fail(self, room: int, state: _SendState, reason: str) -> None:
+        """Fail a room and tell the decode ranks it feeds (lock held)."""
+        state.status = KVPoll.Failed
+        state.failure = reason
+        self._cond.notify_all()
+        logger.warning("room %d failed on prefill: %s", room, reason)
+        frames = RoomFailed(room, reason).to_frames()
+        for target in state.decode:
+            if state.fed is not None and target.tp_rank in state.fed:
+                self._manager.send(target.endpoint, frames)
+
+
+class KVSender:
+    """One request on prefill (``init``, ``send`` per chunk, ``poll``).
+
+    **Side:** prefill. **Called by:** the scheduler.
+    """
+
+    def __init__(self, transfers: PrefillTransfers, room: int) -> None:
+        self._transfers = transfers
+        self.room = room
+
+    def init(self, num_pages: int, decode: Sequence[DecodeTarget]) -> None:
+        """Announce the request's size in pages and the decode ranks it goes to.
+
+        Args:
+            num_pages: pages of the request.
+            decode: every decode rank of the request's decode instance, indexed by TP rank.
+        """
+        self._transfers.open_room(self.room, num_pages, decode)
+
+    def send(self, pages: Sequence[int], *, last: bool = False) -> None:
+        """Queue the next chunk (this rank's KV-pool pages of it, in token order)."""
+        self._transfers.submit(self.room, pages, last)
+
+    def poll(self) -> KVPoll:
+        """The request's state."""
+        return self._transfers.status(self.room)[0]
+
+    def failure(self) -> str | None:
+        """Why the request failed, if it did."""
+        return self._transfers.status(self.room)[1]
+
+    def release(self) -> None:
+        """Forget the request (after success or failure)."""
+        self._transfers.close_room(self.room)
+
+
+# --------------------------------------------------------------------------- decode
+
+
+class DecodeTransfers:
+    """Decode side: the handler, the prefill endpoints, and ``ROOM_FAILED`` from prefill.
+
+    Args:
+        manager: the decode manager.
+        handler: its attached staging handler.
+        prefill_endpoints: every prefill rank's control listener, indexed by TP rank.
+    """
+
+    def __init__(
+        self, manager: ControlHost, handler: DecodeStagingHandler, prefill_endpoints: Sequence[str]
+    ) -> None:
+        self.manager = manager
+        self.handler = handler
+        self.prefill_tp = len(prefill_endpoints)
+        kv_args = manager.kv_args
+        self.decode_rank = kv_args.engine_rank
+        decode_tp = handler.decode_tp
+        self.peers = peers_for(prefill_endpoints, self.prefill_tp, decode_tp, self.decode_rank)
+        manager.register_control(RoomFailed.KIND, self._on_room_failed)
+
+    def _on_room_failed(self, frames: list[bytes]) -> None:
+        message = RoomFailed.from_frames(frames)
+        self.handler.fail_room(message.room, f"prefill failed the room: {message.reason}")
+
+
+class KVReceiver:
+    """One request on decode (``init``, ``send_metadata``, ``poll``).
+
+    **Side:** decode. **Called by:** the scheduler.
+    """
+
+    def __init__(self, transfers: DecodeTransfers, room: int) -> None:
+        self._transfers = transfers
+        self.room = room
+        self._plan: RoomPlan | None = None
+        self._meta_sent = False
+        self._failure_reported = False
+
+    def init(
+        self, page_indices: Sequence[int], *, chunk_pages: int, prefix_tokens: int = 0
+    ) -> None:
+        """Register the room on decode (before its metadata goes to prefill)."""
+        t = self._transfers
+        self._plan = RoomPlan(
+            self.room, tuple(page_indices), chunk_pages, t.prefill_tp, t.peers, prefix_tokens
+        )
+        t.handler.register_room(self._plan)
+
+    def send_metadata(self) -> None:
+        """Tell the prefill ranks feeding this decode rank that the room is ready."""
+        if self._plan is None:
+            raise RuntimeError(f"room {self.room}: send_metadata before init")
+        t = self._transfers
+        meta = RoomMeta(
+            self.room, t.decode_rank, len(self._plan.page_indices), self._plan.chunk_pages
+        )
+        for peer in t.peers:
+            t.manager.send(peer.endpoint, meta.to_frames())
+        self._meta_sent = True
+
+    def poll(self) -> KVPoll:
+        """The request's state on this decode rank."""
+        status = self._transfers.handler.poll_room(self.room)
+        if status is None or status is RoomStatus.FAILED:
+            self._report_failure()
+            return KVPoll.Failed
+        if status is RoomStatus.SUCCESS:
+            return KVPoll.Success
+        if status is RoomStatus.TRANSFERRING:
+            return KVPoll.Transferring
+        return KVPoll.WaitingForInput if self._meta_sent else KVPoll.Bootstrapping
+
+    def failure(self) -> str | None:
+        """Why the request failed, if it did."""
+        return self._transfers.handler.room_failure(self.room)
+
+    def release(self) -> None:
+        """Tear the room down on decode (frees any ring regions it still holds)."""
+        self._transfers.handler.release_room(self.room)
+
+    def _report_failure(self) -> None:
+        if self._failure_reported:
+            return
+        self._failure_reported = True
+        t = self._transfers
+        frames = RoomFailed(self.room, self.failure() or "room unknown on decode").to_frames()
+        for peer in t.peers:
+            t.manager.send(peer.endpoint, frames)

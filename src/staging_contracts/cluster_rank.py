@@ -1,0 +1,248 @@
+"""One prefill or decode rank of a staged-transfer run, as an OS process of its own.
+
+Started by :func:`staging_contracts.cluster.run_cluster` (``multiprocessing`` spawn). The
+rank builds its KV pool and backend, meets its peers through the bootstrap server, runs every
+request of the :class:`~staging_contracts.workload.TransferConfig` through the per-request
+API, verifies (decode) and reports to the driver as JSON over ZMQ: ``ready``, one ``room``
+event per finished request, and a final ``report``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import traceback
+from dataclasses import replace
+from typing import Any
+
+import torch
+import zmq
+
+from .backends import load_backend
+from .backends.bootstrap import RankInfo, query_ranks, register_rank
+from .backends.common import CommonKVManager, Role
+from .backends.kv_requests import DecodeTransfers, KVPoll, KVReceiver, KVSender, PrefillTransfers
+from .backends.staging_setup import StagingBackend, enable_decode_staging, enable_prefill_staging
+from .layout import compute_staging_layout
+from .prefill import DecodeTarget, PrefillTimeouts
+from .workload import TransferConfig, fill_prefill_pool, request_plans, verify_decode_pool
+
+__all__ = ["rank_main"]
+
+logger = logging.getLogger(__name__)
+
+ROOM_TIMEOUT_S = 120.0
+_FAULT_OFFSET = 1 << 40
+
+
+def rank_main(role: str, rank: int, config: TransferConfig, bootstrap: str, report_to: str) -> None:
+    """Process entry point: run one rank; report the outcome; never raise.
+
+    **Blocking:** until every request of the run finished on this rank.
+    """
+    logging.basicConfig(
+        level=logging.WARNING, format=f"[{role}{rank}] %(levelname)s %(name)s: %(message)s"
+    )
+    torch.set_num_threads(1)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    reporter = ctx.socket(zmq.PUSH)
+    reporter.setsockopt(zmq.LINGER, 5000)
+    reporter.connect(report_to)
+
+    def report(kind: str, **fields: Any) -> None:
+        reporter.send(json.dumps({"kind": kind, "role": role, "rank": rank, **fields}).encode())
+
+    try:
+        summary = (
+            _run_decode(rank, config, bootstrap, report)
+            if role == "decode"
+            else _run_prefill(rank, config, bootstrap, report)
+        )
+        report("report", ok=True, **summary)
+    except BaseException as exc:  # noqa: BLE001 - a rank reports every failure, then exits
+        report(
+            "report", ok=False, error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()
+        )
+    finally:
+        reporter.close()
+
+
+def _make_manager(config: TransferConfig, role: Role, rank: int) -> StagingBackend:
+    backend = load_backend(config.backend)
+    logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL installs an INFO handler
+    tp = config.prefill_tp if role is Role.PREFILL else config.decode_tp
+    manager: StagingBackend = backend(config.kv_args(tp, rank), role=role, attn_tp_size=tp)
+    return manager
+
+
+def _ring_bytes(config: TransferConfig) -> int:
+    layouts = [
+        compute_staging_layout(
+            config.prefill_tp,
+            config.decode_tp,
+            d,
+            config.kv_heads,
+            config.chunk_pages * config.page_size,
+            config.head_dim * config.element_size,
+            config.layers,
+        ).total_bytes
+        for d in range(config.decode_tp)
+    ]
+    return max(layouts) * config.ring_chunks
+
+
+def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) -> dict[str, Any]:
+    pool = config.empty_pool(config.decode_tp, rank)
+    manager = _make_manager(config, Role.DECODE, rank)
+    common: CommonKVManager = manager  # type: ignore[assignment]  # every backend is one
+    try:
+        handler = enable_decode_staging(manager, kv_buffers=pool, ring_bytes=_ring_bytes(config))
+        common.start()
+        engine = manager.engine
+        allocator = handler.allocator
+        register_rank(
+            bootstrap,
+            RankInfo(
+                "decode",
+                rank,
+                common.endpoint,
+                engine.session_id,
+                engine.metadata(),
+                allocator.base_ptr,
+                allocator.total_size,
+            ),
+        )
+        prefill = query_ranks(bootstrap, "prefill", config.prefill_tp)
+        transfers = DecodeTransfers(common, handler, [info.endpoint for info in prefill])
+        report("ready")
+        receivers: dict[int, KVReceiver] = {}
+        for plan in request_plans(config):
+            receiver = KVReceiver(transfers, plan.room)
+            receiver.init(plan.decode_pages, chunk_pages=config.chunk_pages)
+            receiver.send_metadata()
+            receivers[plan.index] = receiver
+        outcome = _wait_all(receivers, report)
+        end = time.monotonic()
+        succeeded = {i for i, state in outcome.items() if state is KVPoll.Success}
+        problems = verify_decode_pool(pool, config, rank, succeeded)
+        failures = {i: receivers[i].failure() for i in outcome if i not in succeeded}
+        for receiver in receivers.values():
+            receiver.release()
+        stats = manager.staging_stats()
+        return {
+            "end": end,
+            "verified": not problems,
+            "problems": problems[:10],
+            "succeeded": sorted(succeeded),
+            "failed": {str(i): reason for i, reason in failures.items()},
+            "ring_peak": allocator.peak_bytes,
+            "ring_size": allocator.total_size,
+            "ring_live_after": allocator.live_count,
+            "control_messages": stats.received,
+            "malformed": stats.malformed,
+            "chunks": stats.allocated,
+            "registered_after": _release_staging(manager, allocator.base_ptr),
+        }
+    finally:
+        common.close()
+
+
+def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any) -> dict[str, Any]:
+    pool = config.empty_pool(config.prefill_tp, rank)
+    fill_prefill_pool(pool, config, rank)
+    manager = _make_manager(config, Role.PREFILL, rank)
+    common: CommonKVManager = manager  # type: ignore[assignment]  # every backend is one
+    try:
+        writer = enable_prefill_staging(
+            manager,
+            kv_buffers=pool,
+            max_chunk_pages=config.chunk_pages,
+            timeouts=PrefillTimeouts(answer_s=0.5, ready_s=0.5, deadline_s=60.0),
+        )
+        transfers = PrefillTransfers(common, writer)
+        common.start()
+        engine = manager.engine
+        decode = query_ranks(bootstrap, "decode", config.decode_tp)
+        for info in decode:
+            engine.add_peer(info.session_id, info.metadata)
+        targets = [
+            DecodeTarget(i.tp_rank, i.session_id, i.endpoint, i.ring_base, i.ring_size)
+            for i in decode
+        ]
+        register_rank(
+            bootstrap,
+            RankInfo("prefill", rank, common.endpoint, engine.session_id, engine.metadata()),
+        )
+        report("ready")
+        start = time.monotonic()
+        senders: dict[int, KVSender] = {}
+        for plan in request_plans(config):
+            sender = KVSender(transfers, plan.room)
+            faulty = rank == 0 and plan.index in config.fail_rooms
+            sender.init(
+                config.num_pages,
+                [replace(t, ring_base=t.ring_base + _FAULT_OFFSET) for t in targets]
+                if faulty
+                else targets,
+            )
+            chunks = list(config.chunks())
+            for number, (page_start, count) in enumerate(chunks):
+                sender.send(
+                    plan.prefill_pages[page_start : page_start + count],
+                    last=number == len(chunks) - 1,
+                )
+            senders[plan.index] = sender
+        outcome = _wait_all(senders, report)
+        end = time.monotonic()
+        failures = {
+            str(i): senders[i].failure()
+            for i, state in outcome.items()
+            if state is not KVPoll.Success
+        }
+        for sender in senders.values():
+            sender.release()
+        transfers.close()
+        writer.close()
+        stats = manager.staging_stats()
+        return {
+            "start": start,
+            "end": end,
+            "bytes_written": writer.bytes_written,
+            "requests_sent": writer.requests_sent,
+            "succeeded": sorted(i for i, s in outcome.items() if s is KVPoll.Success),
+            "failed": failures,
+            "control_messages": stats.received + writer.requests_sent,
+            "registered_after": _registered(manager),
+        }
+    finally:
+        common.close()
+
+
+def _wait_all(
+    requests: dict[int, KVSender] | dict[int, KVReceiver], report: Any
+) -> dict[int, KVPoll]:
+    done: dict[int, KVPoll] = {}
+    deadline = time.monotonic() + ROOM_TIMEOUT_S
+    while len(done) < len(requests):
+        for index, request in requests.items():
+            if index in done:
+                continue
+            state = request.poll()
+            if state in (KVPoll.Success, KVPoll.Failed):
+                done[index] = state
+                report("room", index=index, ok=state is KVPoll.Success)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"requests {sorted(set(requests) - set(done))} did not finish")
+        time.sleep(0.005)
+    return done
+
+
+def _release_staging(manager: StagingBackend, ring_base: int) -> int:
+    manager.engine.deregister(ring_base)
+    return _registered(manager)
+
+
+def _registered(manager: StagingBackend) -> int:
+    count = getattr(manager.engine, "registered_regions", -1)
+    return int(count) if isinstance(count, int) else -1

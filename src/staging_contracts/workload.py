@@ -1,0 +1,271 @@
+"""A seeded, reproducible transfer workload: requests, their pages, their KV data.
+
+Every rank process derives the same requests from a :class:`TransferConfig` alone: which
+pool pages each request occupies on prefill and on decode, and the KV data of every
+(request, layer, K/V, global head). A prefill rank fills its pool with its heads; a decode
+rank checks, after the transfer, that each of its pages holds exactly its heads — computed
+from first principles (which global heads a rank holds), not from the staging layout code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import torch
+
+from .protocols import KVArgsRecord, KVBufferTensors
+
+__all__ = [
+    "DTYPES",
+    "RequestPlan",
+    "TransferConfig",
+    "fill_prefill_pool",
+    "rank_heads",
+    "verify_decode_pool",
+]
+
+DTYPES: Final[dict[str, torch.dtype]] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+_BITS: Final[dict[int, torch.dtype]] = {
+    1: torch.uint8,
+    2: torch.int16,
+    4: torch.int32,
+    8: torch.int64,
+}
+_MASK64: Final = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    """One run of the staged transfer: model geometry, TP sizes, requests.
+
+    Raises:
+        ValueError: a size is not positive or the dtype is unknown.
+    """
+
+    backend: str = "nixl"
+    prefill_tp: int = 4
+    decode_tp: int = 2
+    kv_heads: int = 8
+    layers: int = 8
+    head_dim: int = 128
+    tokens: int = 2048
+    page_size: int = 16
+    requests: int = 4
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    seed: int = 0
+    chunk_tokens: int = 512
+    """Chunked-prefill size: chunks are ``max(1, chunk_tokens // page_size)`` pages."""
+    ring_chunks: int = 4
+    """Ring size, in regions of the largest chunk (small values make the ring wrap)."""
+    fail_rooms: tuple[int, ...] = ()
+    """Requests (by index) whose writes prefill rank 0 aims outside the decode ring: a fault
+    injection to show that an engine error fails that request only."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "prefill_tp",
+            "decode_tp",
+            "kv_heads",
+            "layers",
+            "head_dim",
+            "tokens",
+            "page_size",
+            "requests",
+            "chunk_tokens",
+            "ring_chunks",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The KV dtype."""
+        return DTYPES[self.dtype]
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per KV element."""
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def num_pages(self) -> int:
+        """Pages per request (the last one may be partly used)."""
+        return -(-self.tokens // self.page_size)
+
+    @property
+    def chunk_pages(self) -> int:
+        """Pages per chunk on the chunked-prefill grid."""
+        return max(1, self.chunk_tokens // self.page_size)
+
+    @property
+    def pool_pages(self) -> int:
+        """Pages of every rank's KV pool (all requests fit at once, plus one spare)."""
+        return self.requests * self.num_pages + 1
+
+    @property
+    def request_bytes(self) -> int:
+        """KV bytes of one request over all heads (the payload a transfer delivers)."""
+        tokens = self.num_pages * self.page_size
+        return tokens * self.kv_heads * self.head_dim * self.element_size * 2 * self.layers
+
+    def room(self, index: int) -> int:
+        """The room id of request ``index``."""
+        return 1000 + index
+
+    def chunks(self) -> Iterator[tuple[int, int]]:
+        """``(page_start, num_pages)`` of each chunk of a request."""
+        for start in range(0, self.num_pages, self.chunk_pages):
+            yield start, min(self.chunk_pages, self.num_pages - start)
+
+    def kv_args(self, tp: int, rank: int) -> KVArgsRecord:
+        """KV arguments of a rank of a side with TP size ``tp``."""
+        heads = len(rank_heads(self.kv_heads, tp, rank))
+        item = self.page_size * heads * self.head_dim * self.element_size
+        return KVArgsRecord(
+            page_size=self.page_size,
+            kv_item_lens=(item,) * (2 * self.layers),
+            engine_rank=rank,
+            device="cpu",
+            total_kv_head_num=self.kv_heads,
+            kv_head_num=heads,
+            kv_layer_ids=tuple(range(self.layers)),
+        )
+
+    def empty_pool(self, tp: int, rank: int) -> KVBufferTensors:
+        """A zeroed paged KV pool for a rank."""
+        heads = len(rank_heads(self.kv_heads, tp, rank))
+        shape = (self.pool_pages * self.page_size, heads, self.head_dim)
+        dtype = self.torch_dtype
+        return KVBufferTensors(
+            tuple(torch.zeros(shape, dtype=dtype) for _ in range(self.layers)),
+            tuple(torch.zeros(shape, dtype=dtype) for _ in range(self.layers)),
+            self.page_size,
+        )
+
+
+def rank_heads(total_heads: int, tp: int, rank: int) -> list[int]:
+    """Global KV heads held by ``rank`` of a side with TP size ``tp``.
+
+    With at least as many heads as ranks, each rank holds a contiguous share; with fewer,
+    heads are replicated (GQA): consecutive ranks share one head.
+    """
+    if total_heads >= tp:
+        per = total_heads // tp
+        return list(range(rank * per, (rank + 1) * per))
+    return [rank // (tp // total_heads)]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPlan:
+    """Where one request lives on each side."""
+
+    index: int
+    room: int
+    prefill_pages: tuple[int, ...]
+    decode_pages: tuple[int, ...]
+
+
+def request_plans(config: TransferConfig) -> list[RequestPlan]:
+    """Every request's pages: disjoint, shuffled, the same on every rank of a side."""
+    prefill = _permutation(config, "prefill")
+    decode = _permutation(config, "decode")
+    n = config.num_pages
+    return [
+        RequestPlan(
+            i,
+            config.room(i),
+            tuple(prefill[i * n : (i + 1) * n]),
+            tuple(decode[i * n : (i + 1) * n]),
+        )
+        for i in range(config.requests)
+    ]
+
+
+def _permutation(config: TransferConfig, side: str) -> list[int]:
+    gen = torch.Generator().manual_seed(_mix(config.seed, 1 if side == "prefill" else 2))
+    return [int(p) for p in torch.randperm(config.pool_pages, generator=gen)]
+
+
+def head_data(
+    config: TransferConfig, request: int, layer: int, kind: int, head: int
+) -> torch.Tensor:
+    """KV data of one global head: ``[num_pages * page_size, head_dim]`` in the KV dtype."""
+    gen = torch.Generator().manual_seed(_mix(config.seed, request, layer, kind, head))
+    tokens = config.num_pages * config.page_size
+    bits = _BITS[config.element_size]
+    info = torch.iinfo(bits)
+    raw = torch.randint(
+        info.min, info.max, (tokens, config.head_dim), generator=gen, dtype=torch.int64
+    )
+    return raw.to(bits).view(config.torch_dtype)
+
+
+def _token_rows(pages: tuple[int, ...], page_size: int) -> torch.Tensor:
+    base = torch.tensor(pages, dtype=torch.int64).unsqueeze(1) * page_size
+    return (base + torch.arange(page_size)).reshape(-1)
+
+
+def fill_prefill_pool(pool: KVBufferTensors, config: TransferConfig, rank: int) -> None:
+    """Write every request's data for this prefill rank's heads into its pages."""
+    heads = rank_heads(config.kv_heads, config.prefill_tp, rank)
+    for plan in request_plans(config):
+        rows = _token_rows(plan.prefill_pages, config.page_size)
+        for layer in range(config.layers):
+            for kind, buffers in enumerate((pool.k_buffers, pool.v_buffers)):
+                for local, head in enumerate(heads):
+                    buffers[layer][rows, local] = head_data(config, plan.index, layer, kind, head)
+
+
+def verify_decode_pool(
+    pool: KVBufferTensors, config: TransferConfig, rank: int, requests: set[int] | None = None
+) -> list[str]:
+    """Compare this decode rank's pages with the expected heads, bit for bit.
+
+    Args:
+        pool: the decode rank's KV pool after the transfer.
+        config: the run.
+        rank: the decode rank.
+        requests: indexes to check (default: all).
+
+    Returns:
+        One line per mismatching (request, layer, K/V, head); empty when all match.
+    """
+    heads = rank_heads(config.kv_heads, config.decode_tp, rank)
+    bits = _BITS[config.element_size]
+    problems: list[str] = []
+    for plan in request_plans(config):
+        if requests is not None and plan.index not in requests:
+            continue
+        rows = _token_rows(plan.decode_pages, config.page_size)
+        for layer in range(config.layers):
+            for kind, buffers in enumerate((pool.k_buffers, pool.v_buffers)):
+                for local, head in enumerate(heads):
+                    got = buffers[layer][rows, local].view(bits)
+                    want = head_data(config, plan.index, layer, kind, head).view(bits)
+                    if not torch.equal(got, want):
+                        problems.append(
+                            f"request {plan.index} layer {layer} {'KV'[kind]} head {head}: "
+                            f"{int((got != want).sum())} elements differ"
+                        )
+    return problems
+
+
+def _mix(*values: int) -> int:
+    """A stable 63-bit seed from integers (splitmix64 over the sequence)."""
+    state = 0x9E3779B97F4A7C15
+    for value in values:
+        state = (state ^ (value & _MASK64)) & _MASK64
+        state = (state + 0x9E3779B97F4A7C15) & _MASK64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        state = z ^ (z >> 31)
+    return state & ((1 << 63) - 1)

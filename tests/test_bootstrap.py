@@ -1,0 +1,77 @@
+"""Bootstrap: ranks in separate processes find each other through a small ZMQ server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import zmq
+
+from staging_contracts.backends.bootstrap import (
+    BootstrapError,
+    BootstrapServer,
+    RankInfo,
+    query_ranks,
+    register_rank,
+)
+
+
+def test_register_then_query_returns_ranks_in_order() -> None:
+    """Ranks registered in any order come back sorted, metadata intact."""
+    server = BootstrapServer()
+    server.start()
+    try:
+        for rank in (1, 0):
+            info = RankInfo(
+                "decode", rank, f"tcp://127.0.0.1:{5000 + rank}", f"s{rank}", b"\x00\xff", 4096, 64
+            )
+            register_rank(server.endpoint, info)
+        infos = query_ranks(server.endpoint, "decode", 2, timeout=5)
+        assert [i.tp_rank for i in infos] == [0, 1]
+        assert infos[0].metadata == b"\x00\xff"
+        assert infos[1].ring_base == 4096
+    finally:
+        server.stop()
+
+
+def test_query_times_out_while_ranks_are_missing() -> None:
+    """Waiting for ranks that never register ends with BootstrapError."""
+    server = BootstrapServer()
+    server.start()
+    try:
+        with pytest.raises(BootstrapError, match=r"^2 prefill ranks did not register within 0.2s$"):
+            query_ranks(server.endpoint, "prefill", 2, timeout=0.2)
+    finally:
+        server.stop()
+
+
+def test_malformed_requests_get_an_error_and_the_server_keeps_serving() -> None:
+    """Garbage and bad rank infos are answered with an error; later requests still work."""
+    server = BootstrapServer()
+    server.start()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    try:
+        for raw in (
+            b"not json",
+            b"[1]",
+            json.dumps({"op": "register", "info": {"role": "x"}}).encode(),
+        ):
+            sock.send(raw)
+            assert sock.poll(5000)
+            assert json.loads(sock.recv())["ok"] is False
+        register_rank(server.endpoint, RankInfo("prefill", 0, "tcp://127.0.0.1:1", "p0", b""))
+        assert len(query_ranks(server.endpoint, "prefill", 1, timeout=5)) == 1
+    finally:
+        sock.close(linger=0)
+        server.stop()
+
+
+def test_rank_info_rejects_bad_documents() -> None:
+    """A rank info with a bad role or missing fields is a ValueError."""
+    with pytest.raises(ValueError, match=r"^bad rank info: role 'router'"):
+        RankInfo.from_json(RankInfo("prefill", 0, "e", "s", b"").to_json() | {"role": "router"})
+    with pytest.raises(ValueError, match=r"^bad rank info: 'session_id'$"):
+        RankInfo.from_json({"role": "prefill", "tp_rank": 0, "endpoint": "e", "metadata": ""})

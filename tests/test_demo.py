@@ -1,0 +1,88 @@
+"""The main job: the demo command end to end, and its summary."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from staging_contracts.cli import main
+from staging_contracts.cluster import ClusterResult, RankReport
+from staging_contracts.demo import format_summary
+from staging_contracts.engines import engine_available
+from staging_contracts.workload import TransferConfig
+
+REPO = Path(__file__).resolve().parents[1]
+NIXL = engine_available("nixl")
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not NIXL[0], reason=NIXL[1])
+def test_demo_command_verifies_and_exits_zero() -> None:
+    """staging-contracts demo runs across processes, shows progress and a PASS summary."""
+    script = Path(sys.executable).with_name("staging-contracts")
+    args = [
+        "--layers",
+        "2",
+        "--head-dim",
+        "32",
+        "--tokens",
+        "96",
+        "--requests",
+        "3",
+        "--chunk-tokens",
+        "32",
+    ]
+    result = subprocess.run(
+        [str(script), "demo", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "] 6/6 rooms done" in out
+    assert "verification             PASS: every page of 3 requests on 2 decode ranks" in out
+    assert "prefill TP -> decode TP  4 -> 2" in out
+
+
+def test_demo_rejects_impossible_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    """A non-positive size is a usage error with exit status 2."""
+    assert main(["demo", "--tokens", "0"]) == 2
+    assert "tokens=0 must be >= 1" in capsys.readouterr().err
+
+
+def test_summary_reports_failures_and_peak_use() -> None:
+    """The summary names failed requests, the ring's peak and a FAIL verdict."""
+    config = TransferConfig(requests=2, tokens=64, page_size=16)
+    decode = RankReport(
+        "decode",
+        0,
+        True,
+        {
+            "verified": True,
+            "chunks": 2,
+            "ring_peak": 2 << 20,
+            "ring_size": 4 << 20,
+            "control_messages": 10,
+            "failed": {"1": "boom"},
+        },
+        0,
+    )
+    prefill = RankReport(
+        "prefill",
+        0,
+        True,
+        {"bytes_written": 1 << 20, "control_messages": 5, "failed": {"1": "engine write failed"}},
+        0,
+    )
+    result = ClusterResult(config, (decode, prefill), 0.5, frozenset({1}))
+    text = format_summary(result)
+    assert "failed requests          1" in text
+    assert "ring peak use            2.0 MiB assigned at once, ring of 4.0 MiB" in text
+    assert "verification             FAIL" in text
+    assert "throughput               0.00 GB/s" in text

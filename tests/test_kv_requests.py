@@ -1,0 +1,137 @@
+"""The per-request API: KVSender and KVReceiver over LocalKVManagers in one process."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+
+from staging_contracts.backends.kv_requests import (
+    DecodeTransfers,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    PrefillTransfers,
+)
+from tests.local_cluster import Geometry, LocalCluster, local_cluster, pools_equal
+
+
+@dataclass
+class Sides:
+    """A local cluster with the per-request layer on top."""
+
+    cluster: LocalCluster
+    prefill: list[PrefillTransfers]
+    decode: list[DecodeTransfers]
+
+
+@contextmanager
+def sides(geometry: Geometry) -> Iterator[Sides]:
+    """Per-request transfers for every rank of a local cluster."""
+    with local_cluster(geometry) as cluster:
+        endpoints = [m.endpoint for m in cluster.prefill]
+        prefill = [
+            PrefillTransfers(m, w, meta_timeout_s=2.0)
+            for m, w in zip(cluster.prefill, cluster.writers, strict=True)
+        ]
+        decode = [
+            DecodeTransfers(m, h, endpoints)
+            for m, h in zip(cluster.decode, cluster.handlers, strict=True)
+        ]
+        try:
+            yield Sides(cluster, prefill, decode)
+        finally:
+            for transfers in prefill:
+                transfers.close()
+
+
+def wait_states(requests: list[KVSender] | list[KVReceiver], timeout: float = 10.0) -> list[KVPoll]:
+    """Poll until every request finished; return their states."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = [r.poll() for r in requests]
+        if all(s in (KVPoll.Success, KVPoll.Failed) for s in states) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.005)
+
+
+def test_request_goes_through_every_state_and_lands_bit_exact() -> None:
+    """Bootstrapping, WaitingForInput, Transferring, Success on both sides; pages verify."""
+    with sides(Geometry(2, 1, 4)) as s:
+        c = s.cluster
+        request = c.add_request(50, num_pages=6, chunk_pages=2)
+        c.handlers[0].release_room(50)  # registered again below through the receiver
+        receiver = KVReceiver(s.decode[0], 50)
+        receiver.init(request.decode_pages, chunk_pages=2)
+        assert receiver.poll() is KVPoll.Bootstrapping
+        senders = [KVSender(t, 50) for t in s.prefill]
+        for sender in senders:
+            sender.init(6, c.targets)
+            assert sender.poll() is KVPoll.Bootstrapping
+        receiver.send_metadata()
+        # Prefill prefetches regions as soon as it has the metadata: decode may already be
+        # transferring by the time it is polled.
+        assert receiver.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring)
+        deadline = time.monotonic() + 5
+        while (
+            any(x.poll() is not KVPoll.WaitingForInput for x in senders)
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.005)
+        assert [x.poll() for x in senders] == [KVPoll.WaitingForInput] * 2
+        for sender in senders:
+            for chunk in request.chunks():
+                sender.send(chunk.pages, last=chunk.chunk_idx == 2)
+        assert wait_states(senders) == [KVPoll.Success] * 2
+        assert wait_states([receiver]) == [KVPoll.Success]
+        assert pools_equal(c.decode_pools[0], c.expected_decode_pool(0))
+        receiver.release()
+        for sender in senders:
+            sender.release()
+        assert c.handlers[0].allocator.live_count == 0
+
+
+def test_chunk_off_decode_grid_fails_both_sides() -> None:
+    """A chunk that disagrees with decode's grid fails on prefill, and decode is told."""
+    with sides(Geometry(1, 1, 2)) as s:
+        c = s.cluster
+        request = c.add_request(51, num_pages=4, chunk_pages=2)
+        c.handlers[0].release_room(51)
+        receiver = KVReceiver(s.decode[0], 51)
+        receiver.init(request.decode_pages, chunk_pages=2)
+        receiver.send_metadata()
+        sender = KVSender(s.prefill[0], 51)
+        sender.init(4, c.targets)
+        sender.send(request.prefill_pages[:3])
+        sender.send(request.prefill_pages[3:], last=True)
+        assert wait_states([sender]) == [KVPoll.Failed]
+        assert "decode's grid of 2 pages expects 2" in (sender.failure() or "")
+        assert wait_states([receiver]) == [KVPoll.Failed]
+        assert "prefill failed the room" in (receiver.failure() or "")
+        receiver.release()
+        assert c.handlers[0].allocator.live_count == 0
+
+
+def test_missing_room_meta_fails_after_the_timeout() -> None:
+    """Without decode's ROOM_META the prefill gives the room up after its bound."""
+    with sides(Geometry(1, 1, 2)) as s:
+        sender = KVSender(s.prefill[0], 52)
+        sender.init(2, s.cluster.targets)
+        sender.send((1, 2), last=True)
+        assert wait_states([sender], timeout=10) == [KVPoll.Failed]
+        assert sender.failure() == "decode never sent ROOM_META"
+
+
+def test_send_after_last_chunk_is_refused() -> None:
+    """A chunk after the last one is a programming error."""
+    with sides(Geometry(1, 1, 2)) as s:
+        sender = KVSender(s.prefill[0], 53)
+        sender.init(2, s.cluster.targets)
+        sender.send((1, 2), last=True)
+        with pytest.raises(ValueError, match=r"^room 53: a chunk after the last one$"):
+            sender.send((3,))
+        with pytest.raises(RuntimeError, match=r"^room 54: send_metadata before init$"):
+            KVReceiver(s.decode[0], 54).send_metadata()
