@@ -11,5 +11,5 @@ from examples.hosts import MoriStyleKVManager
 from staging_contracts import StagingManagerMixin
 
 
-class MoriWithStaging(StagingManagerMixin, MoriStyleKVManager):
+class MoriWithStaging(StagingManagerMixin, MoriStyleKVManager):  # type: ignore[staging-missing-member]  # the mistake this example shows
     """Rejected: Mori declares neither ``_staging_handler`` nor ``_staging_ctx``."""

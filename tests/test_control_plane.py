@@ -18,7 +18,7 @@ from staging_contracts.transport import open_socket_count
 from staging_contracts.wire import ChunkReady, StagingReq, StagingRsp, decode_message
 from tests.local_cluster import Geometry, LocalCluster, local_cluster, pools_equal
 
-FAST = PrefillTimeouts(answer_s=0.05, ready_s=0.05, deadline_s=5.0)
+FAST = PrefillTimeouts(answer_s=0.05, ready_s=0.05, deadline_s=30.0)
 
 
 @pytest.fixture

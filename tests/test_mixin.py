@@ -38,7 +38,7 @@ def test_mori_style_host_is_rejected_at_class_creation() -> None:
     """A host declaring only kv_args and attn_tp_size is rejected, naming both staging members."""
     with pytest.raises(ContractError) as info:
 
-        class MoriKVManager(StagingManagerMixin, CommonBase):
+        class MoriKVManager(StagingManagerMixin, CommonBase):  # type: ignore[staging-missing-member]  # the mistake under test
             pass
 
     assert str(info.value) == (
@@ -65,7 +65,7 @@ def test_contract_error_lists_every_problem_at_once() -> None:
 
     with pytest.raises(ContractError, match=r"^Bad does not satisfy") as info:
 
-        class Bad(Shadow, StagingManagerMixin, CommonBase):
+        class Bad(Shadow, StagingManagerMixin, CommonBase):  # type: ignore[staging-missing-member, staging-member-type, staging-shadowed-method]  # the mistake under test
             _staging_handler: StagingHandler | None = None
             attn_tp_size: str  # type: ignore[assignment]  # the mistake under test
 
@@ -83,7 +83,7 @@ def test_mixin_on_common_base_rejects_mori_style_subclass() -> None:
 
     with pytest.raises(ContractError, match=r"^MoriKVManager does not satisfy") as info:
 
-        class MoriKVManager(CommonWithStaging):
+        class MoriKVManager(CommonWithStaging):  # type: ignore[staging-missing-member]  # the mistake under test
             pass
 
     assert info.value.missing == ("_staging_handler", "_staging_ctx")
@@ -93,7 +93,7 @@ def test_mixin_on_common_base_itself_is_rejected() -> None:
     """Putting the mixin on the common base without abstract=True fails on the base."""
     with pytest.raises(ContractError, match=r"^CommonKVManager does not satisfy"):
 
-        class CommonKVManager(StagingManagerMixin, CommonBase):
+        class CommonKVManager(StagingManagerMixin, CommonBase):  # type: ignore[staging-missing-member]  # the mistake under test
             pass
 
 
@@ -106,7 +106,7 @@ def test_ascend_style_subclass_is_checked() -> None:
     assert isinstance(AscendLike(), MooncakeLike)
     with pytest.raises(ContractError, match=r"^AscendBroken does not satisfy") as info:
 
-        class AscendBroken(MooncakeLike):
+        class AscendBroken(MooncakeLike):  # type: ignore[staging-member-type]  # the mistake under test
             attn_tp_size: str  # type: ignore[assignment]  # the mistake under test
 
     assert info.value.mismatched == ("attn_tp_size",)
@@ -138,7 +138,7 @@ def test_abstract_intermediate_opts_out_for_itself_only() -> None:
     assert Complete()._staging_ctx is None
     with pytest.raises(ContractError, match=r"^Incomplete does not satisfy") as info:
 
-        class Incomplete(StagingBase):
+        class Incomplete(StagingBase):  # type: ignore[staging-missing-member]  # the mistake under test
             pass
 
     assert info.value.missing == ("_staging_ctx",)
@@ -185,7 +185,7 @@ def test_property_with_incompatible_type_is_rejected() -> None:
     """A property whose return annotation is clearly incompatible is a mismatch."""
     with pytest.raises(ContractError, match=r"^ByProperty does not satisfy") as info:
 
-        class ByProperty(StagingManagerMixin, CommonBase):
+        class ByProperty(StagingManagerMixin, CommonBase):  # type: ignore[staging-member-type]  # the mistake under test
             _staging_handler: StagingHandler | None = None
             _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
 
@@ -200,7 +200,7 @@ def test_class_attribute_of_wrong_literal_type_is_rejected() -> None:
     """A class attribute whose value's type is incompatible is a mismatch."""
     with pytest.raises(ContractError, match=r"^WrongDefault does not satisfy") as info:
 
-        class WrongDefault(StagingManagerMixin, CommonBase):
+        class WrongDefault(StagingManagerMixin, CommonBase):  # type: ignore[staging-member-type]  # the mistake under test
             _staging_handler = None
             _staging_ctx = None
             attn_tp_size = "2"  # type: ignore[assignment]  # the mistake under test
@@ -212,7 +212,7 @@ def test_attn_tp_size_declared_as_str_is_rejected() -> None:
     """attn_tp_size: str is rejected, naming the member, the declaring class and both types."""
     with pytest.raises(ContractError, match=r"^StrTp does not satisfy") as info:
 
-        class StrTp(MooncakeLike):
+        class StrTp(MooncakeLike):  # type: ignore[staging-member-type]  # the mistake under test
             attn_tp_size: str  # type: ignore[assignment]  # the mistake under test
 
     assert info.value.problems[0].actual == "str"
@@ -224,7 +224,7 @@ def test_optional_kv_args_declaration_is_rejected() -> None:
     """Declaring kv_args as KVArgs | None admits a value the contract forbids."""
     with pytest.raises(ContractError, match=r"^MaybeArgs does not satisfy") as info:
 
-        class MaybeArgs(MooncakeLike):
+        class MaybeArgs(MooncakeLike):  # type: ignore[staging-member-type]  # the mistake under test
             kv_args: KVArgs | None  # type: ignore[assignment]  # the mistake under test
 
     assert "declares 'kv_args' as KVArgs | None in MaybeArgs (expected KVArgs)" in str(info.value)
@@ -249,7 +249,7 @@ def test_wrong_base_order_is_rejected() -> None:
 
     with pytest.raises(ContractError, match=r"^Reordered does not satisfy") as info:
 
-        class Reordered(LegacyManager, StagingManagerMixin):
+        class Reordered(LegacyManager, StagingManagerMixin):  # type: ignore[staging-shadowed-method]  # the mistake under test
             _staging_handler: StagingHandler | None = None
             _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
 
@@ -512,7 +512,7 @@ def test_resolvable_string_annotation_is_checked() -> None:
     """A string annotation that can be resolved is held to the expected type."""
     with pytest.raises(ContractError, match=r"^StringAnnotated does not satisfy") as info:
 
-        class StringAnnotated(MooncakeLike):
+        class StringAnnotated(MooncakeLike):  # type: ignore[staging-member-type]  # the mistake under test
             attn_tp_size: "str"  # type: ignore[assignment]  # noqa: UP037 - the case under test
 
     assert info.value.mismatched == ("attn_tp_size",)
@@ -579,7 +579,7 @@ def test_annotated_init_assignment_with_wrong_type_is_rejected() -> None:
     """An annotated assignment in __init__ is held to the expected type."""
     with pytest.raises(ContractError, match=r"^WrongInInit does not satisfy") as info:
 
-        class WrongInInit(StagingManagerMixin, CommonBase):
+        class WrongInInit(StagingManagerMixin, CommonBase):  # type: ignore[staging-member-type]  # the mistake under test
             def __init__(self) -> None:
                 super().__init__()
                 self._staging_handler: StagingHandler | None = None
@@ -593,7 +593,7 @@ def test_assignments_in_nested_scopes_do_not_count() -> None:
     """A nested function's self.<name> is another object's attribute."""
     with pytest.raises(ContractError, match=r"^Nested does not satisfy") as info:
 
-        class Nested(StagingManagerMixin, CommonBase):
+        class Nested(StagingManagerMixin, CommonBase):  # type: ignore[staging-missing-member]  # the mistake under test
             _staging_handler: StagingHandler | None = None
 
             def __init__(self) -> None:

@@ -1,0 +1,406 @@
+"""What a host class declares, as mypy sees it: the analysis behind the mypy plugin.
+
+Private to :mod:`staging_contracts.mypy_plugin`, and the static twin of
+:mod:`staging_contracts.declarations` and :meth:`staging_contracts.contract.Contract.inspect_class`:
+the same members, the same notion of *declared*, the same problems, computed on mypy's
+``TypeInfo`` objects instead of live classes. It imports mypy, so nothing in the library
+imports it at runtime.
+
+A member counts as declared by a class-level annotation, a class attribute, a property or other
+descriptor, a ``__slots__`` entry, or an assignment to ``self.<name>`` in ``__init__``, in any
+class of the host's MRO except the enforcing mixin's own MRO (the mixin, ``ContractMixin`` and
+``object``). The most derived declaration wins, as at runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Final
+
+import mypy.checker  # noqa: F401 - imported first: loads mypy's modules in an order that works
+from mypy.expandtype import expand_type_by_instance
+from mypy.maptype import map_instance_to_supertype
+from mypy.nodes import (
+    AssignmentStmt,
+    Decorator,
+    Expression,
+    FuncBase,
+    FuncDef,
+    ListExpr,
+    NameExpr,
+    OverloadedFuncDef,
+    SetExpr,
+    StrExpr,
+    SymbolNode,
+    SymbolTableNode,
+    TupleExpr,
+    TypeInfo,
+    Var,
+)
+from mypy.subtypes import find_member, is_subtype
+from mypy.types import AnyType, CallableType, Instance, PartialType, Type, get_proper_type
+from mypy.typevars import fill_typevars
+
+from .problems import ProblemKind
+
+__all__ = [
+    "METADATA_KEY",
+    "ContractInfos",
+    "HostReport",
+    "StaticDeclaration",
+    "StaticMember",
+    "StaticProblem",
+    "check_host",
+    "init_attributes",
+    "protocol_attributes",
+    "slot_names",
+    "stored_names",
+]
+
+METADATA_KEY: Final = "staging_contracts"
+"""Key of this plugin's per-class facts in ``TypeInfo.metadata`` (kept in mypy's cache)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContractInfos:
+    """A contract as mypy sees it: the enforcing mixin (``StagingManagerMixin``), the full host
+    Protocol (``StagingHost``) and the Protocol of its required members (``StagingHostCore``)."""
+
+    mixin: TypeInfo
+    protocol: TypeInfo
+    required: TypeInfo
+
+
+@dataclass(frozen=True, slots=True)
+class StaticMember:
+    """One member of the contract with the type the Protocol gives it."""
+
+    name: str
+    expected: Type
+    optional: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StaticDeclaration:
+    """Where and how a host declares a member."""
+
+    owner: TypeInfo
+    """The most derived class of the MRO that declares it."""
+    kind: str
+    """``annotation``, ``class attribute``, ``property``, ``method``, ``__slots__`` or
+    ``assigned in __init__`` (the runtime's ``DeclarationKind`` values, plus ``method``)."""
+    declared: Type | None
+    """The declared type as seen on the host, or ``None`` when unknown or not stated."""
+
+
+@dataclass(frozen=True, slots=True)
+class StaticProblem:
+    """One problem of a host class, with the facts its message is built from: the member (for
+    ``SHADOWED`` the mixin method), the Protocol's and the declared type, and the declaring
+    class (``MISMATCHED``) or the shadowing base (``SHADOWED``)."""
+
+    kind: ProblemKind
+    member: str
+    expected: Type | None = None
+    actual: Type | None = None
+    where: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class HostReport:
+    """Everything the plugin found about one host class."""
+
+    members: tuple[tuple[StaticMember, StaticDeclaration | None], ...]
+    problems: tuple[StaticProblem, ...]
+
+
+# --------------------------------------------------------------------------- the contract
+
+
+def contract_members(contract: ContractInfos, host: Instance) -> list[StaticMember]:
+    """The Protocol's data members in definition order (bases first), with expected types.
+
+    Only annotated attributes count, as ``typing.get_type_hints`` sees them at runtime;
+    ``ClassVar`` members and methods are not part of the contract.
+    """
+    proto = contract.protocol
+    proto_instance = _host_instance(proto)
+    if proto_instance is None:
+        return []
+    members: list[StaticMember] = []
+    seen: set[str] = set()
+    for klass in reversed(proto.mro):
+        if not klass.is_protocol:
+            continue
+        for name in protocol_attribute_order(klass):
+            sym = klass.names.get(name)
+            node = sym.node if sym is not None else None
+            if name in seen or not isinstance(node, Var) or node.is_classvar:
+                continue
+            seen.add(name)
+            expected = find_member(name, proto_instance, host)
+            if expected is None:
+                continue
+            members.append(StaticMember(name, expected, contract.required.get(name) is None))
+    return members
+
+
+def protocol_attribute_order(protocol: TypeInfo) -> list[str]:
+    """The Protocol's own data attributes in definition order.
+
+    mypy's cache keeps neither the order of a class's names nor their lines, so the plugin
+    stores the order in the Protocol's metadata while the Protocol is analysed
+    (:func:`protocol_attributes`) and reads it back for a Protocol loaded from the cache.
+    Without either, the names are sorted: the order is then stable, if not the source's.
+    """
+    fresh = protocol_attributes(protocol)
+    if fresh is not None:
+        return fresh
+    stored = stored_names(protocol, "attributes")
+    if stored is not None:
+        return stored
+    return sorted(name for name, sym in protocol.names.items() if isinstance(sym.node, Var))
+
+
+def stored_names(info: TypeInfo, key: str) -> list[str] | None:
+    """A list of names the plugin kept in ``info.metadata``, or ``None`` if it kept none."""
+    facts = info.metadata.get(METADATA_KEY)
+    stored = facts.get(key) if isinstance(facts, Mapping) else None
+    return [str(name) for name in stored] if isinstance(stored, list) else None
+
+
+def protocol_attributes(protocol: TypeInfo) -> list[str] | None:
+    """The data attributes a Protocol's body declares, by source line; ``None`` when unknown."""
+    found = [
+        (sym.node.line, name) for name, sym in protocol.names.items() if isinstance(sym.node, Var)
+    ]
+    if any(line <= 0 for line, _ in found):
+        return None
+    return [name for _, name in sorted(found)]
+
+
+def provided_methods(mixin: TypeInfo) -> list[str]:
+    """Names of the methods and properties the mixin provides (dunders excluded)."""
+    names: dict[str, None] = {}
+    for klass in mixin.mro:
+        if klass.fullname == "builtins.object":
+            continue
+        for name, sym in klass.names.items():
+            if name.startswith("__") and name.endswith("__"):
+                continue
+            if isinstance(sym.node, FuncBase | Decorator):
+                names[name] = None
+    return list(names)
+
+
+# --------------------------------------------------------------------------- declarations
+
+
+def _line_span(node: SymbolNode | None) -> tuple[int, int] | None:
+    """First and last line of a method's source, or ``None`` when unknown (from the cache)."""
+    if isinstance(node, OverloadedFuncDef):
+        node = node.impl  # the overloads themselves have no body
+    if isinstance(node, Decorator):
+        node = node.func
+    if isinstance(node, FuncDef) and node.line > 0 and node.end_line is not None:
+        return node.line, node.end_line
+    return None
+
+
+def _is_self_assigned(sym: SymbolTableNode) -> bool:
+    """An attribute defined by ``self.<name> = ...`` in a method, not in the class body.
+
+    (Dataclass fields without a default are marked implicit too, but are class-level.)
+    """
+    return sym.implicit and isinstance(sym.node, Var) and not sym.node.is_initialized_in_class
+
+
+def _implicit_attributes(info: TypeInfo) -> Iterator[tuple[str, Var]]:
+    for name, sym in info.names.items():
+        if _is_self_assigned(sym) and isinstance(sym.node, Var):
+            yield name, sym.node
+
+
+def init_attributes(info: TypeInfo) -> frozenset[str] | None:
+    """Names ``info``'s own ``__init__`` assigns as ``self.<name>``; ``None`` when unknown.
+
+    Computed from source lines when the class was analysed in this run; for a class loaded
+    from mypy's cache, read from the facts the plugin stored in its metadata then.
+    """
+    init = info.names.get("__init__")
+    if init is None:
+        return frozenset()
+    span = _line_span(init.node)
+    implicit = list(_implicit_attributes(info))
+    if span is not None and all(var.line > 0 for _, var in implicit):
+        first, last = span
+        return frozenset(name for name, var in implicit if first <= var.line <= last)
+    stored = stored_names(info, "init_attributes")
+    return None if stored is None else frozenset(stored)
+
+
+def slot_names(info: TypeInfo) -> frozenset[str] | None:
+    """The names ``info``'s own ``__slots__`` lists; ``None`` when it has one that is unreadable.
+
+    mypy keeps ``TypeInfo.slots`` only when every base has ``__slots__`` too, so the literal is
+    read from the class body when it was analysed in this run, else from the plugin's facts.
+    """
+    if info.slots is not None:
+        return frozenset(info.slots)
+    if "__slots__" not in info.names:
+        return frozenset()
+    for stmt in info.defn.defs.body:
+        if (
+            isinstance(stmt, AssignmentStmt)
+            and len(stmt.lvalues) == 1
+            and isinstance(stmt.lvalues[0], NameExpr)
+            and stmt.lvalues[0].name == "__slots__"
+        ):
+            return _literal_names(stmt.rvalue)
+    stored = stored_names(info, "slots")
+    return None if stored is None else frozenset(stored)
+
+
+def _literal_names(expr: Expression) -> frozenset[str] | None:
+    if isinstance(expr, StrExpr):
+        return frozenset({expr.value})
+    if isinstance(expr, TupleExpr | ListExpr | SetExpr) and all(
+        isinstance(item, StrExpr) for item in expr.items
+    ):
+        return frozenset(item.value for item in expr.items if isinstance(item, StrExpr))
+    return None
+
+
+def has_implicit_attributes(info: TypeInfo) -> bool:
+    """True when some method of ``info`` assigns an attribute no class declares."""
+    return next(_implicit_attributes(info), None) is not None
+
+
+def _host_instance(host: TypeInfo) -> Instance | None:
+    filled = get_proper_type(fill_typevars(host))
+    return filled if isinstance(filled, Instance) else None
+
+
+def _declared_type(host: TypeInfo, owner: TypeInfo, name: str, node: SymbolNode) -> Type | None:
+    """The type a declaration gives the member on the host, or ``None`` when not known yet."""
+    itype = _host_instance(host)
+    if itype is None:
+        return None
+    getter = _property_getter(node)
+    if getter is not None:
+        sig = get_proper_type(getter.type)
+        if not isinstance(sig, CallableType):
+            return None
+        return expand_type_by_instance(sig.ret_type, map_instance_to_supertype(itype, owner))
+    if isinstance(node, Var):
+        if node.type is None:
+            return None  # inferred type not known yet: left to the runtime checks
+        resolved = host.get(name)
+        if resolved is not None and resolved.node is node:
+            return find_member(name, itype, itype)  # honours descriptors' __get__
+        return expand_type_by_instance(node.type, map_instance_to_supertype(itype, owner))
+    if isinstance(node, FuncBase | Decorator):
+        resolved = host.get(name)
+        if resolved is not None and resolved.node is node:
+            return find_member(name, itype, itype)
+    return None
+
+
+def _property_getter(node: SymbolNode) -> FuncDef | None:
+    if isinstance(node, Decorator) and node.func.is_property:
+        return node.func
+    if isinstance(node, OverloadedFuncDef) and node.is_property and node.items:
+        first = node.items[0]
+        if isinstance(first, Decorator):
+            return first.func
+    return None
+
+
+def _kind(sym: SymbolTableNode, node: SymbolNode) -> str:
+    if _is_self_assigned(sym):
+        return "assigned in __init__"
+    if _property_getter(node) is not None:
+        return "property"
+    if isinstance(node, FuncBase | Decorator):
+        return "method"
+    if isinstance(node, Var) and not node.is_inferred:
+        return "annotation"
+    return "class attribute"
+
+
+def find_declaration(
+    host: TypeInfo, name: str, excluded: frozenset[str]
+) -> StaticDeclaration | None:
+    """The most derived declaration of ``name`` in ``host``'s MRO, skipping ``excluded``.
+
+    Args:
+        host: the class being checked.
+        name: the member.
+        excluded: fullnames of the classes whose declarations do not count.
+    """
+    for owner in host.mro:
+        if owner.fullname in excluded:
+            continue
+        sym = owner.names.get(name)
+        if sym is not None and sym.node is not None:
+            if _is_self_assigned(sym):
+                assigned = init_attributes(owner)
+                if assigned is not None and name not in assigned:
+                    continue  # assigned in another method: not a declaration
+            declared = _declared_type(host, owner, name, sym.node)
+            return StaticDeclaration(owner, _kind(sym, sym.node), declared)
+        slots = slot_names(owner)
+        if slots is None or name in slots:  # unreadable __slots__ may declare it: no alarm
+            return StaticDeclaration(owner, "__slots__", None)
+    return None
+
+
+# --------------------------------------------------------------------------- the check
+
+
+def _compatible(declared: Type, expected: Type) -> bool:
+    if isinstance(get_proper_type(declared), AnyType | PartialType):
+        return True  # unknown, or not inferred yet: left to the runtime checks
+    return is_subtype(declared, expected)
+
+
+def _shadowing(host: TypeInfo, mixin: TypeInfo) -> Iterator[StaticProblem]:
+    mixin_mro = frozenset(k.fullname for k in mixin.mro)
+    for method in provided_methods(mixin):
+        owner = next((k for k in host.mro if method in k.names), None)
+        if owner is None or owner.fullname in mixin_mro or owner.has_base(mixin.fullname):
+            continue
+        yield StaticProblem(ProblemKind.SHADOWED, method, where=owner.name)
+
+
+def check_host(host: TypeInfo, contract: ContractInfos) -> HostReport:
+    """Judge ``host`` against ``contract``: each member's declaration, and every problem.
+
+    Members whose declared type is unknown (not inferred yet, or ``Any``) are not judged:
+    whatever cannot be decided statically is left to the runtime checks.
+    """
+    itype = _host_instance(host)
+    if itype is None:
+        return HostReport((), ())
+    excluded = frozenset(k.fullname for k in contract.mixin.mro)
+    rows: list[tuple[StaticMember, StaticDeclaration | None]] = []
+    problems: list[StaticProblem] = []
+    for member in contract_members(contract, itype):
+        decl = find_declaration(host, member.name, excluded)
+        rows.append((member, decl))
+        if decl is None:
+            if not member.optional:
+                problems.append(StaticProblem(ProblemKind.MISSING, member.name, member.expected))
+        elif decl.declared is not None and not _compatible(decl.declared, member.expected):
+            problems.append(
+                StaticProblem(
+                    ProblemKind.MISMATCHED,
+                    member.name,
+                    member.expected,
+                    actual=decl.declared,
+                    where=decl.owner.name,
+                )
+            )
+    problems.extend(_shadowing(host, contract.mixin))
+    return HostReport(tuple(rows), tuple(problems))

@@ -1,0 +1,347 @@
+"""mypy plugin: report a staging host that breaks its contract at its ``class`` statement.
+
+The static twin of the class-creation check of
+:class:`~staging_contracts.mixin.StagingManagerMixin`. Enable it in the mypy configuration::
+
+    [mypy]
+    plugins = staging_contracts.mypy_plugin
+
+or, in ``pyproject.toml``::
+
+    [tool.mypy]
+    plugins = ["staging_contracts.mypy_plugin"]
+
+For every class that has the mixin in its MRO (directly or through a base, as Ascend through
+Mooncake), except one created with ``abstract=True``, mypy then reports at the class statement
+
+* each required member of :class:`~staging_contracts.protocols.StagingHost` that no class of
+  the MRO declares (``staging-missing-member``),
+* each declared type that is not a subtype of the Protocol's (``staging-member-type``),
+* each method of the mixin shadowed by a base listed before the mixin
+  (``staging-shadowed-method``),
+
+worded like :class:`~staging_contracts.problems.ContractError`, one error per problem. The
+members and their types come from the Protocols as mypy sees them; ``kv_buffer_tensors``
+(in ``StagingHost`` but not in ``StagingHostCore``) is checked only when declared.
+
+How: mypy type-checks the implicit ``__init_subclass__`` call of every class statement, after
+the class body (so attributes assigned in ``__init__`` are known). The plugin's method hook
+sees that call, finds the class being defined, and judges it. Classes whose metaclass is not
+``type`` or ``ABCMeta`` are not seen (mypy skips that call for them); the runtime check
+still applies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from mypy.checker import TypeChecker
+from mypy.errorcodes import ErrorCode
+from mypy.messages import format_type
+from mypy.nodes import CallExpr, ClassDef, MemberExpr, NameExpr, SymbolTable, TypeInfo
+from mypy.options import Options
+from mypy.plugin import ClassDefContext, MethodContext, Plugin, ReportConfigContext
+from mypy.types import Type
+
+from . import _mypy_contract
+from ._mypy_contract import (
+    METADATA_KEY,
+    ContractInfos,
+    HostReport,
+    StaticProblem,
+    check_host,
+    has_implicit_attributes,
+    init_attributes,
+    protocol_attributes,
+    slot_names,
+)
+from .problems import ProblemKind
+
+__all__ = [
+    "MEMBER_TYPE",
+    "MISSING_MEMBER",
+    "SHADOWED_METHOD",
+    "StagingContractsPlugin",
+    "plugin",
+]
+
+PLUGIN_VERSION: Final = "1"
+"""Bumped whenever what the plugin reports or stores changes (invalidates mypy's cache)."""
+
+_CATEGORY: Final = "staging-contracts"
+
+MISSING_MEMBER: Final = ErrorCode(
+    "staging-missing-member",
+    "A staging host declares a required member of its contract nowhere in its MRO",
+    _CATEGORY,
+)
+MEMBER_TYPE: Final = ErrorCode(
+    "staging-member-type",
+    "A staging host declares a contract member with a type incompatible with the Protocol's",
+    _CATEGORY,
+)
+SHADOWED_METHOD: Final = ErrorCode(
+    "staging-shadowed-method",
+    "A base listed before the staging mixin shadows one of the mixin's methods",
+    _CATEGORY,
+)
+_CODES: Final = {
+    ProblemKind.MISSING: MISSING_MEMBER,
+    ProblemKind.MISMATCHED: MEMBER_TYPE,
+    ProblemKind.SHADOWED: SHADOWED_METHOD,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _ContractNames:
+    """A contract by fullnames: the mixin that enforces it and its two Protocols."""
+
+    mixin: str
+    protocol: str
+    required: str
+
+
+_CONTRACTS: Final = (
+    _ContractNames(
+        mixin="staging_contracts.mixin.StagingManagerMixin",
+        protocol="staging_contracts.protocols.StagingHost",
+        required="staging_contracts.protocols.StagingHostCore",
+    ),
+)
+"""The mirror of ``STAGING_CONTRACT = Contract(StagingHost, optional=("kv_buffer_tensors",))``:
+the members of ``StagingHostCore`` are required, the rest of ``StagingHost`` optional."""
+
+
+def _source_digest() -> str:
+    """A digest of the plugin's own source, so that editing it invalidates mypy's cache."""
+    digest = hashlib.sha256()
+    for path in (Path(__file__), Path(_mypy_contract.__file__)):
+        try:
+            digest.update(path.read_bytes())
+        except OSError:
+            digest.update(path.name.encode())
+    return digest.hexdigest()[:16]
+
+
+class StagingContractsPlugin(Plugin):
+    """Checks staging hosts against their contract at their class statement.
+
+    Args:
+        options: mypy's options (passed by mypy).
+    """
+
+    def __init__(self, options: Options) -> None:
+        super().__init__(options)
+        self._config: Final = {
+            "plugin": __name__,
+            "version": PLUGIN_VERSION,
+            "source": _source_digest(),
+            "contracts": [[c.mixin, c.protocol, c.required] for c in _CONTRACTS],
+        }
+
+    def report_config_data(self, ctx: ReportConfigContext) -> Any:
+        """What invalidates mypy's cache of a module: this plugin's version, source and contracts.
+
+        The same for every module: what the plugin stores or reports may concern any class.
+        """
+        return self._config
+
+    def get_base_class_hook(self, fullname: str) -> Callable[[ClassDefContext], None] | None:
+        """Keep the member order of the Protocols in every class's MRO (any base will do).
+
+        Semantic-analysis hooks also run for modules whose errors mypy silences (installed
+        packages), where the type-checking hook below does not.
+        """
+        return _remember_protocol_order
+
+    def get_method_hook(self, fullname: str) -> Callable[[MethodContext], Type] | None:
+        """Hook the implicit ``Base.__init_subclass__(**keywords)`` call of class statements."""
+        if fullname.endswith(".__init_subclass__"):
+            return self._on_init_subclass
+        return None
+
+    def _on_init_subclass(self, ctx: MethodContext) -> Type:
+        info = _class_being_defined(ctx)
+        if info is not None:
+            # Facts mypy's cache would lose, kept for when this class comes from the cache.
+            if has_implicit_attributes(info):
+                _store(info, "init_attributes", sorted(init_attributes(info) or ()))
+            slots = slot_names(info)
+            if slots:
+                _store(info, "slots", sorted(slots))
+            for contract in self._contracts_of(info):
+                _check(info, contract, ctx)
+        return ctx.default_return_type
+
+    def _contracts_of(self, info: TypeInfo) -> list[ContractInfos]:
+        found: list[ContractInfos] = []
+        if info.is_protocol:
+            return found
+        for names in _CONTRACTS:
+            if not info.has_base(names.mixin) or info.fullname == names.mixin:
+                continue
+            infos = [self._typeinfo(n) for n in (names.mixin, names.protocol, names.required)]
+            mixin, protocol, required = infos
+            if mixin is not None and protocol is not None and required is not None:
+                found.append(ContractInfos(mixin, protocol, required))
+        return found
+
+    def _typeinfo(self, fullname: str) -> TypeInfo | None:
+        sym = self.lookup_fully_qualified(fullname)
+        return sym.node if sym is not None and isinstance(sym.node, TypeInfo) else None
+
+
+def _remember_protocol_order(ctx: ClassDefContext) -> None:
+    for klass in ctx.cls.info.mro:
+        if klass.is_protocol and not klass.metadata.get(METADATA_KEY, {}).get("attributes"):
+            order = protocol_attributes(klass)
+            if order:
+                _store(klass, "attributes", order)
+
+
+# --------------------------------------------------------------------------- finding the class
+
+
+def _class_being_defined(ctx: MethodContext) -> TypeInfo | None:
+    """The class of a class statement whose implicit ``__init_subclass__`` call this is.
+
+    mypy builds that call as ``<Name>.__init_subclass__(**keywords)`` at the class line, with
+    ``<Name>`` bound to the first base that defines ``__init_subclass__``; an explicit call
+    looks different (a ``super()`` callee, or a name bound to the class itself).
+    """
+    call = ctx.context
+    api = ctx.api
+    if not (
+        isinstance(call, CallExpr)
+        and isinstance(call.callee, MemberExpr)
+        and isinstance(call.callee.expr, NameExpr)
+        and isinstance(api, TypeChecker)
+    ):
+        return None
+    target = call.callee.expr
+    base = target.node
+    if not isinstance(base, TypeInfo):
+        return None
+    # With nothing but object above, no contract mixin is in the MRO: the class is looked up
+    # only to keep its __init__ facts, and not searched for among nested classes.
+    nested = base.fullname != "builtins.object"
+    info = _lookup_class(api.globals, api.tree.fullname, target.name, call.line, nested=nested)
+    if info is None or info is base or base not in info.mro[1:]:
+        return None
+    return info
+
+
+def _lookup_class(
+    names: SymbolTable, module: str, name: str, line: int, *, nested: bool
+) -> TypeInfo | None:
+    # Module-level classes by name; classes in functions as "Name@line" (mypy keeps those in
+    # the module table for its cache); classes nested in classes through their parents.
+    for key in (f"{name}@{line}", name):
+        sym = names.get(key)
+        if sym is not None and _is_class_at(sym.node, name, line):
+            return sym.node if isinstance(sym.node, TypeInfo) else None
+    if not nested:
+        return None
+    for sym in names.values():
+        node = sym.node
+        if isinstance(node, TypeInfo) and node.module_name == module:
+            found = _lookup_nested(node, name, line)
+            if found is not None:
+                return found
+    return None
+
+
+def _lookup_nested(parent: TypeInfo, name: str, line: int) -> TypeInfo | None:
+    for sym in parent.names.values():
+        node = sym.node
+        if not isinstance(node, TypeInfo) or not node.fullname.startswith(parent.fullname + "."):
+            continue
+        if _is_class_at(node, name, line):
+            return node
+        nested = _lookup_nested(node, name, line)
+        if nested is not None:
+            return nested
+    return None
+
+
+def _is_class_at(node: object, name: str, line: int) -> bool:
+    return isinstance(node, TypeInfo) and node.name == name and node.line == line
+
+
+# --------------------------------------------------------------------------- judging it
+
+
+def _is_abstract(defn: ClassDef) -> bool:
+    """``abstract=True`` among the class keywords (any value but a literal ``False`` counts)."""
+    keyword = defn.keywords.get("abstract")
+    if keyword is None:
+        return False
+    return not (isinstance(keyword, NameExpr) and keyword.fullname == "builtins.False")
+
+
+def _check(info: TypeInfo, contract: ContractInfos, ctx: MethodContext) -> None:
+    abstract = _is_abstract(info.defn)
+    report = check_host(info, contract)
+    _store(info, "contract", _facts(report, contract, abstract=abstract))
+    if abstract:
+        return
+    header = (
+        f"{info.name} does not satisfy the {contract.protocol.name} contract "
+        f"of {contract.mixin.name}: "
+    )
+    for problem in report.problems:
+        text = header + _describe(problem, ctx.api.options)
+        ctx.api.fail(text, ctx.context, code=_CODES[problem.kind])
+
+
+def _describe(problem: StaticProblem, options: Options) -> str:
+    """The fragment of :meth:`ContractProblem.describe`, quoted the way mypy quotes."""
+    if problem.kind is ProblemKind.SHADOWED:
+        return (
+            f'method "{problem.member}" of the mixin is shadowed by base "{problem.where}", '
+            "which is listed before the mixin"
+        )
+    expected = _format(problem.expected, options)
+    if problem.kind is ProblemKind.MISSING:
+        return f'has no declaration of "{problem.member}" (expected {expected})'
+    actual = _format(problem.actual, options)
+    return f'declares "{problem.member}" as {actual} in {problem.where} (expected {expected})'
+
+
+def _format(typ: Type | None, options: Options) -> str:
+    return '"?"' if typ is None else format_type(typ, options)
+
+
+def _facts(report: HostReport, contract: ContractInfos, *, abstract: bool) -> dict[str, Any]:
+    """JSON-ready facts about a host, kept in its ``TypeInfo.metadata``."""
+
+    def names(kind: ProblemKind) -> list[str]:
+        return [p.member for p in report.problems if p.kind is kind]
+
+    return {
+        "mixin": contract.mixin.fullname,
+        "protocol": contract.protocol.fullname,
+        "abstract": abstract,
+        "declared": {
+            member.name: {"in": decl.owner.fullname, "kind": decl.kind}
+            for member, decl in report.members
+            if decl is not None
+        },
+        "missing": names(ProblemKind.MISSING),
+        "mismatched": names(ProblemKind.MISMATCHED),
+        "shadowed": names(ProblemKind.SHADOWED),
+    }
+
+
+def _store(info: TypeInfo, key: str, value: object) -> None:
+    facts = info.metadata.setdefault(METADATA_KEY, {})
+    facts[key] = value
+
+
+def plugin(version: str) -> type[Plugin]:
+    """mypy's entry point: the plugin class (any mypy version with this plugin API)."""
+    return StagingContractsPlugin
