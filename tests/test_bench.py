@@ -58,3 +58,35 @@ def test_goal_met(goal: str, ratio: float, met: bool | None) -> None:
     assert row.goal_met is met
     last_column = format_table([row]).splitlines()[2].split()[-1]
     assert last_column == {True: "yes", False: "NO", None: "-"}[met]
+
+
+def test_transfer_group_builds_its_rows_from_the_three_measurements(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each engine gets a vs-raw and a vs-per-token row; ratios are staged / anchor."""
+    from staging_contracts.bench import transfer_bench
+    from staging_contracts.cluster import ClusterResult
+
+    def fake_cluster(config: object) -> ClusterResult:
+        return ClusterResult(config, (), 0.5)  # type: ignore[arg-type]  # a stand-in
+
+    monkeypatch.setattr(ClusterResult, "verified", property(lambda self: True))
+    monkeypatch.setattr(transfer_bench, "engine_available", lambda name: (True, ""))
+    monkeypatch.setattr(transfer_bench, "run_cluster", fake_cluster)
+    config = transfer_bench.staged_config("nixl")
+    monkeypatch.setattr(transfer_bench, "raw_write_seconds", lambda *a, **k: 0.125)
+    monkeypatch.setattr(transfer_bench, "per_token_seconds", lambda *a, **k: (1.0, 10**8))
+    rows = {row.name: row for row in transfer_bench.run()}
+    assert sorted(rows) == [
+        "transfer.mooncake.vs-per-token",
+        "transfer.mooncake.vs-raw",
+        "transfer.nixl.vs-per-token",
+        "transfer.nixl.vs-raw",
+    ]
+    staged = config.request_bytes / 0.5 / 1e9
+    raw = rows["transfer.nixl.vs-raw"]
+    assert raw.ours == pytest.approx(staged)
+    assert raw.anchor == pytest.approx(config.request_bytes / 0.125 / 1e9)
+    assert raw.ratio == pytest.approx(0.25)
+    assert rows["transfer.nixl.vs-per-token"].ratio == pytest.approx(staged / 0.1)
+    assert config.request_bytes == 32 * 2 * 4096 * 8 * 128 * 2

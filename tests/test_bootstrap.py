@@ -11,8 +11,10 @@ from staging_contracts.backends.bootstrap import (
     BootstrapError,
     BootstrapServer,
     RankInfo,
+    arrive,
     query_ranks,
     register_rank,
+    wait_barrier,
 )
 
 
@@ -75,3 +77,18 @@ def test_rank_info_rejects_bad_documents() -> None:
         RankInfo.from_json(RankInfo("prefill", 0, "e", "s", b"").to_json() | {"role": "router"})
     with pytest.raises(ValueError, match=r"^bad rank info: 'session_id'$"):
         RankInfo.from_json({"role": "prefill", "tp_rank": 0, "endpoint": "e", "metadata": ""})
+
+
+def test_barrier_waits_for_every_party() -> None:
+    """wait_barrier returns once the count is reached (arrivals are idempotent)."""
+    server = BootstrapServer()
+    server.start()
+    try:
+        arrive(server.endpoint, "rooms", "decode-0")
+        arrive(server.endpoint, "rooms", "decode-0")
+        with pytest.raises(BootstrapError, match=r"^barrier 'rooms' did not reach 2 within 0.1s$"):
+            wait_barrier(server.endpoint, "rooms", 2, timeout=0.1)
+        arrive(server.endpoint, "rooms", "decode-1")
+        wait_barrier(server.endpoint, "rooms", 2, timeout=5)
+    finally:
+        server.stop()

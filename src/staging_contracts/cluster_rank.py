@@ -20,7 +20,7 @@ import torch
 import zmq
 
 from .backends import load_backend
-from .backends.bootstrap import RankInfo, query_ranks, register_rank
+from .backends.bootstrap import RankInfo, arrive, query_ranks, register_rank, wait_barrier
 from .backends.common import CommonKVManager, Role
 from .backends.kv_requests import DecodeTransfers, KVPoll, KVReceiver, KVSender, PrefillTransfers
 from .backends.staging_setup import StagingBackend, enable_decode_staging, enable_prefill_staging
@@ -122,6 +122,7 @@ def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) 
             receiver.init(plan.decode_pages, chunk_pages=config.chunk_pages)
             receiver.send_metadata()
             receivers[plan.index] = receiver
+        arrive(bootstrap, "rooms", f"decode-{rank}")
         outcome = _wait_all(receivers, report)
         end = time.monotonic()
         succeeded = {i for i, state in outcome.items() if state is KVPoll.Success}
@@ -175,6 +176,9 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
             RankInfo("prefill", rank, common.endpoint, engine.session_id, engine.metadata()),
         )
         report("ready")
+        # Start once decode has registered every room, as a serving decode does before
+        # prefill computes: the clock then measures the transfer, not the bootstrap.
+        wait_barrier(bootstrap, "rooms", config.decode_tp)
         start = time.monotonic()
         senders: dict[int, KVSender] = {}
         for plan in request_plans(config):
@@ -234,7 +238,7 @@ def _wait_all(
                 report("room", index=index, ok=state is KVPoll.Success)
         if time.monotonic() > deadline:
             raise TimeoutError(f"requests {sorted(set(requests) - set(done))} did not finish")
-        time.sleep(0.005)
+        time.sleep(0.002)
     return done
 
 

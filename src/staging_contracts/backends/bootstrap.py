@@ -19,11 +19,20 @@ from typing import Any, Final
 
 import zmq
 
-__all__ = ["BootstrapError", "BootstrapServer", "RankInfo", "query_ranks", "register_rank"]
+__all__ = [
+    "BootstrapError",
+    "BootstrapServer",
+    "RankInfo",
+    "arrive",
+    "query_ranks",
+    "register_rank",
+    "wait_barrier",
+]
 
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES: Final = 1 << 20
+_POLL_S: Final = 0.002
 
 
 class BootstrapError(RuntimeError):
@@ -100,6 +109,7 @@ class BootstrapServer:
         self.endpoint: str = last.decode() if isinstance(last, bytes) else str(last)
         """Where ranks send their requests."""
         self._infos: dict[tuple[str, int], RankInfo] = {}
+        self._barriers: dict[str, set[str]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bootstrap-server", daemon=True)
 
@@ -150,8 +160,13 @@ class BootstrapServer:
                 if count < 1 or len(found) < count:
                     return {"ok": True, "pending": count - len(found)}
                 return {"ok": True, "infos": [i.to_json() for i in found[:count]]}
+            if op == "arrive":
+                self._barriers.setdefault(str(doc["barrier"]), set()).add(str(doc["party"]))
+                return {"ok": True}
+            if op == "count":
+                return {"ok": True, "count": len(self._barriers.get(str(doc["barrier"]), ()))}
             raise ValueError(f"unknown op {op!r}")
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, KeyError) as exc:
             logger.warning("bootstrap request rejected: %s", exc)
             return {"ok": False, "error": str(exc)}
 
@@ -197,4 +212,30 @@ def query_ranks(endpoint: str, role: str, count: int, timeout: float = 60.0) -> 
         infos = answer.get("infos")
         if isinstance(infos, list):
             return [RankInfo.from_json(doc) for doc in infos]
-        time.sleep(0.02)
+        time.sleep(_POLL_S)
+
+
+def arrive(endpoint: str, barrier: str, party: str, timeout: float = 10.0) -> None:
+    """Record that ``party`` reached ``barrier`` (idempotent).
+
+    Raises:
+        BootstrapError: no answer within ``timeout``.
+    """
+    _request(endpoint, {"op": "arrive", "barrier": barrier, "party": party}, timeout)
+
+
+def wait_barrier(endpoint: str, barrier: str, count: int, timeout: float = 60.0) -> None:
+    """Block until ``count`` parties reached ``barrier``.
+
+    Raises:
+        BootstrapError: they did not within ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BootstrapError(f"barrier {barrier!r} did not reach {count} within {timeout}s")
+        answer = _request(endpoint, {"op": "count", "barrier": barrier}, remaining)
+        if int(answer.get("count", 0)) >= count:
+            return
+        time.sleep(_POLL_S)

@@ -21,6 +21,7 @@ GROUPS: Final[dict[str, str]] = {
     "contract": "staging_contracts.bench.contract_bench",
     "staging": "staging_contracts.bench.staging_bench",
     "control": "staging_contracts.bench.control_bench",
+    "transfer": "staging_contracts.bench.transfer_bench",
 }
 """Group name -> module that implements it."""
 

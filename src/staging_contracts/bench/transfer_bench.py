@@ -1,0 +1,95 @@
+"""Group ``transfer``: the staged transfer end to end, per engine, against two anchors.
+
+For each engine that can be imported, measured in the same run:
+
+* ``transfer.<engine>.vs-raw`` — end-to-end staged throughput of one request (32 layers,
+  8 KV heads of 128, bf16, 4096 tokens, P=4 -> D=2, every rank its own process, pages
+  verified) against that engine's raw bulk write of the same number of bytes between two
+  processes (goal >= 0.5);
+* ``transfer.<engine>.vs-per-token`` — the same staged throughput against transferring the
+  request as per-token head slices over the same engine, the path staging replaces
+  (goal >= 8).
+
+Staged throughput counts the request's KV bytes over the transfer phase: from the prefill
+ranks starting (all ranks up, peers known) to the last decode rank having scattered every
+chunk. Process start-up, data generation and verification are outside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+
+from ..cluster import run_cluster
+from ..engines import engine_available
+from ..workload import TransferConfig
+from . import BenchRow, ratio_row
+from .engine_anchors import BENCH_GEOMETRY, AnchorGeometry, per_token_seconds, raw_write_seconds
+
+__all__ = ["run", "staged_config"]
+
+logger = logging.getLogger(__name__)
+
+ENGINES = ("mooncake", "nixl")
+
+
+def staged_config(engine: str, *, quick: bool = False) -> TransferConfig:
+    """The benchmark's request for ``engine`` (a small one when ``quick``)."""
+    return TransferConfig(
+        backend=engine,
+        prefill_tp=4,
+        decode_tp=2,
+        kv_heads=8,
+        layers=4 if quick else BENCH_GEOMETRY.layers,
+        head_dim=BENCH_GEOMETRY.head_dim,
+        tokens=512 if quick else BENCH_GEOMETRY.tokens,
+        page_size=BENCH_GEOMETRY.page_size,
+        requests=1,
+        dtype="bf16",
+        chunk_tokens=256 if quick else 1024,
+        ring_chunks=2,
+    )
+
+
+def _staged_gbps(config: TransferConfig, repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        result = run_cluster(config)
+        if not result.verified:
+            errors = [r.fields.get("error") for r in result.reports if not r.ok]
+            raise RuntimeError(f"staged transfer over {config.backend} did not verify: {errors}")
+        samples.append(config.request_bytes / result.elapsed_s / 1e9)
+    return statistics.median(samples)
+
+
+def _geometry(config: TransferConfig) -> AnchorGeometry:
+    return AnchorGeometry(
+        layers=config.layers,
+        heads_per_prefill_rank=config.kv_heads // config.prefill_tp,
+        heads_per_decode_rank=config.kv_heads // config.decode_tp,
+        head_dim=config.head_dim,
+        element_size=config.element_size,
+        tokens=config.tokens,
+        page_size=config.page_size,
+    )
+
+
+def run(quick: bool = False) -> list[BenchRow]:
+    """Run the group for every importable engine; ``quick`` uses a small request."""
+    rows: list[BenchRow] = []
+    for engine in ENGINES:
+        available, reason = engine_available(engine)
+        if not available:
+            logger.warning("transfer bench: skipping %s (%s)", engine, reason)
+            continue
+        config = staged_config(engine, quick=quick)
+        staged = _staged_gbps(config, 1 if quick else 3)
+        raw_s = raw_write_seconds(engine, config.request_bytes, repeats=2 if quick else 5)
+        raw = config.request_bytes / raw_s / 1e9
+        per_token_s, per_token_bytes = per_token_seconds(
+            engine, _geometry(config), tokens=64 if quick else None, repeats=1 if quick else 3
+        )
+        per_token = per_token_bytes / per_token_s / 1e9
+        rows.append(ratio_row(f"transfer.{engine}.vs-raw", staged, raw, "GB/s", ">= 0.5"))
+        rows.append(ratio_row(f"transfer.{engine}.vs-per-token", staged, per_token, "GB/s", ">= 8"))
+    return rows
