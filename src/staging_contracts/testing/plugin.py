@@ -1,0 +1,140 @@
+"""The contract kit's pytest plugin: run the kit on backends named on the command line.
+
+One option group, ``staging-contracts``, whose flag is mirrored by an ini key:
+
+==========================================  ======================  =========================
+flag                                        ini key                 meaning
+==========================================  ======================  =========================
+``--staging-backend MODULE:CLASS[=F]``      ``staging_backend``     run the kit on the class
+                                            (one per line)          (may repeat); ``F`` is
+                                                                    ``MODULE:FACTORY`` of a
+                                                                    decode factory
+==========================================  ======================  =========================
+
+The flag wins over the ini key. For each backend the plugin adds a test class generated from
+:class:`~staging_contracts.testing.StagingBackendContract`, collected under the node
+``staging-backend::Test<Class>`` with the session's other tests, so ``-k``, ``-m`` and
+``--collect-only`` treat it like any test class.
+
+Loaded through the ``pytest11`` entry point of the installed package, or with
+``-p staging_contracts.testing.plugin`` from a source tree.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+from typing import Any, Final
+
+import pytest
+
+from .kit import StagingBackendContract
+from .targets import BackendTarget
+
+__all__ = [
+    "INI_KEY",
+    "NODE_NAME",
+    "kit_class",
+    "pytest_addoption",
+    "pytest_collection_modifyitems",
+    "pytest_configure",
+]
+
+INI_KEY: Final = "staging_backend"
+"""The ini key mirroring ``--staging-backend``."""
+
+NODE_NAME: Final = "staging-backend"
+"""The collection node the generated test classes live under."""
+
+_TARGETS: Final = pytest.StashKey[tuple[BackendTarget, ...]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """Add the ``staging-contracts`` option group and its ini key."""
+    help_text = (
+        "run the staging backend contract kit on MODULE:CLASS (may repeat); append "
+        "=MODULE:FACTORY to name a decode factory for the behaviour tests"
+    )
+    group = parser.getgroup("staging-contracts", "staging backend contract kit")
+    group.addoption(
+        "--staging-backend",
+        action="append",
+        dest=INI_KEY,
+        default=None,
+        metavar="MODULE:CLASS[=MODULE:FACTORY]",
+        help=help_text,
+    )
+    parser.addini(
+        INI_KEY,
+        "backends to run the staging backend contract kit on, one "
+        "MODULE:CLASS[=MODULE:FACTORY] per line (--staging-backend overrides them)",
+        type="linelist",
+        default=[],
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Parse the named backends (importing them is left to the tests).
+
+    Raises:
+        pytest.UsageError: a value is not ``MODULE:CLASS[=MODULE:FACTORY]``.
+    """
+    given: Sequence[str] | None = config.getoption(INI_KEY)
+    specs = list(given) if given else list(config.getini(INI_KEY))
+    try:
+        targets = tuple(BackendTarget.parse(spec) for spec in specs)
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.stash[_TARGETS] = targets
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """Add the kit's tests for each named backend (before ``-k``/``-m`` deselect items)."""
+    targets = config.stash.get(_TARGETS, ())
+    if not targets:
+        return
+    module = _KitModule.from_parent(session, path=config.rootpath / NODE_NAME, targets=targets)
+    items.extend(session.genitems(module))
+
+
+def kit_class(target: BackendTarget, name: str | None = None) -> type[StagingBackendContract]:
+    """The test class the plugin generates for one named backend.
+
+    Args:
+        target: the backend (and factory) to test, imported when the tests run.
+        name: the class name; default ``Test<Class>``.
+    """
+    namespace: dict[str, Any] = {
+        "__test__": True,
+        "__doc__": f"The staging contract kit on {target.spec}.",
+        "__module__": __name__,
+        "_backend_target": target,
+    }
+    return types.new_class(
+        name or f"Test{target.class_name}",
+        (StagingBackendContract,),
+        exec_body=lambda ns: ns.update(namespace),
+    )
+
+
+class _KitModule(pytest.Module):
+    """A module node whose object is built from the named backends, not imported."""
+
+    def __init__(self, *, targets: Sequence[BackendTarget], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._targets = tuple(targets)
+
+    def _getobj(self) -> types.ModuleType:
+        module = types.ModuleType(f"{__name__}.generated")
+        module.__doc__ = "Contract kit test classes generated from --staging-backend."
+        taken: set[str] = set()
+        for index, target in enumerate(self._targets):
+            name = f"Test{target.class_name}"
+            if name in taken:
+                name = f"{name}_{index}"
+            taken.add(name)
+            setattr(module, name, kit_class(target, name))
+        return module
