@@ -1,8 +1,8 @@
 """Group ``contract``: what enforcement costs.
 
-* ``contract.per-call`` — a method the host defines and one the mixin provides, called on an
-  enforced host, against the same methods on an unchecked plain class (goal <= 1.02: the
-  contract never touches the hot path);
+* ``contract.per-call`` — a method the host defines and one the mixin provides (the prefill's
+  per-chunk ``_is_watermark_ready``), called on an enforced host, against the same methods
+  on an unchecked plain class (goal <= 1.02: the contract never touches the hot path);
 * ``contract.instance-check`` — our once-per-construction check against
   ``typeguard.check_type(obj, StagingHost)`` on the same object (goal <= 0.3);
 * ``contract.class-check`` — creating a host class with the mixin (class check and
@@ -17,6 +17,7 @@ from typing import Any
 from typeguard import CollectionCheckStrategy, check_type
 
 from ..mixin import STAGING_CONTRACT, StagingManagerMixin
+from ..prefill_state import RegionAnswerTable, WatermarkTracker
 from ..protocols import (
     ArrivalOutcome,
     DecodeStagingContext,
@@ -27,6 +28,7 @@ from ..protocols import (
     StagingHandler,
     StagingHost,
     StagingReqOutcome,
+    Watermark,
 )
 from . import BenchRow, ratio_row
 from .timing import interleaved_ns_per_call, median_seconds
@@ -81,6 +83,12 @@ class _Base:
         return self.counter
 
 
+def _prefill_context() -> PrefillStagingContext:
+    watermarks = WatermarkTracker()
+    watermarks.observe("decode-0", Watermark(3, 4096))
+    return PrefillStagingContext(watermarks, RegionAnswerTable())
+
+
 class _EnforcedHost(StagingManagerMixin, _Base):
     _staging_handler: StagingHandler | None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None
@@ -88,7 +96,7 @@ class _EnforcedHost(StagingManagerMixin, _Base):
     def __init__(self) -> None:
         super().__init__()
         self._staging_handler = _Handler()
-        self._staging_ctx = None
+        self._staging_ctx = _prefill_context()
 
 
 class _PlainHost(_Base):
@@ -98,23 +106,22 @@ class _PlainHost(_Base):
     def __init__(self) -> None:
         super().__init__()
         self._staging_handler = _Handler()
-        self._staging_ctx = None
+        self._staging_ctx = _prefill_context()
 
-    # The very function the mixin provides, copied onto a class without any contract.
-    detach_staging_handler = StagingManagerMixin.detach_staging_handler
+    # The very function the mixin provides (the prefill's per-chunk readiness check, its
+    # hot path), copied onto a class without any contract.
+    _is_watermark_ready = StagingManagerMixin._is_watermark_ready
 
 
 def _per_call(quick: bool) -> BenchRow:
     enforced = _EnforcedHost()
     plain = _PlainHost()
-    handler = _Handler()
 
     def calls(host: Any) -> Any:
         def loop(n: int) -> None:
             for _ in range(n):
                 host.host_method()
-                host.detach_staging_handler()
-                host._staging_handler = handler
+                host._is_watermark_ready("decode-0", 4, 1024)
 
         return loop
 
