@@ -24,12 +24,10 @@ import torch
 from .allocator import StagingAllocator
 from .decode_publisher import PrefillPublisher
 from .decode_rooms import ChunkRegion, PrefillPeer, RoomPlan, RoomState, RoomStatus
-from .kernels import pool_geometry, scatter_chunk
+from .decode_scatter import ChunkScatter, event_done, wait_event
 from .layout import (
-    compute_staging_layout,
     prefill_ranks_for_decode,
     validate_tp_pair,
-    writer_placements,
 )
 from .protocols import ArrivalOutcome, KVBufferTensors, StagingReqOutcome, Watermark
 from .transport import PeerSockets
@@ -86,23 +84,21 @@ class DecodeStagingHandler:
         stall_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._geometry = pool_geometry(
-            kv_buffers.k_buffers, kv_buffers.v_buffers, kv_buffers.page_size
+        self._scatterer = ChunkScatter(
+            allocator,
+            kv_buffers,
+            decode_tp=decode_tp,
+            decode_rank=decode_rank,
+            total_kv_heads=total_kv_heads,
+            stream=scatter_stream,
         )
-        expected_heads = max(1, total_kv_heads // decode_tp)
-        if self._geometry.num_heads != expected_heads:
-            raise ValueError(
-                f"decode KV pool has {self._geometry.num_heads} heads per token, expected "
-                f"{expected_heads} (total_kv_heads={total_kv_heads}, decode_tp={decode_tp})"
-            )
+        self._geometry = self._scatterer.geometry
         self._allocator = allocator
-        self._kv = kv_buffers
+        self._page_size = kv_buffers.page_size
         self._decode_tp = decode_tp
         self._decode_rank = decode_rank
         self._total_heads = total_kv_heads
         self.session_id = session_id
-        self._sender = sender
-        self._stream = scatter_stream
         self._stall_timeout = stall_timeout_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -110,7 +106,6 @@ class DecodeStagingHandler:
         self._rooms: dict[int, RoomState] = {}
         self._publisher = PrefillPublisher(sender)
         self._last_pass = 0.0
-        self._region_sizes: dict[tuple[int, int], int] = {}
         self._watermark_cache: tuple[Watermark, list[bytes]] | None = None
 
     @property
@@ -167,10 +162,10 @@ class DecodeStagingHandler:
             return state.status
 
     def _plan_problem(self, plan: RoomPlan) -> str | None:
-        if plan.prefix_tokens % self._kv.page_size:
+        if plan.prefix_tokens % self._page_size:
             return (
                 f"decode prefix of {plan.prefix_tokens} tokens is not aligned to "
-                f"page_size={self._kv.page_size}"
+                f"page_size={self._page_size}"
             )
         if plan.chunk_pages < 1 or not plan.page_indices:
             return f"empty transfer or chunk_pages={plan.chunk_pages} < 1"
@@ -230,7 +225,7 @@ class DecodeStagingHandler:
                     raise TimeoutError(f"room {room}: a scatter did not finish in {timeout}s")
                 self._idle.wait(remaining)
             for event, _ in state.pending_events:
-                _synchronize(event)
+                wait_event(event)
             for alloc_id in state.held_allocations():
                 self._allocator.free(alloc_id)
             state.regions.clear()
@@ -334,7 +329,7 @@ class DecodeStagingHandler:
         region = state.regions.get(chunk_idx)
         outcome = StagingReqOutcome.SHARED
         if region is None:
-            size = self._region_bytes(plan, num_pages)
+            size = self._scatterer.region_bytes(plan.prefill_tp, num_pages)
             allocation = self._allocator.assign(size)
             if allocation is None:
                 self._fail(
@@ -368,24 +363,6 @@ class DecodeStagingHandler:
             out.append(_Outgoing(peer.endpoint, answer))
             out.append(_Outgoing(peer.endpoint, update, watermark=True, force=force))
         return outcome
-
-    def _region_bytes(self, plan: RoomPlan, num_pages: int) -> int:
-        key = (plan.prefill_tp, num_pages)
-        cached = self._region_sizes.get(key)
-        if cached is not None:
-            return cached
-        geometry = self._geometry
-        layout = compute_staging_layout(
-            plan.prefill_tp,
-            self._decode_tp,
-            self._decode_rank,
-            self._total_heads,
-            num_pages * self._kv.page_size,
-            geometry.bytes_per_head_token,
-            geometry.num_layers,
-        )
-        self._region_sizes[key] = layout.total_bytes
-        return layout.total_bytes
 
     def handle_chunk_arrival(
         self,
@@ -468,26 +445,7 @@ class DecodeStagingHandler:
         alloc = region.allocation
         pages = state.pages[region.page_start : region.page_start + region.num_pages]
         try:
-            placements = writer_placements(
-                plan.prefill_tp,
-                self._decode_tp,
-                self._decode_rank,
-                self._total_heads,
-                region.num_pages * self._kv.page_size,
-                self._geometry.bytes_per_head_token,
-                self._geometry.num_layers,
-            )
-            view = self._allocator.buffer[alloc.offset : alloc.end]
-            scatter_chunk(
-                view,
-                self._kv.k_buffers,
-                self._kv.v_buffers,
-                pages,
-                self._kv.page_size,
-                placements,
-                stream=self._stream,
-            )
-            event = _record_event(self._stream)
+            event = self._scatterer.scatter(alloc, pages, plan.prefill_tp)
         except Exception as exc:  # any scatter failure fails the room, never the thread
             logger.exception("room %d chunk %d: scatter failed", plan.room, chunk_idx)
             with self._lock:
@@ -521,7 +479,7 @@ class DecodeStagingHandler:
             state.status = RoomStatus.SUCCESS
 
     def _reap_events(self, state: RoomState) -> bool:
-        done = [(event, alloc_id) for event, alloc_id in state.pending_events if _event_done(event)]
+        done = [(event, alloc_id) for event, alloc_id in state.pending_events if event_done(event)]
         for item in done:
             state.pending_events.remove(item)
             self._allocator.free(item[1])
@@ -559,25 +517,6 @@ class DecodeStagingHandler:
                 )
             else:
                 self._publisher.send(message.endpoint, message.frames)
-
-
-def _record_event(stream: torch.cuda.Stream | None) -> object | None:
-    if stream is None:
-        return None
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
-    event.record(stream)
-    return event
-
-
-def _event_done(event: object) -> bool:
-    query = getattr(event, "query", None)
-    return bool(query()) if callable(query) else True
-
-
-def _synchronize(event: object) -> None:
-    sync = getattr(event, "synchronize", None)
-    if callable(sync):
-        sync()
 
 
 def peers_for(

@@ -1,0 +1,142 @@
+"""Decode: moving a complete chunk region of the ring into the paged KV pool.
+
+:class:`ChunkScatter` knows the decode rank's pool and layout; it sizes regions for a prefill
+TP size and scatters a region whose writers have all arrived: synchronously on CPU, on a
+dedicated stream on CUDA, where it returns an event the caller polls before freeing the
+region.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .allocator import StagingAllocator
+from .kernels import PoolGeometry, pool_geometry, scatter_chunk
+from .layout import compute_staging_layout, writer_placements
+from .protocols import Allocation, KVBufferTensors
+
+__all__ = ["ChunkScatter", "ScatterEvent", "event_done", "wait_event"]
+
+ScatterEvent = object
+"""A ``torch.cuda.Event`` recorded after a scatter (``None`` on CPU: already done)."""
+
+
+class ChunkScatter:
+    """Scatters chunk regions of one decode rank's ring into its KV pool.
+
+    **Side:** decode. **Thread-safety:** ``scatter`` of distinct regions may run on several
+    threads; the caller keeps two scatters into the same pages apart (one room's chunks have
+    disjoint pages).
+
+    Args:
+        allocator: the decode rank's staging ring.
+        kv_buffers: the decode rank's paged KV pool.
+        decode_tp: attention TP size of decode.
+        decode_rank: this rank's attention-TP rank.
+        total_kv_heads: KV heads of the whole model.
+        stream: CUDA only: the dedicated stream scatters run on.
+
+    Raises:
+        ValueError: the pool does not hold ``total_kv_heads // decode_tp`` heads per token.
+    """
+
+    def __init__(
+        self,
+        allocator: StagingAllocator,
+        kv_buffers: KVBufferTensors,
+        *,
+        decode_tp: int,
+        decode_rank: int,
+        total_kv_heads: int,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        self.geometry: PoolGeometry = pool_geometry(
+            kv_buffers.k_buffers, kv_buffers.v_buffers, kv_buffers.page_size
+        )
+        expected_heads = max(1, total_kv_heads // decode_tp)
+        if self.geometry.num_heads != expected_heads:
+            raise ValueError(
+                f"decode KV pool has {self.geometry.num_heads} heads per token, expected "
+                f"{expected_heads} (total_kv_heads={total_kv_heads}, decode_tp={decode_tp})"
+            )
+        self._allocator = allocator
+        self._kv = kv_buffers
+        self._decode_tp = decode_tp
+        self._decode_rank = decode_rank
+        self._total_heads = total_kv_heads
+        self._stream = stream
+        self._sizes: dict[tuple[int, int], int] = {}
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page of the pool."""
+        return self._kv.page_size
+
+    def region_bytes(self, prefill_tp: int, num_pages: int) -> int:
+        """Bytes of a chunk region of ``num_pages`` pages written by a prefill of TP size
+        ``prefill_tp`` (cached per pair)."""
+        key = (prefill_tp, num_pages)
+        size = self._sizes.get(key)
+        if size is None:
+            size = compute_staging_layout(
+                prefill_tp,
+                self._decode_tp,
+                self._decode_rank,
+                self._total_heads,
+                num_pages * self._kv.page_size,
+                self.geometry.bytes_per_head_token,
+                self.geometry.num_layers,
+            ).total_bytes
+            self._sizes[key] = size
+        return size
+
+    def scatter(
+        self, allocation: Allocation, pages: torch.Tensor, prefill_tp: int
+    ) -> ScatterEvent | None:
+        """Scatter every writer of a region into the pool's ``pages``.
+
+        **Blocking:** on CPU until copied; on CUDA until enqueued.
+
+        Returns:
+            ``None`` when done (CPU), or the event to poll before freeing the region (CUDA).
+
+        Raises:
+            ValueError: the region, pages or layout do not match the pool.
+        """
+        num_pages = int(pages.numel())
+        placements = writer_placements(
+            prefill_tp,
+            self._decode_tp,
+            self._decode_rank,
+            self._total_heads,
+            num_pages * self._kv.page_size,
+            self.geometry.bytes_per_head_token,
+            self.geometry.num_layers,
+        )
+        scatter_chunk(
+            self._allocator.buffer[allocation.offset : allocation.end],
+            self._kv.k_buffers,
+            self._kv.v_buffers,
+            pages,
+            self._kv.page_size,
+            placements,
+            stream=self._stream,
+        )
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
+        event.record(self._stream)
+        return event
+
+
+def event_done(event: ScatterEvent) -> bool:
+    """Has the scatter behind ``event`` completed?"""
+    query = getattr(event, "query", None)
+    return bool(query()) if callable(query) else True
+
+
+def wait_event(event: ScatterEvent) -> None:
+    """Block until the scatter behind ``event`` completed."""
+    sync = getattr(event, "synchronize", None)
+    if callable(sync):
+        sync()
