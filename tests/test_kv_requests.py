@@ -135,3 +135,25 @@ def test_send_after_last_chunk_is_refused() -> None:
             sender.send((3,))
         with pytest.raises(RuntimeError, match=r"^room 54: send_metadata before init$"):
             KVReceiver(s.decode[0], 54).send_metadata()
+
+
+def test_page_count_disagreement_fails_the_request() -> None:
+    """A sender whose page count differs from decode's ROOM_META fails, whichever came first."""
+    with sides(Geometry(1, 1, 2)) as s:
+        c = s.cluster
+        request = c.add_request(55, num_pages=4, chunk_pages=2)
+        c.handlers[0].release_room(55)
+        receiver = KVReceiver(s.decode[0], 55)
+        receiver.init(request.decode_pages, chunk_pages=2)
+        receiver.send_metadata()
+        deadline = time.monotonic() + 5
+        unknown = (KVPoll.Failed, "unknown room")
+        while s.prefill[0].status(55) == unknown and time.monotonic() < deadline:
+            time.sleep(0.005)  # until ROOM_META has reached the prefill
+        assert s.prefill[0].status(55) == (KVPoll.Bootstrapping, None)
+        sender = KVSender(s.prefill[0], 55)
+        sender.init(3, c.targets)
+        assert sender.poll() is KVPoll.Failed
+        assert sender.failure() == "decode expects 4 pages, prefill 3"
+        assert wait_states([receiver]) == [KVPoll.Failed]
+        receiver.release()

@@ -121,6 +121,11 @@ class PrefillTransfers:
             state = self._rooms.setdefault(room, _SendState(num_pages))
             state.decode = targets
             state.fed = fed
+            if state.num_pages != num_pages:  # decode's ROOM_META came first and disagrees
+                self._fail(
+                    room, state, f"decode expects {state.num_pages} pages, prefill {num_pages}"
+                )
+                return
             self._check_meta(state)
             prefetch = self._take_prefetch(state)
             self._cond.notify_all()
