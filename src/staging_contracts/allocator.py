@@ -88,7 +88,9 @@ class StagingAllocator:
         if total_size < 1:
             raise ValueError(f"total_size={total_size!r} must be >= 1")
         self._total_size = total_size
-        self._buffer = torch.empty(total_size, dtype=torch.uint8, device=device)
+        # Zeroed rather than empty: on CPU every page is touched now, at start-up, instead of
+        # faulting in on the first write into each region (inside a transfer).
+        self._buffer = torch.zeros(total_size, dtype=torch.uint8, device=device)
         self._lock = threading.Lock()
         self._head = 0
         self._round = 0

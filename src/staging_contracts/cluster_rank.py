@@ -125,6 +125,7 @@ def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) 
         arrive(bootstrap, "rooms", f"decode-{rank}")
         outcome = _wait_all(receivers, report)
         end = time.monotonic()
+        arrive(bootstrap, "done", f"decode-{rank}")
         succeeded = {i for i, state in outcome.items() if state is KVPoll.Success}
         problems = verify_decode_pool(pool, config, rank, succeeded)
         failures = {i: receivers[i].failure() for i in outcome if i not in succeeded}
@@ -199,6 +200,9 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
             senders[plan.index] = sender
         outcome = _wait_all(senders, report)
         end = time.monotonic()
+        # Stay up until every decode rank is done, as a serving prefill does: tearing four
+        # processes down would take the CPU from the decode ranks' last scatters.
+        wait_barrier(bootstrap, "done", config.decode_tp, timeout=ROOM_TIMEOUT_S)
         failures = {
             str(i): senders[i].failure()
             for i, state in outcome.items()

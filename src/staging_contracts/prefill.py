@@ -156,7 +156,8 @@ class StagingWriter:
             * 2
             * geometry.num_layers
         )
-        self._buffer = torch.empty(self._buffer_bytes, dtype=torch.uint8, device=geometry.device)
+        # Zeroed, so its pages are touched at start-up rather than during the first gathers.
+        self._buffer = torch.zeros(self._buffer_bytes, dtype=torch.uint8, device=geometry.device)
         self._buffer_ptr = self._buffer.data_ptr()
         engine.register(self._buffer_ptr, self._buffer_bytes)
         self._write_lock = threading.Lock()
