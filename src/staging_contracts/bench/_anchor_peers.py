@@ -222,6 +222,7 @@ def make_engine(job: AnchorJob) -> TransferEngine:
         os.environ.setdefault("UCX_MODULES", "^ib")
         options.setdefault("load_ib_modules", False)
     engine: TransferEngine = load_engine_class(job.engine)(**options)
+    logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL installs an INFO handler
     return engine
 
 
