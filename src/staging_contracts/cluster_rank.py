@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import traceback
 from dataclasses import replace
@@ -44,6 +45,7 @@ def rank_main(role: str, rank: int, config: TransferConfig, bootstrap: str, repo
     logging.basicConfig(
         level=logging.WARNING, format=f"[{role}{rank}] %(levelname)s %(name)s: %(message)s"
     )
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's C++ info and warning logs
     torch.set_num_threads(1)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     reporter = ctx.socket(zmq.PUSH)

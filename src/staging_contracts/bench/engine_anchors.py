@@ -71,7 +71,7 @@ ENGINE_OPTIONS: Final[Mapping[str, Mapping[str, Any]]] = MappingProxyType(
 """Constructor options of each engine in the anchors (loopback, no RDMA NIC)."""
 
 ENGINE_ENV: Final[Mapping[str, Mapping[str, str]]] = MappingProxyType(
-    {"nixl": {"UCX_MODULES": "^ib"}, "mooncake": {"GLOG_minloglevel": "2"}}
+    {"nixl": {"UCX_MODULES": "^ib"}, "mooncake": {"MC_LOG_LEVEL": "ERROR"}}
 )
 """Environment each child sets before loading the engine (NIXL: no InfiniBand modules)."""
 
