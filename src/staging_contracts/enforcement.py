@@ -104,6 +104,11 @@ class ContractMixin:
       returns, whatever the ``super().__init__`` chain;
     * never on method calls.
 
+    A host whose ``__init__`` would be inherited from a base listed *before* the mixin gets an
+    ``__init__`` of its own that forwards to it, so that the instance check still runs; a
+    ``@dataclass`` host must therefore list the mixin before such a base (the decorator keeps
+    an ``__init__`` it finds in the class and would not generate its own).
+
     Class keywords:
         contract: on the mixin itself: the contract it enforces.
         abstract: on a host: skip the checks for this class (its subclasses are checked).
