@@ -171,14 +171,8 @@ class StagingManagerMixin(ContractMixin, contract=STAGING_CONTRACT):
         counters = _counters(self)
         _count(counters, "received")
         req = _expect(frames, StagingReq, counters)
-        handler = self._staging_handler
+        handler = _attached_handler(self, counters, req)
         if handler is None:
-            _count(counters, "dropped")
-            host_logger(self).warning(
-                "STAGING_REQ room=%d chunk=%d dropped: no staging handler attached yet",
-                req.room,
-                req.chunk_idx,
-            )
             return None
         outcome = handler.handle_staging_req(
             req.room,
@@ -320,17 +314,27 @@ class StagingManagerMixin(ContractMixin, contract=STAGING_CONTRACT):
         return StagingStats() if counters is None else counters.snapshot()
 
 
-def _deliver_arrival(
-    host: StagingHostCore, arrival: ChunkReady, counters: StagingCounters | None
-) -> ArrivalOutcome | None:
+def _attached_handler(
+    host: StagingHostCore, counters: StagingCounters | None, message: StagingReq | ChunkReady
+) -> StagingHandler | None:
+    """The host's handler, or ``None`` after dropping ``message`` with a warning and a count."""
     handler = host._staging_handler
     if handler is None:
         _count(counters, "dropped")
         host_logger(host).warning(
-            "arrival room=%d chunk=%d dropped: no staging handler attached yet",
-            arrival.room,
-            arrival.chunk_idx,
+            "%s room=%d chunk=%d dropped: no staging handler attached yet",
+            message.WIRE_TYPE.decode(),
+            message.room,
+            message.chunk_idx,
         )
+    return handler
+
+
+def _deliver_arrival(
+    host: StagingHostCore, arrival: ChunkReady, counters: StagingCounters | None
+) -> ArrivalOutcome | None:
+    handler = _attached_handler(host, counters, arrival)
+    if handler is None:
         return None
     outcome = handler.handle_chunk_arrival(
         arrival.room,
