@@ -371,7 +371,8 @@ def test_registration_is_idempotent() -> None:
 def test_staging_req_answers_only_the_matching_pp_rank(
     fake_prefill: tuple[str, zmq.Socket[bytes]], zmq_ctx: zmq.Context[zmq.Socket[bytes]]
 ) -> None:
-    """With pp_rank set, only prefill peers of that pipeline stage are answered."""
+    """With pp_rank set, only prefill peers of that stage are answered (here: the refusal of a
+    pipeline-parallel room, which the staging path does not support yet)."""
     endpoint, sock = fake_prefill
     other = zmq_ctx.socket(zmq.PULL)
     other.setsockopt(zmq.LINGER, 0)
@@ -382,8 +383,14 @@ def test_staging_req_answers_only_the_matching_pp_rank(
         handler = cluster.handlers[0]
         peers = (PrefillPeer(0, endpoint, pp_rank=0), PrefillPeer(0, other_endpoint.decode(), 1))
         handler.register_room(RoomPlan(22, (1, 2), 2, 1, peers))
-        handler.handle_staging_req(22, 0, num_pages=2, session_id=handler.session_id, pp_rank=1)
-        assert receive(other, 2)  # the answer and the current watermark
+        outcome = handler.handle_staging_req(
+            22, 0, num_pages=2, session_id=handler.session_id, pp_rank=1
+        )
+        assert outcome is StagingReqOutcome.REJECTED
+        (answer,) = receive(other, 1)
+        rsp = decode_message(answer)
+        assert isinstance(rsp, StagingRsp)
+        assert rsp.offset == -2
         assert receive(sock, 1, timeout=0.2) == []
         handler.release_room(22)
     other.close(linger=0)
@@ -492,3 +499,24 @@ def test_shutdown_leaks_no_threads_or_sockets() -> None:
         assert open_socket_count() > sockets_before
     assert open_socket_count() == sockets_before
     assert {t.ident for t in threading.enumerate()} <= threads_before
+
+
+def test_pipeline_parallel_prefill_is_refused_clearly() -> None:
+    """Peers of several pp ranks fail the room with a message; pp_size > 1 cannot stage."""
+    from staging_contracts.backends.common import Role
+    from staging_contracts.backends.local import LocalKVManager
+    from staging_contracts.backends.staging_setup import enable_prefill_staging
+
+    with local_cluster(Geometry(1, 1, 2)) as cluster:
+        handler = cluster.handlers[0]
+        peers = (PrefillPeer(0, "tcp://127.0.0.1:1", 0), PrefillPeer(0, "tcp://127.0.0.1:2", 1))
+        assert handler.register_room(RoomPlan(60, (1, 2), 2, 1, peers)) is RoomStatus.FAILED
+        assert "pipeline-parallel prefill" in (handler.room_failure(60) or "")
+        handler.release_room(60)
+    geometry = Geometry(1, 1, 2)
+    manager = LocalKVManager(geometry.kv_args(1, 0), role=Role.PREFILL, attn_tp_size=1, pp_size=2)
+    try:
+        with pytest.raises(NotImplementedError, match=r"^staging with a pipeline-parallel"):
+            enable_prefill_staging(manager, kv_buffers=geometry.empty_pool(1, 0), max_chunk_pages=2)
+    finally:
+        manager.close()

@@ -175,6 +175,11 @@ class DecodeStagingHandler:
             return str(exc)
         if any(page < 0 or page >= self._geometry.pool_pages for page in plan.page_indices):
             return f"page indices outside the pool of {self._geometry.pool_pages} pages"
+        if len({peer.pp_rank for peer in plan.peers}) > 1:
+            return (
+                "a pipeline-parallel prefill (peers of several pp ranks) is not supported by "
+                "the staging path yet: each writer must carry every layer"
+            )
         return None
 
     def poll_room(self, room: int) -> RoomStatus | None:

@@ -107,7 +107,16 @@ def enable_prefill_staging(
 
     Returns:
         The writer (one per rank; its staging buffer is registered with the engine).
+
+    Raises:
+        NotImplementedError: ``pp_size > 1`` (writers split by pipeline stage are not
+            staged yet).
     """
+    if backend.pp_size != 1:
+        raise NotImplementedError(
+            f"staging with a pipeline-parallel prefill (pp_size={backend.pp_size}) is not "
+            "supported yet: each writer must carry every layer of a chunk"
+        )
     kv_args = backend.kv_args
     watermarks = WatermarkTracker()
     regions = RegionAnswerTable()
