@@ -13,7 +13,7 @@ from staging_contracts import ArrivalOutcome, StagingReqOutcome
 from staging_contracts.decode import RoomPlan, RoomStatus
 from staging_contracts.decode_publisher import PrefillPublisher
 from staging_contracts.decode_rooms import PrefillPeer
-from staging_contracts.prefill import PrefillTimeouts, StagingFailed
+from staging_contracts.prefill import ChunkSpec, PrefillTimeouts, StagingFailed
 from staging_contracts.transport import open_socket_count
 from staging_contracts.wire import ChunkReady, StagingReq, StagingRsp, decode_message
 from tests.local_cluster import Geometry, LocalCluster, local_cluster, pools_equal
@@ -520,3 +520,14 @@ def test_pipeline_parallel_prefill_is_refused_clearly() -> None:
             enable_prefill_staging(manager, kv_buffers=geometry.empty_pool(1, 0), max_chunk_pages=2)
     finally:
         manager.close()
+
+
+def test_chunk_larger_than_the_staging_buffer_fails_before_any_request() -> None:
+    """A chunk over max_chunk_pages fails its room at once, without asking decode for a region."""
+    with local_cluster(Geometry(1, 1, 2), max_chunk_pages=2) as cluster:
+        writer = cluster.writers[0]
+        with pytest.raises(
+            StagingFailed, match=r"^room 61: chunk 0 of 3 pages exceeds max_chunk_pages=2$"
+        ):
+            writer.send_chunk(61, ChunkSpec(0, 0, (1, 2, 3)), cluster.targets)
+        assert writer.requests_sent == 0

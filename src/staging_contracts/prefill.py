@@ -136,6 +136,7 @@ class StagingWriter:
         )
         if max_chunk_pages < 1:
             raise ValueError(f"max_chunk_pages={max_chunk_pages!r} must be >= 1")
+        self._max_chunk_pages = max_chunk_pages
         self._kv = kv_buffers
         self._engine = engine
         self._sender = sender
@@ -241,6 +242,12 @@ class StagingWriter:
             raise StagingFailed(room, "the staging writer is closed")
         validate_tp_pair(self._prefill_tp, len(decode), self._total_heads)
         num_pages = len(chunk.pages)
+        if num_pages > self._max_chunk_pages:  # the staging buffer holds no more
+            raise StagingFailed(
+                room,
+                f"chunk {chunk.chunk_idx} of {num_pages} pages exceeds "
+                f"max_chunk_pages={self._max_chunk_pages}",
+            )
         self.prefetch(room, [(chunk.chunk_idx, num_pages)], decode)
         pages = torch.tensor(chunk.pages, dtype=torch.int64, device=self._geometry.device)
         written = 0
@@ -260,17 +267,6 @@ class StagingWriter:
     ) -> int:
         num_pages = len(chunk.pages)
         tokens = num_pages * self._kv.page_size
-        if (
-            tokens
-            * self._geometry.num_heads
-            * self._geometry.bytes_per_head_token
-            * 2
-            * self._geometry.num_layers
-            > self._buffer_bytes
-        ):
-            raise StagingFailed(
-                room, f"chunk {chunk.chunk_idx} of {num_pages} pages exceeds max_chunk_pages"
-            )
         layout = compute_staging_layout(
             self._prefill_tp,
             decode_tp,
