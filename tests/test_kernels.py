@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from staging_contracts import page_runs
 from staging_contracts.kernels import (
     KernelBackend,
     WriterPlacement,
@@ -245,6 +246,96 @@ def test_gather_then_scatter_reproduces_decode_pools(
         assert len(decode.k[0][0]) == heads_per_rank(total, decode_tp)
         for got, want in zip((*decode.k, *decode.v), (*expected.k, *expected.v), strict=True):
             assert torch.equal(as_bytes(got), as_bytes(want))
+
+
+def reference_scatter(
+    region: torch.Tensor,
+    pools: list[torch.Tensor],
+    pages: list[int],
+    page_size: int,
+    writers: list[WriterPlacement],
+) -> None:
+    """SPEC §3 read literally: one token row of one writer at a time (slow, obviously right)."""
+    head_bytes = pools[0].shape[2] * pools[0].element_size()
+    tokens = token_indices(pages, page_size).tolist()
+    for writer in writers:
+        row = writer.num_heads * head_bytes
+        block = len(tokens) * row
+        for layer, pool in enumerate(pools):
+            flat = pool.view(pool.shape[0], -1).view(torch.uint8)
+            for index, token in enumerate(tokens):
+                start = writer.byte_offset + layer * block + index * row
+                column = writer.dst_head_start * head_bytes
+                flat[token, column : column + row] = region[start : start + row]
+
+
+PAGE_PATTERNS = {
+    "one run": [3, 4, 5, 6, 7, 8],
+    "two runs": [6, 7, 8, 0, 1, 2],
+    "descending": [8, 7, 6, 5],
+    "mixed": [2, 3, 9, 0, 4, 5, 6],
+}
+
+WRITER_SETS = {
+    # P > D: writers side by side, evenly spaced bytes (scattered as one group).
+    "adjacent": [WriterPlacement(0, 0, 1), WriterPlacement(1, 1, 1), WriterPlacement(2, 2, 1)],
+    # Padding between writers' bytes, still evenly spaced.
+    "padded": [WriterPlacement(0, 0, 2), WriterPlacement(3, 2, 2)],
+    # Uneven spacing, reversed heads, differing head counts: no group forms.
+    "uneven": [WriterPlacement(0, 0, 1), WriterPlacement(1, 1, 1), WriterPlacement(5, 2, 1)],
+    "reversed": [WriterPlacement(0, 2, 2), WriterPlacement(2, 0, 2)],
+    "mixed heads": [WriterPlacement(0, 0, 1), WriterPlacement(1, 1, 3)],
+}
+
+
+@pytest.mark.parametrize("min_run_bytes", [0, 1 << 40], ids=["slice copies", "index op"])
+@pytest.mark.parametrize("pattern", PAGE_PATTERNS)
+@pytest.mark.parametrize("writer_set", WRITER_SETS)
+def test_scatter_matches_the_literal_layout(
+    monkeypatch: pytest.MonkeyPatch, min_run_bytes: int, pattern: str, writer_set: str
+) -> None:
+    """Writes exactly what a token-by-token reading of the layout writes, by either path."""
+    monkeypatch.setattr(page_runs, "MIN_RUN_BYTES", min_run_bytes)
+    generator = torch.Generator().manual_seed(6)
+    pages, page_size, layers = PAGE_PATTERNS[pattern], 3, 2
+    chunk_tokens = len(pages) * page_size
+    head_bytes = 4 * 2  # head_dim 4, bf16
+    # Each writer unit is one head's bytes of the chunk (all layers, K and V).
+    unit = chunk_tokens * head_bytes * 2 * layers
+    writers = [
+        WriterPlacement(w.byte_offset * unit, w.dst_head_start, w.num_heads)
+        for w in WRITER_SETS[writer_set]
+    ]
+    end = max(w.byte_offset + w.num_heads * unit for w in writers)
+    region = random_bits((end,), torch.uint8, generator)
+    pools = [random_bits((10 * page_size, 4, 4), torch.bfloat16, generator) for _ in range(4)]
+    expected = [pool.clone() for pool in pools]
+    reference_scatter(region, expected, pages, page_size, writers)
+    scatter_chunk(region, pools[:2], pools[2:], torch.tensor(pages), page_size, writers)
+    for got, want in zip(pools, expected, strict=True):
+        assert torch.equal(as_bytes(got), as_bytes(want))
+
+
+@pytest.mark.parametrize("min_run_bytes", [0, 1 << 40], ids=["slice copies", "index op"])
+@pytest.mark.parametrize("pattern", PAGE_PATTERNS)
+@pytest.mark.parametrize("heads", [(0, 4), (1, 2)], ids=["all heads", "head slice"])
+def test_gather_is_the_same_by_either_path(
+    monkeypatch: pytest.MonkeyPatch, min_run_bytes: int, pattern: str, heads: tuple[int, int]
+) -> None:
+    """Gathers the same bytes with slice copies per page run as with one index op."""
+    monkeypatch.setattr(page_runs, "MIN_RUN_BYTES", min_run_bytes)
+    generator = torch.Generator().manual_seed(7)
+    pages = PAGE_PATTERNS[pattern]
+    k = [random_bits((40, 4, 4), torch.float16, generator) for _ in range(2)]
+    v = [random_bits((40, 4, 4), torch.float16, generator) for _ in range(2)]
+    out = torch.zeros(1 << 12, dtype=torch.uint8)
+    written = gather_chunk(k, v, torch.tensor(pages), 4, heads[0], heads[1], out)
+    tokens = token_indices(pages, 4)
+    expected = torch.cat(
+        [as_bytes(pool[tokens][:, heads[0] : sum(heads)]).flatten() for pool in (*k, *v)]
+    )
+    assert torch.equal(out[:written], expected)
+    assert not out[written:].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])

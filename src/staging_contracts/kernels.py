@@ -8,8 +8,15 @@ order. A chunk is whole pages: page ``p`` of a pool holds pool tokens
 Bytes are moved as integer words (8, 4, 2 or 1 bytes, the widest the geometry allows), through
 ``Tensor.view(dtype)``: no numeric conversion, so every KV dtype (fp8, fp16, bf16, fp32,
 fp64, int64, ...) round-trips bit for bit, NaN payloads included. Each layer is one
-``index_select`` (gather) or one ``index_copy_`` (scatter) on a page view of the pool; nothing
-is allocated per call except what the page count needs.
+``index_select`` (gather) or one ``index_copy_`` (scatter) on a page view of the pool, or, on
+CPU when the chunk's pages come in long runs of consecutive pages, one slice copy per run
+(:mod:`~staging_contracts.page_runs` decides); nothing is allocated per call except what the
+page count needs.
+
+The scatter writes whole token rows where it can: writers whose destination heads follow each
+other and whose bytes are evenly spaced in the region (a decode rank fed by several prefill
+ranks, P > D) are read through one strided view and copied together, so each destination row
+is written once instead of once per writer.
 
 On CUDA the work is enqueued on the caller's ``stream`` (which first waits on the current
 stream) or, without one, on the current stream; the functions return once it is enqueued.
@@ -27,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from .layout import WriterPlacement
+from .page_runs import PageRun, plan_page_runs
 
 __all__ = [
     "KernelBackend",
@@ -193,14 +201,17 @@ def gather_chunk(
         *_pool_offsets(k_buffers, v_buffers, geometry.element_size),
     )
     dtype = _WORDS[word]
+    runs = plan_page_runs(page_indices, page_size * num_heads * bpht)
     with _on_stream(stream, geometry.device):
         for layer, pool in enumerate((*k_buffers, *v_buffers)):
             source = _page_view(
                 pool, dtype, page_size, geometry, head_start=head_start, num_heads=num_heads
             )
+            if source.is_contiguous():  # every head: one flat row per page is fastest
+                source = source.view(geometry.pool_pages, -1)
             start = layer * block
             target = out[start : start + block].view(dtype).view((num_pages, *source.shape[1:]))
-            torch.index_select(source, 0, page_indices, out=target)
+            _take_pages(source, page_indices, runs, target)
     return total
 
 
@@ -268,21 +279,34 @@ def scatter_chunk(
         ]
     word = _word_bytes(*quantities, *_pool_offsets(k_buffers, v_buffers, geometry.element_size))
     dtype = _WORDS[word]
+    words = region.view(dtype)
     with _on_stream(stream, geometry.device):
-        for writer in writers:
-            block = num_pages * page_size * writer.num_heads * bpht
+        for group in _writer_groups(
+            writers, num_pages * page_size * bpht * 2 * geometry.num_layers
+        ):
+            row = group.heads_per_writer * bpht // dtype.itemsize
+            block = num_pages * page_size * row
+            runs = plan_page_runs(
+                page_indices, page_size * row * group.num_writers * dtype.itemsize
+            )
             for layer, pool in enumerate((*k_buffers, *v_buffers)):
                 target = _page_view(
                     pool,
                     dtype,
                     page_size,
                     geometry,
-                    head_start=writer.dst_head_start,
-                    num_heads=writer.num_heads,
+                    head_start=group.dst_head_start,
+                    num_heads=group.heads_per_writer * group.num_writers,
+                ).view(geometry.pool_pages, page_size, group.num_writers, row)
+                # Writer c of the group holds this layer's [pages, page_size, row] block at
+                # byte_offset + c * stride + layer * block: one strided view reads them all,
+                # so each destination token row is written whole.
+                source = words.as_strided(
+                    (num_pages, page_size, group.num_writers, row),
+                    (page_size * row, row, group.stride // dtype.itemsize, 1),
+                    words.storage_offset() + group.byte_offset // dtype.itemsize + layer * block,
                 )
-                start = writer.byte_offset + layer * block
-                source = region[start : start + block].view(dtype)
-                target.index_copy_(0, page_indices, source.view((num_pages, *target.shape[1:])))
+                _put_pages(target, page_indices, runs, source)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -297,16 +321,103 @@ def _page_view(
     head_start: int,
     num_heads: int,
 ) -> torch.Tensor:
-    """``pool`` as ``dtype`` words, one row per page, restricted to a head range."""
+    """``pool`` as ``dtype`` words ``[pool_pages, page_size, words]``, one token row of the
+    head range per ``[page, token]``."""
     words = pool.view(pool.shape[0], -1).view(torch.uint8).view(dtype)
     row = words.shape[1]
-    paged = words[: geometry.pool_pages * page_size]
+    paged = words[: geometry.pool_pages * page_size].view(geometry.pool_pages, page_size, row)
     if num_heads == geometry.num_heads:
-        return paged.view(geometry.pool_pages, page_size * row)
+        return paged
     # The word size divides both byte counts (see _word_bytes), not necessarily one head.
     start = head_start * geometry.bytes_per_head_token // dtype.itemsize
     count = num_heads * geometry.bytes_per_head_token // dtype.itemsize
-    return paged.view(geometry.pool_pages, page_size, row)[:, :, start : start + count]
+    return paged[:, :, start : start + count]
+
+
+def _take_pages(
+    source: torch.Tensor,
+    page_indices: torch.Tensor,
+    runs: list[PageRun] | None,
+    out: torch.Tensor,
+) -> None:
+    """``out[i] = source[page_indices[i]]``: one index op, or one slice copy per run."""
+    if runs is None:
+        torch.index_select(source, 0, page_indices, out=out)
+        return
+    for run in runs:
+        chunk = slice(run.chunk_page, run.chunk_page + run.length)
+        _copy(out[chunk], source[run.pool_page : run.pool_page + run.length])
+
+
+def _put_pages(
+    target: torch.Tensor,
+    page_indices: torch.Tensor,
+    runs: list[PageRun] | None,
+    source: torch.Tensor,
+) -> None:
+    """``target[page_indices[i]] = source[i]``: one index op, or one slice copy per run."""
+    if runs is None:
+        target.index_copy_(0, page_indices, source)
+        return
+    for run in runs:
+        pool = slice(run.pool_page, run.pool_page + run.length)
+        _copy(target[pool], source[run.chunk_page : run.chunk_page + run.length])
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target.copy_(source)``, flat when both are contiguous (a plain memcpy then)."""
+    if target.is_contiguous() and source.is_contiguous():
+        target.view(-1).copy_(source.view(-1))
+    else:
+        target.copy_(source)
+
+
+class _WriterGroup(NamedTuple):
+    """Writers whose destination heads follow each other and whose bytes are evenly spaced."""
+
+    byte_offset: int
+    """Region offset of the first writer's bytes."""
+    stride: int
+    """Bytes from one writer's start to the next one's (> 0)."""
+    num_writers: int
+    """Writers in the group."""
+    dst_head_start: int
+    """First destination head of the first writer."""
+    heads_per_writer: int
+    """Heads each writer sends."""
+
+
+def _writer_groups(writers: Sequence[WriterPlacement], bytes_per_head: int) -> list[_WriterGroup]:
+    """Merge consecutive writers that can be scattered as one, so whole token rows are
+    written at once (P > D: a decode rank's heads come from several writers, side by side).
+
+    ``bytes_per_head`` is what one head of one writer occupies in the region.
+    """
+    groups: list[_WriterGroup] = []
+    for writer in writers:
+        if groups:
+            last = groups[-1]
+            # Bytes from the group's last writer to this one.
+            step = writer.byte_offset - (last.byte_offset + (last.num_writers - 1) * last.stride)
+            if (
+                writer.num_heads == last.heads_per_writer
+                and writer.dst_head_start
+                == last.dst_head_start + last.num_writers * last.heads_per_writer
+                and step > 0
+                and (last.num_writers == 1 or step == last.stride)
+            ):
+                groups[-1] = last._replace(stride=step, num_writers=last.num_writers + 1)
+                continue
+        groups.append(
+            _WriterGroup(
+                writer.byte_offset,
+                writer.num_heads * bytes_per_head,
+                1,
+                writer.dst_head_start,
+                writer.num_heads,
+            )
+        )
+    return groups
 
 
 def _check_pages(page_indices: torch.Tensor, geometry: PoolGeometry) -> int:
