@@ -11,6 +11,7 @@ exits 0 by itself; any failure raises, so it exits 1, after reporting the error.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 import traceback
@@ -30,6 +31,8 @@ __all__ = [
     "expected_buffer",
     "receiver_main",
     "seeded_bytes",
+    "stopped_receiver_main",
+    "stopped_writer_main",
     "threaded_main",
     "writer_main",
 ]
@@ -254,4 +257,79 @@ def threaded_main(job: PeerJob, parent: Connection) -> None:
         raise
     finally:
         for made in engines:
+            made.close()
+
+
+STOPPED_BYTES = 64 << 20
+"""Large enough that loopback socket buffers cannot absorb a write to a stopped process."""
+
+
+def stopped_receiver_main(job: PeerJob, peer: Connection, parent: Connection) -> None:
+    """Offer a buffer and this process's pid (the writer stops and resumes it); verify."""
+    deadline = time.monotonic() + job.timeout_s
+    made: TransferEngine | None = None
+    try:
+        made = _make(job)
+        buffer = torch.zeros(STOPPED_BYTES, dtype=torch.uint8)
+        made.register(buffer.data_ptr(), STOPPED_BYTES)
+        peer.send((made.session_id, made.metadata(), buffer.data_ptr(), os.getpid()))
+        if _recv(peer, deadline, made) != "done":
+            raise AssertionError("writer did not finish")
+        if not torch.equal(buffer, seeded_bytes(STOPPED_BYTES)):
+            raise AssertionError("the write after the resume did not land exactly")
+        peer.send("verified")
+        parent.send(("ok", None))
+    except BaseException:
+        parent.send(("error", traceback.format_exc()))
+        raise
+    finally:
+        if made is not None:
+            made.close()
+
+
+def stopped_writer_main(job: PeerJob, peer: Connection, parent: Connection) -> None:
+    """Write to a stopped receiver (times out), write the same range again (refused while
+    the first write may still read it), resume the receiver, and write until it lands."""
+    deadline = time.monotonic() + job.timeout_s
+    made: TransferEngine | None = None
+    stopped = 0
+    try:
+        made = _make(job)
+        source = seeded_bytes(STOPPED_BYTES)
+        made.register(source.data_ptr(), STOPPED_BYTES)
+        session, metadata, remote, pid = _recv(peer, deadline, made)
+        made.add_peer(session, metadata)
+        whole = [Transfer(source.data_ptr(), remote, STOPPED_BYTES)]
+        errors: list[str] = []
+        made.write(session, [Transfer(source.data_ptr(), remote, 4096)])  # connected now
+        os.kill(pid, signal.SIGSTOP)
+        stopped = pid
+        for _ in range(2):
+            try:
+                made.write(session, whole)
+            except TransferError as exc:
+                errors.append(str(exc))
+        os.kill(pid, signal.SIGCONT)
+        stopped = 0
+        while True:
+            try:
+                made.write(session, whole)
+                break
+            except TransferError as exc:
+                if "still read by a write that timed out" not in str(exc):
+                    raise
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the timed-out write never ended") from exc
+                time.sleep(0.01)
+        peer.send("done")
+        if _recv(peer, deadline, made) != "verified":
+            raise AssertionError("receiver did not verify")
+        parent.send(("ok", errors))
+    except BaseException:
+        parent.send(("error", traceback.format_exc()))
+        raise
+    finally:
+        if stopped:
+            os.kill(stopped, signal.SIGCONT)
+        if made is not None:
             made.close()

@@ -228,6 +228,29 @@ def test_nixl_writes_from_two_threads_while_a_third_polls(children: Children) ->
     assert run_threaded(children, "nixl", NIXL_OPTIONS) == 102
 
 
+@pytest.mark.mooncake
+@needs_mooncake
+def test_mooncake_write_to_a_stopped_peer_times_out_and_holds_its_source(
+    children: Children,
+) -> None:
+    """A write to a stopped process times out; its source range is refused until that
+    write ends; once the peer resumes, the same write lands in full."""
+    job = engine_peers.PeerJob(
+        "mooncake", {**MOONCAKE_OPTIONS, "write_timeout_s": 0.3}, {}, PAIR_TIMEOUT_S
+    )
+    receiver_end, writer_end = children.context.Pipe()
+    _, errors = children.run(
+        [
+            ("mooncake-stopped", engine_peers.stopped_receiver_main, (job, receiver_end)),
+            ("mooncake-writer", engine_peers.stopped_writer_main, (job, writer_end)),
+        ]
+    )
+    timed_out, refused = errors
+    assert timed_out.startswith("mooncake write of 67108864 bytes to '127.0.0.1:")
+    assert "timed out after 0.4 s; its source range stays in use" in timed_out
+    assert refused.endswith("is still read by a write that timed out")
+
+
 @pytest.mark.nixl
 @needs_nixl
 def test_nixl_write_times_out_while_the_receiver_drives_no_progress(children: Children) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
+from typing import Final
 
 from mooncake.engine import TransferEngine as _NativeEngine
 
@@ -25,6 +27,14 @@ logger = logging.getLogger(__name__)
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
 """Mooncake's metadata-server setting for peer-to-peer handshakes (no etcd, no HTTP server)."""
+
+_SPIN_S: Final = 50e-6
+"""A single-range write polls without sleeping this long (short writes finish in it)."""
+_MAX_SLEEP_S: Final = 1e-3
+"""Longest sleep between two polls of a single-range write."""
+_SECONDS_PER_BYTE: Final = 1e-9
+"""Time a write may take per byte on top of ``write_timeout_s`` (1 GB/s, as Mooncake's own
+synchronous calls allow)."""
 
 
 class MooncakeEngine:
@@ -41,6 +51,8 @@ class MooncakeEngine:
             Mooncake discover the topology.
         close_timeout_s: How long ``close`` waits for running writes before it gives up
             and leaks the native engine rather than free it under them.
+        write_timeout_s: How long a single-range ``write`` waits for completion (plus one
+            second per GB) before it gives up.
 
     Raises:
         TransferError: Mooncake failed to initialize (bad host, transport unavailable).
@@ -53,6 +65,7 @@ class MooncakeEngine:
         protocol: str = "tcp",
         device_name: str = "",
         close_timeout_s: float = 30.0,
+        write_timeout_s: float = 30.0,
     ) -> None:
         native = _NativeEngine()
         status = native.initialize(host, P2P_HANDSHAKE, protocol, device_name)
@@ -65,6 +78,9 @@ class MooncakeEngine:
         self._session_id = f"{host}:{native.get_rpc_port()}"
         self._protocol = protocol
         self._close_timeout_s = close_timeout_s
+        self._write_timeout_s = write_timeout_s
+        self._stuck: dict[int, Transfer] = {}
+        """Single-range writes given up at their deadline: batch id -> what it reads."""
         self._lock = threading.Lock()
         self._regions = RegionTable()
         self._peers: set[str] = set()
@@ -149,19 +165,26 @@ class MooncakeEngine:
             )
 
     def write(self, peer: str, transfers: Sequence[Transfer], notify: bytes | None = None) -> None:
-        """Write every transfer into ``peer``'s memory in one synchronous Mooncake batch.
+        """Write every transfer into ``peer``'s memory in one Mooncake batch.
 
         Local ranges are checked here (Mooncake's TCP transport would read any address);
         remote ranges are checked by the peer, which rejects the whole batch.
 
+        A single-range write (a staged chunk) is submitted asynchronously and polled, with
+        sleeps that grow to 1 ms, so the waiting thread leaves the CPU to Mooncake's own
+        threads: Mooncake's synchronous call spins on the status for the whole transfer. A
+        batch of several ranges uses the synchronous call.
+
         **Blocking:** until Mooncake reports the batch complete; the source memory may be
-        reused then.
+        reused then. A single-range write gives up after ``write_timeout_s`` (plus one second
+        per GB); its source range then counts as in use until Mooncake reports it done.
 
         Raises:
             ValueError: ``notify`` was given (this engine has no notifications).
             TransferError: ``peer`` was not added, a local range lies outside registered
-                memory, the engine is closed, or Mooncake reported a failure (unreachable
-                peer, remote range not registered there); nothing is known about the bytes.
+                memory or is still read by a write given up earlier, the engine is closed,
+                the write timed out, or Mooncake reported a failure (unreachable peer,
+                remote range not registered there); nothing is known about the bytes.
         """
         if notify is not None:
             raise ValueError(
@@ -184,18 +207,27 @@ class MooncakeEngine:
                         problems,
                     )
                 )
-            status = self._require().batch_transfer_sync_write(
-                peer,
-                [transfer.local for transfer in transfers],
-                [transfer.remote for transfer in transfers],
-                [transfer.length for transfer in transfers],
-            )
+            native = self._require()
+            if len(transfers) == 1:
+                status = self._write_one(native, peer, transfers[0])
+            else:
+                status = native.batch_transfer_sync_write(
+                    peer,
+                    [transfer.local for transfer in transfers],
+                    [transfer.remote for transfer in transfers],
+                    [transfer.length for transfer in transfers],
+                )
         if status != 0:
             logger.debug("mooncake write to %s failed: status %d", peer, status)
+            cause = (
+                "Mooncake's transfer timeout"
+                if status == -2
+                else "peer unreachable, or a remote range not registered there"
+            )
             raise TransferError(
                 f"mooncake engine {self._session_id!r} failed to write {len(transfers)}"
                 f" transfers ({sum(t.length for t in transfers)} bytes) to {peer!r}:"
-                f" status {status} (peer unreachable, or a remote range not registered there)"
+                f" status {status} ({cause})"
             )
 
     def poll_notifications(self) -> list[Notification]:
@@ -214,6 +246,13 @@ class MooncakeEngine:
         with self._lock:
             native, regions = self._native, self._regions.clear()
             self._peers.clear()
+            if self._stuck:
+                logger.warning(
+                    "mooncake engine %s closed with %d timed-out writes not reported done",
+                    self._session_id,
+                    len(self._stuck),
+                )
+                self._stuck.clear()
             if not drained:
                 logger.error(
                     "mooncake engine %s closed with writes still running; leaking it",
@@ -234,6 +273,56 @@ class MooncakeEngine:
                 )
         del native
         logger.info("mooncake engine %s closed", self._session_id)
+
+    def _write_one(self, native: _NativeEngine, peer: str, transfer: Transfer) -> int:
+        """Submit one range and poll it to the end; Mooncake's status (0 on success)."""
+        self._check_not_stuck(native, transfer)
+        batch = native.transfer_submit_write(peer, transfer.local, transfer.remote, transfer.length)
+        if batch <= 0:
+            # Submission failed (peer unreachable?): the synchronous call checks the
+            # peer's segment and drops a dead connection, so the next write reconnects.
+            return native.batch_transfer_sync_write(
+                peer, [transfer.local], [transfer.remote], [transfer.length]
+            )
+        now = time.monotonic()
+        limit = self._write_timeout_s + transfer.length * _SECONDS_PER_BYTE
+        deadline = now + limit
+        spin_until = now + _SPIN_S
+        pause = 0.0
+        while True:
+            state = native.transfer_check_status(batch)
+            if state == 1:  # done
+                return 0
+            if state < 0:  # -1 failed, -2 Mooncake's own timeout: it gave the batch up
+                return state
+            now = time.monotonic()
+            if now > deadline:
+                with self._lock:
+                    self._stuck[batch] = transfer
+                raise TransferError(
+                    f"mooncake write of {transfer.length} bytes to {peer!r} timed out after"
+                    f" {limit:.1f} s; its source range stays in use until Mooncake reports"
+                    " it ended"
+                )
+            if now > spin_until:
+                pause = min(_MAX_SLEEP_S, pause * 2 or 1e-5)
+                time.sleep(pause)
+
+    def _check_not_stuck(self, native: _NativeEngine, transfer: Transfer) -> None:
+        """Forget given-up writes that ended; refuse to read a range one still reads."""
+        with self._lock:
+            for batch, earlier in list(self._stuck.items()):
+                if native.transfer_check_status(batch) != 0:  # ended, one way or another
+                    del self._stuck[batch]
+                elif (
+                    earlier.local < transfer.local + transfer.length
+                    and transfer.local < earlier.local + earlier.length
+                ):
+                    raise TransferError(
+                        f"mooncake engine {self._session_id!r}: source range"
+                        f" [{transfer.local:#x}, {transfer.local + transfer.length:#x}) is still"
+                        " read by a write that timed out"
+                    )
 
     def _require(self) -> _NativeEngine:
         native = self._native
