@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import zmq
@@ -91,4 +93,64 @@ def test_barrier_waits_for_every_party() -> None:
         arrive(server.endpoint, "rooms", "decode-1")
         wait_barrier(server.endpoint, "rooms", 2, timeout=5)
     finally:
+        server.stop()
+
+
+def test_a_query_waits_on_the_server_not_by_polling() -> None:
+    """One query request is held by the server and answered when the last rank registers."""
+    server = BootstrapServer()
+    server.start()
+    found: list[list[RankInfo]] = []
+    try:
+        waiter = threading.Thread(
+            target=lambda: found.append(query_ranks(server.endpoint, "prefill", 2, timeout=10))
+        )
+        waiter.start()
+        time.sleep(0.3)
+        assert not found
+        for rank in (0, 1):
+            register_rank(server.endpoint, RankInfo("prefill", rank, "tcp://h:1", f"p{rank}", b""))
+        waiter.join(5)
+        assert [info.tp_rank for info in found[0]] == [0, 1]
+        assert server.requests_served == 3  # the query once, then two registrations
+    finally:
+        server.stop()
+
+
+def test_a_barrier_waits_on_the_server_not_by_polling() -> None:
+    """One barrier request is held by the server and answered on the last arrival."""
+    server = BootstrapServer()
+    server.start()
+    try:
+        waiter = threading.Thread(
+            target=lambda: wait_barrier(server.endpoint, "done", 2, timeout=10)
+        )
+        waiter.start()
+        arrive(server.endpoint, "done", "decode-0")
+        time.sleep(0.3)
+        assert waiter.is_alive()
+        arrive(server.endpoint, "done", "decode-1")
+        waiter.join(5)
+        assert not waiter.is_alive()
+        assert server.requests_served == 3
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("wait_s", [-1, "soon", 301])
+def test_a_bad_wait_is_refused(wait_s: object) -> None:
+    """A request whose wait_s is not a number in [0, MAX_WAIT_S] gets an error answer."""
+    server = BootstrapServer()
+    server.start()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    try:
+        sock.send(json.dumps({"op": "count", "barrier": "b", "wait_s": wait_s}).encode())
+        assert sock.poll(5000)
+        answer = json.loads(sock.recv())
+        assert answer == {"ok": False, "error": "wait_s must be a number in [0, 300.0]"}
+    finally:
+        sock.close(linger=0)
         server.stop()

@@ -1,10 +1,15 @@
 """Bootstrap: how prefill and decode ranks in separate processes find each other.
 
-A :class:`BootstrapServer` (a ZMQ REP socket on loopback, served by a thread) collects one
-:class:`RankInfo` per rank — its control endpoint, engine session id and metadata, and on
+A :class:`BootstrapServer` (a ZMQ ROUTER socket on loopback, served by a thread) collects
+one :class:`RankInfo` per rank — its control endpoint, engine session id and metadata, and on
 decode the staging ring's base address and size — and answers queries for all ranks of a
 role once every one of them has registered. Requests and answers are small JSON documents;
 a malformed request gets an error answer and the server keeps serving.
+
+Waiting is done by the server: :func:`query_ranks` and :func:`wait_barrier` send one request
+with ``wait_s``, which the server answers as soon as it is satisfied (or when ``wait_s`` ran
+out), so no rank polls with a new connection every few milliseconds, taking CPU from the
+ranks still transferring.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES: Final = 1 << 20
-_POLL_S: Final = 0.002
+MAX_WAIT_S: Final = 300.0
+"""Longest ``wait_s`` the server holds a request for."""
 _MIN_ANSWER_S: Final = 1.0
+_SERVER_POLL_MS: Final = 20
 
 
 class BootstrapError(RuntimeError):
@@ -91,6 +98,15 @@ class RankInfo:
         return info
 
 
+@dataclass(slots=True)
+class _Waiter:
+    """A request the server answers once it is satisfied, or at ``deadline``."""
+
+    identity: bytes
+    doc: dict[str, Any]
+    deadline: float
+
+
 class BootstrapServer:
     """Collects rank infos and answers queries, on a thread of its own.
 
@@ -103,7 +119,7 @@ class BootstrapServer:
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._socket = self._ctx.socket(zmq.REP)
+        self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(f"tcp://{host}:*")
         last = self._socket.getsockopt(zmq.LAST_ENDPOINT)
@@ -111,6 +127,9 @@ class BootstrapServer:
         """Where ranks send their requests."""
         self._infos: dict[tuple[str, int], RankInfo] = {}
         self._barriers: dict[str, set[str]] = {}
+        self._waiters: list[_Waiter] = []
+        self.requests_served = 0
+        """Requests received so far (each wait is one request, however long it waits)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bootstrap-server", daemon=True)
 
@@ -135,41 +154,99 @@ class BootstrapServer:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                if not self._socket.poll(20):
-                    continue
-                request = self._socket.recv()
-                self._socket.send(json.dumps(self._answer(request)).encode())
+                if self._socket.poll(self._poll_ms()):
+                    self._serve(self._socket.recv_multipart())
+                self._answer_waiters()
         finally:
             self._socket.close(linger=0)
 
-    def _answer(self, raw: bytes) -> dict[str, Any]:
+    def _poll_ms(self) -> int:
+        if not self._waiters:
+            return _SERVER_POLL_MS
+        soonest = min(waiter.deadline for waiter in self._waiters) - time.monotonic()
+        return max(0, min(_SERVER_POLL_MS, int(soonest * 1000) + 1))
+
+    def _serve(self, frames: list[bytes]) -> None:
+        # A REQ client's request arrives as [identity, b"", body].
+        if len(frames) != 3 or frames[1]:
+            logger.warning("bootstrap: dropped a request of %d frames", len(frames))
+            return
+        identity, _, raw = frames
+        doc, answer = self._answer(raw)
+        wait_s = doc.get("wait_s", 0) if doc is not None else 0
+        self.requests_served += 1
+        if doc is not None and not _satisfied(doc, answer) and wait_s > 0:
+            self._waiters.append(_Waiter(identity, doc, time.monotonic() + wait_s))
+            return
+        self._reply(identity, answer)
+        if doc is not None and doc.get("op") in ("register", "arrive"):
+            self._answer_waiters()
+
+    def _answer_waiters(self) -> None:
+        now = time.monotonic()
+        still: list[_Waiter] = []
+        for waiter in self._waiters:
+            answer = self._answer_doc(waiter.doc)  # a read, accepted once already
+            if _satisfied(waiter.doc, answer) or now >= waiter.deadline:
+                self._reply(waiter.identity, answer)
+            else:
+                still.append(waiter)
+        self._waiters = still
+
+    def _reply(self, identity: bytes, answer: dict[str, Any]) -> None:
+        try:
+            self._socket.send_multipart(
+                [identity, b"", json.dumps(answer).encode()], flags=zmq.NOBLOCK
+            )
+        except zmq.ZMQError as exc:  # the client left: nobody to answer
+            logger.info("bootstrap: answer not delivered: %s", exc)
+
+    def _answer(self, raw: bytes) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """The parsed request (``None`` if malformed) and its answer as of now."""
         try:
             if len(raw) > MAX_REQUEST_BYTES:
                 raise ValueError("request too large")
             doc = json.loads(raw)
             if not isinstance(doc, dict):
                 raise ValueError("request must be an object")
-            op = doc.get("op")
-            if op == "register":
-                info = RankInfo.from_json(doc.get("info"))
-                self._infos[(info.role, info.tp_rank)] = info
-                return {"ok": True}
-            if op == "query":
-                role = str(doc.get("role"))
-                count = int(doc.get("count", 0))
-                found = self.infos(role)
-                if count < 1 or len(found) < count:
-                    return {"ok": True, "pending": count - len(found)}
-                return {"ok": True, "infos": [i.to_json() for i in found[:count]]}
-            if op == "arrive":
-                self._barriers.setdefault(str(doc["barrier"]), set()).add(str(doc["party"]))
-                return {"ok": True}
-            if op == "count":
-                return {"ok": True, "count": len(self._barriers.get(str(doc["barrier"]), ()))}
-            raise ValueError(f"unknown op {op!r}")
+            wait_s = doc.get("wait_s", 0)
+            if not isinstance(wait_s, int | float) or not 0 <= wait_s <= MAX_WAIT_S:
+                raise ValueError(f"wait_s must be a number in [0, {MAX_WAIT_S}]")
+            return doc, self._answer_doc(doc)
         except (ValueError, TypeError, KeyError) as exc:
             logger.warning("bootstrap request rejected: %s", exc)
-            return {"ok": False, "error": str(exc)}
+            return None, {"ok": False, "error": str(exc)}
+
+    def _answer_doc(self, doc: dict[str, Any]) -> dict[str, Any]:
+        op = doc.get("op")
+        if op == "register":
+            info = RankInfo.from_json(doc.get("info"))
+            self._infos[(info.role, info.tp_rank)] = info
+            return {"ok": True}
+        if op == "query":
+            role = str(doc.get("role"))
+            count = int(doc.get("count", 0))
+            found = self.infos(role)
+            if count < 1 or len(found) < count:
+                return {"ok": True, "pending": count - len(found)}
+            return {"ok": True, "infos": [i.to_json() for i in found[:count]]}
+        if op == "arrive":
+            self._barriers.setdefault(str(doc["barrier"]), set()).add(str(doc["party"]))
+            return {"ok": True}
+        if op == "count":
+            return {"ok": True, "count": len(self._barriers.get(str(doc["barrier"]), ()))}
+        raise ValueError(f"unknown op {op!r}")
+
+
+def _satisfied(doc: dict[str, Any] | None, answer: dict[str, Any]) -> bool:
+    """Whether ``answer`` ends the wait ``doc`` asked for (``wait_for`` parties, or ranks)."""
+    if doc is None or not answer.get("ok"):
+        return True
+    if doc.get("op") == "query":
+        return "infos" in answer
+    if doc.get("op") == "count":
+        return int(answer.get("count", 0)) >= int(doc.get("wait_for", 0))
+    return True
 
 
 def _request(endpoint: str, doc: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -206,14 +283,13 @@ def query_ranks(endpoint: str, role: str, count: int, timeout: float = 60.0) -> 
     """
     deadline = time.monotonic() + timeout
     while True:
-        request = {"op": "query", "role": role, "count": count}
+        request = {"op": "query", "role": role, "count": count, "wait_s": _wait_s(deadline)}
         answer = _request(endpoint, request, _request_timeout(deadline))
         infos = answer.get("infos")
         if isinstance(infos, list):
             return [RankInfo.from_json(doc) for doc in infos]
         if time.monotonic() >= deadline:
             raise BootstrapError(f"{count} {role} ranks did not register within {timeout}s")
-        time.sleep(_POLL_S)
 
 
 def arrive(endpoint: str, barrier: str, party: str, timeout: float = 10.0) -> None:
@@ -233,15 +309,24 @@ def wait_barrier(endpoint: str, barrier: str, count: int, timeout: float = 60.0)
     """
     deadline = time.monotonic() + timeout
     while True:
-        request = {"op": "count", "barrier": barrier}
+        request = {
+            "op": "count",
+            "barrier": barrier,
+            "wait_for": count,
+            "wait_s": _wait_s(deadline),
+        }
         answer = _request(endpoint, request, _request_timeout(deadline))
         if int(answer.get("count", 0)) >= count:
             return
         if time.monotonic() >= deadline:
             raise BootstrapError(f"barrier {barrier!r} did not reach {count} within {timeout}s")
-        time.sleep(_POLL_S)
+
+
+def _wait_s(deadline: float) -> float:
+    """How long the server may hold a request: the time left, within its bound."""
+    return min(max(deadline - time.monotonic(), 0.0), MAX_WAIT_S)
 
 
 def _request_timeout(deadline: float) -> float:
-    """Time left before ``deadline``, but never less than a loopback server needs to answer."""
-    return max(deadline - time.monotonic(), _MIN_ANSWER_S)
+    """Time left before ``deadline`` plus what a loopback server needs to answer."""
+    return max(deadline - time.monotonic(), 0.0) + _MIN_ANSWER_S
