@@ -201,7 +201,9 @@ def gather_chunk(
         *_pool_offsets(k_buffers, v_buffers, geometry.element_size),
     )
     dtype = _WORDS[word]
-    runs = plan_page_runs(page_indices, page_size * num_heads * bpht)
+    # Whole page rows: the index op copies each page with one memcpy already.
+    strided = num_heads < geometry.num_heads
+    runs = plan_page_runs(page_indices, page_size * num_heads * bpht) if strided else None
     with _on_stream(stream, geometry.device):
         for layer, pool in enumerate((*k_buffers, *v_buffers)):
             source = _page_view(
@@ -286,8 +288,13 @@ def scatter_chunk(
         ):
             row = group.heads_per_writer * bpht // dtype.itemsize
             block = num_pages * page_size * row
-            runs = plan_page_runs(
-                page_indices, page_size * row * group.num_writers * dtype.itemsize
+            whole_rows = group.num_writers == 1 and group.heads_per_writer == geometry.num_heads
+            runs = (
+                None
+                if whole_rows  # the index op copies each page with one memcpy already
+                else plan_page_runs(
+                    page_indices, page_size * row * group.num_writers * dtype.itemsize
+                )
             )
             for layer, pool in enumerate((*k_buffers, *v_buffers)):
                 target = _page_view(
@@ -306,6 +313,9 @@ def scatter_chunk(
                     (page_size * row, row, group.stride // dtype.itemsize, 1),
                     words.storage_offset() + group.byte_offset // dtype.itemsize + layer * block,
                 )
+                if whole_rows:  # both sides contiguous: one flat row per page is fastest
+                    target = target.view(geometry.pool_pages, -1)
+                    source = source.reshape(num_pages, -1)
                 _put_pages(target, page_indices, runs, source)
 
 

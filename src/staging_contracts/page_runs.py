@@ -1,14 +1,16 @@
 """Contiguous runs of a chunk's pool pages, and when copying run by run beats an index op.
 
 A chunk's pages are usually allocated together, so their pool indices come in long runs of
-consecutive pages. On CPU, one slice ``copy_`` per run moves bytes at close to memcpy speed,
-while ``index_select`` / ``index_copy_`` stay near half of it whatever the pages; but every
-slice copy costs a few microseconds of dispatch. :func:`plan_page_runs` picks the runs when
-they are long enough to pay for that, and the index op otherwise.
+consecutive pages. When a page's bytes are strided (a head slice of each token row, or
+several writers' bytes side by side), one slice ``copy_`` per run moves them at close to
+memcpy speed on CPU, while ``index_select`` / ``index_copy_`` stay near half of it whatever
+the pages; but every slice copy costs a few microseconds of dispatch. :func:`plan_page_runs`
+picks the runs when they are long enough to pay for that, and the index op otherwise. (Whole
+contiguous page rows need no plan: the index op copies each with one memcpy.)
 
-Measured on the project's 2-core CPU host (bf16 rows, one torch thread): index ops move about
-3 GB/s at any run length; slice copies move 2.4 GB/s for 16 KiB runs, 3.4 for 32 KiB, 4.2
-for 64 KiB and over 5 for 256 KiB and more. Hence :data:`MIN_RUN_BYTES`.
+Measured on the project's 2-core CPU host (strided bf16 rows, one torch thread): index ops
+move about 3 GB/s at any run length; slice copies move 2.4 GB/s for 16 KiB runs, 3.4 for
+32 KiB, 4.2 for 64 KiB and over 5 for 256 KiB and more. Hence :data:`MIN_RUN_BYTES`.
 
 On CUDA the index op is one kernel launch, and finding runs would need the page indices on
 the host, so the plan is always the index op there.
