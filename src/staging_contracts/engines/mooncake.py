@@ -238,7 +238,8 @@ class MooncakeEngine:
         """Unregister all memory and release the native engine; safe to call twice.
 
         **Blocking:** waits up to ``close_timeout_s`` for running writes; if they do not
-        finish, the native engine is leaked (logged) rather than freed under them.
+        finish, or a write given up at its deadline still runs, the native engine is leaked
+        (logged) rather than freed under them.
         """
         drained = self._gate.close(self._close_timeout_s)
         if drained is None:
@@ -246,13 +247,17 @@ class MooncakeEngine:
         with self._lock:
             native, regions = self._native, self._regions.clear()
             self._peers.clear()
-            if self._stuck:
-                logger.warning(
-                    "mooncake engine %s closed with %d timed-out writes not reported done",
-                    self._session_id,
-                    len(self._stuck),
-                )
-                self._stuck.clear()
+            if native is not None:
+                running = [b for b in self._stuck if native.transfer_check_status(b) == 0]
+                if running:
+                    logger.error(
+                        "mooncake engine %s closed with %d timed-out writes still running;"
+                        " leaking it",
+                        self._session_id,
+                        len(running),
+                    )
+                    drained = False
+            self._stuck.clear()
             if not drained:
                 logger.error(
                     "mooncake engine %s closed with writes still running; leaking it",
