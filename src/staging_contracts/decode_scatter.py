@@ -8,17 +8,28 @@ region.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .allocator import StagingAllocator
 from .kernels import PoolGeometry, pool_geometry, scatter_chunk
-from .layout import compute_staging_layout, writer_placements
+from .layout import WriterPlacement, compute_staging_layout, writer_placements
 from .protocols import Allocation, KVBufferTensors
 
 __all__ = ["ChunkScatter", "ScatterEvent", "event_done", "wait_event"]
 
 ScatterEvent = object
 """A ``torch.cuda.Event`` recorded after a scatter (``None`` on CPU: already done)."""
+
+
+class _RegionLayout(NamedTuple):
+    """What a decode rank needs of a chunk region's layout."""
+
+    total_bytes: int
+    """Bytes of the region."""
+    writers: tuple[WriterPlacement, ...]
+    """Each writer's byte offset and destination heads."""
 
 
 class ChunkScatter:
@@ -65,7 +76,7 @@ class ChunkScatter:
         self._decode_rank = decode_rank
         self._total_heads = total_kv_heads
         self._stream = stream
-        self._sizes: dict[tuple[int, int], int] = {}
+        self._layouts: dict[tuple[int, int], _RegionLayout] = {}
 
     @property
     def page_size(self) -> int:
@@ -75,10 +86,14 @@ class ChunkScatter:
     def region_bytes(self, prefill_tp: int, num_pages: int) -> int:
         """Bytes of a chunk region of ``num_pages`` pages written by a prefill of TP size
         ``prefill_tp`` (cached per pair)."""
+        return self._layout(prefill_tp, num_pages).total_bytes
+
+    def _layout(self, prefill_tp: int, num_pages: int) -> _RegionLayout:
+        """The region's size and writer placements, computed once per pair."""
         key = (prefill_tp, num_pages)
-        size = self._sizes.get(key)
-        if size is None:
-            size = compute_staging_layout(
+        layout = self._layouts.get(key)
+        if layout is None:
+            args = (
                 prefill_tp,
                 self._decode_tp,
                 self._decode_rank,
@@ -86,9 +101,12 @@ class ChunkScatter:
                 num_pages * self._kv.page_size,
                 self.geometry.bytes_per_head_token,
                 self.geometry.num_layers,
-            ).total_bytes
-            self._sizes[key] = size
-        return size
+            )
+            layout = _RegionLayout(
+                compute_staging_layout(*args).total_bytes, writer_placements(*args)
+            )
+            self._layouts[key] = layout
+        return layout
 
     def scatter(
         self, allocation: Allocation, pages: torch.Tensor, prefill_tp: int
@@ -103,23 +121,13 @@ class ChunkScatter:
         Raises:
             ValueError: the region, pages or layout do not match the pool.
         """
-        num_pages = int(pages.numel())
-        placements = writer_placements(
-            prefill_tp,
-            self._decode_tp,
-            self._decode_rank,
-            self._total_heads,
-            num_pages * self._kv.page_size,
-            self.geometry.bytes_per_head_token,
-            self.geometry.num_layers,
-        )
         scatter_chunk(
             self._allocator.buffer[allocation.offset : allocation.end],
             self._kv.k_buffers,
             self._kv.v_buffers,
             pages,
             self._kv.page_size,
-            placements,
+            self._layout(prefill_tp, int(pages.numel())).writers,
             stream=self._stream,
         )
         if self._stream is None:
