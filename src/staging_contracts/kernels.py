@@ -209,7 +209,7 @@ def gather_chunk(
             source = _page_view(
                 pool, dtype, page_size, geometry, head_start=head_start, num_heads=num_heads
             )
-            if source.is_contiguous():  # every head: one flat row per page is fastest
+            if not strided:  # every head: one flat row per page is fastest
                 source = source.view(geometry.pool_pages, -1)
             start = layer * block
             target = out[start : start + block].view(dtype).view((num_pages, *source.shape[1:]))

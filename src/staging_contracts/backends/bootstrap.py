@@ -156,7 +156,7 @@ class BootstrapServer:
             while not self._stop.is_set():
                 if self._socket.poll(self._poll_ms()):
                     self._serve(self._socket.recv_multipart())
-                self._answer_waiters()
+                self._answer_waiters()  # after any change, and for waits that ran out
         finally:
             self._socket.close(linger=0)
 
@@ -173,14 +173,12 @@ class BootstrapServer:
             return
         identity, _, raw = frames
         doc, answer = self._answer(raw)
-        wait_s = doc.get("wait_s", 0) if doc is not None else 0
         self.requests_served += 1
-        if doc is not None and not _satisfied(doc, answer) and wait_s > 0:
-            self._waiters.append(_Waiter(identity, doc, time.monotonic() + wait_s))
-            return
-        self._reply(identity, answer)
-        if doc is not None and doc.get("op") in ("register", "arrive"):
-            self._answer_waiters()
+        if doc is not None and doc.get("wait_s", 0) > 0 and not _satisfied(doc, answer):
+            deadline = time.monotonic() + doc["wait_s"]
+            self._waiters.append(_Waiter(identity, doc, deadline))
+        else:
+            self._reply(identity, answer)
 
     def _answer_waiters(self) -> None:
         now = time.monotonic()
@@ -238,9 +236,9 @@ class BootstrapServer:
         raise ValueError(f"unknown op {op!r}")
 
 
-def _satisfied(doc: dict[str, Any] | None, answer: dict[str, Any]) -> bool:
+def _satisfied(doc: dict[str, Any], answer: dict[str, Any]) -> bool:
     """Whether ``answer`` ends the wait ``doc`` asked for (``wait_for`` parties, or ranks)."""
-    if doc is None or not answer.get("ok"):
+    if not answer.get("ok"):
         return True
     if doc.get("op") == "query":
         return "infos" in answer

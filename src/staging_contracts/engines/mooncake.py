@@ -247,16 +247,10 @@ class MooncakeEngine:
         with self._lock:
             native, regions = self._native, self._regions.clear()
             self._peers.clear()
-            if native is not None:
-                running = [b for b in self._stuck if native.transfer_check_status(b) == 0]
-                if running:
-                    logger.error(
-                        "mooncake engine %s closed with %d timed-out writes still running;"
-                        " leaking it",
-                        self._session_id,
-                        len(running),
-                    )
-                    drained = False
+            if native is not None and any(
+                native.transfer_check_status(batch) == 0 for batch in self._stuck
+            ):
+                drained = False  # a write given up at its deadline still runs
             self._stuck.clear()
             if not drained:
                 logger.error(
