@@ -15,7 +15,8 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -90,6 +91,22 @@ def _make(job: PeerJob) -> TransferEngine:
     return made
 
 
+@contextmanager
+def _child_engine(job: PeerJob, parent: Connection) -> Iterator[TransferEngine]:
+    """The child's engine, closed on the way out; a failure is reported to the parent first,
+    then raised, so the child exits 1."""
+    made: TransferEngine | None = None
+    try:
+        made = _make(job)
+        yield made
+    except BaseException:
+        parent.send(("error", traceback.format_exc()))
+        raise
+    finally:
+        if made is not None:
+            made.close()
+
+
 def _recv(conn: Connection, deadline: float, engine: TransferEngine) -> Any:
     """Receive one message, driving ``engine`` while waiting (NIXL needs target progress)."""
     while not conn.poll(0.001):
@@ -102,9 +119,7 @@ def _recv(conn: Connection, deadline: float, engine: TransferEngine) -> Any:
 def receiver_main(job: PeerJob, peer: Connection, parent: Connection) -> None:
     """Receive the writer's plan into a registered buffer and verify every byte."""
     deadline = time.monotonic() + job.timeout_s
-    made: TransferEngine | None = None
-    try:
-        made = _make(job)
+    with _child_engine(job, parent) as made:
         buffer = torch.zeros(BUFFER_BYTES, dtype=torch.uint8)
         made.register(buffer.data_ptr(), BUFFER_BYTES)
         peer.send((made.session_id, made.metadata(), buffer.data_ptr()))
@@ -133,20 +148,12 @@ def receiver_main(job: PeerJob, peer: Connection, parent: Connection) -> None:
                 raise AssertionError(f"unexpected notifications {notes!r}")
         peer.send("verified")
         parent.send(("ok", len(notes)))
-    except BaseException:
-        parent.send(("error", traceback.format_exc()))
-        raise
-    finally:
-        if made is not None:
-            made.close()
 
 
 def writer_main(job: PeerJob, peer: Connection, parent: Connection) -> None:
     """Write the plan in one bulk call; with ``bad_first``, rejected writes come first."""
     deadline = time.monotonic() + job.timeout_s
-    made: TransferEngine | None = None
-    try:
-        made = _make(job)
+    with _child_engine(job, parent) as made:
         source = seeded_bytes(BUFFER_BYTES)
         base = source.data_ptr()
         made.register(base, BUFFER_BYTES)
@@ -180,12 +187,6 @@ def writer_main(job: PeerJob, peer: Connection, parent: Connection) -> None:
         if _recv(peer, deadline, made) != "verified":
             raise AssertionError("receiver did not verify")
         parent.send(("ok", {"rejected": rejected, "write_s": elapsed}))
-    except BaseException:
-        parent.send(("error", traceback.format_exc()))
-        raise
-    finally:
-        if made is not None:
-            made.close()
 
 
 def threaded_main(job: PeerJob, parent: Connection) -> None:
@@ -267,9 +268,7 @@ STOPPED_BYTES = 64 << 20
 def stopped_receiver_main(job: PeerJob, peer: Connection, parent: Connection) -> None:
     """Offer a buffer and this process's pid (the writer stops and resumes it); verify."""
     deadline = time.monotonic() + job.timeout_s
-    made: TransferEngine | None = None
-    try:
-        made = _make(job)
+    with _child_engine(job, parent) as made:
         buffer = torch.zeros(STOPPED_BYTES, dtype=torch.uint8)
         made.register(buffer.data_ptr(), STOPPED_BYTES)
         peer.send((made.session_id, made.metadata(), buffer.data_ptr(), os.getpid()))
@@ -279,22 +278,13 @@ def stopped_receiver_main(job: PeerJob, peer: Connection, parent: Connection) ->
             raise AssertionError("the write after the resume did not land exactly")
         peer.send("verified")
         parent.send(("ok", None))
-    except BaseException:
-        parent.send(("error", traceback.format_exc()))
-        raise
-    finally:
-        if made is not None:
-            made.close()
 
 
 def stopped_writer_main(job: PeerJob, peer: Connection, parent: Connection) -> None:
     """Write to a stopped receiver (times out), write the same range again (refused while
     the first write may still read it), resume the receiver, and write until it lands."""
     deadline = time.monotonic() + job.timeout_s
-    made: TransferEngine | None = None
-    stopped = 0
-    try:
-        made = _make(job)
+    with _child_engine(job, parent) as made:
         source = seeded_bytes(STOPPED_BYTES)
         made.register(source.data_ptr(), STOPPED_BYTES)
         session, metadata, remote, pid = _recv(peer, deadline, made)
@@ -303,14 +293,14 @@ def stopped_writer_main(job: PeerJob, peer: Connection, parent: Connection) -> N
         errors: list[str] = []
         made.write(session, [Transfer(source.data_ptr(), remote, 4096)])  # connected now
         os.kill(pid, signal.SIGSTOP)
-        stopped = pid
-        for _ in range(2):
-            try:
-                made.write(session, whole)
-            except TransferError as exc:
-                errors.append(str(exc))
-        os.kill(pid, signal.SIGCONT)
-        stopped = 0
+        try:
+            for _ in range(2):
+                try:
+                    made.write(session, whole)
+                except TransferError as exc:
+                    errors.append(str(exc))
+        finally:
+            os.kill(pid, signal.SIGCONT)
         while True:
             try:
                 made.write(session, whole)
@@ -325,11 +315,3 @@ def stopped_writer_main(job: PeerJob, peer: Connection, parent: Connection) -> N
         if _recv(peer, deadline, made) != "verified":
             raise AssertionError("receiver did not verify")
         parent.send(("ok", errors))
-    except BaseException:
-        parent.send(("error", traceback.format_exc()))
-        raise
-    finally:
-        if stopped:
-            os.kill(stopped, signal.SIGCONT)
-        if made is not None:
-            made.close()
