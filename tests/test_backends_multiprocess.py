@@ -88,6 +88,16 @@ def test_staged_transfer_between_processes_is_bit_exact(
 
 
 @pytest.mark.parametrize("backend", ENGINES)
+def test_pools_allocated_layer_by_layer_transfer_bit_exact(backend: str) -> None:
+    """Pools allocated one per layer and K/V (the kernels' per-layer path, SGLang's layout)
+    land as bit-exact as views of one KV cache allocation."""
+    config = small_config(backend, 2, 4, 8, 16, separate_layers=True)
+    result = run_cluster(config, timeout_s=180)
+    assert_clean(result)
+    assert result.verified, [r.fields.get("problems") for r in result.ranks("decode")]
+
+
+@pytest.mark.parametrize("backend", ENGINES)
 def test_engine_write_error_fails_that_request_only(backend: str) -> None:
     """A prefill write outside the decode ring fails request 1; requests 0 and 2 verify."""
     config = small_config(backend, 2, 1, 4, 16, fail_rooms=(1,))

@@ -90,6 +90,14 @@ class Pools(NamedTuple):
     v: list[torch.Tensor]
 
 
+def one_allocation(pools: Pools) -> Pools:
+    """The same pools, copied into views of one allocation (K of every layer, then V)."""
+    every = [*pools.k, *pools.v]
+    backing = torch.stack(every)
+    views = list(backing.unbind())
+    return Pools(views[: len(pools.k)], views[len(pools.k) :])
+
+
 def make_pools(
     model: list[torch.Tensor],
     heads: list[int],
@@ -162,8 +170,10 @@ def test_gather_then_scatter_reproduces_decode_pools(
     num_layers: int,
     data: st.DataObject,
 ) -> None:
-    """Reproduces every decode pool bit for bit after gathering from prefill and scattering."""
+    """Reproduces every decode pool bit for bit after gathering from prefill and scattering,
+    with pools allocated one by one or as views of one allocation on either side."""
     total, prefill_tp, decode_tp = case
+    fused_prefill, fused_decode = data.draw(st.booleans()), data.draw(st.booleans())
     generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
     chunk_pages = data.draw(st.integers(1, 4))
     pool_pages = chunk_pages + data.draw(st.integers(0, 3))
@@ -185,6 +195,8 @@ def test_gather_then_scatter_reproduces_decode_pools(
             page_size=page_size,
             generator=generator,
         )
+        if fused_prefill:
+            prefill[p] = one_allocation(prefill[p])
     element = torch.empty((), dtype=dtype).element_size()
     for d in range(decode_tp):
         heads = global_heads(total, decode_tp, d)
@@ -208,6 +220,8 @@ def test_gather_then_scatter_reproduces_decode_pools(
             garbage = made.view(torch.uint8)[tokens].clone()
             made.copy_(want)
             made.view(torch.uint8)[tokens] = garbage
+        if fused_decode:
+            decode = one_allocation(decode)
         layout = compute_staging_layout(
             prefill_tp,
             decode_tp,

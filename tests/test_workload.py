@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from staging_contracts.kernels import PagedKVPools
 from staging_contracts.workload import (
     TransferConfig,
     fill_prefill_pool,
@@ -65,6 +66,18 @@ def test_verification_accepts_the_right_heads_and_catches_one_wrong_bit() -> Non
             f"request 1 layer 1 V head {2 * rank}: 1 elements differ"
         ]
         assert verify_decode_pool(decode, config, rank, requests={0}) == []
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["one allocation", "per layer"])
+def test_empty_pool_is_one_allocation_unless_layers_are_separate(separate: bool) -> None:
+    """Every K and V pool is a view of one zeroed buffer, or each its own allocation."""
+    config = TransferConfig(layers=3, tokens=32, page_size=8, separate_layers=separate)
+    pool = config.empty_pool(4, 1)
+    every = [*pool.k_buffers, *pool.v_buffers]
+    storages = {t.untyped_storage().data_ptr() for t in every}
+    assert len(storages) == (6 if separate else 1)
+    assert all(t.shape == (config.pool_pages * 8, 2, 128) and not t.any() for t in every)
+    assert (PagedKVPools(pool.k_buffers, pool.v_buffers, 8).fused() is None) == separate
 
 
 def test_invalid_config_is_rejected() -> None:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from .allocator import StagingAllocator
-from .kernels import PoolGeometry, pool_geometry, scatter_chunk
+from .kernels import PagedKVPools, PoolGeometry
 from .layout import WriterPlacement, compute_staging_layout, writer_placements
 from .protocols import Allocation, KVBufferTensors
 
@@ -61,9 +61,8 @@ class ChunkScatter:
         total_kv_heads: int,
         stream: torch.cuda.Stream | None = None,
     ) -> None:
-        self.geometry: PoolGeometry = pool_geometry(
-            kv_buffers.k_buffers, kv_buffers.v_buffers, kv_buffers.page_size
-        )
+        self._pools = PagedKVPools(kv_buffers.k_buffers, kv_buffers.v_buffers, kv_buffers.page_size)
+        self.geometry: PoolGeometry = self._pools.geometry
         expected_heads = max(1, total_kv_heads // decode_tp)
         if self.geometry.num_heads != expected_heads:
             raise ValueError(
@@ -121,12 +120,9 @@ class ChunkScatter:
         Raises:
             ValueError: the region, pages or layout do not match the pool.
         """
-        scatter_chunk(
+        self._pools.scatter(
             self._allocator.buffer[allocation.offset : allocation.end],
-            self._kv.k_buffers,
-            self._kv.v_buffers,
             pages,
-            self._kv.page_size,
             self._layout(prefill_tp, int(pages.numel())).writers,
             stream=self._stream,
         )

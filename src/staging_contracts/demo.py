@@ -46,6 +46,11 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="C",
         help="chunked-prefill size in tokens",
     )
+    parser.add_argument(
+        "--separate-layers",
+        action="store_true",
+        help="allocate each layer's K and V pool on its own instead of one KV cache buffer",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> TransferConfig:
@@ -67,6 +72,7 @@ def config_from_args(args: argparse.Namespace) -> TransferConfig:
         dtype=args.dtype,
         seed=args.seed,
         chunk_tokens=args.chunk_tokens,
+        separate_layers=args.separate_layers,
     )
 
 

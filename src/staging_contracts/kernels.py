@@ -7,11 +7,14 @@ order. A chunk is whole pages: page ``p`` of a pool holds pool tokens
 
 Bytes are moved as integer words (8, 4, 2 or 1 bytes, the widest the geometry allows), through
 ``Tensor.view(dtype)``: no numeric conversion, so every KV dtype (fp8, fp16, bf16, fp32,
-fp64, int64, ...) round-trips bit for bit, NaN payloads included. Each layer is one
-``index_select`` (gather) or one ``index_copy_`` (scatter) on a page view of the pool, or, on
-CPU when the chunk's pages come in long runs of consecutive pages, one slice copy per run
-(:mod:`~staging_contracts.page_runs` decides); nothing is allocated per call except what the
-page count needs.
+fp64, int64, ...) round-trips bit for bit, NaN payloads included. A gather is one
+``index_select`` and a scatter one indexed assignment (``index_copy_`` on CUDA,
+:func:`~staging_contracts.host_rows.put_rows` on CPU): over every layer at once when the pools
+are views of one allocation (:mod:`~staging_contracts.fused_pools`), else one per layer; or,
+on CPU when the chunk's pages come in long runs of consecutive pages and the rows are
+strided, one slice copy per run (:mod:`~staging_contracts.page_runs` decides). Nothing is
+allocated per call except what the page count needs. :class:`PagedKVPools` checks the pools
+once for the transfer path; :func:`gather_chunk` and :func:`scatter_chunk` check them per call.
 
 The scatter writes whole token rows where it can: writers whose destination heads follow each
 other and whose bytes are evenly spaced in the region (a decode rank fed by several prefill
@@ -33,11 +36,14 @@ from typing import NamedTuple
 
 import torch
 
+from .fused_pools import FusedPages, fuse_pools
+from .host_rows import put_rows
 from .layout import WriterPlacement
 from .page_runs import PageRun, plan_page_runs
 
 __all__ = [
     "KernelBackend",
+    "PagedKVPools",
     "PoolGeometry",
     "WriterPlacement",
     "gather_chunk",
@@ -143,6 +149,231 @@ def pool_geometry(
     )
 
 
+class PagedKVPools:
+    """A rank's paged K and V pools, checked once, for the gathers and scatters of every chunk.
+
+    **Side:** either. **Built:** once, when staging is set up (the checks walk every pool);
+    the methods then check only their own arguments. **Thread-safety:** methods may run on
+    several threads, on distinct ``out`` buffers and pages.
+
+    When every pool is a view of one allocation at whole-page offsets (one KV cache buffer,
+    as vLLM and TensorRT-LLM allocate it), a chunk moves with one index op for all layers
+    (:mod:`~staging_contracts.fused_pools`); pools allocated one by one move layer by layer.
+
+    Args:
+        k_buffers: one K pool per layer, each contiguous ``[pool_tokens, heads, head_dim]``.
+        v_buffers: one V pool per layer, same shape, dtype and device as the K pools.
+        page_size: tokens per page (>= 1).
+
+    Raises:
+        ValueError: as :func:`pool_geometry`.
+    """
+
+    def __init__(
+        self, k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], page_size: int
+    ) -> None:
+        self.geometry: PoolGeometry = pool_geometry(k_buffers, v_buffers, page_size)
+        """Shape facts shared by every pool."""
+        self.page_size = page_size
+        """Tokens per page."""
+        self._pools = (*k_buffers, *v_buffers)
+        self._offsets = _pool_offsets(k_buffers, v_buffers, self.geometry.element_size)
+        self._fused: dict[torch.dtype, FusedPages | None] = {}
+
+    def fused(self, word: torch.dtype = torch.uint8) -> FusedPages | None:
+        """The pools as page rows of one allocation, viewed as ``word`` (cached per word), or
+        ``None`` when they are not one allocation."""
+        if word not in self._fused:
+            geometry = self.geometry
+            self._fused[word] = fuse_pools(
+                self._pools,
+                pool_pages=geometry.pool_pages,
+                page_size=self.page_size,
+                page_bytes=self.page_size * geometry.num_heads * geometry.bytes_per_head_token,
+                word=word,
+            )
+        return self._fused[word]
+
+    def gather(
+        self,
+        page_indices: torch.Tensor,
+        head_start: int,
+        num_heads: int,
+        out: torch.Tensor,
+        *,
+        stream: torch.cuda.Stream | None = None,
+        backend: KernelBackend = KernelBackend.TORCH,
+    ) -> int:
+        """Copy heads ``[head_start, head_start + num_heads)`` of a chunk into staging bytes.
+
+        Writes one writer's bytes to ``out[:n]``: K of every layer, then V of every layer,
+        each ``[tokens, num_heads, head_dim]`` with tokens in ``page_indices`` order.
+
+        **Side:** prefill. **Called by:** the transfer worker, before the bulk write.
+        **Blocking:** on CPU until copied; on CUDA until enqueued (synchronize ``stream``
+        before the engine reads ``out``).
+
+        Args:
+            page_indices: int64 1-D tensor of the chunk's pool pages, on the pools' device.
+            head_start: first local head to send.
+            num_heads: heads to send.
+            out: contiguous 1-D ``uint8`` tensor on the pools' device, at least ``n`` bytes.
+            stream: CUDA only: stream to enqueue on (it first waits on the current stream).
+            backend: implementation to use.
+
+        Returns:
+            ``n``, the bytes written: ``tokens · num_heads · head_dim · element_size · 2 · L``.
+            ``out`` stays owned by the caller.
+
+        Raises:
+            ValueError: invalid pages, head range or ``out``; a page index out of range
+                (checked on CPU; on CUDA the device reports it); a stream with CPU tensors.
+        """
+        geometry = self.geometry
+        page_size = self.page_size
+        num_pages = _check_pages(page_indices, geometry)
+        _check_head_range("head_start", head_start, num_heads, geometry.num_heads)
+        _check_bytes_tensor("out", out, geometry.device)
+        _check_backend(backend)
+        bpht = geometry.bytes_per_head_token
+        block = num_pages * page_size * num_heads * bpht
+        total = block * 2 * geometry.num_layers
+        if out.numel() < total:
+            raise ValueError(f"out holds {out.numel()} bytes, the chunk needs {total}")
+        word = _word_bytes(
+            geometry.num_heads * bpht,
+            head_start * bpht,
+            num_heads * bpht,
+            int(out.storage_offset()),
+            *self._offsets,
+        )
+        dtype = _WORDS[word]
+        # Whole page rows: the index op copies each page with one memcpy already.
+        strided = num_heads < geometry.num_heads
+        runs = plan_page_runs(page_indices, page_size * num_heads * bpht) if strided else None
+        fused = self.fused(dtype) if runs is None else None
+        start = head_start * bpht // word
+        count = num_heads * bpht // word
+        with _on_stream(stream, geometry.device):
+            if fused is not None:  # every layer at once
+                source = fused.rows[:, :, start : start + count] if strided else fused.rows
+                index = fused.rows_of(page_indices)
+                target = out[:total].view(dtype).view(index.numel(), *source.shape[1:])
+                torch.index_select(source, 0, index, out=target)
+                return total
+            for layer, pool in enumerate(self._pools):
+                source = _page_view(pool, dtype, page_size, geometry)[:, :, start : start + count]
+                if not strided:  # every head: one flat row per page is fastest
+                    source = source.view(geometry.pool_pages, -1)
+                first = layer * block
+                target = out[first : first + block].view(dtype).view(num_pages, *source.shape[1:])
+                _take_pages(source, page_indices, runs, target)
+        return total
+
+    def scatter(
+        self,
+        region: torch.Tensor,
+        page_indices: torch.Tensor,
+        writers: Sequence[WriterPlacement],
+        *,
+        stream: torch.cuda.Stream | None = None,
+        backend: KernelBackend = KernelBackend.TORCH,
+    ) -> None:
+        """Copy every writer's bytes of a chunk region into the pools.
+
+        The inverse of :meth:`gather`: writer ``w`` at ``writers[w].byte_offset`` fills heads
+        ``[dst_head_start, dst_head_start + num_heads)`` of the chunk's pages.
+        ``layout.writer_placements`` builds ``writers`` for a decode rank.
+
+        **Side:** decode. **Called by:** the arrival path once every writer of the chunk
+        arrived. **Blocking:** on CPU until copied; on CUDA until enqueued (record an event on
+        ``stream`` and free the region once it completes). **Thread-safety:** callers
+        serialize scatters into the same pool pages.
+
+        Args:
+            region: contiguous 1-D ``uint8`` tensor (a slice of the ring) on the pools' device.
+            page_indices: int64 1-D tensor of the chunk's pool pages, on the pools' device.
+            writers: each writer's byte offset in ``region`` and destination heads.
+            stream: CUDA only: stream to enqueue on (it first waits on the current stream).
+            backend: implementation to use.
+
+        Raises:
+            ValueError: invalid pages, writers or region; a page index out of range (checked
+                on CPU; on CUDA the device reports it); a stream with CPU tensors.
+        """
+        geometry = self.geometry
+        page_size = self.page_size
+        num_pages = _check_pages(page_indices, geometry)
+        _check_bytes_tensor("region", region, geometry.device)
+        _check_backend(backend)
+        if not writers:
+            raise ValueError("writers must name at least one writer")
+        bpht = geometry.bytes_per_head_token
+        layers = 2 * geometry.num_layers
+        quantities = [geometry.num_heads * bpht]
+        for index, writer in enumerate(writers):
+            _check_head_range(
+                f"writers[{index}].dst_head_start",
+                writer.dst_head_start,
+                writer.num_heads,
+                geometry.num_heads,
+            )
+            size = num_pages * page_size * writer.num_heads * bpht * layers
+            if writer.byte_offset < 0 or writer.byte_offset + size > region.numel():
+                raise ValueError(
+                    f"writers[{index}] needs bytes [{writer.byte_offset}, "
+                    f"{writer.byte_offset + size}) but region holds {region.numel()} bytes"
+                )
+            quantities += [
+                writer.dst_head_start * bpht,
+                writer.num_heads * bpht,
+                int(region.storage_offset()) + writer.byte_offset,
+            ]
+        word = _word_bytes(*quantities, *self._offsets)
+        dtype = _WORDS[word]
+        words = region.view(dtype)
+        with _on_stream(stream, geometry.device):
+            for group in _writer_groups(writers, num_pages * page_size * bpht * layers):
+                row = group.heads_per_writer * bpht // word
+                block = num_pages * page_size * row
+                start = group.dst_head_start * bpht // word
+                whole_rows = group.num_writers == 1 and group.heads_per_writer == geometry.num_heads
+                runs = (
+                    None
+                    if whole_rows  # the index op copies each page with one memcpy already
+                    else plan_page_runs(page_indices, page_size * row * group.num_writers * word)
+                )
+                fused = self.fused(dtype) if runs is None else None
+                # Writer c of the group holds layer l's [pages, page_size, row] block at
+                # byte_offset + c * stride + l * block: one strided view reads them all, so
+                # each destination token row is written whole. Layers follow each other, so
+                # with fused pools the layers and pages are one dimension.
+                heads = slice(start, start + row * group.num_writers)
+                base = words.storage_offset() + group.byte_offset // word
+                if fused is not None:  # every layer at once
+                    target = fused.rows[:, :, heads]
+                    target = target.view(*target.shape[:2], group.num_writers, row)
+                    source = words.as_strided(
+                        (layers * num_pages, page_size, group.num_writers, row),
+                        (page_size * row, row, group.stride // word, 1),
+                        base,
+                    )
+                    _put_pages(target, fused.rows_of(page_indices), None, source)
+                    continue
+                for layer, pool in enumerate(self._pools):
+                    target = _page_view(pool, dtype, page_size, geometry)[:, :, heads]
+                    target = target.view(geometry.pool_pages, page_size, group.num_writers, row)
+                    source = words.as_strided(
+                        (num_pages, page_size, group.num_writers, row),
+                        (page_size * row, row, group.stride // word, 1),
+                        base + layer * block,
+                    )
+                    if whole_rows:  # both sides contiguous: one flat row per page is fastest
+                        target = target.view(geometry.pool_pages, -1)
+                        source = source.reshape(num_pages, -1)
+                    _put_pages(target, page_indices, runs, source)
+
+
 def gather_chunk(
     k_buffers: Sequence[torch.Tensor],
     v_buffers: Sequence[torch.Tensor],
@@ -155,14 +386,9 @@ def gather_chunk(
     stream: torch.cuda.Stream | None = None,
     backend: KernelBackend = KernelBackend.TORCH,
 ) -> int:
-    """Copy heads ``[head_start, head_start + num_heads)`` of a chunk into staging bytes.
+    """:meth:`PagedKVPools.gather` on pools checked for this call only.
 
-    Writes one writer's bytes to ``out[:n]``: K of every layer, then V of every layer, each
-    ``[tokens, num_heads, head_dim]`` with tokens in ``page_indices`` order.
-
-    **Side:** prefill. **Called by:** the transfer worker, before the bulk write.
-    **Blocking:** on CPU until copied; on CUDA until enqueued (synchronize ``stream`` before
-    the engine reads ``out``). **Thread-safety:** safe on distinct ``out`` buffers.
+    For one-off use and tests; the transfer path builds :class:`PagedKVPools` once.
 
     Args:
         k_buffers: K pool per layer, contiguous ``[pool_tokens, heads, head_dim]``.
@@ -171,50 +397,19 @@ def gather_chunk(
         page_size: tokens per page.
         head_start: first local head to send.
         num_heads: heads to send.
-        out: contiguous 1-D ``uint8`` tensor on the pools' device, at least ``n`` bytes.
-        stream: CUDA only: stream to enqueue on (it first waits on the current stream).
+        out: contiguous 1-D ``uint8`` tensor on the pools' device.
+        stream: CUDA only: stream to enqueue on.
         backend: implementation to use.
 
     Returns:
-        ``n``, the bytes written: ``tokens · num_heads · head_dim · element_size · 2 · L``.
-        ``out`` stays owned by the caller.
+        The bytes written.
 
     Raises:
-        ValueError: invalid pools, pages, head range or ``out``; a page index out of range
-            (checked on CPU; on CUDA the device reports it); a stream with CPU tensors.
+        ValueError: invalid pools, or as :meth:`PagedKVPools.gather`.
     """
-    geometry = pool_geometry(k_buffers, v_buffers, page_size)
-    num_pages = _check_pages(page_indices, geometry)
-    _check_head_range("head_start", head_start, num_heads, geometry.num_heads)
-    _check_bytes_tensor("out", out, geometry.device)
-    _check_backend(backend)
-    bpht = geometry.bytes_per_head_token
-    block = num_pages * page_size * num_heads * bpht
-    total = block * 2 * geometry.num_layers
-    if out.numel() < total:
-        raise ValueError(f"out holds {out.numel()} bytes, the chunk needs {total}")
-    word = _word_bytes(
-        geometry.num_heads * bpht,
-        head_start * bpht,
-        num_heads * bpht,
-        int(out.storage_offset()),
-        *_pool_offsets(k_buffers, v_buffers, geometry.element_size),
+    return PagedKVPools(k_buffers, v_buffers, page_size).gather(
+        page_indices, head_start, num_heads, out, stream=stream, backend=backend
     )
-    dtype = _WORDS[word]
-    # Whole page rows: the index op copies each page with one memcpy already.
-    strided = num_heads < geometry.num_heads
-    runs = plan_page_runs(page_indices, page_size * num_heads * bpht) if strided else None
-    with _on_stream(stream, geometry.device):
-        for layer, pool in enumerate((*k_buffers, *v_buffers)):
-            source = _page_view(
-                pool, dtype, page_size, geometry, head_start=head_start, num_heads=num_heads
-            )
-            if not strided:  # every head: one flat row per page is fastest
-                source = source.view(geometry.pool_pages, -1)
-            start = layer * block
-            target = out[start : start + block].view(dtype).view((num_pages, *source.shape[1:]))
-            _take_pages(source, page_indices, runs, target)
-    return total
 
 
 def scatter_chunk(
@@ -228,120 +423,38 @@ def scatter_chunk(
     stream: torch.cuda.Stream | None = None,
     backend: KernelBackend = KernelBackend.TORCH,
 ) -> None:
-    """Copy every writer's bytes of a chunk region into the decode KV pools.
+    """:meth:`PagedKVPools.scatter` on pools checked for this call only.
 
-    The inverse of :func:`gather_chunk`: writer ``w`` at ``writers[w].byte_offset`` fills
-    heads ``[dst_head_start, dst_head_start + num_heads)`` of the chunk's pages.
-    ``layout.writer_placements`` builds ``writers`` for a decode rank.
-
-    **Side:** decode. **Called by:** the arrival path once every writer of the chunk arrived.
-    **Blocking:** on CPU until copied; on CUDA until enqueued (record an event on ``stream``
-    and free the region once it completes). **Thread-safety:** callers serialize scatters
-    into the same pool pages.
+    For one-off use and tests; the transfer path builds :class:`PagedKVPools` once.
 
     Args:
-        region: contiguous 1-D ``uint8`` tensor (a slice of the ring) on the pools' device.
+        region: contiguous 1-D ``uint8`` tensor on the pools' device.
         k_buffers: K pool per layer, contiguous ``[pool_tokens, heads, head_dim]``.
         v_buffers: V pool per layer, same geometry.
         page_indices: int64 1-D tensor of the chunk's pool pages, on the pools' device.
         page_size: tokens per page.
         writers: each writer's byte offset in ``region`` and destination heads.
-        stream: CUDA only: stream to enqueue on (it first waits on the current stream).
+        stream: CUDA only: stream to enqueue on.
         backend: implementation to use.
 
     Raises:
-        ValueError: invalid pools, pages, writers or region; a page index out of range
-            (checked on CPU; on CUDA the device reports it); a stream with CPU tensors.
+        ValueError: invalid pools, or as :meth:`PagedKVPools.scatter`.
     """
-    geometry = pool_geometry(k_buffers, v_buffers, page_size)
-    num_pages = _check_pages(page_indices, geometry)
-    _check_bytes_tensor("region", region, geometry.device)
-    _check_backend(backend)
-    if not writers:
-        raise ValueError("writers must name at least one writer")
-    bpht = geometry.bytes_per_head_token
-    quantities = [geometry.num_heads * bpht]
-    for index, writer in enumerate(writers):
-        _check_head_range(
-            f"writers[{index}].dst_head_start",
-            writer.dst_head_start,
-            writer.num_heads,
-            geometry.num_heads,
-        )
-        size = num_pages * page_size * writer.num_heads * bpht * 2 * geometry.num_layers
-        if writer.byte_offset < 0 or writer.byte_offset + size > region.numel():
-            raise ValueError(
-                f"writers[{index}] needs bytes [{writer.byte_offset}, {writer.byte_offset + size})"
-                f" but region holds {region.numel()} bytes"
-            )
-        quantities += [
-            writer.dst_head_start * bpht,
-            writer.num_heads * bpht,
-            int(region.storage_offset()) + writer.byte_offset,
-        ]
-    word = _word_bytes(*quantities, *_pool_offsets(k_buffers, v_buffers, geometry.element_size))
-    dtype = _WORDS[word]
-    words = region.view(dtype)
-    with _on_stream(stream, geometry.device):
-        for group in _writer_groups(
-            writers, num_pages * page_size * bpht * 2 * geometry.num_layers
-        ):
-            row = group.heads_per_writer * bpht // dtype.itemsize
-            block = num_pages * page_size * row
-            whole_rows = group.num_writers == 1 and group.heads_per_writer == geometry.num_heads
-            runs = (
-                None
-                if whole_rows  # the index op copies each page with one memcpy already
-                else plan_page_runs(
-                    page_indices, page_size * row * group.num_writers * dtype.itemsize
-                )
-            )
-            for layer, pool in enumerate((*k_buffers, *v_buffers)):
-                target = _page_view(
-                    pool,
-                    dtype,
-                    page_size,
-                    geometry,
-                    head_start=group.dst_head_start,
-                    num_heads=group.heads_per_writer * group.num_writers,
-                ).view(geometry.pool_pages, page_size, group.num_writers, row)
-                # Writer c of the group holds this layer's [pages, page_size, row] block at
-                # byte_offset + c * stride + layer * block: one strided view reads them all,
-                # so each destination token row is written whole.
-                source = words.as_strided(
-                    (num_pages, page_size, group.num_writers, row),
-                    (page_size * row, row, group.stride // dtype.itemsize, 1),
-                    words.storage_offset() + group.byte_offset // dtype.itemsize + layer * block,
-                )
-                if whole_rows:  # both sides contiguous: one flat row per page is fastest
-                    target = target.view(geometry.pool_pages, -1)
-                    source = source.reshape(num_pages, -1)
-                _put_pages(target, page_indices, runs, source)
+    PagedKVPools(k_buffers, v_buffers, page_size).scatter(
+        region, page_indices, writers, stream=stream, backend=backend
+    )
 
 
 # --------------------------------------------------------------------------- helpers
 
 
 def _page_view(
-    pool: torch.Tensor,
-    dtype: torch.dtype,
-    page_size: int,
-    geometry: PoolGeometry,
-    *,
-    head_start: int,
-    num_heads: int,
+    pool: torch.Tensor, dtype: torch.dtype, page_size: int, geometry: PoolGeometry
 ) -> torch.Tensor:
-    """``pool`` as ``dtype`` words ``[pool_pages, page_size, words]``, one token row of the
-    head range per ``[page, token]``."""
+    """``pool`` as ``dtype`` words ``[pool_pages, page_size, words]``, one token row per
+    ``[page, token]``."""
     words = pool.view(pool.shape[0], -1).view(torch.uint8).view(dtype)
-    row = words.shape[1]
-    paged = words[: geometry.pool_pages * page_size].view(geometry.pool_pages, page_size, row)
-    if num_heads == geometry.num_heads:
-        return paged
-    # The word size divides both byte counts (see _word_bytes), not necessarily one head.
-    start = head_start * geometry.bytes_per_head_token // dtype.itemsize
-    count = num_heads * geometry.bytes_per_head_token // dtype.itemsize
-    return paged[:, :, start : start + count]
+    return words[: geometry.pool_pages * page_size].view(geometry.pool_pages, page_size, -1)
 
 
 def _take_pages(
@@ -367,7 +480,10 @@ def _put_pages(
 ) -> None:
     """``target[page_indices[i]] = source[i]``: one index op, or one slice copy per run."""
     if runs is None:
-        target.index_copy_(0, page_indices, source)
+        if target.device.type == "cpu":
+            put_rows(target, page_indices, source)
+        else:
+            target.index_copy_(0, page_indices, source)
         return
     for run in runs:
         pool = slice(run.pool_page, run.pool_page + run.length)

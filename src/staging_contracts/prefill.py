@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import gather_chunk, pool_geometry
+from .kernels import PagedKVPools
 from .layout import (
     compute_head_slice_params,
     compute_staging_layout,
@@ -131,9 +131,8 @@ class StagingWriter:
         timeouts: PrefillTimeouts | None = None,
         stream: torch.cuda.Stream | None = None,
     ) -> None:
-        self._geometry = pool_geometry(
-            kv_buffers.k_buffers, kv_buffers.v_buffers, kv_buffers.page_size
-        )
+        self._pools = PagedKVPools(kv_buffers.k_buffers, kv_buffers.v_buffers, kv_buffers.page_size)
+        self._geometry = self._pools.geometry
         if max_chunk_pages < 1:
             raise ValueError(f"max_chunk_pages={max_chunk_pages!r} must be >= 1")
         self._max_chunk_pages = max_chunk_pages
@@ -291,11 +290,8 @@ class StagingWriter:
         head = compute_head_slice_params(
             self._prefill_tp, decode_tp, self._prefill_rank, target.tp_rank, self._total_heads
         )
-        gather_chunk(
-            self._kv.k_buffers,
-            self._kv.v_buffers,
+        self._pools.gather(
             pages,
-            self._kv.page_size,
             head.src_head_start,
             head.num_heads,
             self._buffer[:nbytes],

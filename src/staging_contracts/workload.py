@@ -66,6 +66,10 @@ class TransferConfig:
     fail_rooms: tuple[int, ...] = ()
     """Requests (by index) whose writes prefill rank 0 aims outside the decode ring: a fault
     injection to show that an engine error fails that request only."""
+    separate_layers: bool = False
+    """Allocate each layer's K and V pool on its own (as SGLang does) instead of as views of
+    one KV cache allocation (as vLLM and TensorRT-LLM do); the kernels then go layer by
+    layer instead of moving every layer at once."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -140,15 +144,19 @@ class TransferConfig:
         )
 
     def empty_pool(self, tp: int, rank: int) -> KVBufferTensors:
-        """A zeroed paged KV pool for a rank."""
+        """A zeroed paged KV pool for a rank: views of one allocation ``[2, layers, tokens,
+        heads, head_dim]``, or one allocation per pool with ``separate_layers``."""
         heads = len(rank_heads(self.kv_heads, tp, rank))
         shape = (self.pool_pages * self.page_size, heads, self.head_dim)
         dtype = self.torch_dtype
-        return KVBufferTensors(
-            tuple(torch.zeros(shape, dtype=dtype) for _ in range(self.layers)),
-            tuple(torch.zeros(shape, dtype=dtype) for _ in range(self.layers)),
-            self.page_size,
-        )
+        if self.separate_layers:
+            return KVBufferTensors(
+                tuple(torch.zeros(shape, dtype=dtype) for _ in range(self.layers)),
+                tuple(torch.zeros(shape, dtype=dtype) for _ in range(self.layers)),
+                self.page_size,
+            )
+        cache = torch.zeros((2, self.layers, *shape), dtype=dtype)
+        return KVBufferTensors(tuple(cache[0].unbind()), tuple(cache[1].unbind()), self.page_size)
 
 
 def rank_heads(total_heads: int, tp: int, rank: int) -> list[int]:

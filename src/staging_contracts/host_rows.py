@@ -1,0 +1,45 @@
+"""CPU: ``target[index] = source`` along the first dimension, at close to memcpy speed.
+
+torch's CPU ``index_copy_`` moves one element per step of its loop: about 3 to 4 GB/s here
+whatever the row looks like. NumPy's indexed assignment copies a row element by element too,
+but when a row's innermost dimension is viewed as one opaque ``np.void`` element of that many
+bytes, each element is one ``memcpy``: 4.4 GB/s for the 512-byte pieces of the transfer
+benchmark's scatter, against 5.1 for a strided ``copy_`` with no index at all, and over 9 GB/s
+for whole contiguous pages (measured on the project's 2-core host). Bytes are copied, never
+converted, so every dtype round-trips bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+__all__ = ["put_rows"]
+
+
+def put_rows(target: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> None:
+    """``target[index[i]] = source[i]`` for every ``i``, on CPU tensors.
+
+    Args:
+        target: CPU tensor of an integer word dtype whose innermost dimension is contiguous.
+        index: 1-D int64 CPU tensor; no row may appear twice.
+        source: CPU tensor of the same dtype, ``[len(index), *target.shape[1:]]``, innermost
+            dimension contiguous.
+    """
+    _as_void(target)[index.numpy()] = _as_void(source)
+
+
+def _as_void(tensor: torch.Tensor) -> npt.NDArray[Any]:
+    """``tensor``'s memory with each innermost row as one opaque element."""
+    array = tensor.numpy()
+    if array.ndim == 0 or (array.shape[-1] > 1 and array.strides[-1] != array.itemsize):
+        raise ValueError(f"innermost dimension of a {tuple(tensor.shape)} view is not contiguous")
+    element = np.dtype((np.void, array.shape[-1] * array.itemsize))
+    if array.shape[-1] == 1:  # any stride will do for one element: make it the element's
+        array = np.lib.stride_tricks.as_strided(
+            array, array.shape, (*array.strides[:-1], array.itemsize)
+        )
+    return array.view(element)[..., 0]
