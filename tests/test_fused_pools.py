@@ -7,7 +7,6 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from staging_contracts import page_runs
 from staging_contracts.host_rows import put_rows
 from staging_contracts.kernels import PagedKVPools, WriterPlacement
 from tests.test_kernels import (
@@ -92,16 +91,14 @@ def test_separate_allocations_are_not_fused() -> None:
     assert PagedKVPools(k, v, PAGE_SIZE).fused() is None
 
 
-@pytest.mark.parametrize("min_run_bytes", [0, 1 << 40], ids=["slice copies", "index op"])
 @pytest.mark.parametrize("pattern", ["two runs", "mixed"])
 @pytest.mark.parametrize("writer_set", WRITER_SETS)
 @pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - {"aliased"}))
 def test_scatter_into_one_allocation_matches_the_literal_layout(
-    monkeypatch: pytest.MonkeyPatch, min_run_bytes: int, pattern: str, writer_set: str, layout: str
+    pattern: str, writer_set: str, layout: str
 ) -> None:
     """Writes what a token-by-token reading of the layout writes, and no byte of the
     allocation outside the chunk's pages and the writers' heads (padding included)."""
-    monkeypatch.setattr(page_runs, "MIN_RUN_BYTES", min_run_bytes)
     generator = torch.Generator().manual_seed(3)
     pages = PAGE_PATTERNS[pattern]
     unit = len(pages) * PAGE_SIZE * HEAD_DIM * 2 * 2 * LAYERS

@@ -9,7 +9,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staging_contracts import page_runs
 from staging_contracts.kernels import (
     KernelBackend,
     WriterPlacement,
@@ -302,14 +301,10 @@ WRITER_SETS = {
 }
 
 
-@pytest.mark.parametrize("min_run_bytes", [0, 1 << 40], ids=["slice copies", "index op"])
 @pytest.mark.parametrize("pattern", PAGE_PATTERNS)
 @pytest.mark.parametrize("writer_set", WRITER_SETS)
-def test_scatter_matches_the_literal_layout(
-    monkeypatch: pytest.MonkeyPatch, min_run_bytes: int, pattern: str, writer_set: str
-) -> None:
-    """Writes exactly what a token-by-token reading of the layout writes, by either path."""
-    monkeypatch.setattr(page_runs, "MIN_RUN_BYTES", min_run_bytes)
+def test_scatter_matches_the_literal_layout(pattern: str, writer_set: str) -> None:
+    """Writes exactly what a token-by-token reading of the layout writes."""
     generator = torch.Generator().manual_seed(6)
     pages, page_size, layers = PAGE_PATTERNS[pattern], 3, 2
     chunk_tokens = len(pages) * page_size
@@ -330,14 +325,10 @@ def test_scatter_matches_the_literal_layout(
         assert torch.equal(as_bytes(got), as_bytes(want))
 
 
-@pytest.mark.parametrize("min_run_bytes", [0, 1 << 40], ids=["slice copies", "index op"])
 @pytest.mark.parametrize("pattern", PAGE_PATTERNS)
 @pytest.mark.parametrize("heads", [(0, 4), (1, 2)], ids=["all heads", "head slice"])
-def test_gather_is_the_same_by_either_path(
-    monkeypatch: pytest.MonkeyPatch, min_run_bytes: int, pattern: str, heads: tuple[int, int]
-) -> None:
-    """Gathers the same bytes with slice copies per page run as with one index op."""
-    monkeypatch.setattr(page_runs, "MIN_RUN_BYTES", min_run_bytes)
+def test_gather_follows_the_layout_for_any_page_order(pattern: str, heads: tuple[int, int]) -> None:
+    """Gathers the chunk's heads page by page in the chunk's order, runs or not."""
     generator = torch.Generator().manual_seed(7)
     pages = PAGE_PATTERNS[pattern]
     k = [random_bits((40, 4, 4), torch.float16, generator) for _ in range(2)]

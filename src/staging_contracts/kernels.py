@@ -10,11 +10,10 @@ Bytes are moved as integer words (8, 4, 2 or 1 bytes, the widest the geometry al
 fp64, int64, ...) round-trips bit for bit, NaN payloads included. A gather is one
 ``index_select`` and a scatter one indexed assignment (``index_copy_`` on CUDA,
 :func:`~staging_contracts.host_rows.put_rows` on CPU): over every layer at once when the pools
-are views of one allocation (:mod:`~staging_contracts.fused_pools`), else one per layer; or,
-on CPU when the chunk's pages come in long runs of consecutive pages and the rows are
-strided, one slice copy per run (:mod:`~staging_contracts.page_runs` decides). Nothing is
-allocated per call except what the page count needs. :class:`PagedKVPools` checks the pools
-once for the transfer path; :func:`gather_chunk` and :func:`scatter_chunk` check them per call.
+are views of one allocation (:mod:`~staging_contracts.fused_pools`), else one per layer.
+Nothing is allocated per call except what the page count needs. :class:`PagedKVPools` checks
+the pools once for the transfer path; :func:`gather_chunk` and :func:`scatter_chunk` check
+them per call.
 
 The scatter writes whole token rows where it can: writers whose destination heads follow each
 other and whose bytes are evenly spaced in the region (a decode rank fed by several prefill
@@ -39,7 +38,6 @@ import torch
 from .fused_pools import FusedPages, fuse_pools
 from .host_rows import put_rows
 from .layout import WriterPlacement
-from .page_runs import PageRun, plan_page_runs
 
 __all__ = [
     "KernelBackend",
@@ -248,26 +246,28 @@ class PagedKVPools:
             *self._offsets,
         )
         dtype = _WORDS[word]
-        # Whole page rows: the index op copies each page with one memcpy already.
         strided = num_heads < geometry.num_heads
-        runs = plan_page_runs(page_indices, page_size * num_heads * bpht) if strided else None
-        fused = self.fused(dtype) if runs is None else None
+        fused = self.fused(dtype)
         start = head_start * bpht // word
         count = num_heads * bpht // word
         with _on_stream(stream, geometry.device):
-            if fused is not None:  # every layer at once
-                source = fused.rows[:, :, start : start + count] if strided else fused.rows
+            if fused is not None:  # every layer at once: one index over all pools' rows
+                sources = [fused.rows[:, :, start : start + count]]
                 index = fused.rows_of(page_indices)
-                target = out[:total].view(dtype).view(index.numel(), *source.shape[1:])
-                torch.index_select(source, 0, index, out=target)
-                return total
-            for layer, pool in enumerate(self._pools):
-                source = _page_view(pool, dtype, page_size, geometry)[:, :, start : start + count]
-                if not strided:  # every head: one flat row per page is fastest
-                    source = source.view(geometry.pool_pages, -1)
-                first = layer * block
-                target = out[first : first + block].view(dtype).view(num_pages, *source.shape[1:])
-                _take_pages(source, page_indices, runs, target)
+            else:
+                sources = [
+                    _page_view(pool, dtype, page_size, geometry)[:, :, start : start + count]
+                    for pool in self._pools
+                ]
+                index = page_indices
+            step = index.numel() * page_size * count
+            for number, pages in enumerate(sources):
+                # Every head: one flat row per page, which the index op copies with one memcpy.
+                source = pages if strided else pages.reshape(pages.shape[0], -1)
+                target = out.view(dtype)[number * step : (number + 1) * step]
+                torch.index_select(
+                    source, 0, index, out=target.view(index.numel(), *source.shape[1:])
+                )
         return total
 
     def scatter(
@@ -338,12 +338,7 @@ class PagedKVPools:
                 block = num_pages * page_size * row
                 start = group.dst_head_start * bpht // word
                 whole_rows = group.num_writers == 1 and group.heads_per_writer == geometry.num_heads
-                runs = (
-                    None
-                    if whole_rows  # the index op copies each page with one memcpy already
-                    else plan_page_runs(page_indices, page_size * row * group.num_writers * word)
-                )
-                fused = self.fused(dtype) if runs is None else None
+                fused = self.fused(dtype)
                 # Writer c of the group holds layer l's [pages, page_size, row] block at
                 # byte_offset + c * stride + l * block: one strided view reads them all, so
                 # each destination token row is written whole. Layers follow each other, so
@@ -358,7 +353,7 @@ class PagedKVPools:
                         (page_size * row, row, group.stride // word, 1),
                         base,
                     )
-                    _put_pages(target, fused.rows_of(page_indices), None, source)
+                    _put_rows(target, fused.rows_of(page_indices), source)
                     continue
                 for layer, pool in enumerate(self._pools):
                     target = _page_view(pool, dtype, page_size, geometry)[:, :, heads]
@@ -371,7 +366,7 @@ class PagedKVPools:
                     if whole_rows:  # both sides contiguous: one flat row per page is fastest
                         target = target.view(geometry.pool_pages, -1)
                         source = source.reshape(num_pages, -1)
-                    _put_pages(target, page_indices, runs, source)
+                    _put_rows(target, page_indices, source)
 
 
 def gather_chunk(
@@ -457,45 +452,12 @@ def _page_view(
     return words[: geometry.pool_pages * page_size].view(geometry.pool_pages, page_size, -1)
 
 
-def _take_pages(
-    source: torch.Tensor,
-    page_indices: torch.Tensor,
-    runs: list[PageRun] | None,
-    out: torch.Tensor,
-) -> None:
-    """``out[i] = source[page_indices[i]]``: one index op, or one slice copy per run."""
-    if runs is None:
-        torch.index_select(source, 0, page_indices, out=out)
-        return
-    for run in runs:
-        chunk = slice(run.chunk_page, run.chunk_page + run.length)
-        _copy(out[chunk], source[run.pool_page : run.pool_page + run.length])
-
-
-def _put_pages(
-    target: torch.Tensor,
-    page_indices: torch.Tensor,
-    runs: list[PageRun] | None,
-    source: torch.Tensor,
-) -> None:
-    """``target[page_indices[i]] = source[i]``: one index op, or one slice copy per run."""
-    if runs is None:
-        if target.device.type == "cpu":
-            put_rows(target, page_indices, source)
-        else:
-            target.index_copy_(0, page_indices, source)
-        return
-    for run in runs:
-        pool = slice(run.pool_page, run.pool_page + run.length)
-        _copy(target[pool], source[run.chunk_page : run.chunk_page + run.length])
-
-
-def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
-    """``target.copy_(source)``, flat when both are contiguous (a plain memcpy then)."""
-    if target.is_contiguous() and source.is_contiguous():
-        target.view(-1).copy_(source.view(-1))
+def _put_rows(target: torch.Tensor, rows: torch.Tensor, source: torch.Tensor) -> None:
+    """``target[rows[i]] = source[i]``: NumPy row copies on CPU, ``index_copy_`` on CUDA."""
+    if target.device.type == "cpu":
+        put_rows(target, rows, source)
     else:
-        target.copy_(source)
+        target.index_copy_(0, rows, source)
 
 
 class _WriterGroup(NamedTuple):
