@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from staging_contracts.host_rows import put_rows
-from staging_contracts.kernels import PagedKVPools, WriterPlacement
+from staging_contracts.kernels import KernelBackend, PagedKVPools, WriterPlacement
 from tests.test_kernels import (
     PAGE_PATTERNS,
     WRITER_SETS,
@@ -91,14 +91,16 @@ def test_separate_allocations_are_not_fused() -> None:
     assert PagedKVPools(k, v, PAGE_SIZE).fused() is None
 
 
+@pytest.mark.parametrize("backend", KernelBackend)
 @pytest.mark.parametrize("pattern", ["two runs", "mixed"])
 @pytest.mark.parametrize("writer_set", WRITER_SETS)
 @pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - {"aliased"}))
 def test_scatter_into_one_allocation_matches_the_literal_layout(
-    pattern: str, writer_set: str, layout: str
+    backend: KernelBackend, pattern: str, writer_set: str, layout: str
 ) -> None:
     """Writes what a token-by-token reading of the layout writes, and no byte of the
-    allocation outside the chunk's pages and the writers' heads (padding included)."""
+    allocation outside the chunk's pages and the writers' heads (padding included), with
+    NumPy row copies or with the torch-only (CUDA) code path."""
     generator = torch.Generator().manual_seed(3)
     pages = PAGE_PATTERNS[pattern]
     unit = len(pages) * PAGE_SIZE * HEAD_DIM * 2 * 2 * LAYERS
@@ -114,7 +116,7 @@ def test_scatter_into_one_allocation_matches_the_literal_layout(
     k, v = views_of(layout, expected)
     reference_scatter(region, [*k, *v], pages, PAGE_SIZE, writers)
     k, v = views_of(layout, backing)
-    PagedKVPools(k, v, PAGE_SIZE).scatter(region, torch.tensor(pages), writers)
+    PagedKVPools(k, v, PAGE_SIZE).scatter(region, torch.tensor(pages), writers, backend=backend)
     assert torch.equal(as_bytes(backing), as_bytes(expected))
 
 

@@ -61,7 +61,11 @@ class KernelBackend(enum.Enum):
     """Which implementation moves the bytes (a typed setting, never an environment string)."""
 
     TORCH = "torch"
-    """Torch indexing ops; CPU and CUDA. Always available."""
+    """Torch indexing ops, except that a CPU scatter's rows are copied by NumPy
+    (:func:`~staging_contracts.host_rows.put_rows`, faster there). The default."""
+    TORCH_ONLY = "torch-only"
+    """Torch indexing ops on every device: exactly the CUDA code path, runnable on CPU
+    tensors (so hosts without a GPU can test it)."""
 
 
 class PoolGeometry(NamedTuple):
@@ -353,7 +357,7 @@ class PagedKVPools:
                         (page_size * row, row, group.stride // word, 1),
                         base,
                     )
-                    _put_rows(target, fused.rows_of(page_indices), source)
+                    _put_rows(target, fused.rows_of(page_indices), source, backend)
                     continue
                 for layer, pool in enumerate(self._pools):
                     target = _page_view(pool, dtype, page_size, geometry)[:, :, heads]
@@ -366,7 +370,7 @@ class PagedKVPools:
                     if whole_rows:  # both sides contiguous: one flat row per page is fastest
                         target = target.view(geometry.pool_pages, -1)
                         source = source.reshape(num_pages, -1)
-                    _put_rows(target, page_indices, source)
+                    _put_rows(target, page_indices, source, backend)
 
 
 def gather_chunk(
@@ -452,9 +456,11 @@ def _page_view(
     return words[: geometry.pool_pages * page_size].view(geometry.pool_pages, page_size, -1)
 
 
-def _put_rows(target: torch.Tensor, rows: torch.Tensor, source: torch.Tensor) -> None:
-    """``target[rows[i]] = source[i]``: NumPy row copies on CPU, ``index_copy_`` on CUDA."""
-    if target.device.type == "cpu":
+def _put_rows(
+    target: torch.Tensor, rows: torch.Tensor, source: torch.Tensor, backend: KernelBackend
+) -> None:
+    """``target[rows[i]] = source[i]``: NumPy row copies on CPU, else ``index_copy_``."""
+    if target.device.type == "cpu" and backend is KernelBackend.TORCH:
         put_rows(target, rows, source)
     else:
         target.index_copy_(0, rows, source)
