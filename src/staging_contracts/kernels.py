@@ -336,41 +336,37 @@ class PagedKVPools:
         word = _word_bytes(*quantities, *self._offsets)
         dtype = _WORDS[word]
         words = region.view(dtype)
+        fused = self.fused(dtype)
+        # (page rows, their index for this chunk, source pages, first source word) per op.
+        if fused is not None:  # every layer at once: layers and pages are one dimension
+            ops = [(fused.rows, fused.rows_of(page_indices), layers * num_pages, 0)]
+        else:
+            ops = [
+                (_page_view(pool, dtype, page_size, geometry), page_indices, num_pages, layer)
+                for layer, pool in enumerate(self._pools)
+            ]
         with _on_stream(stream, geometry.device):
             for group in _writer_groups(writers, num_pages * page_size * bpht * layers):
                 row = group.heads_per_writer * bpht // word
-                block = num_pages * page_size * row
                 start = group.dst_head_start * bpht // word
-                whole_rows = group.num_writers == 1 and group.heads_per_writer == geometry.num_heads
-                fused = self.fused(dtype)
-                # Writer c of the group holds layer l's [pages, page_size, row] block at
-                # byte_offset + c * stride + l * block: one strided view reads them all, so
-                # each destination token row is written whole. Layers follow each other, so
-                # with fused pools the layers and pages are one dimension.
                 heads = slice(start, start + row * group.num_writers)
-                base = words.storage_offset() + group.byte_offset // word
-                if fused is not None:  # every layer at once
-                    target = fused.rows[:, :, heads]
-                    target = target.view(*target.shape[:2], group.num_writers, row)
+                whole_rows = group.num_writers == 1 and group.heads_per_writer == geometry.num_heads
+                for rows, page_rows, count, layer in ops:
+                    # Writer c of the group holds layer l's [pages, page_size, row] block at
+                    # byte_offset + c * stride + l * block: one strided view reads them all,
+                    # so each destination token row is written whole.
+                    target = rows[:, :, heads].view(len(rows), page_size, group.num_writers, row)
                     source = words.as_strided(
-                        (layers * num_pages, page_size, group.num_writers, row),
+                        (count, page_size, group.num_writers, row),
                         (page_size * row, row, group.stride // word, 1),
-                        base,
-                    )
-                    _put_rows(target, fused.rows_of(page_indices), source, backend)
-                    continue
-                for layer, pool in enumerate(self._pools):
-                    target = _page_view(pool, dtype, page_size, geometry)[:, :, heads]
-                    target = target.view(geometry.pool_pages, page_size, group.num_writers, row)
-                    source = words.as_strided(
-                        (num_pages, page_size, group.num_writers, row),
-                        (page_size * row, row, group.stride // word, 1),
-                        base + layer * block,
+                        words.storage_offset()
+                        + group.byte_offset // word
+                        + layer * num_pages * page_size * row,
                     )
                     if whole_rows:  # both sides contiguous: one flat row per page is fastest
-                        target = target.view(geometry.pool_pages, -1)
-                        source = source.reshape(num_pages, -1)
-                    _put_rows(target, page_indices, source, backend)
+                        target = target.view(len(rows), -1)
+                        source = source.reshape(count, -1)
+                    _put_rows(target, page_rows, source, backend)
 
 
 def gather_chunk(
