@@ -7,7 +7,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from staging_contracts.host_rows import put_rows
+from staging_contracts import kernels
+from staging_contracts.host_rows import put_pages, put_rows
 from staging_contracts.kernels import KernelBackend, PagedKVPools, WriterPlacement
 from tests.test_kernels import (
     PAGE_PATTERNS,
@@ -49,13 +50,19 @@ LAYOUTS: dict[str, tuple[tuple[int, ...], Views]] = {
         (2 * LAYERS, TOKENS + 1, *ROW),
         lambda b: (list(b[:LAYERS].unbind()), list(b[LAYERS:].unbind())),
     ),
+    # Pools in no even order inside one allocation: three runs of evenly spaced pools.
+    "shuffled": (
+        (2 * LAYERS, TOKENS, *ROW),
+        lambda b: ([b[2], b[0]], [b[3], b[1]]),
+    ),
     # V pools are the K pools: a scatter would write each page twice.
     "aliased": (
         (LAYERS, TOKENS, *ROW),
         lambda b: (list(b.unbind()), list(b.unbind())),
     ),
 }
-FUSED = {"k then v", "layer major", "padded"}
+FUSED = {"k then v", "layer major", "padded", "shuffled"}
+RUNS = {"k then v": 1, "layer major": 2, "padded": 1, "shuffled": 3}
 
 
 def backing_for(layout: str, generator: torch.Generator) -> torch.Tensor:
@@ -74,6 +81,13 @@ def test_fused_rows_are_the_pools_pages(layout: str) -> None:
     assert (fused is not None) == (layout in FUSED)
     if fused is None:
         return
+    assert len(fused.runs) == RUNS[layout]
+    assert [run.first_pool for run in fused.runs] == sorted(run.first_pool for run in fused.runs)
+    for run in fused.runs:
+        pages = fused.run_pages(run)
+        for offset in range(run.length):
+            pool = [*k, *v][run.first_pool + offset]
+            assert torch.equal(as_bytes(pages[offset]).flatten(), as_bytes(pool[:TOKENS]).flatten())
     for pool_index, pool in enumerate((*k, *v)):
         for page in range(POOL_PAGES):
             row = int(fused.first_row[pool_index]) + page
@@ -91,16 +105,26 @@ def test_separate_allocations_are_not_fused() -> None:
     assert PagedKVPools(k, v, PAGE_SIZE).fused() is None
 
 
-@pytest.mark.parametrize("backend", KernelBackend)
+@pytest.mark.parametrize(
+    ("backend", "max_runs"),
+    [(KernelBackend.TORCH, 4), (KernelBackend.TORCH, 0), (KernelBackend.TORCH_ONLY, 4)],
+    ids=["numpy pages", "numpy rows", "torch only"],
+)
 @pytest.mark.parametrize("pattern", ["two runs", "mixed"])
 @pytest.mark.parametrize("writer_set", WRITER_SETS)
 @pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - {"aliased"}))
 def test_scatter_into_one_allocation_matches_the_literal_layout(
-    backend: KernelBackend, pattern: str, writer_set: str, layout: str
+    monkeypatch: pytest.MonkeyPatch,
+    backend: KernelBackend,
+    max_runs: int,
+    pattern: str,
+    writer_set: str,
+    layout: str,
 ) -> None:
     """Writes what a token-by-token reading of the layout writes, and no byte of the
-    allocation outside the chunk's pages and the writers' heads (padding included), with
-    NumPy row copies or with the torch-only (CUDA) code path."""
+    allocation outside the chunk's pages and the writers' heads (padding included), by
+    every path: NumPy copies per run and page or per row, or the torch-only (CUDA) path."""
+    monkeypatch.setattr(kernels, "_MAX_HOST_RUNS", max_runs)
     generator = torch.Generator().manual_seed(3)
     pages = PAGE_PATTERNS[pattern]
     unit = len(pages) * PAGE_SIZE * HEAD_DIM * 2 * 2 * LAYERS
@@ -164,6 +188,17 @@ def test_put_rows_copies_bytes_not_values() -> None:
     put_rows(into, torch.tensor([3, 1, 0]), wide)
     assert torch.equal(into[[3, 1, 0]], wide)
     assert not into[2].any()
+
+
+def test_put_pages_copies_each_page_of_every_pool() -> None:
+    """``target[:, pages[j]] = source[:, j]``, whatever the pool stride; other pages kept."""
+    backing = torch.zeros(3, 7, 5, 2, dtype=torch.int32)
+    target = backing[::2]  # two pools, a pool apart
+    source = torch.arange(2 * 3 * 5 * 2, dtype=torch.int32).view(2, 3, 5, 2)
+    put_pages(target, torch.tensor([6, 0, 3]), source)
+    assert torch.equal(target[:, [6, 0, 3]], source)
+    assert not target[:, [1, 2, 4, 5]].any()
+    assert not backing[1].any()
 
 
 def test_put_rows_needs_a_contiguous_inner_dimension() -> None:

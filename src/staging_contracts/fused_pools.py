@@ -20,7 +20,20 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["FusedPages", "fuse_pools"]
+__all__ = ["FusedPages", "PoolRun", "fuse_pools"]
+
+
+class PoolRun(NamedTuple):
+    """Consecutive pools (in the given order) whose first rows are evenly spaced."""
+
+    first_pool: int
+    """Index of the run's first pool."""
+    length: int
+    """Pools in the run (>= 1)."""
+    first_row: int
+    """Row of page 0 of the run's first pool."""
+    step: int
+    """Rows from one pool of the run to the next (> 0; 0 when ``length`` is 1)."""
 
 
 class FusedPages(NamedTuple):
@@ -33,9 +46,25 @@ class FusedPages(NamedTuple):
     """int64 ``[pools]`` on the pools' device: the row of page 0 of each pool, in the order
     the pools were given (K of every layer, then V of every layer)."""
 
+    runs: tuple[PoolRun, ...]
+    """The pools split into runs of evenly spaced pools, in order: one run for K-then-V
+    caches (``[2, layers, ...]``), two for layer-major ones (``[layers, 2, ...]``)."""
+    pool_pages: int
+    """Whole pages of each pool."""
+
     def rows_of(self, page_indices: torch.Tensor) -> torch.Tensor:
         """Rows of ``page_indices`` in every pool, pool by pool: ``[pools · pages]`` int64."""
         return (self.first_row[:, None] + page_indices[None, :]).reshape(-1)
+
+    def run_pages(self, run: PoolRun) -> torch.Tensor:
+        """The run's pools as one view ``[length, pool_pages, page_size, words]``."""
+        rows = self.rows
+        page_words = rows.stride(0)
+        return rows.as_strided(
+            (run.length, self.pool_pages, *rows.shape[1:]),
+            (run.step * page_words, *rows.stride()),
+            rows.storage_offset() + run.first_row * page_words,
+        )
 
 
 def fuse_pools(
@@ -82,4 +111,24 @@ def fuse_pools(
         (row_words, row_words // page_size, 1),
         words.storage_offset(),
     )
-    return FusedPages(rows, torch.tensor(first_rows, dtype=torch.int64, device=anchor.device))
+    return FusedPages(
+        rows,
+        torch.tensor(first_rows, dtype=torch.int64, device=anchor.device),
+        _even_runs(first_rows),
+        pool_pages,
+    )
+
+
+def _even_runs(first_rows: list[int]) -> tuple[PoolRun, ...]:
+    """Split the pools, in order, into maximal runs of evenly spaced, increasing first rows
+    (a view cannot step backwards)."""
+    runs: list[PoolRun] = []
+    for index, row in enumerate(first_rows):
+        if runs:
+            last = runs[-1]
+            step = row - (last.first_row + (last.length - 1) * last.step)
+            if step > 0 and (last.length == 1 or step == last.step):
+                runs[-1] = last._replace(length=last.length + 1, step=step)
+                continue
+        runs.append(PoolRun(index, 1, row, 0))
+    return tuple(runs)

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-__all__ = ["put_rows"]
+__all__ = ["put_pages", "put_rows"]
 
 
 def put_rows(target: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> None:
@@ -30,6 +30,27 @@ def put_rows(target: torch.Tensor, index: torch.Tensor, source: torch.Tensor) ->
             dimension contiguous.
     """
     _as_void(target)[index.numpy()] = _as_void(source)
+
+
+def put_pages(target: torch.Tensor, pages: torch.Tensor, source: torch.Tensor) -> None:
+    """``target[:, pages[j]] = source[:, j]`` for every ``j``, on CPU tensors: one strided
+    copy per page, each covering every entry of the first dimension.
+
+    When the first dimension spans many pools (layers) that are evenly spaced in memory, this
+    beats :func:`put_rows` over ``[pools · pages]`` rows: NumPy's plain strided assignment
+    costs less per element than its indexed one.
+
+    Args:
+        target: CPU tensor ``[n, pool_pages, ...]`` of an integer word dtype, innermost
+            dimension contiguous.
+        pages: 1-D int64 CPU tensor of distinct indices into ``target``'s second dimension.
+        source: CPU tensor ``[n, len(pages), ...]`` of the same dtype, innermost dimension
+            contiguous.
+    """
+    into = _as_void(target)
+    out_of = _as_void(source)
+    for position, page in enumerate(pages.tolist()):
+        into[:, page] = out_of[:, position]
 
 
 def _as_void(tensor: torch.Tensor) -> npt.NDArray[Any]:
