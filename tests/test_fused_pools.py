@@ -17,6 +17,7 @@ from tests.test_kernels import (
     random_bits,
     reference_scatter,
     token_indices,
+    torch_threads,
 )
 
 LAYERS, POOL_PAGES, PAGE_SIZE, HEADS, HEAD_DIM = 2, 10, 3, 4, 4
@@ -106,9 +107,14 @@ def test_separate_allocations_are_not_fused() -> None:
 
 
 @pytest.mark.parametrize(
-    ("backend", "max_runs"),
-    [(KernelBackend.TORCH, 4), (KernelBackend.TORCH, 0), (KernelBackend.TORCH_ONLY, 4)],
-    ids=["numpy pages", "numpy rows", "torch only"],
+    ("backend", "threads", "max_runs"),
+    [
+        (KernelBackend.TORCH, 1, 4),
+        (KernelBackend.TORCH, 1, 0),
+        (KernelBackend.TORCH, 2, 4),
+        (KernelBackend.TORCH_ONLY, 1, 4),
+    ],
+    ids=["numpy pages", "numpy rows", "torch threads", "torch only"],
 )
 @pytest.mark.parametrize("pattern", ["two runs", "mixed"])
 @pytest.mark.parametrize("writer_set", WRITER_SETS)
@@ -116,6 +122,7 @@ def test_separate_allocations_are_not_fused() -> None:
 def test_scatter_into_one_allocation_matches_the_literal_layout(
     monkeypatch: pytest.MonkeyPatch,
     backend: KernelBackend,
+    threads: int,
     max_runs: int,
     pattern: str,
     writer_set: str,
@@ -123,7 +130,8 @@ def test_scatter_into_one_allocation_matches_the_literal_layout(
 ) -> None:
     """Writes what a token-by-token reading of the layout writes, and no byte of the
     allocation outside the chunk's pages and the writers' heads (padding included), by
-    every path: NumPy copies per run and page or per row, or the torch-only (CUDA) path."""
+    every path: NumPy copies per run and page or per row (one torch thread), torch's on
+    several threads, or the torch-only (CUDA) path."""
     monkeypatch.setattr(kernels, "_MAX_HOST_RUNS", max_runs)
     generator = torch.Generator().manual_seed(3)
     pages = PAGE_PATTERNS[pattern]
@@ -140,7 +148,8 @@ def test_scatter_into_one_allocation_matches_the_literal_layout(
     k, v = views_of(layout, expected)
     reference_scatter(region, [*k, *v], pages, PAGE_SIZE, writers)
     k, v = views_of(layout, backing)
-    PagedKVPools(k, v, PAGE_SIZE).scatter(region, torch.tensor(pages), writers, backend=backend)
+    with torch_threads(threads):
+        PagedKVPools(k, v, PAGE_SIZE).scatter(region, torch.tensor(pages), writers, backend=backend)
     assert torch.equal(as_bytes(backing), as_bytes(expected))
 
 
@@ -161,6 +170,48 @@ def test_gather_from_one_allocation_follows_the_layout(
     )
     assert torch.equal(out[:written], expected)
     assert not out[written:].any()
+
+
+@pytest.mark.parametrize(
+    ("layout", "backend", "threads", "used"),
+    [
+        ("k then v", KernelBackend.TORCH, 1, "put_pages"),
+        ("shuffled", KernelBackend.TORCH, 1, "put_rows"),
+        ("partial page", KernelBackend.TORCH, 1, "put_rows"),
+        ("k then v", KernelBackend.TORCH, 2, None),
+        ("k then v", KernelBackend.TORCH_ONLY, 1, None),
+    ],
+)
+def test_numpy_copies_only_on_one_torch_thread(
+    monkeypatch: pytest.MonkeyPatch,
+    layout: str,
+    backend: KernelBackend,
+    threads: int,
+    used: str | None,
+) -> None:
+    """Per page over few runs of pools, per row otherwise; torch's index op when torch has
+    several threads (it spreads over them) or when asked for the torch-only path."""
+    monkeypatch.setattr(kernels, "_MAX_HOST_RUNS", 2)
+    calls: list[str] = []
+
+    def recording(name: str) -> Callable[..., None]:
+        real: Callable[..., None] = getattr(kernels, name)
+
+        def record(*args: torch.Tensor) -> None:
+            calls.append(name)
+            real(*args)
+
+        return record
+
+    for name in ("put_pages", "put_rows"):
+        monkeypatch.setattr(kernels, name, recording(name))
+    k, v = views_of(layout, backing_for(layout, torch.Generator().manual_seed(6)))
+    region = torch.zeros(2 * LAYERS * 3 * PAGE_SIZE * HEADS * HEAD_DIM * 2, dtype=torch.uint8)
+    with torch_threads(threads):
+        PagedKVPools(k, v, PAGE_SIZE).scatter(
+            region, torch.tensor([5, 1, 2]), [WriterPlacement(0, 0, HEADS)], backend=backend
+        )
+    assert set(calls) == ({used} if used else set())
 
 
 def test_paged_pools_check_their_arguments_per_call() -> None:

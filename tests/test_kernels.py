@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import pytest
@@ -80,6 +82,25 @@ def token_indices(pages: list[int], page_size: int) -> torch.Tensor:
     return torch.tensor(
         [page * page_size + t for page in pages for t in range(page_size)], dtype=torch.int64
     )
+
+
+# CPU scatter paths: (backend, torch intra-op threads). NumPy copies run with one thread.
+PATHS = {
+    "numpy": (KernelBackend.TORCH, 1),
+    "torch threads": (KernelBackend.TORCH, 2),
+    "torch only": (KernelBackend.TORCH_ONLY, 1),
+}
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run the block with ``count`` torch intra-op threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class Pools(NamedTuple):
@@ -173,7 +194,7 @@ def test_gather_then_scatter_reproduces_decode_pools(
     with pools allocated one by one or as views of one allocation on either side."""
     total, prefill_tp, decode_tp = case
     fused_prefill, fused_decode = data.draw(st.booleans()), data.draw(st.booleans())
-    backend = data.draw(st.sampled_from(KernelBackend))
+    backend, threads = PATHS[data.draw(st.sampled_from(sorted(PATHS)))]
     generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
     chunk_pages = data.draw(st.integers(1, 4))
     pool_pages = chunk_pages + data.draw(st.integers(0, 3))
@@ -256,15 +277,16 @@ def test_gather_then_scatter_reproduces_decode_pools(
             head_dim * element,
             num_layers,
         )
-        scatter_chunk(
-            region,
-            decode.k,
-            decode.v,
-            torch.tensor(decode_pages),
-            page_size,
-            placements,
-            backend=backend,
-        )
+        with torch_threads(threads):
+            scatter_chunk(
+                region,
+                decode.k,
+                decode.v,
+                torch.tensor(decode_pages),
+                page_size,
+                placements,
+                backend=backend,
+            )
         assert len(decode.k[0][0]) == heads_per_rank(total, decode_tp)
         for got, want in zip((*decode.k, *decode.v), (*expected.k, *expected.v), strict=True):
             assert torch.equal(as_bytes(got), as_bytes(want))
@@ -310,14 +332,13 @@ WRITER_SETS = {
 }
 
 
-@pytest.mark.parametrize("backend", KernelBackend)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("pattern", PAGE_PATTERNS)
 @pytest.mark.parametrize("writer_set", WRITER_SETS)
-def test_scatter_matches_the_literal_layout(
-    backend: KernelBackend, pattern: str, writer_set: str
-) -> None:
+def test_scatter_matches_the_literal_layout(path: str, pattern: str, writer_set: str) -> None:
     """Writes exactly what a token-by-token reading of the layout writes, with NumPy row
-    copies or with the torch-only (CUDA) code path."""
+    copies, torch's on several threads, or the torch-only (CUDA) code path."""
+    backend, threads = PATHS[path]
     generator = torch.Generator().manual_seed(6)
     pages, page_size, layers = PAGE_PATTERNS[pattern], 3, 2
     chunk_tokens = len(pages) * page_size
@@ -333,9 +354,10 @@ def test_scatter_matches_the_literal_layout(
     pools = [random_bits((10 * page_size, 4, 4), torch.bfloat16, generator) for _ in range(4)]
     expected = [pool.clone() for pool in pools]
     reference_scatter(region, expected, pages, page_size, writers)
-    scatter_chunk(
-        region, pools[:2], pools[2:], torch.tensor(pages), page_size, writers, backend=backend
-    )
+    with torch_threads(threads):
+        scatter_chunk(
+            region, pools[:2], pools[2:], torch.tensor(pages), page_size, writers, backend=backend
+        )
     for got, want in zip(pools, expected, strict=True):
         assert torch.equal(as_bytes(got), as_bytes(want))
 

@@ -66,8 +66,10 @@ class KernelBackend(enum.Enum):
     """Which implementation moves the bytes (a typed setting, never an environment string)."""
 
     TORCH = "torch"
-    """Torch indexing ops, except that a CPU scatter's rows are copied by NumPy
-    (:func:`~staging_contracts.host_rows.put_rows`, faster there). The default."""
+    """Torch indexing ops, except that a CPU scatter copies its rows with NumPy
+    (:mod:`~staging_contracts.host_rows`) while torch runs one intra-op thread, as a rank
+    sharing a host with other ranks does: NumPy's copies are faster on one thread, torch's
+    ``index_copy_`` spreads over several. The default."""
     TORCH_ONLY = "torch-only"
     """Torch indexing ops on every device: exactly the CUDA code path, runnable on CPU
     tensors (so hosts without a GPU can test it)."""
@@ -342,7 +344,11 @@ class PagedKVPools:
         dtype = _WORDS[word]
         words = region.view(dtype)
         fused = self.fused(dtype)
-        on_host = geometry.device.type == "cpu" and backend is KernelBackend.TORCH
+        on_host = (
+            geometry.device.type == "cpu"
+            and backend is KernelBackend.TORCH
+            and torch.get_num_threads() == 1
+        )
         # Ops: (pages [pools, rows, page_size, words], first pool, index of the chunk's rows).
         if fused is not None and on_host and len(fused.runs) <= _MAX_HOST_RUNS:
             # Few runs of evenly spaced pools: one strided copy per (run, page).
@@ -378,7 +384,7 @@ class PagedKVPools:
                     if whole_rows:  # both sides contiguous: one flat row per page is fastest
                         target = target.view(count, pool_rows, -1)
                         source = source.reshape(count, chunk_rows.numel(), -1)
-                    _put_pages(target, chunk_rows, source, backend)
+                    _put_pages(target, chunk_rows, source, on_host=on_host)
 
 
 def gather_chunk(
@@ -465,10 +471,10 @@ def _page_view(
 
 
 def _put_pages(
-    target: torch.Tensor, index: torch.Tensor, source: torch.Tensor, backend: KernelBackend
+    target: torch.Tensor, index: torch.Tensor, source: torch.Tensor, *, on_host: bool
 ) -> None:
-    """``target[:, index[i]] = source[:, i]``: NumPy copies on CPU, else ``index_copy_``."""
-    if target.device.type != "cpu" or backend is KernelBackend.TORCH_ONLY:
+    """``target[:, index[i]] = source[:, i]``: NumPy copies ``on_host``, else ``index_copy_``."""
+    if not on_host:
         target.index_copy_(1, index, source)
     elif len(target) == 1:
         put_rows(target[0], index, source[0])
