@@ -4,7 +4,9 @@ Serving engines that allocate the whole KV cache as one buffer (vLLM, TensorRT-L
 each layer's K and V pool as a view of it. Then a page of any pool is a row of one 2-D view
 of the buffer, and a chunk's pages in every layer are a single index list: one index op
 moves the whole chunk instead of one op per layer and per K/V (64 for 32 layers), which on
-CPU saves the per-op dispatch and on CUDA all but one kernel launch.
+CPU saves the per-op dispatch and on CUDA all but one kernel launch. Where the pools are
+also evenly spaced (:class:`PoolRun`), a run of them is one strided view, which a CPU scatter
+copies page by page.
 
 :func:`fuse_pools` finds that view. It needs every pool to live in the same storage, at byte
 offsets that differ by whole pages, and no two pools to share a page (a scatter would write

@@ -8,9 +8,10 @@ order. A chunk is whole pages: page ``p`` of a pool holds pool tokens
 Bytes are moved as integer words (8, 4, 2 or 1 bytes, the widest the geometry allows), through
 ``Tensor.view(dtype)``: no numeric conversion, so every KV dtype (fp8, fp16, bf16, fp32,
 fp64, int64, ...) round-trips bit for bit, NaN payloads included. A gather is one
-``index_select`` and a scatter one indexed assignment (``index_copy_`` on CUDA,
-:func:`~staging_contracts.host_rows.put_rows` on CPU): over every layer at once when the pools
-are views of one allocation (:mod:`~staging_contracts.fused_pools`), else one per layer.
+``index_select`` and a scatter one indexed assignment (``index_copy_``, or on a CPU rank with
+one torch thread NumPy copies from :mod:`~staging_contracts.host_rows`): over every layer at
+once when the pools are views of one allocation (:mod:`~staging_contracts.fused_pools`), else
+one per layer.
 Nothing is allocated per call except what the page count needs. :class:`PagedKVPools` checks
 the pools once for the transfer path; :func:`gather_chunk` and :func:`scatter_chunk` check
 them per call.
