@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from staging_contracts import decode
 from staging_contracts.backends.kv_requests import (
     DecodeTransfers,
     KVPoll,
@@ -91,6 +93,68 @@ def test_request_goes_through_every_state_and_lands_bit_exact() -> None:
         receiver.release()
         for sender in senders:
             sender.release()
+        assert c.handlers[0].allocator.live_count == 0
+
+
+def test_wait_wakes_when_the_request_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``wait`` returns Success on both sides as the last chunk lands, long before its bound:
+    woken by the completion itself (decode's periodic re-check is pushed past the bound)."""
+    monkeypatch.setattr(decode, "WAIT_SLICE_S", 60.0)
+    with sides(Geometry(2, 1, 4)) as s:
+        c = s.cluster
+        request = c.add_request(60, num_pages=6, chunk_pages=2)
+        c.handlers[0].release_room(60)
+        receiver = KVReceiver(s.decode[0], 60)
+        receiver.init(request.decode_pages, chunk_pages=2)
+        senders = [KVSender(t, 60) for t in s.prefill]
+        for sender in senders:
+            sender.init(6, c.targets)
+        receiver.send_metadata()
+        start = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            decode_done = pool.submit(receiver.wait, 60.0)  # waiting before any chunk is sent
+            for sender in senders:
+                for chunk in request.chunks():
+                    sender.send(chunk.pages, last=chunk.chunk_idx == 2)
+            assert [sender.wait(60.0) for sender in senders] == [KVPoll.Success] * 2
+            assert decode_done.result() is KVPoll.Success
+        assert time.monotonic() - start < 30.0  # woken, not timed out
+        assert pools_equal(c.decode_pools[0], c.expected_decode_pool(0))
+        receiver.release()
+
+
+def test_wait_returns_the_current_state_after_its_bound() -> None:
+    """A request that cannot end returns its state once the bound passed."""
+    with sides(Geometry(1, 1, 2)) as s:
+        receiver = KVReceiver(s.decode[0], 61)
+        receiver.init((0, 1), chunk_pages=2)
+        sender = KVSender(s.prefill[0], 62)
+        sender.init(2, s.cluster.targets)
+        assert receiver.wait(0.05) is KVPoll.Bootstrapping
+        assert sender.wait(0.05) is KVPoll.Bootstrapping
+        assert KVSender(s.prefill[0], 63).wait(0.05) is KVPoll.Failed  # unknown room
+        receiver.release()
+
+
+def test_wait_wakes_on_failure_on_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A room failed by prefill wakes a waiting sender and, once decode hears, the receiver."""
+    monkeypatch.setattr(decode, "WAIT_SLICE_S", 60.0)
+    with sides(Geometry(1, 1, 2)) as s:
+        c = s.cluster
+        request = c.add_request(64, num_pages=4, chunk_pages=2)
+        c.handlers[0].release_room(64)
+        receiver = KVReceiver(s.decode[0], 64)
+        receiver.init(request.decode_pages, chunk_pages=2)
+        receiver.send_metadata()
+        sender = KVSender(s.prefill[0], 64)
+        sender.init(4, c.targets)
+        sender.send(request.prefill_pages[:3], last=True)  # off decode's grid
+        start = time.monotonic()
+        assert sender.wait(60.0) is KVPoll.Failed
+        assert receiver.wait(60.0) is KVPoll.Failed
+        assert time.monotonic() - start < 30.0  # woken, not timed out
+        assert "prefill failed the room" in (receiver.failure() or "")
+        receiver.release()
         assert c.handlers[0].allocator.live_count == 0
 
 

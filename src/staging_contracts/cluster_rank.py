@@ -35,11 +35,6 @@ __all__ = ["rank_main"]
 logger = logging.getLogger(__name__)
 
 ROOM_TIMEOUT_S = 120.0
-DECODE_POLL_S = 0.002
-"""Decode polls its requests this often: the run's clock stops when the last one is seen done."""
-PREFILL_POLL_S = 0.02
-"""Prefill polls less often: its end is not on the clock, and each poll takes CPU from the
-ranks still copying (six processes share two cores here)."""
 _FAULT_OFFSET = 1 << 40
 
 
@@ -132,7 +127,7 @@ def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) 
             receiver.send_metadata()
             receivers[plan.index] = receiver
         arrive(bootstrap, "rooms", f"decode-{rank}")
-        outcome = _wait_all(receivers, report, interval_s=DECODE_POLL_S)
+        outcome = _wait_all(receivers, report)
         end = time.monotonic()
         arrive(bootstrap, "done", f"decode-{rank}")
         succeeded = {i for i, state in outcome.items() if state is KVPoll.Success}
@@ -208,7 +203,7 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
                     last=number == len(chunks) - 1,
                 )
             senders[plan.index] = sender
-        outcome = _wait_all(senders, report, interval_s=PREFILL_POLL_S)
+        outcome = _wait_all(senders, report)
         end = time.monotonic()
         # Stay up until every decode rank is done, as a serving prefill does: tearing four
         # processes down would take the CPU from the decode ranks' last scatters.
@@ -250,21 +245,22 @@ def _freeze_heap() -> None:
 
 
 def _wait_all(
-    requests: dict[int, KVSender] | dict[int, KVReceiver], report: Any, *, interval_s: float
+    requests: dict[int, KVSender] | dict[int, KVReceiver], report: Any
 ) -> dict[int, KVPoll]:
+    """Wait for every request in turn, reporting each as it ends.
+
+    Blocking waits, not polls: six rank processes share two cores here, and polling main
+    threads took CPU from the copying ones; the decode clock also stops when the last room
+    ends, not at the next poll.
+    """
     done: dict[int, KVPoll] = {}
     deadline = time.monotonic() + ROOM_TIMEOUT_S
-    while len(done) < len(requests):
-        for index, request in requests.items():
-            if index in done:
-                continue
-            state = request.poll()
-            if state in (KVPoll.Success, KVPoll.Failed):
-                done[index] = state
-                report("room", index=index, ok=state is KVPoll.Success)
-        if time.monotonic() > deadline:
+    for index, request in requests.items():
+        state = request.wait(max(0.0, deadline - time.monotonic()))
+        if state not in (KVPoll.Success, KVPoll.Failed):
             raise TimeoutError(f"requests {sorted(set(requests) - set(done))} did not finish")
-        time.sleep(interval_s)
+        done[index] = state
+        report("room", index=index, ok=state is KVPoll.Success)
     return done
 
 

@@ -33,9 +33,13 @@ from .protocols import ArrivalOutcome, KVBufferTensors, StagingReqOutcome, Water
 from .transport import PeerSockets
 from .wire import StagingRsp, WatermarkUpdate
 
-__all__ = ["DecodeStagingHandler", "PrefillPeer", "RoomPlan", "RoomStatus"]
+__all__ = ["WAIT_SLICE_S", "DecodeStagingHandler", "PrefillPeer", "RoomPlan", "RoomStatus"]
 
 logger = logging.getLogger(__name__)
+
+WAIT_SLICE_S = 0.01
+"""``wait_room`` re-checks finished scatters at least this often (CUDA events complete
+without waking anyone)."""
 
 
 class _Outgoing(NamedTuple):
@@ -191,6 +195,26 @@ class DecodeStagingHandler:
         with self._lock:
             state = self._rooms.get(room)
             return None if state is None else state.status
+
+    def wait_room(self, room: int, timeout_s: float) -> RoomStatus | None:
+        """Block until the room succeeded or failed, or ``timeout_s`` passed; its status then
+        (``None`` if unknown).
+
+        **Called by:** the scheduler or a driver, any thread but the listener's (which
+        completes the room). **Blocking:** up to ``timeout_s``; woken as soon as the room
+        ends on CPU, within ``WAIT_SLICE_S`` on CUDA (whose scatters end asynchronously).
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.progress()
+            with self._lock:
+                state = self._rooms.get(room)
+                if state is None or state.status in (RoomStatus.SUCCESS, RoomStatus.FAILED):
+                    return None if state is None else state.status
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return state.status
+                self._idle.wait(min(remaining, WAIT_SLICE_S))
 
     def room_failure(self, room: int) -> str | None:
         """Why a failed room failed (``None`` if it did not, or is unknown)."""
@@ -482,6 +506,7 @@ class DecodeStagingHandler:
             and not state.scattering
         ):
             state.status = RoomStatus.SUCCESS
+            self._idle.notify_all()
 
     def _reap_events(self, state: RoomState) -> bool:
         done = [(event, alloc_id) for event, alloc_id in state.pending_events if event_done(event)]
@@ -495,6 +520,7 @@ class DecodeStagingHandler:
     def _fail(self, state: RoomState, reason: str) -> None:
         state.status = RoomStatus.FAILED
         state.failure = reason
+        self._idle.notify_all()
         for region in state.regions.values():
             self._allocator.free(region.allocation.alloc_id)
         state.regions.clear()

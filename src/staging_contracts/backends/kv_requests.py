@@ -156,6 +156,21 @@ class PrefillTransfers:
                 return KVPoll.Failed, "unknown room"
             return state.status, state.failure
 
+    def wait(self, room: int, timeout_s: float) -> tuple[KVPoll, str | None]:
+        """Block until the room succeeded or failed, or ``timeout_s`` passed; then
+        :meth:`status`."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                state = self._rooms.get(room)
+                if state is None or state.status in (KVPoll.Success, KVPoll.Failed):
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+        return self.status(room)
+
     def close_room(self, room: int) -> None:
         """Forget a finished or failed room."""
         with self._cond:
@@ -307,6 +322,14 @@ class KVSender:
         """The request's state."""
         return self._transfers.status(self.room)[0]
 
+    def wait(self, timeout_s: float) -> KVPoll:
+        """Block until the request succeeded or failed, or ``timeout_s`` passed; its state.
+
+        For drivers and tests that have nothing else to do (a scheduler polls instead).
+        **Blocking:** up to ``timeout_s``; woken when the worker finishes the last chunk.
+        """
+        return self._transfers.wait(self.room, timeout_s)[0]
+
     def failure(self) -> str | None:
         """Why the request failed, if it did."""
         return self._transfers.status(self.room)[1]
@@ -391,6 +414,16 @@ class KVReceiver:
         if status is RoomStatus.TRANSFERRING:
             return KVPoll.Transferring
         return KVPoll.WaitingForInput if self._meta_sent else KVPoll.Bootstrapping
+
+    def wait(self, timeout_s: float) -> KVPoll:
+        """Block until the request succeeded or failed on this rank, or ``timeout_s``
+        passed; then :meth:`poll`.
+
+        For drivers and tests that have nothing else to do (a scheduler polls instead).
+        **Blocking:** up to ``timeout_s``; woken when the listener completes the room.
+        """
+        self._transfers.handler.wait_room(self.room, timeout_s)
+        return self.poll()
 
     def failure(self) -> str | None:
         """Why the request failed, if it did."""
