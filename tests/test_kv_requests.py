@@ -136,30 +136,10 @@ def test_wait_returns_the_current_state_after_its_bound() -> None:
         receiver.release()
 
 
-def test_wait_wakes_on_failure_on_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A room failed by prefill wakes a waiting sender and, once decode hears, the receiver."""
+def test_chunk_off_decode_grid_fails_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk that disagrees with decode's grid fails on prefill, and decode is told; the
+    failure wakes a waiting sender and receiver."""
     monkeypatch.setattr(decode, "WAIT_SLICE_S", 60.0)
-    with sides(Geometry(1, 1, 2)) as s:
-        c = s.cluster
-        request = c.add_request(64, num_pages=4, chunk_pages=2)
-        c.handlers[0].release_room(64)
-        receiver = KVReceiver(s.decode[0], 64)
-        receiver.init(request.decode_pages, chunk_pages=2)
-        receiver.send_metadata()
-        sender = KVSender(s.prefill[0], 64)
-        sender.init(4, c.targets)
-        sender.send(request.prefill_pages[:3], last=True)  # off decode's grid
-        start = time.monotonic()
-        assert sender.wait(60.0) is KVPoll.Failed
-        assert receiver.wait(60.0) is KVPoll.Failed
-        assert time.monotonic() - start < 30.0  # woken, not timed out
-        assert "prefill failed the room" in (receiver.failure() or "")
-        receiver.release()
-        assert c.handlers[0].allocator.live_count == 0
-
-
-def test_chunk_off_decode_grid_fails_both_sides() -> None:
-    """A chunk that disagrees with decode's grid fails on prefill, and decode is told."""
     with sides(Geometry(1, 1, 2)) as s:
         c = s.cluster
         request = c.add_request(51, num_pages=4, chunk_pages=2)
@@ -171,9 +151,11 @@ def test_chunk_off_decode_grid_fails_both_sides() -> None:
         sender.init(4, c.targets)
         sender.send(request.prefill_pages[:3])
         sender.send(request.prefill_pages[3:], last=True)
-        assert wait_states([sender]) == [KVPoll.Failed]
+        start = time.monotonic()
+        assert sender.wait(60.0) is KVPoll.Failed
         assert "decode's grid of 2 pages expects 2" in (sender.failure() or "")
-        assert wait_states([receiver]) == [KVPoll.Failed]
+        assert receiver.wait(60.0) is KVPoll.Failed
+        assert time.monotonic() - start < 30.0  # woken, not timed out
         assert "prefill failed the room" in (receiver.failure() or "")
         receiver.release()
         assert c.handlers[0].allocator.live_count == 0
