@@ -177,7 +177,7 @@ def test_gather_from_one_allocation_follows_the_layout(
     [
         ("k then v", KernelBackend.TORCH, 1, "put_pages"),
         ("shuffled", KernelBackend.TORCH, 1, "put_rows"),
-        ("partial page", KernelBackend.TORCH, 1, "put_rows"),
+        ("partial page", KernelBackend.TORCH, 1, "put_each"),
         ("k then v", KernelBackend.TORCH, 2, None),
         ("k then v", KernelBackend.TORCH_ONLY, 1, None),
     ],
@@ -189,8 +189,9 @@ def test_numpy_copies_only_on_one_torch_thread(
     threads: int,
     used: str | None,
 ) -> None:
-    """Per page over few runs of pools, per row otherwise; torch's index op when torch has
-    several threads (it spreads over them) or when asked for the torch-only path."""
+    """Per page over few runs of fused pools, per row over many; per row into each pool of
+    pools allocated one by one; torch's index op when torch has several threads (it spreads
+    over them) or when asked for the torch-only path."""
     monkeypatch.setattr(kernels, "_MAX_HOST_RUNS", 2)
     calls: list[str] = []
 
@@ -203,7 +204,7 @@ def test_numpy_copies_only_on_one_torch_thread(
 
         return record
 
-    for name in ("put_pages", "put_rows"):
+    for name in ("put_each", "put_pages", "put_rows"):
         monkeypatch.setattr(kernels, name, recording(name))
     k, v = views_of(layout, backing_for(layout, torch.Generator().manual_seed(6)))
     region = torch.zeros(2 * LAYERS * 3 * PAGE_SIZE * HEADS * HEAD_DIM * 2, dtype=torch.uint8)
@@ -212,6 +213,30 @@ def test_numpy_copies_only_on_one_torch_thread(
             region, torch.tensor([5, 1, 2]), [WriterPlacement(0, 0, HEADS)], backend=backend
         )
     assert set(calls) == ({used} if used else set())
+
+
+@pytest.mark.parametrize("layout", ["k then v", "partial page"])
+def test_one_pool_set_serves_scatters_of_any_writers(layout: str) -> None:
+    """Views cached by a prepared pool set (per word size and writer geometry) never leak
+    from one scatter into the next: five writer sets in a row land as the literal layout."""
+    generator = torch.Generator().manual_seed(7)
+    backing = backing_for(layout, generator)
+    expected = backing.clone()
+    pools = PagedKVPools(*views_of(layout, backing), PAGE_SIZE)
+    reference = [*views_of(layout, expected)[0], *views_of(layout, expected)[1]]
+    pages = [3, 8, 1]
+    unit = len(pages) * PAGE_SIZE * HEAD_DIM * 2 * 2 * LAYERS
+    with torch_threads(1):
+        for number, writer_set in enumerate([*WRITER_SETS, "adjacent"]):
+            writers = [
+                WriterPlacement(w.byte_offset * unit, w.dst_head_start, w.num_heads)
+                for w in WRITER_SETS[writer_set]
+            ]
+            size = max(w.byte_offset + w.num_heads * unit for w in writers)
+            region = random_bits((size + number,), torch.uint8, generator)[number:]
+            reference_scatter(region, reference, pages, PAGE_SIZE, writers)
+            pools.scatter(region, torch.tensor(pages), writers)
+            assert torch.equal(as_bytes(backing), as_bytes(expected)), writer_set
 
 
 def test_paged_pools_check_their_arguments_per_call() -> None:

@@ -14,13 +14,23 @@ round-trips bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-__all__ = ["put_pages", "put_rows"]
+__all__ = ["HostRows", "host_rows", "put_each", "put_pages", "put_rows"]
+
+HostRows = npt.NDArray[Any]
+"""A tensor's memory as NumPy, each innermost row one opaque element (from :func:`host_rows`)."""
+
+
+def host_rows(tensor: torch.Tensor) -> HostRows:
+    """``tensor`` (CPU, innermost dimension contiguous) as :data:`HostRows`, sharing memory:
+    build once and keep, for :func:`put_each`."""
+    return _as_void(tensor)
 
 
 def put_rows(target: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> None:
@@ -33,6 +43,21 @@ def put_rows(target: torch.Tensor, index: torch.Tensor, source: torch.Tensor) ->
             dimension contiguous.
     """
     _as_void(target)[index.numpy()] = _as_void(source)
+
+
+def put_each(targets: Sequence[HostRows], index: torch.Tensor, source: torch.Tensor) -> None:
+    """``targets[k][index[i]] = source[k, i]`` for every ``k`` and ``i``: :func:`put_rows`
+    into many targets (the layers of pools allocated one by one) with one source view.
+
+    Args:
+        targets: from :func:`host_rows`, each ``[rows, ...]``.
+        index: 1-D int64 CPU tensor of distinct rows.
+        source: CPU tensor ``[len(targets), len(index), ...]``, innermost dimension contiguous.
+    """
+    rows = index.numpy()
+    pieces = _as_void(source)
+    for target, piece in zip(targets, pieces, strict=True):
+        target[rows] = piece
 
 
 def put_pages(target: torch.Tensor, pages: torch.Tensor, source: torch.Tensor) -> None:

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from .fused_pools import FusedPages, fuse_pools
-from .host_rows import put_pages, put_rows
+from .host_rows import HostRows, host_rows, put_each, put_pages, put_rows
 from .layout import WriterPlacement
 
 __all__ = [
@@ -189,6 +189,32 @@ class PagedKVPools:
         self._pools = (*k_buffers, *v_buffers)
         self._offsets = _pool_offsets(k_buffers, v_buffers, self.geometry.element_size)
         self._fused: dict[torch.dtype, FusedPages | None] = {}
+        self._layer_pages: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}
+        self._host_targets: dict[tuple[torch.dtype, int, int, int], tuple[HostRows, ...]] = {}
+
+    def _pages(self, word: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Each pool as ``word`` words ``[pool_pages, page_size, words]`` (cached per word)."""
+        pages = self._layer_pages.get(word)
+        if pages is None:
+            pages = tuple(
+                _page_view(pool, word, self.page_size, self.geometry) for pool in self._pools
+            )
+            self._layer_pages[word] = pages
+        return pages
+
+    def _host_rows(
+        self, word: torch.dtype, start: int, writers: int, row: int
+    ) -> tuple[HostRows, ...]:
+        """Each pool's page rows of ``writers`` writers' heads from word ``start``, for
+        NumPy (cached per geometry: building them costs more than a page's copy)."""
+        key = (word, start, writers, row)
+        rows = self._host_targets.get(key)
+        if rows is None:
+            rows = tuple(
+                host_rows(_writer_rows(pages, start, writers, row)) for pages in self._pages(word)
+            )
+            self._host_targets[key] = rows
+        return rows
 
     def fused(self, word: torch.dtype = torch.uint8) -> FusedPages | None:
         """The pools as page rows of one allocation, viewed as ``word`` (cached per word), or
@@ -267,10 +293,7 @@ class PagedKVPools:
                 sources = [fused.rows[:, :, start : start + count]]
                 index = fused.rows_of(page_indices)
             else:
-                sources = [
-                    _page_view(pool, dtype, page_size, geometry)[:, :, start : start + count]
-                    for pool in self._pools
-                ]
+                sources = [pages[:, :, start : start + count] for pages in self._pages(dtype)]
                 index = page_indices
             step = index.numel() * page_size * count
             for number, pages in enumerate(sources):
@@ -356,35 +379,44 @@ class PagedKVPools:
             ops = [(fused.run_pages(run), run.first_pool, page_indices) for run in fused.runs]
         elif fused is not None:  # every layer at once: layers and pages are one dimension
             ops = [(fused.rows[None], 0, fused.rows_of(page_indices))]
-        else:
+        elif on_host:  # layer by layer, NumPy rows into cached views (below)
+            ops = []
+        else:  # layer by layer
             ops = [
-                (_page_view(pool, dtype, page_size, geometry)[None], layer, page_indices)
-                for layer, pool in enumerate(self._pools)
+                (pages[None], layer, page_indices) for layer, pages in enumerate(self._pages(dtype))
             ]
+        token_words = geometry.num_heads * bpht // word
         with _on_stream(stream, geometry.device):
             for group in _writer_groups(writers, num_pages * page_size * bpht * layers):
                 row = group.heads_per_writer * bpht // word
                 start = group.dst_head_start * bpht // word
-                heads = slice(start, start + row * group.num_writers)
-                whole_rows = group.num_writers == 1 and group.heads_per_writer == geometry.num_heads
+                # Writer c of the group holds pool l's [pages, page_size, row] block at
+                # byte_offset + c * stride + l * block: one strided view reads them all, so
+                # each destination token row is written whole. The pools' blocks follow each
+                # other, so pools and pages may also merge into one dimension.
                 block = num_pages * page_size * row
-                for pages, first_pool, chunk_rows in ops:
-                    count, pool_rows = pages.shape[:2]
-                    target = pages[..., heads].view(
-                        count, pool_rows, page_size, group.num_writers, row
-                    )
-                    # Writer c of the group holds pool l's [pages, page_size, row] block at
-                    # byte_offset + c * stride + l * block: one strided view reads them all,
-                    # so each destination token row is written whole; the pools' blocks
-                    # follow each other, so pools and pages may also merge into one dimension.
+                base = words.storage_offset() + group.byte_offset // word
+                whole = _whole_rows(token_words, start, group.num_writers, row)
+                if fused is None and on_host:
                     source = words.as_strided(
-                        (count, chunk_rows.numel(), page_size, group.num_writers, row),
+                        (layers, num_pages, page_size, group.num_writers, row),
                         (block, page_size * row, row, group.stride // word, 1),
-                        words.storage_offset() + group.byte_offset // word + first_pool * block,
+                        base,
                     )
-                    if whole_rows:  # both sides contiguous: one flat row per page is fastest
-                        target = target.view(count, pool_rows, -1)
-                        source = source.reshape(count, chunk_rows.numel(), -1)
+                    if whole:
+                        source = source.flatten(-3)
+                    targets = self._host_rows(dtype, start, group.num_writers, row)
+                    put_each(targets, page_indices, source)
+                    continue
+                for pages, first_pool, chunk_rows in ops:
+                    target = _writer_rows(pages, start, group.num_writers, row)
+                    source = words.as_strided(
+                        (len(pages), chunk_rows.numel(), page_size, group.num_writers, row),
+                        (block, page_size * row, row, group.stride // word, 1),
+                        base + first_pool * block,
+                    )
+                    if whole:
+                        source = source.flatten(-3)
                     _put_pages(target, chunk_rows, source, on_host=on_host)
 
 
@@ -469,6 +501,22 @@ def _page_view(
     ``[page, token]``."""
     words = pool.view(pool.shape[0], -1).view(torch.uint8).view(dtype)
     return words[: geometry.pool_pages * page_size].view(geometry.pool_pages, page_size, -1)
+
+
+def _writer_rows(pages: torch.Tensor, start: int, writers: int, row: int) -> torch.Tensor:
+    """``pages[..., rows, page_size, words]`` cut to ``writers`` writers' words from
+    ``start``: ``[..., rows, page_size, writers, row]``, or ``[..., rows, page_size · row]``
+    when one writer fills every word (:func:`_whole_rows`)."""
+    if _whole_rows(pages.shape[-1], start, writers, row):
+        return pages.flatten(-2)
+    cut = pages[..., start : start + writers * row]
+    return cut.view(*cut.shape[:-1], writers, row)
+
+
+def _whole_rows(token_words: int, start: int, writers: int, row: int) -> bool:
+    """Does one writer fill all ``token_words`` words of each token row? Then a page is one
+    contiguous row on both sides, which the index ops copy with one memcpy."""
+    return writers == 1 and start == 0 and row == token_words
 
 
 def _put_pages(
