@@ -12,7 +12,10 @@ For each engine that can be imported, measured in the same run:
 
 Staged throughput counts the request's KV bytes over the transfer phase: from the prefill
 ranks starting (all ranks up, peers known) to the last decode rank having scattered every
-chunk. Process start-up, data generation and verification are outside it.
+chunk. Process start-up, data generation and verification are outside it. Each rank's KV
+pool is one allocation cut into per-layer views (the workload's default), 1024-token chunks,
+a ring of two chunks, fully shuffled pages; ``TransferConfig(separate_layers=True)`` measures
+pools allocated layer by layer.
 """
 
 from __future__ import annotations
