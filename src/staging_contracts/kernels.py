@@ -203,15 +203,17 @@ class PagedKVPools:
         return pages
 
     def _host_rows(
-        self, word: torch.dtype, start: int, writers: int, row: int
+        self, word: torch.dtype, start: int, writers: int, row: int, whole: bool
     ) -> tuple[HostRows, ...]:
         """Each pool's page rows of ``writers`` writers' heads from word ``start``, for
-        NumPy (cached per geometry: building them costs more than a page's copy)."""
+        NumPy (cached per geometry, which also decides ``whole``: building them costs more
+        than a page's copy)."""
         key = (word, start, writers, row)
         rows = self._host_targets.get(key)
         if rows is None:
             rows = tuple(
-                host_rows(_writer_rows(pages, start, writers, row)) for pages in self._pages(word)
+                host_rows(_writer_rows(pages, start, writers, row, whole))
+                for pages in self._pages(word)
             )
             self._host_targets[key] = rows
         return rows
@@ -390,34 +392,23 @@ class PagedKVPools:
             for group in _writer_groups(writers, num_pages * page_size * bpht * layers):
                 row = group.heads_per_writer * bpht // word
                 start = group.dst_head_start * bpht // word
-                # Writer c of the group holds pool l's [pages, page_size, row] block at
-                # byte_offset + c * stride + l * block: one strided view reads them all, so
-                # each destination token row is written whole. The pools' blocks follow each
-                # other, so pools and pages may also merge into one dimension.
-                block = num_pages * page_size * row
-                base = words.storage_offset() + group.byte_offset // word
                 whole = _whole_rows(token_words, start, group.num_writers, row)
+                source = _WriterSource(
+                    words,
+                    num_pages * page_size * row,
+                    int(words.storage_offset()) + group.byte_offset // word,
+                    (page_size, group.num_writers, row),
+                    group.stride // word,
+                    whole,
+                )
                 if fused is None and on_host:
-                    source = words.as_strided(
-                        (layers, num_pages, page_size, group.num_writers, row),
-                        (block, page_size * row, row, group.stride // word, 1),
-                        base,
-                    )
-                    if whole:
-                        source = source.flatten(-3)
-                    targets = self._host_rows(dtype, start, group.num_writers, row)
-                    put_each(targets, page_indices, source)
+                    targets = self._host_rows(dtype, start, group.num_writers, row, whole)
+                    put_each(targets, page_indices, source.pools(0, layers, num_pages))
                     continue
                 for pages, first_pool, chunk_rows in ops:
-                    target = _writer_rows(pages, start, group.num_writers, row)
-                    source = words.as_strided(
-                        (len(pages), chunk_rows.numel(), page_size, group.num_writers, row),
-                        (block, page_size * row, row, group.stride // word, 1),
-                        base + first_pool * block,
-                    )
-                    if whole:
-                        source = source.flatten(-3)
-                    _put_pages(target, chunk_rows, source, on_host=on_host)
+                    target = _writer_rows(pages, start, group.num_writers, row, whole)
+                    chunk = source.pools(first_pool, len(pages), chunk_rows.numel())
+                    _put_pages(target, chunk_rows, chunk, on_host=on_host)
 
 
 def gather_chunk(
@@ -503,11 +494,13 @@ def _page_view(
     return words[: geometry.pool_pages * page_size].view(geometry.pool_pages, page_size, -1)
 
 
-def _writer_rows(pages: torch.Tensor, start: int, writers: int, row: int) -> torch.Tensor:
+def _writer_rows(
+    pages: torch.Tensor, start: int, writers: int, row: int, whole: bool
+) -> torch.Tensor:
     """``pages[..., rows, page_size, words]`` cut to ``writers`` writers' words from
     ``start``: ``[..., rows, page_size, writers, row]``, or ``[..., rows, page_size · row]``
-    when one writer fills every word (:func:`_whole_rows`)."""
-    if _whole_rows(pages.shape[-1], start, writers, row):
+    for ``whole`` rows (:func:`_whole_rows`)."""
+    if whole:
         return pages.flatten(-2)
     cut = pages[..., start : start + writers * row]
     return cut.view(*cut.shape[:-1], writers, row)
@@ -517,6 +510,40 @@ def _whole_rows(token_words: int, start: int, writers: int, row: int) -> bool:
     """Does one writer fill all ``token_words`` words of each token row? Then a page is one
     contiguous row on both sides, which the index ops copy with one memcpy."""
     return writers == 1 and start == 0 and row == token_words
+
+
+class _WriterSource(NamedTuple):
+    """A writer group's bytes in a region, for any run of pools.
+
+    Writer ``c`` of the group holds pool ``l``'s ``[pages, page_size, row]`` block at
+    ``first + c · writer_stride + l · block``: one strided view reads them all, so each
+    destination token row is written whole. The pools' blocks follow each other, so pools
+    and pages may also merge into one dimension.
+    """
+
+    words: torch.Tensor
+    """The region as words."""
+    block: int
+    """Words of one pool's block of one writer."""
+    first: int
+    """Storage offset (in words) of the group's first writer."""
+    page: tuple[int, int, int]
+    """``(page_size, writers, row)``: one page of the group."""
+    writer_stride: int
+    """Words from one writer's bytes to the next one's."""
+    whole: bool
+    """Pages are whole contiguous rows (:func:`_whole_rows`): read flat."""
+
+    def pools(self, first_pool: int, count: int, pages: int) -> torch.Tensor:
+        """``[count, pages, page_size, writers, row]`` from pool ``first_pool`` on (or
+        ``[count, pages, page_size · row]`` for whole rows)."""
+        page_size, _, row = self.page
+        view = self.words.as_strided(
+            (count, pages, *self.page),
+            (self.block, page_size * row, row, self.writer_stride, 1),
+            self.first + first_pool * self.block,
+        )
+        return view.flatten(-3) if self.whole else view
 
 
 def _put_pages(
