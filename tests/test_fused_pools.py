@@ -223,7 +223,8 @@ def test_one_pool_set_serves_scatters_of_any_writers(layout: str) -> None:
     backing = backing_for(layout, generator)
     expected = backing.clone()
     pools = PagedKVPools(*views_of(layout, backing), PAGE_SIZE)
-    reference = [*views_of(layout, expected)[0], *views_of(layout, expected)[1]]
+    reference_k, reference_v = views_of(layout, expected)
+    reference = [*reference_k, *reference_v]
     pages = [3, 8, 1]
     unit = len(pages) * PAGE_SIZE * HEAD_DIM * 2 * 2 * LAYERS
     with torch_threads(1):
