@@ -18,8 +18,8 @@ from staging_contracts import KVArgsRecord, KVBufferTensors
 from staging_contracts.backends.common import Role
 from staging_contracts.backends.local import LocalKVManager
 from staging_contracts.backends.staging_setup import enable_decode_staging, enable_prefill_staging
-from staging_contracts.decode import DecodeStagingHandler, RoomPlan, RoomStatus, peers_for
-from staging_contracts.prefill import ChunkSpec, DecodeTarget, PrefillTimeouts, StagingWriter
+from staging_contracts.decode.handler import DecodeStagingHandler, RoomPlan, RoomStatus, peers_for
+from staging_contracts.prefill.writer import ChunkSpec, DecodeTarget, PrefillTimeouts, StagingWriter
 
 
 def rank_heads(total_heads: int, tp: int, rank: int) -> list[int]:

@@ -6,9 +6,9 @@ import multiprocessing
 
 import pytest
 
-from staging_contracts.cluster import ClusterResult, run_cluster
+from staging_contracts.cluster.runner import ClusterResult, run_cluster
+from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.engines import engine_available
-from staging_contracts.workload import TransferConfig
 
 ENGINES = [
     pytest.param(

@@ -65,7 +65,7 @@ def test_transfer_group_builds_its_rows_from_the_three_measurements(
 ) -> None:
     """Each engine gets a vs-raw and a vs-per-token row; ratios are staged / anchor."""
     from staging_contracts.bench import transfer_bench
-    from staging_contracts.cluster import ClusterResult
+    from staging_contracts.cluster.runner import ClusterResult
 
     def fake_cluster(config: object) -> ClusterResult:
         return ClusterResult(config, (), 0.5)  # type: ignore[arg-type]  # a stand-in

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import zmq
 
-from staging_contracts.backends.bootstrap import (
+from staging_contracts.cluster.bootstrap import (
     BootstrapError,
     BootstrapServer,
     RankInfo,

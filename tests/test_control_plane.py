@@ -10,12 +10,12 @@ import pytest
 import zmq
 
 from staging_contracts import ArrivalOutcome, StagingReqOutcome
-from staging_contracts.decode import RoomPlan, RoomStatus
-from staging_contracts.decode_publisher import PrefillPublisher
-from staging_contracts.decode_rooms import PrefillPeer
-from staging_contracts.prefill import ChunkSpec, PrefillTimeouts, StagingFailed
-from staging_contracts.transport import open_socket_count
-from staging_contracts.wire import ChunkReady, StagingReq, StagingRsp, decode_message
+from staging_contracts.control.transport import open_socket_count
+from staging_contracts.control.wire import ChunkReady, StagingReq, StagingRsp, decode_message
+from staging_contracts.decode.handler import RoomPlan, RoomStatus
+from staging_contracts.decode.publisher import PrefillPublisher
+from staging_contracts.decode.rooms import PrefillPeer
+from staging_contracts.prefill.writer import ChunkSpec, PrefillTimeouts, StagingFailed
 from tests.local_cluster import Geometry, LocalCluster, local_cluster, pools_equal
 
 FAST = PrefillTimeouts(answer_s=0.05, ready_s=0.05, deadline_s=30.0)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from staging_contracts import decode
 from staging_contracts.backends.kv_requests import (
     DecodeTransfers,
     KVPoll,
@@ -18,6 +17,7 @@ from staging_contracts.backends.kv_requests import (
     KVSender,
     PrefillTransfers,
 )
+from staging_contracts.decode import handler as decode_handler
 from tests.local_cluster import Geometry, LocalCluster, local_cluster, pools_equal
 
 
@@ -99,7 +99,7 @@ def test_request_goes_through_every_state_and_lands_bit_exact() -> None:
 def test_wait_wakes_when_the_request_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     """``wait`` returns Success on both sides as the last chunk lands, long before its bound:
     woken by the completion itself (decode's periodic re-check is pushed past the bound)."""
-    monkeypatch.setattr(decode, "WAIT_SLICE_S", 60.0)
+    monkeypatch.setattr(decode_handler, "WAIT_SLICE_S", 60.0)
     with sides(Geometry(2, 1, 4)) as s:
         c = s.cluster
         request = c.add_request(60, num_pages=6, chunk_pages=2)
@@ -139,7 +139,7 @@ def test_wait_returns_the_current_state_after_its_bound() -> None:
 def test_chunk_off_decode_grid_fails_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk that disagrees with decode's grid fails on prefill, and decode is told; the
     failure wakes a waiting sender and receiver."""
-    monkeypatch.setattr(decode, "WAIT_SLICE_S", 60.0)
+    monkeypatch.setattr(decode_handler, "WAIT_SLICE_S", 60.0)
     with sides(Geometry(1, 1, 2)) as s:
         c = s.cluster
         request = c.add_request(51, num_pages=4, chunk_pages=2)

@@ -13,15 +13,15 @@ from staging_contracts import (
     StagingReqOutcome,
     StagingStats,
 )
-from staging_contracts.allocator import StagingAllocator
-from staging_contracts.prefill_state import RegionAnswerTable, WatermarkTracker
-from staging_contracts.wire import (
+from staging_contracts.control.wire import (
     ChunkReady,
     MalformedMessage,
     StagingReq,
     StagingRsp,
     WatermarkUpdate,
 )
+from staging_contracts.prefill.books import RegionAnswerTable, WatermarkTracker
+from staging_contracts.staging.allocator import StagingAllocator
 from tests.hosts import CommonBase, RecordingHandler
 
 

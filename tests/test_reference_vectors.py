@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from staging_contracts.allocator import StagingAllocator, is_watermark_ready
-from staging_contracts.layout import compute_head_slice_params, compute_staging_layout
 from staging_contracts.protocols import Allocation, Watermark
+from staging_contracts.staging.allocator import StagingAllocator, is_watermark_ready
+from staging_contracts.staging.layout import compute_head_slice_params, compute_staging_layout
 
 VECTORS = Path(__file__).resolve().parents[2] / "shared" / "vectors" / "reference_staging.json"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from staging_contracts.backends.room_messages import RoomFailed, RoomMeta
-from staging_contracts.wire import MalformedMessage
+from staging_contracts.control.wire import MalformedMessage
 
 
 def test_room_meta_round_trips() -> None:

@@ -7,8 +7,8 @@ from importlib.metadata import entry_points
 
 import pytest
 
+from staging_contracts.control.transport import open_socket_count
 from staging_contracts.testing import NO_FACTORY_MESSAGE
-from staging_contracts.transport import open_socket_count
 
 PLUGIN_MODULE = "staging_contracts.testing.plugin"
 LOCAL = "staging_contracts.backends.local:LocalKVManager"

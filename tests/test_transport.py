@@ -8,8 +8,8 @@ import time
 import pytest
 import zmq
 
-from staging_contracts.transport import Listener, PeerSockets, open_socket_count
-from staging_contracts.wire import MalformedMessage
+from staging_contracts.control.transport import Listener, PeerSockets, open_socket_count
+from staging_contracts.control.wire import MalformedMessage
 
 
 def wait_for(predicate: object, timeout: float = 5.0) -> bool:

@@ -12,7 +12,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staging_contracts.wire import (
+from staging_contracts.control.wire import (
     ALLOC_OVERSIZED,
     MAX_MESSAGE_BYTES,
     MESSAGE_TYPES,

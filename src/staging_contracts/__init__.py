@@ -5,10 +5,10 @@ The public surface is re-exported here; import from ``staging_contracts`` only.
 
 from __future__ import annotations
 
-from .contract import ClassReport, Contract, MemberReport, MemberSpec, MemberStatus
-from .enforcement import ContractMixin
+from .contract.contract import ClassReport, Contract, MemberReport, MemberSpec, MemberStatus
+from .contract.enforcement import ContractMixin
+from .contract.problems import ContractError, ContractProblem, ProblemKind
 from .mixin import STAGING_CONTRACT, StagingManagerMixin
-from .problems import ContractError, ContractProblem, ProblemKind
 from .protocols import (
     Allocation,
     ArrivalOutcome,

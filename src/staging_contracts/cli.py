@@ -11,11 +11,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .contract import Contract, is_abstract
-from .enforcement import contract_roots
+from .contract.contract import Contract, is_abstract
+from .contract.enforcement import contract_roots
+from .contract.problems import ContractError
+from .contract.typeforms import class_label
 from .mixin import STAGING_CONTRACT
-from .problems import ContractError
-from .typeforms import class_label
 
 __all__ = ["main"]
 
@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
             "Exit 0 only when every page verified."
         ),
     )
-    from .demo import add_demo_arguments  # noqa: PLC0415 - keeps `check` light
+    from .cluster.demo import add_demo_arguments  # noqa: PLC0415 - keeps `check` light
 
     add_demo_arguments(demo)
     demo.set_defaults(run=_run_demo)
@@ -137,7 +137,7 @@ def _check_one(target: str) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from .demo import config_from_args, run_demo  # noqa: PLC0415 - heavy imports
+    from .cluster.demo import config_from_args, run_demo  # noqa: PLC0415 - heavy imports
 
     try:
         config = config_from_args(args)

@@ -18,8 +18,18 @@ import logging
 from collections.abc import Sequence
 from typing import Any, ClassVar, Final, Protocol, TypeVar
 
-from .contract import Contract
-from .enforcement import ContractMixin
+from .contract.contract import Contract
+from .contract.enforcement import ContractMixin
+from .control.wire import (
+    ChunkReady,
+    MalformedMessage,
+    Message,
+    StagingReq,
+    StagingRsp,
+    WatermarkUpdate,
+    decode_message,
+    decode_notification,
+)
 from .protocols import (
     ArrivalOutcome,
     PrefillStagingContext,
@@ -31,16 +41,6 @@ from .protocols import (
     Watermark,
 )
 from .stats import StagingCounters, StagingStats
-from .wire import (
-    ChunkReady,
-    MalformedMessage,
-    Message,
-    StagingReq,
-    StagingRsp,
-    WatermarkUpdate,
-    decode_message,
-    decode_notification,
-)
 
 __all__ = ["STAGING_CONTRACT", "StagingManagerMixin", "host_logger"]
 

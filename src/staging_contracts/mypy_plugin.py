@@ -20,7 +20,7 @@ Mooncake), except one created with ``abstract=True``, mypy then reports at the c
 * each method of the mixin shadowed by a base listed before the mixin
   (``staging-shadowed-method``),
 
-worded like :class:`~staging_contracts.problems.ContractError`, one error per problem. The
+worded like :class:`~staging_contracts.contract.problems.ContractError`, one error per problem. The
 members and their types come from the Protocols as mypy sees them; ``kv_buffer_tensors``
 (in ``StagingHost`` but not in ``StagingHostCore``) is checked only when declared.
 
@@ -47,8 +47,8 @@ from mypy.options import Options
 from mypy.plugin import ClassDefContext, MethodContext, Plugin, ReportConfigContext
 from mypy.types import Type
 
-from . import _mypy_contract
-from ._mypy_contract import (
+from .contract import mypy_analysis
+from .contract.mypy_analysis import (
     METADATA_KEY,
     ContractInfos,
     HostReport,
@@ -59,7 +59,7 @@ from ._mypy_contract import (
     protocol_attributes,
     slot_names,
 )
-from .problems import ProblemKind
+from .contract.problems import ProblemKind
 
 __all__ = [
     "MEMBER_TYPE",
@@ -119,7 +119,7 @@ the members of ``StagingHostCore`` are required, the rest of ``StagingHost`` opt
 def _source_digest() -> str:
     """A digest of the plugin's own source, so that editing it invalidates mypy's cache."""
     digest = hashlib.sha256()
-    for path in (Path(__file__), Path(_mypy_contract.__file__)):
+    for path in (Path(__file__), Path(mypy_analysis.__file__)):
         try:
             digest.update(path.read_bytes())
         except OSError:

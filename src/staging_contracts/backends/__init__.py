@@ -13,6 +13,10 @@ name         class                                            needs
 Importing this package imports no engine SDK; :func:`load_backend` imports a backend's
 module on first use and checks that its engine can be imported, raising an ``ImportError``
 that names the backend and the extra to install otherwise.
+
+May import: ``decode``, ``prefill``, ``mixin``, ``engines`` and everything below them;
+never ``testing``, ``cluster``, ``bench`` or ``cli``.
+Imported by: ``testing``, ``cluster``, ``bench``, ``cli`` and backends outside the package.
 """
 
 from __future__ import annotations

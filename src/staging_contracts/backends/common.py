@@ -13,9 +13,9 @@ import enum
 import logging
 from collections.abc import Callable, Sequence
 
+from ..control.transport import Listener, PeerSockets
+from ..control.wire import MalformedMessage
 from ..protocols import KVArgs, TransferEngine
-from ..transport import Listener, PeerSockets
-from ..wire import MalformedMessage
 
 __all__ = ["CommonKVManager", "Role"]
 

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..decode import DecodeStagingHandler, RoomPlan, RoomStatus, peers_for
-from ..prefill import ChunkSpec, DecodeTarget, StagingFailed, StagingWriter
+from ..decode.handler import DecodeStagingHandler, RoomPlan, RoomStatus, peers_for
+from ..prefill.writer import ChunkSpec, DecodeTarget, StagingFailed, StagingWriter
 from ..protocols import KVArgs
 from .room_messages import RoomFailed, RoomMeta
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Final
 
-from ..wire import MalformedMessage
+from ..control.wire import MalformedMessage
 
 __all__ = ["RoomFailed", "RoomMeta"]
 

@@ -12,10 +12,11 @@ from typing import Protocol
 
 import torch
 
-from ..allocator import StagingAllocator
-from ..decode import DecodeStagingHandler
-from ..prefill import PrefillTimeouts, StagingWriter
-from ..prefill_state import RegionAnswerTable, WatermarkTracker
+from ..control.transport import PeerSockets
+from ..control.wire import MalformedMessage
+from ..decode.handler import DecodeStagingHandler
+from ..prefill.books import RegionAnswerTable, WatermarkTracker
+from ..prefill.writer import PrefillTimeouts, StagingWriter
 from ..protocols import (
     ArrivalOutcome,
     DecodeStagingContext,
@@ -25,9 +26,8 @@ from ..protocols import (
     StagingHostCore,
     TransferEngine,
 )
+from ..staging.allocator import StagingAllocator
 from ..stats import StagingStats
-from ..transport import PeerSockets
-from ..wire import MalformedMessage
 
 __all__ = [
     "StagingBackend",

@@ -3,6 +3,10 @@
 Each group is a module of this package with a ``run(quick: bool) -> list[BenchRow]``
 function, loaded lazily by name. Figures are medians of repeated measurements. Benchmarks are
 never timed tests: they report, and the goals are for people to read.
+
+May import: ``cluster``, ``backends`` and everything below them; never ``testing`` or
+``cli``.
+Imported by: ``cli`` (``staging-contracts bench``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any
 from typeguard import CollectionCheckStrategy, check_type
 
 from ..mixin import STAGING_CONTRACT, StagingManagerMixin
-from ..prefill_state import RegionAnswerTable, WatermarkTracker
+from ..prefill.books import RegionAnswerTable, WatermarkTracker
 from ..protocols import (
     ArrivalOutcome,
     DecodeStagingContext,

@@ -21,10 +21,10 @@ import zmq
 from ..backends.common import Role
 from ..backends.local import LocalKVManager
 from ..backends.staging_setup import enable_decode_staging
-from ..decode import RoomPlan
-from ..decode_rooms import PrefillPeer
+from ..control.wire import StagingReq, StagingRsp
+from ..decode.handler import RoomPlan
+from ..decode.rooms import PrefillPeer
 from ..protocols import KVArgsRecord, KVBufferTensors
-from ..wire import StagingReq, StagingRsp
 from . import BenchRow, ratio_row
 
 __all__ = ["run"]

@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..allocator import StagingAllocator
-from ..kernels import gather_chunk, scatter_chunk
-from ..layout import WriterPlacement
 from ..protocols import Allocation, Watermark
+from ..staging.allocator import StagingAllocator
+from ..staging.kernels import gather_chunk, scatter_chunk
+from ..staging.layout import WriterPlacement
 from . import BenchRow, ratio_row
 from .timing import interleaved_ns_per_call
 

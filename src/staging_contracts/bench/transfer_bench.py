@@ -23,9 +23,9 @@ from __future__ import annotations
 import logging
 import statistics
 
-from ..cluster import run_cluster
+from ..cluster.runner import run_cluster
+from ..cluster.workload import TransferConfig
 from ..engines import engine_available
-from ..workload import TransferConfig
 from . import BenchRow, ratio_row
 from .engine_anchors import BENCH_GEOMETRY, AnchorGeometry, per_token_seconds, raw_write_seconds
 

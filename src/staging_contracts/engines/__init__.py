@@ -10,6 +10,9 @@ imports an engine's module on first use; a missing optional dependency raises an
   ``pip install 'staging-contracts[mooncake]'``.
 - ``"nixl"``: :class:`~staging_contracts.engines.nixl.NixlEngine`;
   ``pip install 'staging-contracts[nixl]'``.
+
+May import: ``protocols`` and ``stats`` only (a new engine is one module of this package).
+Imported by: ``backends`` and ``bench``.
 """
 
 from __future__ import annotations

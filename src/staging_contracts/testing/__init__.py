@@ -20,6 +20,9 @@ or run it without a test module: ``pytest --staging-backend mypkg.backend:MyKVMa
 point). See ``docs/writing-a-backend.md``.
 
 Requires pytest.
+
+May import: ``backends`` and everything below it; never ``cluster``, ``bench`` or ``cli``.
+Imported by: backend authors' tests and the ``pytest11`` entry point.
 """
 
 from __future__ import annotations

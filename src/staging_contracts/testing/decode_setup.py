@@ -30,7 +30,7 @@ from ..protocols import (
 )
 
 if TYPE_CHECKING:
-    from ..decode import DecodeStagingHandler
+    from ..decode.handler import DecodeStagingHandler
     from ..stats import StagingStats
 
 __all__ = ["DecodeFactory", "DecodeSetup", "LiveDecodeManager", "StartableBackend"]
@@ -46,7 +46,8 @@ class LiveDecodeManager(Protocol):
     ``CommonKVManager`` and ``StagingManagerMixin`` has them.
 
     The kit also expects ``_staging_handler`` to be a
-    :class:`~staging_contracts.decode.DecodeStagingHandler` (it registers its own rooms on it),
+    :class:`~staging_contracts.decode.handler.DecodeStagingHandler` (it registers its own rooms
+    on it),
     ``_staging_ctx`` to be a :class:`~staging_contracts.DecodeStagingContext`, and
     ``kv_buffer_tensors`` to hold the KV pool; ``enable_decode_staging`` (and so
     :meth:`DecodeSetup.start`) sets all three.

@@ -22,14 +22,14 @@ from typing import ClassVar, cast
 
 import pytest
 
-from ..contract import is_abstract
-from ..decode_rooms import RoomStatus
+from ..contract.contract import is_abstract
+from ..contract.problems import ContractError
+from ..contract.typeforms import class_label
+from ..control.wire import ALLOC_OVERSIZED, ChunkReady, MalformedMessage, StagingReq
+from ..decode.rooms import RoomStatus
 from ..mixin import StagingManagerMixin
-from ..problems import ContractError
 from ..protocols import ArrivalOutcome, StagingHandler
 from ..stats import StagingStats
-from ..typeforms import class_label
-from ..wire import ALLOC_OVERSIZED, ChunkReady, MalformedMessage, StagingReq
 from .decode_setup import DecodeSetup, LiveDecodeManager
 from .live import WAIT_S, LiveDecode, kit_fail
 from .targets import BackendLoadError, BackendTarget, contract_of

@@ -13,11 +13,11 @@ from typing import Final, NoReturn
 import pytest
 import zmq
 
-from ..decode import DecodeStagingHandler
-from ..decode_rooms import PrefillPeer, RoomPlan, RoomStatus
-from ..layout import compute_staging_layout, prefill_ranks_for_decode, validate_tp_pair
+from ..control.wire import MalformedMessage, StagingRsp, decode_message
+from ..decode.handler import DecodeStagingHandler
+from ..decode.rooms import PrefillPeer, RoomPlan, RoomStatus
 from ..protocols import DecodeStagingContext, KVBufferTensors
-from ..wire import MalformedMessage, StagingRsp, decode_message
+from ..staging.layout import compute_staging_layout, prefill_ranks_for_decode, validate_tp_pair
 from .decode_setup import LiveDecodeManager
 
 __all__ = ["FakePrefill", "LiveDecode", "kit_fail"]

@@ -12,10 +12,10 @@ import re
 from dataclasses import dataclass
 from typing import Final, cast
 
-from ..contract import Contract
-from ..enforcement import contract_roots
+from ..contract.contract import Contract
+from ..contract.enforcement import contract_roots
+from ..contract.problems import ContractError
 from ..mixin import STAGING_CONTRACT
-from ..problems import ContractError
 from .decode_setup import DecodeFactory
 
 __all__ = ["BackendLoadError", "BackendTarget", "contract_of"]

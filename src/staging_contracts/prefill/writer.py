@@ -21,18 +21,18 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import PagedKVPools
-from .layout import (
+from ..control.transport import PeerSockets
+from ..control.wire import ChunkReady, StagingReq
+from ..protocols import KVBufferTensors, RegionAnswer, Transfer, TransferEngine, TransferError
+from ..staging.kernels import PagedKVPools
+from ..staging.layout import (
     compute_head_slice_params,
     compute_staging_layout,
     decode_ranks_for_prefill,
     validate_tp_pair,
     writer_index,
 )
-from .prefill_state import RegionAnswerTable, WatermarkTracker
-from .protocols import KVBufferTensors, RegionAnswer, Transfer, TransferEngine, TransferError
-from .transport import PeerSockets
-from .wire import ChunkReady, StagingReq
+from .books import RegionAnswerTable, WatermarkTracker
 
 __all__ = ["ChunkSpec", "DecodeTarget", "PrefillTimeouts", "StagingFailed", "StagingWriter"]
 

@@ -7,7 +7,7 @@ offers the scheduler room registration, status polling and teardown.
 Threads: the **listener** thread calls ``handle_staging_req`` and ``handle_chunk_arrival``;
 the **scheduler** calls ``register_room``, ``poll_room`` and ``release_room``; anyone may call
 ``progress``. One lock guards the room table; scatters run outside it, and teardown waits for
-them. Every send is non-blocking (:class:`~staging_contracts.transport.PeerSockets`): a dead
+them. Every send is non-blocking (:class:`~staging_contracts.control.transport.PeerSockets`): a dead
 prefill never blocks a decode thread.
 """
 
@@ -21,17 +21,17 @@ from typing import NamedTuple
 
 import torch
 
-from .allocator import StagingAllocator
-from .decode_publisher import PrefillPublisher
-from .decode_rooms import ChunkRegion, PrefillPeer, RoomPlan, RoomState, RoomStatus
-from .decode_scatter import ChunkScatter, event_done, wait_event
-from .layout import (
+from ..control.transport import PeerSockets
+from ..control.wire import StagingRsp, WatermarkUpdate
+from ..protocols import ArrivalOutcome, KVBufferTensors, StagingReqOutcome, Watermark
+from ..staging.allocator import StagingAllocator
+from ..staging.layout import (
     prefill_ranks_for_decode,
     validate_tp_pair,
 )
-from .protocols import ArrivalOutcome, KVBufferTensors, StagingReqOutcome, Watermark
-from .transport import PeerSockets
-from .wire import StagingRsp, WatermarkUpdate
+from .publisher import PrefillPublisher
+from .rooms import ChunkRegion, PrefillPeer, RoomPlan, RoomState, RoomStatus
+from .scatter import ChunkScatter, event_done, wait_event
 
 __all__ = ["WAIT_SLICE_S", "DecodeStagingHandler", "PrefillPeer", "RoomPlan", "RoomStatus"]
 

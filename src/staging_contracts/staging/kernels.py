@@ -9,8 +9,8 @@ Bytes are moved as integer words (8, 4, 2 or 1 bytes, the widest the geometry al
 ``Tensor.view(dtype)``: no numeric conversion, so every KV dtype (fp8, fp16, bf16, fp32,
 fp64, int64, ...) round-trips bit for bit, NaN payloads included. A gather is one
 ``index_select`` and a scatter one indexed assignment (``index_copy_``, or on a CPU rank with
-one torch thread NumPy copies from :mod:`~staging_contracts.host_rows`): over every layer at
-once when the pools are views of one allocation (:mod:`~staging_contracts.fused_pools`), else
+one torch thread NumPy copies from :mod:`~.host_rows`): over every layer at
+once when the pools are views of one allocation (:mod:`~.fused_pools`), else
 one per layer.
 Nothing is allocated per call except what the page count needs. :class:`PagedKVPools` checks
 the pools once for the transfer path; :func:`gather_chunk` and :func:`scatter_chunk` check
@@ -68,7 +68,7 @@ class KernelBackend(enum.Enum):
 
     TORCH = "torch"
     """Torch indexing ops, except that a CPU scatter copies its rows with NumPy
-    (:mod:`~staging_contracts.host_rows`) while torch runs one intra-op thread, as a rank
+    (:mod:`~staging_contracts.staging.host_rows`) while torch runs one intra-op thread, as a rank
     sharing a host with other ranks does: NumPy's copies are faster on one thread, torch's
     ``index_copy_`` spreads over several. The default."""
     TORCH_ONLY = "torch-only"
@@ -168,7 +168,7 @@ class PagedKVPools:
 
     When every pool is a view of one allocation at whole-page offsets (one KV cache buffer,
     as vLLM and TensorRT-LLM allocate it), a chunk moves with one index op for all layers
-    (:mod:`~staging_contracts.fused_pools`); pools allocated one by one move layer by layer.
+    (:mod:`~staging_contracts.staging.fused_pools`); pools allocated one by one move layer by layer.
 
     Args:
         k_buffers: one K pool per layer, each contiguous ``[pool_tokens, heads, head_dim]``.

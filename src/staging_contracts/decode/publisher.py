@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from typing import Final
 
-from .transport import PeerSockets
+from ..control.transport import PeerSockets
 
 __all__ = ["PrefillPublisher"]
 

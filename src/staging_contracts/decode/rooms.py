@@ -1,6 +1,6 @@
 """Decode-side records of a room (one request) and of its chunks' ring regions.
 
-Plain state, no I/O: :mod:`staging_contracts.decode` owns the lock that guards it.
+Plain state, no I/O: :mod:`staging_contracts.decode.handler` owns the lock that guards it.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .protocols import Allocation
+from ..protocols import Allocation
 
 if TYPE_CHECKING:
     import torch

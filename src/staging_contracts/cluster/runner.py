@@ -1,7 +1,7 @@
 """Run a staged transfer across real processes: P prefill ranks and D decode ranks.
 
 :func:`run_cluster` starts a bootstrap server, spawns one OS process per rank
-(:mod:`staging_contracts.cluster_rank`), follows their progress over ZMQ and gathers their
+(:mod:`staging_contracts.cluster.rank`), follows their progress over ZMQ and gathers their
 reports into a :class:`ClusterResult`. The demo, the transfer benchmark and the multi-process
 tests all go through it.
 """
@@ -18,8 +18,8 @@ from typing import Any
 
 import zmq
 
-from .backends.bootstrap import BootstrapServer
-from .cluster_rank import rank_main
+from .bootstrap import BootstrapServer
+from .rank import rank_main
 from .workload import TransferConfig
 
 __all__ = ["ClusterResult", "RankReport", "run_cluster"]
@@ -103,7 +103,7 @@ def run_cluster(
     Raises:
         ImportError: the configured backend's engine cannot be imported.
     """
-    from .backends import load_backend  # noqa: PLC0415 - fail fast, before spawning
+    from ..backends import load_backend  # noqa: PLC0415 - fail fast, before spawning
 
     load_backend(config.backend)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()

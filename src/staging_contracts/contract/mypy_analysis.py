@@ -1,7 +1,8 @@
 """What a host class declares, as mypy sees it: the analysis behind the mypy plugin.
 
 Private to :mod:`staging_contracts.mypy_plugin`, and the static twin of
-:mod:`staging_contracts.declarations` and :meth:`staging_contracts.contract.Contract.inspect_class`:
+:mod:`~staging_contracts.contract.declarations` and
+:meth:`~staging_contracts.contract.contract.Contract.inspect_class`:
 the same members, the same notion of *declared*, the same problems, computed on mypy's
 ``TypeInfo`` objects instead of live classes. It imports mypy, so nothing in the library
 imports it at runtime.

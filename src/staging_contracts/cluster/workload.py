@@ -15,7 +15,7 @@ from typing import Final, Literal
 
 import torch
 
-from .protocols import KVArgsRecord, KVBufferTensors
+from ..protocols import KVArgsRecord, KVBufferTensors
 
 __all__ = [
     "DTYPES",

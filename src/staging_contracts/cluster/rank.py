@@ -1,8 +1,8 @@
 """One prefill or decode rank of a staged-transfer run, as an OS process of its own.
 
-Started by :func:`staging_contracts.cluster.run_cluster` (``multiprocessing`` spawn). The
+Started by :func:`staging_contracts.cluster.runner.run_cluster` (``multiprocessing`` spawn). The
 rank builds its KV pool and backend, meets its peers through the bootstrap server, runs every
-request of the :class:`~staging_contracts.workload.TransferConfig` through the per-request
+request of the :class:`~staging_contracts.cluster.workload.TransferConfig` through the per-request
 API, verifies (decode) and reports to the driver as JSON over ZMQ: ``ready``, one ``room``
 event per finished request, and a final ``report``.
 """
@@ -21,13 +21,13 @@ from typing import Any
 import torch
 import zmq
 
-from .backends import load_backend
-from .backends.bootstrap import RankInfo, arrive, query_ranks, register_rank, wait_barrier
-from .backends.common import CommonKVManager, Role
-from .backends.kv_requests import DecodeTransfers, KVPoll, KVReceiver, KVSender, PrefillTransfers
-from .backends.staging_setup import StagingBackend, enable_decode_staging, enable_prefill_staging
-from .layout import compute_staging_layout
-from .prefill import DecodeTarget, PrefillTimeouts
+from ..backends import load_backend
+from ..backends.common import CommonKVManager, Role
+from ..backends.kv_requests import DecodeTransfers, KVPoll, KVReceiver, KVSender, PrefillTransfers
+from ..backends.staging_setup import StagingBackend, enable_decode_staging, enable_prefill_staging
+from ..prefill.writer import DecodeTarget, PrefillTimeouts
+from ..staging.layout import compute_staging_layout
+from .bootstrap import RankInfo, arrive, query_ranks, register_rank, wait_barrier
 from .workload import TransferConfig, fill_prefill_pool, request_plans, verify_decode_pool
 
 __all__ = ["rank_main"]

@@ -18,7 +18,7 @@ from typing import Final
 
 import torch
 
-from .protocols import Allocation, Watermark
+from ..protocols import Allocation, Watermark
 
 __all__ = ["ALLOC_OVERSIZED", "StagingAllocator", "is_watermark_ready"]
 

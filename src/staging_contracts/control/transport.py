@@ -3,7 +3,7 @@
 One ZMQ context per process (``zmq.Context.instance()``); one PUSH socket per peer endpoint,
 created on first use; one PULL socket per listener, bound to loopback by default. A listener
 thread drains its socket and hands each multipart message to a dispatch function; bad input
-(:class:`~staging_contracts.wire.MalformedMessage`) is counted and logged and the thread keeps
+(:class:`~.wire.MalformedMessage`) is counted and logged and the thread keeps
 serving, and so is any other exception a dispatch raises.
 """
 

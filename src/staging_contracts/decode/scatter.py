@@ -12,10 +12,10 @@ from typing import NamedTuple
 
 import torch
 
-from .allocator import StagingAllocator
-from .kernels import PagedKVPools, PoolGeometry
-from .layout import WriterPlacement, compute_staging_layout, writer_placements
-from .protocols import Allocation, KVBufferTensors
+from ..protocols import Allocation, KVBufferTensors
+from ..staging.allocator import StagingAllocator
+from ..staging.kernels import PagedKVPools, PoolGeometry
+from ..staging.layout import WriterPlacement, compute_staging_layout, writer_placements
 
 __all__ = ["ChunkScatter", "ScatterEvent", "event_done", "wait_event"]
 

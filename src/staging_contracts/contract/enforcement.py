@@ -1,4 +1,4 @@
-"""Enforcement of a :class:`~staging_contracts.contract.Contract` on every subclass of a mixin.
+"""Enforcement of a :class:`~.contract.Contract` on every subclass of a mixin.
 
 :class:`ContractMixin` is the base a mixin derives from to enforce its contract on every
 class it is mixed into:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import threading
 import time
 
-from .allocator import is_watermark_ready
-from .protocols import RegionAnswer, Watermark
+from ..protocols import RegionAnswer, Watermark
+from ..staging.allocator import is_watermark_ready
 
 __all__ = ["RegionAnswerTable", "WatermarkTracker"]
 

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from .cluster import ClusterResult, run_cluster
+from .runner import ClusterResult, run_cluster
 from .workload import DTYPES, TransferConfig
 
 __all__ = ["add_demo_arguments", "config_from_args", "format_summary", "run_demo"]

@@ -1,0 +1,10 @@
+"""The multi-process runner: a staged transfer across real processes, and the demo.
+
+:mod:`.runner` (:func:`~.runner.run_cluster`: spawn the ranks, follow them, gather reports),
+:mod:`.rank` (one prefill or decode rank as an OS process), :mod:`.bootstrap` (where ranks
+meet: a small ZMQ rendezvous server and its client calls), :mod:`.workload` (seeded requests
+and KV data every rank derives alike) and :mod:`.demo` (``staging-contracts demo``).
+
+May import: ``backends`` and everything below it; never ``testing``, ``bench`` or ``cli``.
+Imported by: ``bench`` and ``cli``.
+"""
