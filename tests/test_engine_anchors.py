@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from staging_contracts.bench import _anchor_peers as peers
+from staging_contracts.bench.anchor_geometry import BENCH_GEOMETRY, AnchorGeometry
 from staging_contracts.bench.engine_anchors import (
-    BENCH_GEOMETRY,
     ENGINE_ENV,
     ENGINE_OPTIONS,
     MOONCAKE_MAX_TRANSFERS_PER_WRITE,
-    AnchorGeometry,
     AnchorJob,
     default_tokens,
     measure_anchor,

@@ -27,15 +27,13 @@ import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
 from ..engines import load_engine_class
 from ..protocols import Transfer, TransferEngine
-
-if TYPE_CHECKING:
-    from .engine_anchors import AnchorGeometry
+from .anchor_geometry import AnchorGeometry
 
 __all__ = [
     "AnchorJob",

@@ -27,7 +27,8 @@ from ..cluster.runner import run_cluster
 from ..cluster.workload import TransferConfig
 from ..engines import engine_available
 from . import BenchRow, ratio_row
-from .engine_anchors import BENCH_GEOMETRY, AnchorGeometry, per_token_seconds, raw_write_seconds
+from .anchor_geometry import BENCH_GEOMETRY, AnchorGeometry
+from .engine_anchors import per_token_seconds, raw_write_seconds
 
 __all__ = ["run", "staged_config"]
 
