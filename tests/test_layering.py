@@ -1,0 +1,267 @@
+"""The package's layers: imports only point down, as each package's ``__init__`` states."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final, NamedTuple
+
+import pytest
+
+PACKAGE_ROOT: Final = Path(__file__).resolve().parent.parent / "src" / "staging_contracts"
+
+TOP_LEVEL_MODULES: Final = frozenset(
+    {"__init__", "cli", "mypy_plugin", "mixin", "protocols", "stats"}
+)
+"""The only modules that sit directly under ``staging_contracts/``; the rest are packages."""
+
+_BELOW_BACKENDS: Final = frozenset(
+    {
+        "contract",
+        "stats",
+        "protocols",
+        "staging",
+        "control",
+        "engines",
+        "decode",
+        "prefill",
+        "mixin",
+    }
+)
+
+ALLOWED: Final[dict[str, frozenset[str]]] = {
+    "contract": frozenset(),
+    "stats": frozenset(),
+    "protocols": frozenset({"stats"}),
+    "staging": frozenset({"protocols", "stats"}),
+    "control": frozenset({"protocols", "stats"}),
+    "engines": frozenset({"protocols", "stats"}),
+    "decode": frozenset({"staging", "control", "protocols", "stats"}),
+    "prefill": frozenset({"staging", "control", "protocols", "stats"}),
+    "mixin": frozenset({"contract", "control", "protocols", "stats"}),
+    "backends": _BELOW_BACKENDS,
+    "testing": _BELOW_BACKENDS | {"backends"},
+    "cluster": _BELOW_BACKENDS | {"backends"},
+    "bench": _BELOW_BACKENDS | {"backends", "cluster"},
+    "mypy_plugin": frozenset({"contract"}),
+    "__init__": frozenset({"contract", "mixin", "protocols", "stats"}),
+    "cli": frozenset(
+        {"contract", "mixin", "protocols", "stats", "backends", "cluster", "bench", "testing"}
+    ),
+}
+"""What each unit (a top-level module, or a package with everything in it) may import.
+
+A unit may always import its own modules. The rules, bottom up: ``contract`` is domain-free;
+``protocols`` and ``stats`` are the domain's vocabulary; ``staging`` (the torch data path),
+``control`` (wire and sockets) and ``engines`` sit on that vocabulary alone; ``decode`` and
+``prefill`` build each side from ``staging`` and ``control`` and never import each other;
+``mixin`` joins the contract to the control plane; ``backends`` assemble all of that;
+``testing`` and ``cluster`` use backends; ``bench`` may use ``cluster``; ``cli`` is the top.
+"""
+
+
+class Import(NamedTuple):
+    """One import of a ``staging_contracts`` unit by a module of the package."""
+
+    source: str
+    """The importing file, relative to the package root."""
+    line: int
+    unit: str
+    """The imported unit (first name below ``staging_contracts``)."""
+
+
+def unit_of(path: Path, root: Path = PACKAGE_ROOT) -> str:
+    """The unit a file of the package belongs to."""
+    return path.relative_to(root).with_suffix("").parts[0]
+
+
+def imports_of(path: Path, root: Path = PACKAGE_ROOT) -> Iterator[Import]:
+    """Every ``staging_contracts`` unit ``path`` imports, whether or not under TYPE_CHECKING."""
+    relative = path.relative_to(root)
+    source = str(relative)
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                package = ["staging_contracts", *relative.with_suffix("").parts[:-1]]
+                base = package[: len(package) - (node.level - 1)]
+                module = [*base, *(node.module.split(".") if node.module else [])]
+            else:
+                module = (node.module or "").split(".")
+            if module[0] != "staging_contracts":
+                continue
+            if len(module) > 1:
+                yield Import(source, node.lineno, module[1])
+            else:
+                for alias in node.names:
+                    yield Import(source, node.lineno, alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                module = alias.name.split(".")
+                if module[0] == "staging_contracts":
+                    yield Import(source, node.lineno, module[1] if len(module) > 1 else "__init__")
+
+
+def package_files() -> list[Path]:
+    return sorted(PACKAGE_ROOT.rglob("*.py"))
+
+
+def test_only_the_listed_modules_sit_at_the_top() -> None:
+    """Every other module of the package lives in a package folder."""
+    top = {p.stem for p in PACKAGE_ROOT.glob("*.py")}
+    assert top == TOP_LEVEL_MODULES
+
+
+def test_every_unit_has_a_rule() -> None:
+    """A new package or top-level module gets a stated place in the layers."""
+    units = {unit_of(p) for p in package_files()}
+    assert units == set(ALLOWED)
+
+
+def test_every_package_states_its_place() -> None:
+    """Each package's ``__init__`` docstring says what it may import and what imports it."""
+    for init in sorted(PACKAGE_ROOT.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "\nMay import: " in doc, init
+        assert "\nImported by: " in doc, init
+
+
+@pytest.mark.parametrize("unit", sorted(ALLOWED))
+def test_imports_only_point_down(unit: str) -> None:
+    """A unit imports only the units its rule allows (and itself)."""
+    wrong = [
+        f"{imp.source}:{imp.line} imports {imp.unit!r}"
+        for path in package_files()
+        if unit_of(path) == unit
+        for imp in imports_of(path)
+        if imp.unit != unit and imp.unit not in ALLOWED[unit]
+    ]
+    assert not wrong, f"{unit!r} may import only {sorted(ALLOWED[unit])}: " + "; ".join(wrong)
+
+
+def test_contract_imports_nothing_else_of_the_package() -> None:
+    """The contract engine is domain-free: no import leaves ``contract/``."""
+    contract = [p for p in package_files() if unit_of(p) == "contract"]
+    assert contract
+    leaving = [imp for p in contract for imp in imports_of(p) if imp.unit != "contract"]
+    assert leaving == []
+
+
+def test_nothing_imports_the_entry_points() -> None:
+    """The command line, the mypy plugin and the public surface are imported by no module."""
+    entry = {"cli", "mypy_plugin", "__init__"}
+    wrong = [
+        imp
+        for p in package_files()
+        for imp in imports_of(p)
+        if imp.unit in entry and imp.unit != unit_of(p)
+    ]
+    assert wrong == []
+
+
+def test_the_import_reader_sees_every_form_of_import(tmp_path: Path) -> None:
+    """The checker finds relative, absolute and TYPE_CHECKING imports (one that saw none would
+    pass anything)."""
+    module = tmp_path / "decode" / "example.py"
+    module.parent.mkdir()
+    module.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import zmq\n"
+        "from ..staging.kernels import gather_chunk\n"
+        "from . import rooms\n"
+        "from .. import protocols\n"
+        "import staging_contracts.control.wire\n"
+        "from staging_contracts.prefill.writer import StagingWriter\n"
+        "if TYPE_CHECKING:\n"
+        "    from ..cluster import runner\n"
+    )
+    found = [(imp.line, imp.unit) for imp in imports_of(module, root=tmp_path)]
+    assert found == [
+        (3, "staging"),
+        (4, "decode"),
+        (5, "protocols"),
+        (6, "control"),
+        (7, "prefill"),
+        (9, "cluster"),
+    ]
+    assert unit_of(module, root=tmp_path) == "decode"
+
+
+def module_name(path: Path, root: Path = PACKAGE_ROOT) -> str:
+    """The dotted name of a file of the package (a package by its ``__init__``)."""
+    parts = ["staging_contracts", *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph(root: Path = PACKAGE_ROOT) -> dict[str, set[str]]:
+    """Module -> the package modules it imports by name (``from pkg import sub`` included)."""
+    files = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")
+                if node.level:
+                    base = base[: len(base) - (node.level - 1)]
+                    module = ".".join([*base, *([node.module] if node.module else [])])
+                else:
+                    module = node.module or ""
+                targets = [module, *(f"{module}.{alias.name}" for alias in node.names)]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            graph[name].update(t for t in targets if t in files and t != name)
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                top = stack.pop()
+                group.append(top)
+                if top == node:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_no_module_import_circles() -> None:
+    """No two modules of the package import each other, directly or through others."""
+    assert import_circles(module_graph()) == []
+
+
+def test_the_circle_finder_finds_a_circle(tmp_path: Path) -> None:
+    """A circle through a TYPE_CHECKING import and ``from . import`` is found."""
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "__init__.py").write_text("")
+    (tmp_path / "bench" / "a.py").write_text("from . import b\n")
+    (tmp_path / "bench" / "b.py").write_text("from .c import x\n")
+    (tmp_path / "bench" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import y\n"
+    )
+    (tmp_path / "bench" / "d.py").write_text("from .a import z\n")
+    assert import_circles(module_graph(tmp_path)) == [
+        ["staging_contracts.bench.a", "staging_contracts.bench.b", "staging_contracts.bench.c"]
+    ]
