@@ -12,7 +12,8 @@ from staging_contracts.protocols import Allocation, Watermark
 from staging_contracts.staging.allocator import StagingAllocator, is_watermark_ready
 from staging_contracts.staging.layout import compute_head_slice_params, compute_staging_layout
 
-VECTORS = Path(__file__).resolve().parents[2] / "shared" / "vectors" / "reference_staging.json"
+VECTORS = Path(__file__).resolve().parent / "data" / "reference_staging.json"
+"""Vendored in the repository (``tests/data/README.md`` says where it came from)."""
 
 
 def _load() -> dict[str, Any]:
