@@ -7,7 +7,7 @@ EXTRAS := dev,mooncake,nixl
 # Debian libraries the Mooncake wheel links against (installed when missing and we are root).
 SYSLIBS := libibverbs1 librdmacm1 libnuma1
 
-.PHONY: demo test lint typecheck unit bench setup sysdeps clean
+.PHONY: demo test lint typecheck unit bench mutation setup sysdeps clean
 
 # The main job: a verified P=4 -> D=2 staged transfer across processes (NIXL by default).
 demo: $(STAMP)
@@ -27,6 +27,11 @@ unit: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/staging-contracts bench
+
+# Mutation testing of the core modules (minutes; not part of `make test`). See docs/testing.md.
+mutation: $(STAMP)
+	$(PY) -m pip install -q 'mutmut>=3.8,<4'
+	$(PY) scripts/mutation.py $(MODULES)
 
 setup: $(STAMP)
 
@@ -49,4 +54,4 @@ sysdeps:
 	fi
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .mypy_cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build dist src/*.egg-info .mypy_cache .pytest_cache .ruff_cache .hypothesis .mutation mutants
