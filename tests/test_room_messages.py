@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from staging_contracts.backends.room_messages import RoomFailed, RoomMeta
+from staging_contracts.control.room_messages import RoomFailed, RoomMeta
 from staging_contracts.control.wire import MalformedMessage
 
 

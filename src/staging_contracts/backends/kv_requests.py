@@ -22,10 +22,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..control.room_messages import RoomFailed, RoomMeta
 from ..decode.handler import DecodeStagingHandler, RoomPlan, RoomStatus, peers_for
 from ..prefill.writer import ChunkSpec, DecodeTarget, StagingFailed, StagingWriter
 from ..protocols import KVArgs
-from .room_messages import RoomFailed, RoomMeta
 
 __all__ = ["DecodeTransfers", "KVPoll", "KVReceiver", "KVSender", "PrefillTransfers"]
 

@@ -1,4 +1,4 @@
-"""Per-request control messages of the backends (not part of the staging wire protocol).
+"""Per-request and peer control messages (beside the four staging messages of `wire`).
 
 * ``ROOM_META`` (decode → prefill): decode rank ``decode_rank`` has registered ``room`` for
   ``num_pages`` pages on a grid of ``chunk_pages`` pages; the prefill may start writing.
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Final
 
-from ..control.wire import MalformedMessage
+from .wire import MalformedMessage
 
 __all__ = ["RoomFailed", "RoomMeta"]
 
