@@ -2,29 +2,76 @@
 
 One ZMQ context per process (``zmq.Context.instance()``); one PUSH socket per peer endpoint,
 created on first use; one PULL socket per listener, bound to loopback by default. A listener
-thread drains its socket and hands each multipart message to a dispatch function; bad input
-(:class:`~.wire.MalformedMessage`) is counted and logged and the thread keeps
-serving, and so is any other exception a dispatch raises.
+thread drains its socket in bounded batches and hands each multipart message to a dispatch
+function; between batches it runs its idle work, so a flood of messages delays that work by
+at most :data:`IDLE_INTERVAL_S`. Bad input (:class:`~.wire.MalformedMessage`) is counted and
+logged and the thread keeps serving, and so is any other exception a dispatch raises; the
+logging is rate-limited (:class:`LogThrottle`), the counts are exact (:class:`ListenerStats`).
+
+Size limits hold before any byte reaches Python: a listener's socket sets ``ZMQ_MAXMSGSIZE``
+(:data:`MAX_FRAME_BYTES`), so ZMQ drops a larger frame, and the connection that sent it, while
+reading its header; and a message of more than :data:`MAX_FRAMES` frames is discarded frame by
+frame without being copied. (ZMQ itself holds a multipart message whole before it hands over
+the first frame, so many frames of allowed size still cost ZMQ their memory, once.)
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 import zmq
 
-from .wire import MalformedMessage
+from .wire import MAX_MESSAGE_BYTES, MalformedMessage
 
-__all__ = ["Listener", "ListenerStats", "PeerSockets", "open_socket_count"]
+__all__ = [
+    "DEFAULT_SEND_HWM",
+    "DRAIN_BATCH",
+    "IDLE_INTERVAL_S",
+    "LOG_BURST",
+    "LOG_INTERVAL_S",
+    "MAX_FRAMES",
+    "MAX_FRAME_BYTES",
+    "Listener",
+    "ListenerStats",
+    "LogThrottle",
+    "PeerSockets",
+    "open_socket_count",
+    "recv_frames",
+]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SEND_HWM: Final = 4096
 """Messages queued per peer before sends to it are dropped (a dead or stalled peer)."""
+
+MAX_FRAME_BYTES: Final = 2 * MAX_MESSAGE_BYTES
+"""Largest frame a listener's socket accepts (``ZMQ_MAXMSGSIZE``), 8 KiB: the codec's limit on
+a whole message (:data:`~.wire.MAX_MESSAGE_BYTES`, 4 KiB; a valid message is under 450 bytes)
+with as much again for margin. ZMQ drops a larger frame while reading its header, before it
+allocates it, and disconnects its sender (a PUSH peer reconnects by itself); it is not counted
+in :class:`ListenerStats`, since ZMQ does not report it."""
+
+MAX_FRAMES: Final = 32
+"""Most frames a listener accepts in one message (a valid control message has at most 6).
+The frames of a longer message are discarded without being copied; it counts as malformed."""
+
+DRAIN_BATCH: Final = 128
+"""Most messages a listener dispatches between two runs of its idle work."""
+
+IDLE_INTERVAL_S: Final = 0.01
+"""Longest a listener spends dispatching before it runs its idle work again, however many
+messages wait (the check is made after each message, so one slow dispatch can add to it)."""
+
+LOG_BURST: Final = 5
+"""Log lines a :class:`LogThrottle` writes per interval for one kind of event."""
+
+LOG_INTERVAL_S: Final = 10.0
+"""The interval of a :class:`LogThrottle`; each ends with a summary of what was not logged."""
 
 _NOBLOCK: Final = int(zmq.NOBLOCK)
 _NOBLOCK_MORE: Final = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
@@ -43,6 +90,108 @@ def open_socket_count() -> int:
     """Sockets this module opened and has not closed yet, in this process (for leak checks)."""
     with _open_lock:
         return _open_sockets
+
+
+class LogThrottle:
+    """Rate-limits the log lines of one kind of event, and summarises the rest.
+
+    At most ``burst`` events are logged one by one per ``interval_s``; the others are only
+    counted, and once the interval has passed one summary line says how many were not logged.
+    So a flood of bad input costs at most ``burst + 1`` lines per interval.
+
+    **Thread-safety:** none; one thread owns it (a listener's or a server's loop).
+
+    Args:
+        log: the logger the summary goes to (the caller logs the admitted events itself).
+        what: names the events in the summary, e.g. ``"listener-3: malformed messages"``.
+        burst: events logged one by one per interval.
+        interval_s: length of an interval.
+        clock: monotonic time in seconds (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        log: logging.Logger,
+        what: str,
+        *,
+        burst: int = LOG_BURST,
+        interval_s: float = LOG_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if burst < 0 or not interval_s > 0:
+            raise ValueError(f"burst={burst} must be >= 0 and interval_s={interval_s} > 0")
+        self._log = log
+        self._what = what
+        self._burst = burst
+        self._interval_s = interval_s
+        self._clock = clock
+        self._start = clock()
+        self._logged = 0
+        self.suppressed = 0
+        """Events not logged since the last summary."""
+
+    def admit(self) -> bool:
+        """Count one event; ``True`` if the caller may log it now, ``False`` to stay quiet."""
+        now = self._clock()
+        if now - self._start >= self._interval_s:
+            self._roll(now)
+        if self._logged < self._burst:
+            self._logged += 1
+            return True
+        self.suppressed += 1
+        return False
+
+    def tick(self) -> None:
+        """Write the summary if the interval has passed (call it from the owner's loop)."""
+        if self.suppressed:
+            now = self._clock()
+            if now - self._start >= self._interval_s:
+                self._roll(now)
+
+    def flush(self) -> None:
+        """Write the summary now, if anything was not logged (e.g. when the owner stops)."""
+        self._roll(self._clock())
+
+    def _roll(self, now: float) -> None:
+        if self.suppressed:
+            self._log.warning(
+                "%s: %d more not logged one by one in the last %.1fs",
+                self._what,
+                self.suppressed,
+                now - self._start,
+            )
+            self.suppressed = 0
+        self._start = now
+        self._logged = 0
+
+
+def recv_frames(
+    sock: zmq.Socket[bytes], *, max_frames: int = MAX_FRAMES, flags: int = 0
+) -> list[bytes] | None:
+    """Receive one multipart message, or discard it uncopied if it has too many frames.
+
+    **Thread-safety:** the socket's owner thread only (ZMQ sockets are not thread-safe).
+
+    Args:
+        sock: the socket to read.
+        max_frames: most frames kept; the rest of a longer message is received as ZMQ frames
+            (no copy into Python) and dropped.
+        flags: for the first frame (e.g. ``zmq.NOBLOCK``); the rest are already there.
+
+    Returns:
+        The frames, or ``None`` if the message had more than ``max_frames``.
+
+    Raises:
+        zmq.Again: with ``zmq.NOBLOCK``, no message was waiting.
+    """
+    frames = [sock.recv(flags)]
+    while sock.getsockopt(zmq.RCVMORE):
+        if len(frames) >= max_frames:
+            while sock.getsockopt(zmq.RCVMORE):
+                sock.recv(copy=False)
+            return None
+        frames.append(sock.recv())
+    return frames
 
 
 class PeerSockets:
@@ -134,18 +283,31 @@ class PeerSockets:
 
 @dataclass(frozen=True, slots=True)
 class ListenerStats:
-    """What a listener has seen so far."""
+    """What a listener has seen so far (exact counts, whatever the logs left out)."""
 
     received: int
-    """Multipart messages received."""
+    """Multipart messages received (a frame ZMQ dropped for its size never is)."""
     malformed: int
-    """Messages the dispatch rejected with ``MalformedMessage``."""
+    """Messages the dispatch rejected with ``MalformedMessage``, or of too many frames."""
     errors: int
-    """Messages whose dispatch raised anything else (a bug; logged with its traceback)."""
+    """Dispatches and idle runs that raised anything else (bugs; logged with a traceback)."""
 
 
 class Listener:
     """A PULL socket bound to an endpoint, drained by a thread of its own.
+
+    The thread waits up to ``poll_interval_s`` for messages, dispatches at most
+    ``drain_batch`` of them and for at most ``idle_interval_s``, then runs ``idle``, and
+    again. So ``idle`` runs at least every ``max(poll_interval_s, idle_interval_s)`` plus the
+    time of one dispatch and of ``idle`` itself, whatever the traffic: a flood delays neither
+    idle work nor the messages of other peers (ZMQ queues each peer's messages apart and reads
+    them in turn).
+
+    Malformed messages (``dispatch`` raised :class:`~.wire.MalformedMessage`, or more than
+    ``max_frames`` frames), failed dispatches and failed idle runs are each counted exactly in
+    :meth:`stats` and logged through a :class:`LogThrottle` (``log_burst`` lines per
+    ``log_interval_s`` each, then a summary). A frame over ``max_frame_bytes`` never reaches
+    the thread: ZMQ drops it with its connection (see :data:`MAX_FRAME_BYTES`).
 
     **Thread-safety:** ``dispatch`` and ``idle`` run on the listener thread only; ``start``,
     ``stop`` and ``stats`` may be called from any thread.
@@ -155,9 +317,20 @@ class Listener:
         name: the thread's name (shows in logs and thread dumps).
         host: address to bind (loopback by default).
         port: port to bind; 0 picks a free one.
-        idle: called after every wake-up of the loop (for work that needs polling, such as an
-            engine's notifications).
+        idle: called after every wake-up of the loop and between batches (for work that needs
+            polling, such as an engine's notifications).
         poll_interval_s: longest wait for a message before ``idle`` runs again.
+        drain_batch: most messages dispatched between two runs of ``idle``.
+        idle_interval_s: longest time spent dispatching between two runs of ``idle``.
+        max_frame_bytes: ``ZMQ_MAXMSGSIZE`` of the socket.
+        max_frames: most frames of an accepted message.
+        log_burst: log lines per ``log_interval_s`` for each kind of failure.
+        log_interval_s: the interval of the log throttles.
+        context: the ZMQ context (default: the process-wide instance).
+
+    Raises:
+        ValueError: a bound is not positive.
+        zmq.ZMQError: the endpoint cannot be bound (e.g. the port is taken).
     """
 
     def __init__(
@@ -169,14 +342,43 @@ class Listener:
         port: int = 0,
         idle: Callable[[], None] | None = None,
         poll_interval_s: float = 0.005,
+        drain_batch: int = DRAIN_BATCH,
+        idle_interval_s: float = IDLE_INTERVAL_S,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        max_frames: int = MAX_FRAMES,
+        log_burst: int = LOG_BURST,
+        log_interval_s: float = LOG_INTERVAL_S,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
+        if drain_batch < 1 or max_frame_bytes < 1 or max_frames < 1:
+            raise ValueError(
+                f"drain_batch={drain_batch}, max_frame_bytes={max_frame_bytes} and "
+                f"max_frames={max_frames} must be >= 1"
+            )
+        if not (poll_interval_s > 0 and idle_interval_s > 0):
+            raise ValueError(
+                f"poll_interval_s={poll_interval_s} and idle_interval_s={idle_interval_s} "
+                "must be > 0"
+            )
         self._dispatch = dispatch
         self._idle = idle
         self._poll_ms = max(1, round(poll_interval_s * 1000))
+        self._drain_batch = drain_batch
+        self._idle_interval_s = idle_interval_s
+        self._max_frames = max_frames
+        self._malformed_log = LogThrottle(
+            logger, f"{name}: malformed messages", burst=log_burst, interval_s=log_interval_s
+        )
+        self._error_log = LogThrottle(
+            logger, f"{name}: failed dispatches", burst=log_burst, interval_s=log_interval_s
+        )
+        self._idle_log = LogThrottle(
+            logger, f"{name}: failed idle runs", burst=log_burst, interval_s=log_interval_s
+        )
         ctx = context or zmq.Context.instance()
         self._socket = ctx.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         try:
             if port:
                 self._socket.bind(f"tcp://{host}:{port}")
@@ -239,39 +441,66 @@ class Listener:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        throttles = (self._malformed_log, self._error_log, self._idle_log)
         try:
             while not self._stop.is_set():
+                started = time.monotonic()
                 if poller.poll(self._poll_ms):
-                    self._drain()
+                    self._drain(started + self._idle_interval_s)
                 if self._idle is not None:
-                    self._guarded(self._idle)
+                    self._run_idle(self._idle)
+                for throttle in throttles:
+                    throttle.tick()
         finally:
+            for throttle in throttles:
+                throttle.flush()
             self._socket.close(linger=0)
             self._closed = True
             _opened(-1)
 
-    def _drain(self) -> None:
-        while not self._stop.is_set():
+    def _drain(self, until: float) -> None:
+        """Dispatch up to a batch of waiting messages, stopping early at ``until``."""
+        for _ in range(self._drain_batch):
+            if self._stop.is_set():
+                return
             try:
-                frames = self._socket.recv_multipart(flags=zmq.NOBLOCK)
+                frames = recv_frames(self._socket, max_frames=self._max_frames, flags=_NOBLOCK)
             except zmq.Again:
                 return
             self._received += 1
-            self._handle(frames)
+            if frames is None:
+                self._malformed += 1
+                if self._malformed_log.admit():
+                    logger.warning(
+                        "%s: malformed message dropped: more than %d frames",
+                        self._thread.name,
+                        self._max_frames,
+                    )
+            else:
+                self._handle(frames)
+            if time.monotonic() >= until:
+                return
 
     def _handle(self, frames: list[bytes]) -> None:
         try:
             self._dispatch(frames)
         except MalformedMessage as exc:
             self._malformed += 1
-            logger.warning("%s: malformed message dropped: %s", self._thread.name, exc)
+            if self._malformed_log.admit():
+                logger.warning("%s: malformed message dropped: %s", self._thread.name, exc)
         except Exception:
             self._errors += 1
-            logger.exception("%s: dispatch failed; the listener keeps serving", self._thread.name)
+            if self._error_log.admit():
+                logger.exception(
+                    "%s: dispatch failed; the listener keeps serving", self._thread.name
+                )
 
-    def _guarded(self, fn: Callable[[], None]) -> None:
+    def _run_idle(self, fn: Callable[[], None]) -> None:
         try:
             fn()
         except Exception:
             self._errors += 1
-            logger.exception("%s: idle work failed; the listener keeps serving", self._thread.name)
+            if self._idle_log.admit():
+                logger.exception(
+                    "%s: idle work failed; the listener keeps serving", self._thread.name
+                )
