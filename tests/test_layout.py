@@ -206,3 +206,89 @@ def test_writers_cover_every_decode_head(
     for p in range(prefill_tp):
         for d in decode_ranks_for_prefill(prefill_tp, decode_tp, p):
             assert p in prefill_ranks_for_decode(prefill_tp, decode_tp, d)
+
+
+def test_counts_and_indices_are_ints() -> None:
+    """Returns writer counts and writer indices as ints, never floats."""
+    assert type(num_writers(8, 2)) is int
+    assert type(writer_index(8, 2, 5)) is int
+    assert type(heads_per_rank(8, 2)) is int
+
+
+def test_single_head_model_is_supported() -> None:
+    """Accepts a model of one KV head, replicated on every rank."""
+    assert heads_per_rank(1, 4) == 1
+    validate_tp_pair(2, 4, 1)
+    assert compute_head_slice_params(2, 4, 1, 3, 1) == HeadSlice(0, 1, 0)
+
+
+@pytest.mark.parametrize(
+    ("total_kv_heads", "tp", "match"),
+    [
+        (8, 0, r"^tp=0 must be >= 1$"),
+        (0, 2, r"^total_kv_heads=0 must be >= 1$"),
+        (6, 4, r"^total_kv_heads=6 and tp=4 must divide one another$"),
+    ],
+)
+def test_heads_per_rank_names_the_broken_rule(total_kv_heads: int, tp: int, match: str) -> None:
+    """Rejects an invalid head count or TP size, naming the argument and the rule."""
+    with pytest.raises(ValueError, match=match):
+        heads_per_rank(total_kv_heads, tp)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((0, 2, None), r"^prefill_tp=0 must be >= 1$"),
+        ((-1, 2, None), r"^prefill_tp=-1 must be >= 1$"),
+        ((2, -3, None), r"^decode_tp=-3 must be >= 1$"),
+        ((4, 6, None), r"^prefill_tp=4 and decode_tp=6 must divide one another$"),
+        ((4, 4, 6), r"^total_kv_heads=6 and prefill_tp=4 must divide one another$"),
+        ((2, 4, 6), r"^total_kv_heads=6 and decode_tp=4 must divide one another$"),
+        ((2, 2, -1), r"^total_kv_heads=-1 must be >= 1$"),
+    ],
+)
+def test_validate_tp_pair_names_the_broken_rule(
+    args: tuple[int, int, int | None], match: str
+) -> None:
+    """Rejects an invalid TP pair or head count, naming the argument and the rule."""
+    with pytest.raises(ValueError, match=match):
+        validate_tp_pair(*args)
+
+
+def test_rank_errors_name_the_rank_argument() -> None:
+    """Names which rank argument is out of range, and against which TP size."""
+    with pytest.raises(ValueError, match=r"^prefill_rank=2 is out of range for TP size 2$"):
+        decode_ranks_for_prefill(2, 4, 2)
+    with pytest.raises(ValueError, match=r"^prefill_rank=-1 is out of range for TP size 4$"):
+        decode_ranks_for_prefill(4, 2, -1)
+    with pytest.raises(ValueError, match=r"^decode_rank=4 is out of range for TP size 4$"):
+        prefill_ranks_for_decode(2, 4, 4)
+    with pytest.raises(ValueError, match=r"^src_rank=4 is out of range for TP size 4$"):
+        compute_head_slice_params(4, 2, 4, 0, 8)
+    with pytest.raises(ValueError, match=r"^decode_rank=2 is out of range for TP size 2$"):
+        compute_head_slice_params(4, 2, 0, 2, 8)
+
+
+def test_rank_pair_error_lists_the_feeders() -> None:
+    """Names the pair, the TP sizes and the decode rank's feeders when a rank does not feed."""
+    with pytest.raises(
+        ValueError,
+        match=r"^prefill rank src_rank=2 does not feed decode rank dst_rank=0 at src_tp=4, "
+        r"dst_tp=2 \(its feeders are 0\.\.1\)$",
+    ):
+        compute_head_slice_params(4, 2, 2, 0, 8)
+    with pytest.raises(
+        ValueError,
+        match=r"^prefill rank src_rank=0 does not feed decode rank dst_rank=3 at src_tp=2, "
+        r"dst_tp=4 \(its feeders are 1\.\.1\)$",
+    ):
+        compute_head_slice_params(2, 4, 0, 3, 8)
+
+
+def test_staging_layout_checks_heads_before_the_rank() -> None:
+    """Reports an invalid head count before a decode rank out of range."""
+    with pytest.raises(ValueError, match=r"^total_kv_heads=0 must be >= 1$"):
+        compute_staging_layout(2, 2, 5, 0, 16, 256, 1)
+    with pytest.raises(ValueError, match=r"^total_kv_heads=6 and decode_tp=4 must divide"):
+        writer_placements(2, 4, 9, 6, 16, 256, 1)
