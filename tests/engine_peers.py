@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+import pytest
 import torch
 
 from staging_contracts.engines import load_engine_class
@@ -28,7 +29,9 @@ from staging_contracts.protocols import Notification, Transfer, TransferEngine, 
 
 __all__ = [
     "PLAN",
+    "BatchLedger",
     "PeerJob",
+    "closing_writer_main",
     "expected_buffer",
     "receiver_main",
     "seeded_bytes",
@@ -82,6 +85,111 @@ class PeerJob:
     stall_s: float = 0.0
     """Receiver: drive no progress for this long after sending its metadata; the writer
     expects its first write to time out (its ``write_timeout_s`` must be shorter)."""
+    slice_timeout_s: float | None = None
+    """Mooncake writers only: build the engine on a :class:`BatchLedger` native engine; with a
+    value, that engine also answers ``-2`` (timed out) for a batch running longer, as
+    Mooncake's RDMA transport does after ``MC_SLICE_TIMEOUT`` (``None``: it never does)."""
+    ledger: bool = False
+    """Mooncake writers only: build the engine on a :class:`BatchLedger` native engine and
+    report the ledger's summary."""
+
+
+@dataclass(slots=True)
+class BatchLedger:
+    """The life of every batch id the real Mooncake engine of a process allocated for
+    ``transfer_submit_write``.
+
+    Mooncake frees a batch id inside ``transfer_check_status`` when it answers ``1`` (done)
+    or ``-1`` (failed), and never otherwise: an id that never gets one of those answers leaks,
+    and asking about an id after it was freed reads freed memory. The ledger counts both.
+
+    ``slice_timeout_s`` makes the engine a **fake** in one respect: Mooncake's TCP transport
+    never reports a timeout (its slices carry no timestamp), its RDMA transport does (after
+    ``MC_SLICE_TIMEOUT``): a batch still running after ``slice_timeout_s`` is answered ``-2``,
+    and, as Mooncake does, not freed. ``None`` turns that off (the network is healthy again).
+    """
+
+    slice_timeout_s: float | None = None
+    submitted: int = 0
+    freed: int = 0
+    timeouts_reported: int = 0
+    sync_calls: int = 0
+    """Synchronous batch writes (Mooncake allocates and frees their ids itself)."""
+    checked_after_free: int = 0
+    live: dict[int, float] = field(default_factory=dict)
+    """Allocated, not yet freed batch ids -> when they were submitted."""
+
+    def summary(self) -> dict[str, int]:
+        """Counts for the parent process (a pipe carries plain data)."""
+        return {
+            "submitted": self.submitted,
+            "freed": self.freed,
+            "never_freed": len(self.live),
+            "checked_after_free": self.checked_after_free,
+            "timeouts_reported": self.timeouts_reported,
+            "sync_calls": self.sync_calls,
+        }
+
+
+def _install_batch_ledger(job: PeerJob) -> BatchLedger:
+    """Make this process's :class:`MooncakeEngine` use a real native engine that keeps a
+    :class:`BatchLedger` (the patch lasts as long as the child process)."""
+    from mooncake.engine import TransferEngine as NativeEngine
+
+    from staging_contracts.engines import mooncake as mooncake_engine
+
+    ledger = BatchLedger(job.slice_timeout_s)
+
+    class LedgerEngine(NativeEngine):
+        def transfer_submit_write(
+            self,
+            target_hostname: str,
+            buffer: int,
+            peer_buffer_address: int,
+            length: int,
+            transport_hint: str = "",
+        ) -> int:
+            batch = super().transfer_submit_write(
+                target_hostname, buffer, peer_buffer_address, length, transport_hint
+            )
+            if batch > 0:
+                ledger.submitted += 1
+                ledger.live[batch] = time.monotonic()
+            return batch
+
+        def transfer_check_status(self, batch_id: int, /) -> int:
+            submitted = ledger.live.get(batch_id)
+            if submitted is None:
+                ledger.checked_after_free += 1
+                return -1  # never hand a freed id to Mooncake
+            state = super().transfer_check_status(batch_id)
+            if state in (1, -1):
+                del ledger.live[batch_id]
+                ledger.freed += 1
+            elif (
+                state == 0
+                and ledger.slice_timeout_s is not None
+                and time.monotonic() - submitted > ledger.slice_timeout_s
+            ):
+                ledger.timeouts_reported += 1
+                return -2
+            return state
+
+        def batch_transfer_sync_write(
+            self,
+            target_hostname: str,
+            buffers: list[int],
+            peer_buffer_addresses: list[int],
+            lengths: list[int],
+            transport_hint: str = "",
+        ) -> int:
+            ledger.sync_calls += 1
+            return super().batch_transfer_sync_write(
+                target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint
+            )
+
+    pytest.MonkeyPatch().setattr(mooncake_engine, "_NativeEngine", LedgerEngine)
+    return ledger
 
 
 def _make(job: PeerJob) -> TransferEngine:
@@ -284,6 +392,7 @@ def stopped_writer_main(job: PeerJob, peer: Connection, parent: Connection) -> N
     """Write to a stopped receiver (times out), write the same range again (refused while
     the first write may still read it), resume the receiver, and write until it lands."""
     deadline = time.monotonic() + job.timeout_s
+    ledger = _install_batch_ledger(job) if job.ledger else None
     with _child_engine(job, parent) as made:
         source = seeded_bytes(STOPPED_BYTES)
         made.register(source.data_ptr(), STOPPED_BYTES)
@@ -301,6 +410,8 @@ def stopped_writer_main(job: PeerJob, peer: Connection, parent: Connection) -> N
                     errors.append(str(exc))
         finally:
             os.kill(pid, signal.SIGCONT)
+            if ledger is not None:
+                ledger.slice_timeout_s = None  # the network is healthy again
         while True:
             try:
                 made.write(session, whole)
@@ -314,4 +425,47 @@ def stopped_writer_main(job: PeerJob, peer: Connection, parent: Connection) -> N
         peer.send("done")
         if _recv(peer, deadline, made) != "verified":
             raise AssertionError("receiver did not verify")
-        parent.send(("ok", errors))
+        made.close()
+        parent.send(("ok", {"errors": errors, "ledger": ledger and ledger.summary()}))
+
+
+def closing_writer_main(job: PeerJob, peer: Connection, parent: Connection) -> None:
+    """Write two halves in one call to a stopped receiver (times out), then close the engine
+    while the receiver resumes: ``close`` waits for the given-up write to end.
+
+    Reports the write's error and duration, how long ``close`` took, and the ledger.
+    """
+    deadline = time.monotonic() + job.timeout_s
+    ledger = _install_batch_ledger(job)
+    with _child_engine(job, parent) as made:
+        source = seeded_bytes(STOPPED_BYTES)
+        base = source.data_ptr()
+        made.register(base, STOPPED_BYTES)
+        session, metadata, remote, pid = _recv(peer, deadline, made)
+        made.add_peer(session, metadata)
+        made.write(session, [Transfer(base, remote, 4096)])  # connected now
+        half = STOPPED_BYTES // 2
+        halves = [Transfer(base, remote, half), Transfer(base + half, remote + half, half)]
+        os.kill(pid, signal.SIGSTOP)
+        resume = threading.Timer(0.5, os.kill, (pid, signal.SIGCONT))
+        try:
+            started = time.monotonic()
+            try:
+                made.write(session, halves)
+            except TransferError as exc:
+                error = str(exc)
+            else:
+                raise AssertionError("a write to a stopped receiver did not time out")
+            write_s = time.monotonic() - started
+            resume.start()
+            started = time.monotonic()
+            made.close()  # the receiver resumes while this waits
+            close_s = time.monotonic() - started
+        finally:
+            resume.cancel()
+            os.kill(pid, signal.SIGCONT)
+        peer.send("done")
+        if _recv(peer, deadline, made) != "verified":
+            raise AssertionError("receiver did not verify")
+        result = {"error": error, "write_s": write_s, "close_s": close_s}
+        parent.send(("ok", {**result, "ledger": ledger.summary()}))

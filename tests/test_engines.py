@@ -228,27 +228,93 @@ def test_nixl_writes_from_two_threads_while_a_third_polls(children: Children) ->
     assert run_threaded(children, "nixl", NIXL_OPTIONS) == 102
 
 
+NO_LEAK = {"never_freed": 0, "checked_after_free": 0}
+"""What a :class:`engine_peers.BatchLedger` must show once the engine is closed."""
+
+
+def run_stopped(children: Children, writer: Callable[..., None], job: engine_peers.PeerJob) -> Any:
+    """A receiver that the writer stops and resumes, and ``writer``; the writer's report."""
+    receiver_end, writer_end = children.context.Pipe()
+    return children.run(
+        [
+            ("mooncake-stopped", engine_peers.stopped_receiver_main, (job, receiver_end)),
+            ("mooncake-writer", writer, (job, writer_end)),
+        ]
+    )[1]
+
+
 @pytest.mark.mooncake
 @needs_mooncake
 def test_mooncake_write_to_a_stopped_peer_times_out_and_holds_its_source(
     children: Children,
 ) -> None:
     """A write to a stopped process times out; its source range is refused until that
-    write ends; once the peer resumes, the same write lands in full."""
+    write ends; once the peer resumes, the same write lands in full, and every batch id
+    Mooncake allocated was freed exactly once."""
     job = engine_peers.PeerJob(
-        "mooncake", {**MOONCAKE_OPTIONS, "write_timeout_s": 0.3}, {}, PAIR_TIMEOUT_S
+        "mooncake", {**MOONCAKE_OPTIONS, "write_timeout_s": 0.3}, {}, PAIR_TIMEOUT_S, ledger=True
     )
-    receiver_end, writer_end = children.context.Pipe()
-    _, errors = children.run(
-        [
-            ("mooncake-stopped", engine_peers.stopped_receiver_main, (job, receiver_end)),
-            ("mooncake-writer", engine_peers.stopped_writer_main, (job, writer_end)),
-        ]
-    )
-    timed_out, refused = errors
+    report = run_stopped(children, engine_peers.stopped_writer_main, job)
+    timed_out, refused = report["errors"]
     assert timed_out.startswith("mooncake write of 67108864 bytes to '127.0.0.1:")
     assert "timed out after 0.4 s; its source range stays in use" in timed_out
     assert refused.endswith("is still read by a write that timed out")
+    ledger: dict[str, int] = report["ledger"]
+    assert ledger.items() >= NO_LEAK.items(), ledger
+    assert ledger["submitted"] == ledger["freed"] >= 3
+
+
+@pytest.mark.mooncake
+@needs_mooncake
+def test_mooncake_batch_reported_timed_out_holds_its_source_and_is_freed_when_it_ends(
+    children: Children,
+) -> None:
+    """A batch Mooncake reports timed out (-2, which does not free it) still reads its
+    source: the same range is refused until it ends, and its id is freed once it does.
+
+    The -2 comes from the fake in BatchLedger (Mooncake's RDMA slice timeout; its TCP
+    transport never reports one); everything else is the real engine between two processes.
+    """
+    job = engine_peers.PeerJob(
+        "mooncake",
+        {**MOONCAKE_OPTIONS, "write_timeout_s": 20.0},
+        {},
+        PAIR_TIMEOUT_S,
+        slice_timeout_s=0.3,
+        ledger=True,
+    )
+    report = run_stopped(children, engine_peers.stopped_writer_main, job)
+    timed_out, refused = report["errors"]
+    assert "status -2 (Mooncake's transfer timeout; the source stays in use" in timed_out
+    assert refused.endswith("is still read by a write that timed out")
+    ledger: dict[str, int] = report["ledger"]
+    assert ledger.items() >= NO_LEAK.items(), ledger
+    assert ledger["timeouts_reported"] >= 1
+    assert ledger["submitted"] == ledger["freed"] >= 3
+
+
+@pytest.mark.mooncake
+@needs_mooncake
+def test_mooncake_multi_range_write_times_out_and_close_frees_it_once_it_ends(
+    children: Children,
+) -> None:
+    """A write of several ranges to a stopped process gives up after ``write_timeout_s``
+    (not Mooncake's own 5 s or more), and ``close`` waits for it to end, then frees its ids."""
+    job = engine_peers.PeerJob(
+        "mooncake",
+        {**MOONCAKE_OPTIONS, "write_timeout_s": 0.3, "close_timeout_s": 20.0},
+        {"MC_TRANSFER_TIMEOUT": "5"},
+        PAIR_TIMEOUT_S,
+    )
+    report = run_stopped(children, engine_peers.closing_writer_main, job)
+    assert report["error"].startswith("mooncake write of 67108864 bytes to '127.0.0.1:")
+    assert "its 2 source ranges stay in use" in report["error"]
+    assert report["write_s"] < 2.5
+    assert 0.2 < report["close_s"] < 10.0  # it waited for the receiver to resume
+    ledger: dict[str, int] = report["ledger"]
+    assert ledger.items() >= NO_LEAK.items(), ledger
+    assert ledger["submitted"] == ledger["freed"] == 3
+    assert ledger["sync_calls"] == 0
 
 
 @pytest.mark.nixl

@@ -35,6 +35,18 @@ _MAX_SLEEP_S: Final = 1e-3
 _SECONDS_PER_BYTE: Final = 1e-9
 """Time a write may take per byte on top of ``write_timeout_s`` (1 GB/s, as Mooncake's own
 synchronous calls allow)."""
+_CLOSE_POLL_S: Final = 0.005
+"""Pause between two looks at given-up writes while ``close`` waits for them."""
+
+# Answers of ``transfer_check_status``. Mooncake frees the batch id when it answers DONE or
+# FAILED, and only then: an id answered RUNNING or TIMED_OUT must be asked again until it
+# ends, and an id must never be asked about after it was freed.
+_DONE: Final = 1
+_RUNNING: Final = 0
+_FAILED: Final = -1
+_TIMED_OUT: Final = -2
+"""Mooncake's own timeout (RDMA, after ``MC_SLICE_TIMEOUT``): the batch still runs, and
+its id is not freed."""
 
 
 class MooncakeEngine:
@@ -51,8 +63,8 @@ class MooncakeEngine:
             Mooncake discover the topology.
         close_timeout_s: How long ``close`` waits for running writes before it gives up
             and leaks the native engine rather than free it under them.
-        write_timeout_s: How long a single-range ``write`` waits for completion (plus one
-            second per GB) before it gives up.
+        write_timeout_s: How long ``write`` waits for completion (plus one second per GB)
+            before it gives up.
 
     Raises:
         TransferError: Mooncake failed to initialize (bad host, transport unavailable).
@@ -80,7 +92,9 @@ class MooncakeEngine:
         self._close_timeout_s = close_timeout_s
         self._write_timeout_s = write_timeout_s
         self._stuck: dict[int, Transfer] = {}
-        """Single-range writes given up at their deadline: batch id -> what it reads."""
+        """Batches given up (at the write's deadline, or timed out by Mooncake) that Mooncake
+        has not reported ended: batch id -> the range it reads. Each id stays here until
+        ``transfer_check_status`` answers done or failed, which frees it."""
         self._lock = threading.Lock()
         self._regions = RegionTable()
         self._peers: set[str] = set()
@@ -95,6 +109,14 @@ class MooncakeEngine:
     def registered_regions(self) -> int:
         """Memory ranges registered now (0 after every ``deregister`` and after ``close``)."""
         return len(self._regions)
+
+    @property
+    def unfinished_writes(self) -> int:
+        """Ranges of writes given up (timed out) that Mooncake had not reported ended when
+        last asked: their source memory is still read, and their batch ids are freed once
+        they end (asked at every ``write`` and while ``close`` waits)."""
+        with self._lock:
+            return len(self._stuck)
 
     @property
     def session_id(self) -> str:
@@ -165,19 +187,23 @@ class MooncakeEngine:
             )
 
     def write(self, peer: str, transfers: Sequence[Transfer], notify: bytes | None = None) -> None:
-        """Write every transfer into ``peer``'s memory in one Mooncake batch.
+        """Write every transfer into ``peer``'s memory.
 
         Local ranges are checked here (Mooncake's TCP transport would read any address);
-        remote ranges are checked by the peer, which rejects the whole batch.
+        remote ranges are checked by the peer, which fails the ranges outside its memory.
 
-        A single-range write (a staged chunk) is submitted asynchronously and polled, with
-        sleeps that grow to 1 ms, so the waiting thread leaves the CPU to Mooncake's own
-        threads: Mooncake's synchronous call spins on the status for the whole transfer. A
-        batch of several ranges uses the synchronous call.
+        Each range is submitted asynchronously as a Mooncake batch of its own, and all are
+        polled together, with sleeps that grow to 1 ms, so the waiting thread leaves the CPU
+        to Mooncake's own threads (Mooncake's synchronous calls spin on the status for the
+        whole transfer). Every batch id is freed exactly once: Mooncake frees it when it
+        reports the batch done or failed; a batch given up before that (at the deadline, or
+        timed out by Mooncake itself) is kept and asked again at later writes and at
+        ``close`` until it ends.
 
-        **Blocking:** until Mooncake reports the batch complete; the source memory may be
-        reused then. A single-range write gives up after ``write_timeout_s`` (plus one second
-        per GB); its source range then counts as in use until Mooncake reports it done.
+        **Blocking:** until Mooncake reports every range ended; the source memory may be
+        reused then. Gives up after ``write_timeout_s`` (plus one second per GB); the
+        ranges still running then, and any Mooncake timed out, count as in use until
+        Mooncake reports them ended.
 
         Raises:
             ValueError: ``notify`` was given (this engine has no notifications).
@@ -207,21 +233,12 @@ class MooncakeEngine:
                         problems,
                     )
                 )
-            native = self._require()
-            if len(transfers) == 1:
-                status = self._write_one(native, peer, transfers[0])
-            else:
-                status = native.batch_transfer_sync_write(
-                    peer,
-                    [transfer.local for transfer in transfers],
-                    [transfer.remote for transfer in transfers],
-                    [transfer.length for transfer in transfers],
-                )
+            status = self._write_all(self._require(), peer, transfers)
         if status != 0:
             logger.debug("mooncake write to %s failed: status %d", peer, status)
             cause = (
-                "Mooncake's transfer timeout"
-                if status == -2
+                "Mooncake's transfer timeout; the source stays in use until the write ends"
+                if status == _TIMED_OUT
                 else "peer unreachable, or a remote range not registered there"
             )
             raise TransferError(
@@ -237,25 +254,24 @@ class MooncakeEngine:
     def close(self) -> None:
         """Unregister all memory and release the native engine; safe to call twice.
 
-        **Blocking:** waits up to ``close_timeout_s`` for running writes; if they do not
-        finish, or a write given up at its deadline still runs, the native engine is leaked
-        (logged) rather than freed under them.
+        **Blocking:** waits up to ``close_timeout_s`` in all for running writes, then for
+        writes given up earlier that Mooncake still runs (each one's batch id is freed as it
+        ends). If some still run after that, the native engine is leaked (logged) rather
+        than freed under them.
         """
+        deadline = time.monotonic() + self._close_timeout_s
         drained = self._gate.close(self._close_timeout_s)
         if drained is None:
             return
+        running = self._await_stuck(deadline) if drained else len(self._stuck)
         with self._lock:
             native, regions = self._native, self._regions.clear()
             self._peers.clear()
-            if native is not None and any(
-                native.transfer_check_status(batch) == 0 for batch in self._stuck
-            ):
-                drained = False  # a write given up at its deadline still runs
-            self._stuck.clear()
-            if not drained:
+            if not drained or running:
                 logger.error(
-                    "mooncake engine %s closed with writes still running; leaking it",
+                    "mooncake engine %s closed with writes still running (%s); leaking it",
                     self._session_id,
+                    f"{running} given up earlier" if drained else "a write call has not returned",
                 )
                 return
             self._native = None
@@ -273,55 +289,131 @@ class MooncakeEngine:
         del native
         logger.info("mooncake engine %s closed", self._session_id)
 
-    def _write_one(self, native: _NativeEngine, peer: str, transfer: Transfer) -> int:
-        """Submit one range and poll it to the end; Mooncake's status (0 on success)."""
-        self._check_not_stuck(native, transfer)
-        batch = native.transfer_submit_write(peer, transfer.local, transfer.remote, transfer.length)
-        if batch <= 0:
-            # Submission failed (peer unreachable?): the synchronous call checks the
-            # peer's segment and drops a dead connection, so the next write reconnects.
-            return native.batch_transfer_sync_write(
-                peer, [transfer.local], [transfer.remote], [transfer.length]
-            )
+    def _write_all(self, native: _NativeEngine, peer: str, transfers: Sequence[Transfer]) -> int:
+        """Submit every range as a batch of its own and poll them all to the end, or to the
+        deadline; Mooncake's status (0 on success, else the first failure's).
+
+        Raises:
+            TransferError: a range is still read by a write given up earlier, or the
+                deadline passed (the batches still running are kept in ``_stuck``).
+        """
+        self._reap_stuck(native, transfers)
+        running: dict[int, Transfer] = {}
+        status = 0
+        try:
+            for index, transfer in enumerate(transfers):
+                batch = native.transfer_submit_write(
+                    peer, transfer.local, transfer.remote, transfer.length
+                )
+                if batch <= 0:
+                    # Submission failed (peer unreachable?): the synchronous call checks the
+                    # peer's segment and drops a dead connection, so the next write
+                    # reconnects; Mooncake allocates and frees that call's batch itself.
+                    rest = transfers[index:]
+                    status = native.batch_transfer_sync_write(
+                        peer,
+                        [t.local for t in rest],
+                        [t.remote for t in rest],
+                        [t.length for t in rest],
+                    )
+                    break
+                running[batch] = transfer
+            status = self._await(native, peer, transfers, running) or status
+        finally:
+            if running:  # only on an exception: keep every id still running, to free later
+                with self._lock:
+                    self._stuck.update(running)
+        return status
+
+    def _await(
+        self,
+        native: _NativeEngine,
+        peer: str,
+        transfers: Sequence[Transfer],
+        running: dict[int, Transfer],
+    ) -> int:
+        """Poll the ``running`` batches until each ended (removing it), or the deadline.
+
+        A batch Mooncake times out leaves ``running`` for ``_stuck``: it still runs.
+
+        Returns:
+            0 if every batch completed, else the first failure's status.
+
+        Raises:
+            TransferError: the deadline passed; the batches still running stay in
+                ``running`` (the caller keeps them).
+        """
+        total = sum(t.length for t in transfers)
         now = time.monotonic()
-        limit = self._write_timeout_s + transfer.length * _SECONDS_PER_BYTE
+        limit = self._write_timeout_s + total * _SECONDS_PER_BYTE
         deadline = now + limit
         spin_until = now + _SPIN_S
         pause = 0.0
-        while True:
-            state = native.transfer_check_status(batch)
-            if state == 1:  # done
-                return 0
-            if state < 0:  # -1 failed, -2 Mooncake's own timeout: it gave the batch up
-                return state
+        status = 0
+        while running:
+            for batch in list(running):
+                state = native.transfer_check_status(batch)
+                if state == _RUNNING:
+                    continue
+                transfer = running.pop(batch)
+                if state == _TIMED_OUT:  # Mooncake gave up waiting; the id is not freed
+                    with self._lock:
+                        self._stuck[batch] = transfer
+                if state != _DONE:
+                    status = status or state
+            if not running:
+                break
             now = time.monotonic()
             if now > deadline:
-                with self._lock:
-                    self._stuck[batch] = transfer
+                count = len(running)
+                ranges = (
+                    "its source range stays" if count == 1 else f"its {count} source ranges stay"
+                )
                 raise TransferError(
-                    f"mooncake write of {transfer.length} bytes to {peer!r} timed out after"
-                    f" {limit:.1f} s; its source range stays in use until Mooncake reports"
-                    " it ended"
+                    f"mooncake write of {total} bytes to {peer!r} timed out after"
+                    f" {limit:.1f} s; {ranges} in use until Mooncake reports it ended"
                 )
             if now > spin_until:
                 pause = min(_MAX_SLEEP_S, pause * 2 or 1e-5)
                 time.sleep(pause)
+        return status
 
-    def _check_not_stuck(self, native: _NativeEngine, transfer: Transfer) -> None:
-        """Forget given-up writes that ended; refuse to read a range one still reads."""
+    def _reap_stuck(self, native: _NativeEngine, transfers: Sequence[Transfer] = ()) -> None:
+        """Forget given-up writes that ended (which frees their batch ids); refuse to read a
+        range one still reads.
+
+        Raises:
+            TransferError: a range of ``transfers`` is still read by a given-up write.
+        """
         with self._lock:
             for batch, earlier in list(self._stuck.items()):
-                if native.transfer_check_status(batch) != 0:  # ended, one way or another
-                    del self._stuck[batch]
-                elif (
-                    earlier.local < transfer.local + transfer.length
-                    and transfer.local < earlier.local + earlier.length
-                ):
-                    raise TransferError(
-                        f"mooncake engine {self._session_id!r}: source range"
-                        f" [{transfer.local:#x}, {transfer.local + transfer.length:#x}) is still"
-                        " read by a write that timed out"
-                    )
+                if native.transfer_check_status(batch) in (_DONE, _FAILED):
+                    del self._stuck[batch]  # ended, and Mooncake freed the id
+                    continue
+                for transfer in transfers:
+                    if (
+                        earlier.local < transfer.local + transfer.length
+                        and transfer.local < earlier.local + earlier.length
+                    ):
+                        raise TransferError(
+                            f"mooncake engine {self._session_id!r}: source range"
+                            f" [{transfer.local:#x}, {transfer.local + transfer.length:#x})"
+                            " is still read by a write that timed out"
+                        )
+
+    def _await_stuck(self, deadline: float) -> int:
+        """Wait until every given-up write ended (freeing its id) or ``deadline``; how many
+        still run then. Called by ``close`` once no ``write`` runs."""
+        native = self._native
+        if native is None:
+            return 0
+        while True:
+            self._reap_stuck(native)
+            with self._lock:
+                running = len(self._stuck)
+            if not running or time.monotonic() >= deadline:
+                return running
+            time.sleep(_CLOSE_POLL_S)
 
     def _require(self) -> _NativeEngine:
         native = self._native
