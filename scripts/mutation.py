@@ -54,6 +54,7 @@ class Target:
 
 _CONTRACT_TESTS: Final = (
     "tests/test_contract.py",
+    "tests/test_contract_reports.py",
     "tests/test_enforcement.py",
     "tests/test_declarations.py",
     "tests/test_mixin.py",
