@@ -10,6 +10,7 @@ exits 0 by itself; any failure raises, so it exits 1, after reporting the error.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -33,6 +34,7 @@ __all__ = [
     "PeerJob",
     "closing_writer_main",
     "expected_buffer",
+    "failing_poll_main",
     "receiver_main",
     "seeded_bytes",
     "stopped_receiver_main",
@@ -469,3 +471,83 @@ def closing_writer_main(job: PeerJob, peer: Connection, parent: Connection) -> N
             raise AssertionError("receiver did not verify")
         result = {"error": error, "write_s": write_s, "close_s": close_s}
         parent.send(("ok", {**result, "ledger": ledger.summary()}))
+
+
+class _Records(logging.Handler):
+    """Keeps every record logged to it, formatted with its traceback."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+def failing_poll_main(job: PeerJob, parent: Connection) -> None:
+    """Two NIXL engines in one process; the receiver's agent fails one poll while it holds
+    a notification fetched earlier and another waits in the agent.
+
+    The failure is a **fake** (NIXL cannot be made to fail a poll on demand): the real
+    agent's ``get_new_notifs`` raises once instead of fetching, so the fake itself loses
+    nothing. Reports every payload the receiver returned, what its polls raised, and what
+    the engine logged.
+    """
+    deadline = time.monotonic() + job.timeout_s
+    engines: list[TransferEngine] = []
+    records = _Records()
+    logging.getLogger("staging_contracts.engines").addHandler(records)
+    logging.getLogger("staging_contracts.engines").setLevel(logging.DEBUG)
+    try:
+        from staging_contracts.engines.nixl import NixlEngine
+
+        source, target = _make(job), _make(job)
+        engines += [source, target]
+        if not isinstance(target, NixlEngine):
+            raise TypeError(f"{job.engine!r} does not make a NixlEngine")
+        data = seeded_bytes(4096)
+        sink = torch.zeros_like(data)
+        source.register(data.data_ptr(), data.numel())
+        target.register(sink.data_ptr(), sink.numel())
+        source.add_peer(target.session_id, target.metadata())
+        agent = target._agent  # the real agent the fault goes into
+        if agent is None:
+            raise AssertionError("a new NIXL engine has no agent")
+        real_poll = agent.get_new_notifs
+        fetched: list[int] = []
+        fail_next: list[str] = []
+
+        def flaky_poll(backends: list[str] | None = None) -> dict[str, list[bytes]]:
+            if fail_next:
+                raise RuntimeError(fail_next.pop())
+            arrived: dict[str, list[bytes]] = real_poll(backends or [])
+            fetched.append(sum(len(payloads) for payloads in arrived.values()))
+            return arrived
+
+        pytest.MonkeyPatch().setattr(agent, "get_new_notifs", flaky_poll)
+        whole = [Transfer(data.data_ptr(), sink.data_ptr(), data.numel())]
+        source.write(target.session_id, whole, notify=b"first")
+        while sum(fetched) < 1:  # fetched by the engine, not yet returned to anyone
+            target.progress()
+            if time.monotonic() > deadline:
+                raise TimeoutError("the first notification never arrived")
+        source.write(target.session_id, whole, notify=b"second")
+        fail_next.append("injected: the agent failed to poll")
+        payloads: list[bytes] = []
+        raised: list[str] = []
+        give_up = min(deadline, time.monotonic() + 5.0)  # both arrived long before
+        while len(payloads) < 2 and time.monotonic() < give_up:
+            try:
+                payloads += [note.payload for note in target.poll_notifications()]
+            except RuntimeError as exc:
+                raised.append(repr(exc))
+            time.sleep(0.001)
+        report = {"payloads": payloads, "raised": raised, "logs": records.lines}
+        parent.send(("ok", report))
+    except BaseException:
+        parent.send(("error", traceback.format_exc()))
+        raise
+    finally:
+        for made in engines:
+            made.close()

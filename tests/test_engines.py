@@ -319,6 +319,24 @@ def test_mooncake_multi_range_write_times_out_and_close_frees_it_once_it_ends(
 
 @pytest.mark.nixl
 @needs_nixl
+def test_nixl_poll_that_fails_loses_no_notification(children: Children) -> None:
+    """A NIXL poll that fails (a fake failure in the real agent) returns the notification
+    fetched before it, logs the failure with its cause, and the next poll returns the one
+    the agent still held: each arrives once, in order."""
+    job = engine_peers.PeerJob("nixl", dict(NIXL_OPTIONS), {}, PAIR_TIMEOUT_S)
+    [report] = children.run([("nixl-failing-poll", engine_peers.failing_poll_main, (job,))])
+    assert report["payloads"] == [b"first", b"second"]
+    assert report["raised"] == []
+    [warning] = [line for line in report["logs"] if line.startswith("WARNING")]
+    assert "failed to fetch notifications (failure 1 in a row; 1 fetched earlier are kept)" in (
+        warning
+    )
+    assert "RuntimeError: injected: the agent failed to poll" in warning  # the traceback
+    assert any("fetches notifications again after 1 failures" in line for line in report["logs"])
+
+
+@pytest.mark.nixl
+@needs_nixl
 def test_nixl_write_times_out_while_the_receiver_drives_no_progress(children: Children) -> None:
     """Over UCX TCP a write to a receiver that does not poll times out, then the next lands."""
     options = {**NIXL_OPTIONS, "write_timeout_s": 0.5}

@@ -163,6 +163,10 @@ class NixlEngine:
         self._reg_lists: dict[int, nixl_bindings.nixlRegDList] = {}
         self._peers: dict[str, _Peer] = {}
         self._pending: list[Notification] = []
+        """Notifications taken from the agent and not yet returned by ``poll_notifications``
+        (NIXL hands each over once: whatever happens next, they must not be lost)."""
+        self._poll_failures = 0
+        """Failed fetches since the last one that worked (only the first is a warning)."""
         self._stuck: list[nixl_api.nixl_xfer_handle] = []
         self._gate = InflightGate(f"NIXL engine {session_id!r}")
         logger.info("NIXL engine %s ready (%s, UCX %s)", session_id, mem_type, params)
@@ -293,21 +297,28 @@ class NixlEngine:
     def progress(self) -> None:
         """Drive the agent once, keeping arrived notifications for ``poll_notifications``.
 
-        **Blocking:** no. A closed engine does nothing.
+        **Blocking:** no. A closed engine does nothing. A failure to fetch notifications is
+        logged with its cause, not raised (see ``poll_notifications``).
         """
         with self._lock:
             if self._agent is not None:
-                self._pending.extend(self._drain(self._agent))
+                self._fetch(self._agent)
 
     def poll_notifications(self) -> list[Notification]:
         """Drive the agent and return the notifications received since the last call.
 
         Per writer, in arrival order. **Blocking:** no. A closed engine returns ``[]``.
+
+        Never loses a notification: NIXL hands each over once, so each is kept by the engine
+        from the moment it is fetched until a call returns it. If fetching fails (or one
+        notification cannot be read), that is logged with its cause (the first failure of a
+        run as a warning) and not raised: this call still returns every notification fetched
+        before, and the agent keeps the rest for the next call.
         """
         with self._lock:
-            notes, self._pending = self._pending, []
             if self._agent is not None:
-                notes.extend(self._drain(self._agent))
+                self._fetch(self._agent)
+            notes, self._pending = self._pending, []
         return notes
 
     def close(self) -> None:
@@ -398,17 +409,47 @@ class NixlEngine:
             return False
         return True
 
-    def _drain(self, agent: nixl_api.nixl_agent) -> list[Notification]:
+    def _fetch(self, agent: nixl_api.nixl_agent) -> None:
+        """Move the agent's new notifications into ``_pending`` (the caller holds the lock).
+
+        Each one goes to ``_pending`` as soon as it is read, so no failure, here or later,
+        loses one already taken from the agent.
+        """
         try:
             arrived = agent.get_new_notifs()
-        except _NIXL_ERRORS as exc:
-            logger.warning("NIXL engine %s failed to poll: %r", self._session_id, exc)
-            return []
-        return [
-            Notification(peer, payload)
-            for peer, payloads in arrived.items()
-            for payload in payloads
-        ]
+        except Exception as exc:  # logged with its cause; the poller must go on
+            self._poll_failures += 1
+            level = logging.WARNING if self._poll_failures == 1 else logging.DEBUG
+            logger.log(
+                level,
+                "NIXL engine %s failed to fetch notifications (failure %d in a row; %d fetched"
+                " earlier are kept): %r",
+                self._session_id,
+                self._poll_failures,
+                len(self._pending),
+                exc,
+                exc_info=exc,
+            )
+            return
+        if self._poll_failures:
+            logger.info(
+                "NIXL engine %s fetches notifications again after %d failures",
+                self._session_id,
+                self._poll_failures,
+            )
+            self._poll_failures = 0
+        for peer, payloads in arrived.items():
+            for payload in payloads:
+                try:
+                    self._pending.append(Notification(str(peer), bytes(payload)))
+                except (TypeError, ValueError) as exc:
+                    logger.warning(
+                        "NIXL engine %s dropped an unreadable notification from %r: %r",
+                        self._session_id,
+                        peer,
+                        exc,
+                        exc_info=exc,
+                    )
 
     def _require(self) -> nixl_api.nixl_agent:
         agent = self._agent
