@@ -7,6 +7,7 @@ so that their class statements run the enforcement code while the test runs.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, ClassVar, Protocol
 
 import pytest
@@ -297,6 +298,36 @@ def test_positional_and_keyword_arguments_reach_a_nested_init(
     assert _active() == set()
 
 
+def test_each_thread_keeps_its_own_constructing_set() -> None:
+    """A thread that has never constructed anything gets a set of its own, kept between calls."""
+    outcome: list[object] = []
+
+    class Parent(SizedMixin):
+        size: int
+
+        def __init__(self, size: object) -> None:
+            self.size = size  # type: ignore[assignment]  # tests pass bad values
+
+    class Child(Parent):
+        def __init__(self) -> None:
+            super().__init__("pending")
+            outcome.append(id(self) in _active())
+            self.size = 1
+
+    def build() -> None:
+        try:
+            outcome.append(_active() is _active())
+            outcome.append(Child().size)
+            outcome.append(_active())
+        except Exception as exc:  # noqa: BLE001 - reported to the main thread
+            outcome.append(exc)
+
+    worker = threading.Thread(target=build)
+    worker.start()
+    worker.join()
+    assert outcome == [True, True, 1, set()]
+
+
 def test_constructing_set_is_cleared_after_a_failed_init() -> None:
     """An __init__ that raises leaves nothing in the constructing set, and no check runs."""
 
@@ -412,6 +443,7 @@ def test_dataclass_host_with_its_own_post_init(monkeypatch: pytest.MonkeyPatch) 
 
     post_init: Any = Host.__post_init__
     assert post_init.__contract_wrapper__ is True
+    assert post_init.__name__ == "__post_init__"
     assert post_init.__doc__ == "Parses text into size."
     host = Host("pending", "12")  # type: ignore[arg-type]  # fixed by __post_init__
     assert host.size == 12
