@@ -78,8 +78,19 @@ def test_contract_keeps_its_protocol_name_and_members() -> None:
     assert STORE.mixin is None
 
 
+def test_contract_built_in_a_test_keeps_its_protocol_and_skips_class_variables() -> None:
+    """A contract built now (not at import) keeps the Protocol and leaves the ClassVar out."""
+    contract = Contract(Store, optional=("note",))
+    assert contract.protocol is Store
+    assert [m.name for m in contract.members] == ["path", "sizes", "note"]
+    assert contract.required == ("path", "sizes")
+
+
 def test_class_variables_are_never_required() -> None:
     """A class without the ClassVar conforms, and an instance without it passes."""
+    contract = Contract(Store, optional=("note",))
+    assert contract.inspect_class(Conforming).problems == ()
+    assert contract.instance_problems(Conforming()) == []
     assert STORE.inspect_class(Conforming).problems == ()
     assert STORE.instance_problems(Conforming()) == []
 
