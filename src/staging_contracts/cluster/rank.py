@@ -4,7 +4,11 @@ Started by :func:`staging_contracts.cluster.runner.run_cluster` (``multiprocessi
 rank builds its KV pool and backend, meets its peers through the bootstrap server, runs every
 request of the :class:`~staging_contracts.cluster.workload.TransferConfig` through the per-request
 API, verifies (decode) and reports to the driver as JSON over ZMQ: ``ready``, one ``room``
-event per finished request, and a final ``report``.
+event per finished request, and a final ``report``; every event carries the rank's ``pid``.
+
+``SIGTERM`` (the driver's "stop": another rank died, or the run timed out) raises
+:class:`RankStopped` in the rank's main thread: the rank closes its backend and sends a
+final report with ``stopped: true``, the ``phase`` it was in and the ``rooms`` it finished.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ import gc
 import json
 import logging
 import os
+import signal
 import time
 import traceback
 from dataclasses import replace
+from types import FrameType
 from typing import Any
 
 import torch
@@ -30,7 +36,7 @@ from ..staging.layout import compute_staging_layout
 from .bootstrap import RankInfo, arrive, query_ranks, register_rank, wait_barrier
 from .workload import TransferConfig, fill_prefill_pool, request_plans, verify_decode_pool
 
-__all__ = ["rank_main"]
+__all__ = ["RankStopped", "rank_main"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +44,26 @@ ROOM_TIMEOUT_S = 120.0
 _FAULT_OFFSET = 1 << 40
 
 
+class RankStopped(BaseException):
+    """The driver told this rank to stop (``SIGTERM``).
+
+    A ``BaseException``, like ``KeyboardInterrupt``, so that no handler for ordinary errors
+    on the way keeps the rank running.
+    """
+
+
+def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    del frame
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: let the rank close and report
+    raise RankStopped(f"stopped by the driver ({signal.Signals(signum).name})")
+
+
 def rank_main(role: str, rank: int, config: TransferConfig, bootstrap: str, report_to: str) -> None:
     """Process entry point: run one rank; report the outcome; never raise.
 
-    **Blocking:** until every request of the run finished on this rank.
+    **Blocking:** until every request of the run finished on this rank, or ``SIGTERM``.
     """
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     logging.basicConfig(
         level=logging.WARNING, format=f"[{role}{rank}] %(levelname)s %(name)s: %(message)s"
     )
@@ -53,8 +74,16 @@ def rank_main(role: str, rank: int, config: TransferConfig, bootstrap: str, repo
     reporter.setsockopt(zmq.LINGER, 5000)
     reporter.connect(report_to)
 
+    seen: dict[str, Any] = {"phase": "starting", "rooms": {}}
+    """What the rank did so far, for a report that ends the run early."""
+
     def report(kind: str, **fields: Any) -> None:
-        reporter.send(json.dumps({"kind": kind, "role": role, "rank": rank, **fields}).encode())
+        if kind == "ready":
+            seen["phase"] = "running requests"
+        elif kind == "room":
+            seen["rooms"][str(fields.get("index"))] = bool(fields.get("ok"))
+        event = {"kind": kind, "role": role, "rank": rank, "pid": os.getpid(), **fields}
+        reporter.send(json.dumps(event).encode())
 
     try:
         summary = (
@@ -62,10 +91,16 @@ def rank_main(role: str, rank: int, config: TransferConfig, bootstrap: str, repo
             if role == "decode"
             else _run_prefill(rank, config, bootstrap, report)
         )
+        seen["phase"] = "done"
         report("report", ok=True, **summary)
     except BaseException as exc:  # noqa: BLE001 - a rank reports every failure, then exits
         report(
-            "report", ok=False, error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()
+            "report",
+            ok=False,
+            stopped=isinstance(exc, RankStopped),
+            error=f"{type(exc).__name__}: {exc}",
+            trace=traceback.format_exc(),
+            **seen,
         )
     finally:
         reporter.close()

@@ -4,6 +4,11 @@
 (:mod:`staging_contracts.cluster.rank`), follows their progress over ZMQ and gathers their
 reports into a :class:`ClusterResult`. The demo, the transfer benchmark and the multi-process
 tests all go through it.
+
+**Faults.** When a rank dies (its process ends without its final report, or it reports a
+failure), the driver records it as :attr:`ClusterResult.first_death`, tells every other
+rank still running to stop (``SIGTERM``: the rank reports what it had and exits), keeps
+collecting their reports for up to :data:`STOP_GRACE_S`, then kills what is left.
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from multiprocessing.process import BaseProcess
+from typing import Any, Final
 
 import zmq
 
@@ -22,9 +29,68 @@ from .bootstrap import BootstrapServer
 from .rank import rank_main
 from .workload import TransferConfig
 
-__all__ = ["ClusterResult", "RankReport", "run_cluster"]
+__all__ = [
+    "EXIT_GRACE_S",
+    "REPORT_GRACE_S",
+    "STOP_GRACE_S",
+    "ClusterResult",
+    "RankExit",
+    "RankReport",
+    "run_cluster",
+]
 
 logger = logging.getLogger(__name__)
+
+REPORT_GRACE_S: Final = 0.5
+"""How long after a rank's process ended its final report may still arrive; a rank without
+one by then has died."""
+STOP_GRACE_S: Final = 5.0
+"""How long ranks told to stop (after a death, or at the run's timeout) have to report and
+exit before they are killed."""
+EXIT_GRACE_S: Final = 30.0
+"""How long ranks that all reported have to exit before they are killed."""
+_POLL_MS: Final = 50
+"""Longest wait for a rank's message before the driver looks at the processes again."""
+RankKey = tuple[str, int]
+"""``(role, rank)`` of a rank."""
+
+
+def _signal_name(exitcode: int | None) -> str | None:
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+@dataclass(frozen=True, slots=True)
+class RankExit:
+    """How a rank that died ended, as the driver saw it."""
+
+    role: str
+    rank: int
+    exitcode: int | None
+    """The process's exit status: ``-N`` when signal ``N`` killed it, ``None`` if it still ran
+    (it had reported a failure and had not exited yet)."""
+    error: str | None
+    """The failure the rank reported (``None``: it ended without a final report)."""
+    after_s: float
+    """Seconds from the start of the ranks until the driver saw the death."""
+
+    @property
+    def signal(self) -> str | None:
+        """Name of the signal that killed the process (e.g. ``"SIGKILL"``), if one did."""
+        return _signal_name(self.exitcode)
+
+    @property
+    def reason(self) -> str:
+        """Why the rank died, in words: the signal, the exit code, or the reported error."""
+        if self.error is not None:
+            return f"reported a failure: {self.error}"
+        if self.signal is not None:
+            return f"killed by {self.signal} without a report"
+        return f"exited with code {self.exitcode} without a report"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +104,19 @@ class RankReport:
     fields: dict[str, Any]
     """The rank's summary (see ``cluster_rank``), or ``error`` and ``trace``."""
     exitcode: int | None
-    """The process's exit status (0 when it exited by itself)."""
+    """The process's exit status (0 when it exited by itself, ``-N`` when signal ``N``
+    killed it)."""
+
+    @property
+    def signal(self) -> str | None:
+        """Name of the signal that killed the process (e.g. ``"SIGKILL"``), if one did."""
+        return _signal_name(self.exitcode)
+
+    @property
+    def stopped(self) -> bool:
+        """The rank reported that the driver stopped it (after another rank died, or at the
+        run's timeout); its ``fields`` then hold what it had done until then."""
+        return bool(self.fields.get("stopped"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +129,17 @@ class ClusterResult:
     """From the first prefill rank starting its requests to the last decode rank finishing."""
     failed_requests: frozenset[int] = field(default_factory=frozenset)
     """Request indexes some rank reported failed."""
+    first_death: RankExit | None = None
+    """The first rank that died (ended without its final report, or reported a failure),
+    and how; ``None`` when none did."""
+    stopped: tuple[RankKey, ...] = ()
+    """Ranks the driver told to stop (``SIGTERM``) because a rank died or the run timed out,
+    in the order told."""
+    killed: tuple[RankKey, ...] = ()
+    """Ranks the driver killed (``SIGKILL``) because they had not exited
+    ``STOP_GRACE_S`` after being told to stop."""
+    timed_out: bool = False
+    """The run's ``timeout_s`` passed before every rank ended."""
 
     def ranks(self, role: str) -> list[RankReport]:
         """The reports of one side, by rank."""
@@ -97,8 +186,12 @@ def run_cluster(
 ) -> ClusterResult:
     """Run every request of ``config`` through P + D rank processes and gather the reports.
 
-    **Blocking:** until every rank reported and exited, or ``timeout_s`` passed (stragglers
-    are killed and reported as failed).
+    When a rank dies, the others are told to stop at once and their reports are still
+    collected (see the module docstring); the result names the rank that died first and
+    how. Each event a rank sends carries its ``pid``.
+
+    **Blocking:** until every rank reported and exited, at most ``timeout_s`` plus
+    ``STOP_GRACE_S`` (and ``STOP_GRACE_S`` after a death).
 
     Raises:
         ImportError: the configured backend's engine cannot be imported.
@@ -127,60 +220,178 @@ def run_cluster(
         )
         for key in roles
     }
-    reports: dict[tuple[str, int], dict[str, Any]] = {}
+    watch = _Watch(processes, progress)
     try:
         for process in processes.values():
             process.start()
-        deadline = time.monotonic() + timeout_s
-        while len(reports) < len(processes) and time.monotonic() < deadline:
-            if not inbox.poll(100):
-                if any(not p.is_alive() and key not in reports for key, p in processes.items()):
-                    time.sleep(0.2)  # a final report may still be in flight
-                    if not inbox.poll(0):
-                        break
-                continue
-            event = json.loads(inbox.recv())
-            key = (str(event.get("role")), int(event.get("rank", -1)))
-            kind = str(event.get("kind"))
-            if kind == "report":
-                reports[key] = event
-            elif progress is not None:
-                progress(kind, event)
+        watch.follow(inbox, timeout_s)
     finally:
-        exitcodes = _join(processes)
+        watch.end()
         server.stop()
         inbox.close(linger=0)
-    return _result(config, roles, reports, exitcodes)
+    return _result(config, roles, watch)
 
 
-def _join(processes: dict[tuple[str, int], Any]) -> dict[tuple[str, int], int | None]:
-    codes: dict[tuple[str, int], int | None] = {}
-    for key, process in processes.items():
-        if process.pid is None:  # never started
-            codes[key] = None
-            continue
-        process.join(30)
-        if process.is_alive():
-            logger.warning("%s did not exit; killing it", process.name)
-            process.kill()
-            process.join(5)
-        codes[key] = process.exitcode
-    return codes
+class _Watch:
+    """The driver's view of a run: the ranks' messages, their deaths, and stopping them."""
+
+    def __init__(
+        self, processes: Mapping[RankKey, BaseProcess], progress: ProgressCallback | None
+    ) -> None:
+        self.processes = processes
+        self.progress = progress
+        self.reports: dict[RankKey, dict[str, Any]] = {}
+        self.rooms: dict[RankKey, dict[str, bool]] = {key: {} for key in processes}
+        self.ended_at: dict[RankKey, float] = {}
+        """When the driver first saw each process no longer alive."""
+        self.dead: set[RankKey] = set()
+        self.first_death: RankExit | None = None
+        self.stopped: list[RankKey] = []
+        self.killed: list[RankKey] = []
+        self.timed_out = False
+        self.started = time.monotonic()
+        self.stop_deadline: float | None = None
+
+    def follow(self, inbox: zmq.Socket[bytes], timeout_s: float) -> None:
+        """Collect messages until every rank ended and is accounted for (bounded)."""
+        self.started = time.monotonic()
+        deadline = self.started + timeout_s
+        while not self._settled():
+            if inbox.poll(_POLL_MS):
+                while inbox.poll(0):  # everything that arrived, then look at the processes
+                    self._receive(inbox.recv())
+            now = time.monotonic()
+            self._look(now)
+            if self.stop_deadline is None:
+                if self.first_death is not None:
+                    self._stop(now, f"{self.first_death.role} {self.first_death.rank} died")
+                elif now > deadline:
+                    self.timed_out = True
+                    logger.warning("run timed out after %.0f s; stopping the ranks", timeout_s)
+                    self._stop(now, "the run timed out")
+                elif len(self.reports) == len(self.processes):
+                    self.stop_deadline = now + EXIT_GRACE_S  # all done: they only exit now
+            if self.stop_deadline is not None and now > self.stop_deadline:
+                self._kill_all()
+                self._drain(inbox)
+                return
+
+    def end(self) -> None:
+        """Leave no rank process behind, whatever happened (idempotent)."""
+        self._kill_all()
+        for process in self.processes.values():
+            if process.pid is not None:
+                process.join(5)
+
+    def _settled(self) -> bool:
+        now = time.monotonic()
+        return all(
+            key in self.ended_at
+            and (key in self.reports or now - self.ended_at[key] > REPORT_GRACE_S)
+            for key in self.processes
+        )
+
+    def _receive(self, raw: bytes) -> None:
+        try:
+            event = json.loads(raw)
+            key = (str(event.get("role")), int(event.get("rank", -1)))
+            kind = str(event.get("kind"))
+        except (ValueError, TypeError, AttributeError) as exc:
+            logger.warning("malformed message from a rank dropped: %r", exc)
+            return
+        if key not in self.processes:
+            logger.warning("message from unknown rank %s dropped", key)
+            return
+        if kind == "report":
+            self.reports[key] = event
+            if not event.get("ok") and not (event.get("stopped") and key in self.stopped):
+                self._died(key, str(event.get("error")))
+            return
+        if kind == "room":
+            self.rooms[key][str(event.get("index"))] = bool(event.get("ok"))
+        if self.progress is not None:
+            try:
+                self.progress(kind, event)
+            except Exception:  # the driver keeps following the ranks
+                logger.exception("progress callback failed on a %r event", kind)
+
+    def _look(self, now: float) -> None:
+        """Note processes that ended; one without a report by the grace has died."""
+        for key, process in self.processes.items():
+            if key not in self.ended_at and process.pid is not None and not process.is_alive():
+                self.ended_at[key] = now
+            ended = self.ended_at.get(key)
+            if ended is not None and key not in self.reports and now - ended > REPORT_GRACE_S:
+                self._died(key, None)
+
+    def _died(self, key: RankKey, error: str | None) -> None:
+        if key in self.dead:
+            return
+        self.dead.add(key)
+        process = self.processes[key]
+        death = RankExit(key[0], key[1], process.exitcode, error, time.monotonic() - self.started)
+        if self.first_death is None:
+            self.first_death = death
+            logger.warning("%s %d died first: %s", key[0], key[1], death.reason)
+        else:
+            logger.info("%s %d died too: %s", key[0], key[1], death.reason)
+
+    def _stop(self, now: float, why: str) -> None:
+        """Tell every rank still running without a final report to stop (SIGTERM)."""
+        self.stop_deadline = now + STOP_GRACE_S
+        for key, process in self.processes.items():
+            if key in self.reports or key in self.ended_at or not process.is_alive():
+                continue
+            logger.info("stopping %s %d: %s", key[0], key[1], why)
+            process.terminate()
+            self.stopped.append(key)
+
+    def _kill_all(self) -> None:
+        for key, process in self.processes.items():
+            if process.pid is not None and process.is_alive():
+                logger.warning("%s did not exit; killing it", process.name)
+                process.kill()
+                if key not in self.killed:
+                    self.killed.append(key)
+
+    def _drain(self, inbox: zmq.Socket[bytes]) -> None:
+        """Collect the reports already sent (the killed ranks cannot send more)."""
+        until = time.monotonic() + REPORT_GRACE_S
+        while time.monotonic() < until and inbox.poll(_POLL_MS):
+            self._receive(inbox.recv())
 
 
-def _result(
-    config: TransferConfig,
-    roles: list[tuple[str, int]],
-    reports: dict[tuple[str, int], dict[str, Any]],
-    exitcodes: dict[tuple[str, int], int | None],
-) -> ClusterResult:
+def _result(config: TransferConfig, roles: list[RankKey], watch: _Watch) -> ClusterResult:
     out: list[RankReport] = []
     failed: set[int] = set()
     for key in roles:
-        fields = reports.get(key, {"error": "no report (the process died or timed out)"})
-        out.append(RankReport(key[0], key[1], bool(fields.get("ok")), fields, exitcodes.get(key)))
+        fields = watch.reports.get(key)
+        if fields is None:
+            fields = {"error": "no report (the process died or timed out)"}
+            if watch.rooms[key]:
+                fields["rooms"] = dict(watch.rooms[key])
+        exitcode = watch.processes[key].exitcode
+        out.append(RankReport(key[0], key[1], bool(fields.get("ok")), fields, exitcode))
         failed.update(int(i) for i in fields.get("failed", {}))
     starts = [float(r.fields["start"]) for r in out if r.role == "prefill" and "start" in r.fields]
     ends = [float(r.fields["end"]) for r in out if r.role == "decode" and "end" in r.fields]
     elapsed = max(ends) - min(starts) if starts and ends else 0.0
-    return ClusterResult(config, tuple(out), elapsed, frozenset(failed))
+    return ClusterResult(
+        config,
+        tuple(out),
+        elapsed,
+        frozenset(failed),
+        first_death=_with_exitcode(watch.first_death, watch),
+        stopped=tuple(watch.stopped),
+        killed=tuple(watch.killed),
+        timed_out=watch.timed_out,
+    )
+
+
+def _with_exitcode(death: RankExit | None, watch: _Watch) -> RankExit | None:
+    """The death with the process's exit status once it exited (a rank that reported a
+    failure may not have exited when it was seen)."""
+    if death is None or death.exitcode is not None:
+        return death
+    exitcode = watch.processes[(death.role, death.rank)].exitcode
+    return RankExit(death.role, death.rank, exitcode, death.error, death.after_s)
