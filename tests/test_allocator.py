@@ -109,6 +109,12 @@ def test_readiness_rule() -> None:
     assert not is_watermark_ready(Watermark(0, 50), 2, 1)
 
 
+def test_round_zero_is_ready_against_any_watermark() -> None:
+    """Makes a region of round 0 or earlier ready whatever the watermark holds."""
+    assert is_watermark_ready(Watermark(-1, -1), 0, 100)
+    assert is_watermark_ready(Watermark(-5, 0), -1, 100)
+
+
 def test_concurrent_assign_and_free() -> None:
     """Keeps ids unique and the ring consistent under concurrent threads."""
     ring = StagingAllocator(1 << 16)
@@ -205,3 +211,71 @@ def test_free_is_amortized_constant_in_any_order() -> None:
     assert first is not None
     ring.free(first.alloc_id)
     assert ring.get_watermark() == Watermark(1, 0)
+
+
+def test_live_and_peak_bytes_follow_assign_and_free() -> None:
+    """Counts the bytes of live regions, and keeps the most ever live at once."""
+    ring = StagingAllocator(100)
+    assert (ring.live_bytes, ring.peak_bytes) == (0, 0)
+    first = ring.assign(40)
+    second = ring.assign(50)
+    assert first is not None
+    assert second is not None
+    assert (ring.live_bytes, ring.peak_bytes) == (90, 90)
+    ring.free(first.alloc_id)
+    assert (ring.live_bytes, ring.peak_bytes) == (50, 90)
+    third = ring.assign(20)
+    assert third is not None
+    assert (ring.live_bytes, ring.peak_bytes) == (70, 90)
+    assert ring.assign(101) is None
+    ring.free(first.alloc_id)
+    ring.free(12345)
+    assert (ring.live_bytes, ring.peak_bytes) == (70, 90)
+    ring.free(second.alloc_id)
+    ring.free(third.alloc_id)
+    assert (ring.live_bytes, ring.peak_bytes) == (0, 90)
+    fourth = ring.assign(100)
+    assert fourth is not None
+    assert (ring.live_bytes, ring.peak_bytes) == (100, 100)
+
+
+def take(ring: StagingAllocator, size: int) -> Allocation:
+    """Assigns a region that must fit."""
+    allocation = ring.assign(size)
+    assert allocation is not None
+    return allocation
+
+
+def test_is_ready_compares_the_end_with_the_tail_in_the_same_round() -> None:
+    """Makes a wrapped region ready once the watermark's tail in the previous round passes it."""
+    ring = StagingAllocator(100)
+    a, b, c = take(ring, 60), take(ring, 30), take(ring, 50)
+    assert (a, b, c) == (Allocation(0, 0, 0, 60), Allocation(1, 60, 0, 90), Allocation(2, 0, 1, 50))
+    assert not ring.is_ready(c)
+    ring.free(a.alloc_id)
+    assert ring.get_watermark() == Watermark(0, 60)
+    assert ring.is_ready(c)
+    d = take(ring, 10)
+    assert d == Allocation(3, 50, 1, 60)
+    assert ring.is_ready(d)
+    e = take(ring, 1)
+    assert e == Allocation(4, 60, 1, 61)
+    assert not ring.is_ready(e)
+    ring.free(b.alloc_id)
+    assert ring.get_watermark() == Watermark(1, 0)
+    assert ring.is_ready(e)
+
+
+def test_repr_shows_the_ring_state() -> None:
+    """Shows size, device, live count, round, head and watermark."""
+    ring = StagingAllocator(100)
+    assert repr(ring) == (
+        "StagingAllocator(total_size=100, device=cpu, live=0, round=0, head=0, watermark=(0, 0))"
+    )
+    a = take(ring, 60)
+    take(ring, 30)
+    take(ring, 50)
+    ring.free(a.alloc_id)
+    assert repr(ring) == (
+        "StagingAllocator(total_size=100, device=cpu, live=2, round=1, head=50, watermark=(0, 60))"
+    )
