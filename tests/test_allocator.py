@@ -279,3 +279,21 @@ def test_repr_shows_the_ring_state() -> None:
     assert repr(ring) == (
         "StagingAllocator(total_size=100, device=cpu, live=2, round=1, head=50, watermark=(0, 60))"
     )
+
+
+def test_one_byte_ring_is_accepted() -> None:
+    """Accepts the smallest ring, one byte, and wraps a new round per region."""
+    ring = StagingAllocator(1)
+    assert ring.total_size == 1
+    assert ring.assign(1) == Allocation(0, 0, 0, 1)
+    assert ring.assign(1) == Allocation(1, 0, 1, 1)
+    assert ring.assign(2) is None
+
+
+def test_buffer_lives_on_the_given_device() -> None:
+    """Allocates the ring on the device it is given (here torch's meta device)."""
+    ring = StagingAllocator(16, device="meta")
+    assert ring.device == torch.device("meta")
+    assert ring.buffer.device == torch.device("meta")
+    assert ring.buffer.shape == (16,)
+    assert repr(ring).startswith("StagingAllocator(total_size=16, device=meta, live=0,")
