@@ -13,13 +13,14 @@ import pytest
 
 REPO: Final = Path(__file__).resolve().parent.parent
 
-SYSTEM_PREFIXES: Final = ("/tmp", "/dev/", "/proc/", "/sys/", "/usr/", "/bin/", "/etc/", "/var/")
-"""Absolute paths a test or the build may name: the machine's, never a neighbour of the repo."""
+BESIDE: Final = str(REPO.parent) + "/"
+"""Absolute paths starting here (and not inside the repository) name a neighbour of the clone."""
 
 _PARENT_STEP: Final = re.compile(r"(?:^|[/\"'\s=(])\.\.(?:/|[\"'])")
 """A ``..`` path component: ``../x``, ``x/..``, or ``".."`` as a join argument."""
 
-_ABSOLUTE: Final = re.compile(r"^/[A-Za-z0-9_.-]+(?:/|$)")
+_SHARED: Final = re.compile(r"(?:^|/)shared/(?:vectors|docs)\b")
+"""The folder beside the project's own checkout, which a user's clone does not have."""
 
 
 def scanned_files() -> list[Path]:
@@ -85,11 +86,13 @@ def _ups(node: ast.expr) -> int | None:
     return None
 
 
-def python_escapes(source: str, depth: int) -> Iterator[tuple[int, str]]:
+def python_escapes(source: str, depth: int, beside: str = BESIDE) -> Iterator[tuple[int, str]]:
     """``(line, why)`` for each path in a Python file that leaves the repository.
 
-    ``depth`` is how many folders below the root the file sits (``tests/x.py``: 1).
+    ``depth`` is how many folders below the root the file sits (``tests/x.py``: 1); an
+    absolute path under ``beside`` (the clone's parent) but not in the clone names a neighbour.
     """
+    inside = str(REPO) + "/"
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
             ups = _ups(node)
@@ -97,8 +100,8 @@ def python_escapes(source: str, depth: int) -> Iterator[tuple[int, str]]:
                 yield node.lineno, f"climbs {ups - depth - 1} folder(s) above the repository root"
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             value = node.value
-            if _ABSOLUTE.match(value) and not value.startswith(SYSTEM_PREFIXES):
-                yield node.lineno, f"names the absolute path {value!r}"
+            if (value.startswith(beside) and not value.startswith(inside)) or _SHARED.search(value):
+                yield node.lineno, f"names the path {value!r} outside the repository"
 
 
 def escapes(path: Path) -> list[str]:
@@ -162,12 +165,16 @@ def test_a_script_may_climb_to_the_root_from_its_own_folder() -> None:
         ("Path(__file__).parent.parent", 1, 0),
         ("Path(__file__).parents[3]", 3, 0),
         ("Path(__file__).parents[4]", 3, 1),
-        ("p = '/work/shared/vectors/x.json'", 1, 1),
+        ("p = '/elsewhere/shared/vectors/x.json'", 1, 1),
+        ("p = '/clones/neighbour/file.txt'", 1, 1),
+        ("p = '/clones/main/tests/data/x.json'", 1, 0),
         ("p = '/tmp/x'", 1, 0),
+        ("cache_dir = '/data'", 1, 0),
         ("p = 'relative/path'", 1, 0),
     ],
 )
 def test_python_escapes_are_found(source: str, depth: int, expected: int) -> None:
-    """``__file__`` chains that climb above the root and absolute paths are found; paths
-    inside the repository are not."""
+    """``__file__`` chains that climb above the root, paths beside the clone and the shared
+    folder are found; paths inside the repository and unrelated strings are not."""
+    source = source.replace("/clones/main/", str(REPO) + "/").replace("/clones/", BESIDE)
     assert len(list(python_escapes(source, depth))) == expected
