@@ -16,6 +16,13 @@ import torch
 
 from staging_contracts import KVArgsRecord, KVBufferTensors
 from staging_contracts.backends.common import Role
+from staging_contracts.backends.kv_requests import (
+    DecodeTransfers,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    PrefillTransfers,
+)
 from staging_contracts.backends.local import LocalKVManager
 from staging_contracts.backends.staging_setup import enable_decode_staging, enable_prefill_staging
 from staging_contracts.decode.handler import DecodeStagingHandler, RoomPlan, RoomStatus, peers_for
@@ -225,6 +232,17 @@ class LocalCluster:
                 writer.forget_room(room)
 
 
+def wait_for(predicate: object, timeout: float = 5.0) -> bool:
+    """Poll a zero-argument predicate until it holds or ``timeout`` passes."""
+    assert callable(predicate)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return bool(predicate())
+
+
 def pools_equal(a: KVBufferTensors, b: KVBufferTensors) -> bool:
     """Bit-exact equality of two pools."""
 
@@ -285,3 +303,48 @@ def local_cluster(
     finally:
         for manager in (*prefill, *decode):
             manager.close()
+
+
+@dataclass
+class Sides:
+    """A local cluster with the per-request layer on top."""
+
+    cluster: LocalCluster
+    prefill: list[PrefillTransfers]
+    decode: list[DecodeTransfers]
+
+
+@contextmanager
+def sides(
+    geometry: Geometry,
+    *,
+    ring_bytes: int = 1 << 20,
+    timeouts: PrefillTimeouts | None = None,
+    meta_timeout_s: float = 2.0,
+) -> Iterator[Sides]:
+    """Per-request transfers for every rank of a local cluster."""
+    with local_cluster(geometry, ring_bytes=ring_bytes, timeouts=timeouts) as cluster:
+        endpoints = [m.endpoint for m in cluster.prefill]
+        prefill = [
+            PrefillTransfers(m, w, meta_timeout_s=meta_timeout_s)
+            for m, w in zip(cluster.prefill, cluster.writers, strict=True)
+        ]
+        decode = [
+            DecodeTransfers(m, h, endpoints)
+            for m, h in zip(cluster.decode, cluster.handlers, strict=True)
+        ]
+        try:
+            yield Sides(cluster, prefill, decode)
+        finally:
+            for transfers in prefill:
+                transfers.close()
+
+
+def wait_states(requests: list[KVSender] | list[KVReceiver], timeout: float = 10.0) -> list[KVPoll]:
+    """Poll until every request finished; return their states."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = [r.poll() for r in requests]
+        if all(s in (KVPoll.Success, KVPoll.Failed) for s in states) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.005)

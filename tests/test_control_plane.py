@@ -10,13 +10,14 @@ import pytest
 import zmq
 
 from staging_contracts import ArrivalOutcome, StagingReqOutcome
+from staging_contracts.control.room_messages import Ping
 from staging_contracts.control.transport import open_socket_count
 from staging_contracts.control.wire import ChunkReady, StagingReq, StagingRsp, decode_message
 from staging_contracts.decode.handler import RoomPlan, RoomStatus
 from staging_contracts.decode.publisher import PrefillPublisher
 from staging_contracts.decode.rooms import PrefillPeer
 from staging_contracts.prefill.writer import ChunkSpec, PrefillTimeouts, StagingFailed
-from tests.local_cluster import Geometry, LocalCluster, local_cluster, pools_equal
+from tests.local_cluster import Geometry, LocalCluster, local_cluster, pools_equal, wait_for
 
 FAST = PrefillTimeouts(answer_s=0.05, ready_s=0.05, deadline_s=30.0)
 
@@ -50,25 +51,16 @@ def push_to(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[by
 
 
 def receive(sock: zmq.Socket[bytes], count: int, timeout: float = 5.0) -> list[list[bytes]]:
-    """Receive ``count`` multipart messages or fail after ``timeout``."""
+    """Receive ``count`` staging messages or fail after ``timeout`` (liveness pings skipped)."""
     out: list[list[bytes]] = []
     deadline = time.monotonic() + timeout
     while len(out) < count:
         if sock.poll(max(1, int((deadline - time.monotonic()) * 1000))) == 0:
             break
-        out.append(sock.recv_multipart())
+        frames = sock.recv_multipart()
+        if frames[0] != Ping.KIND:
+            out.append(frames)
     return out
-
-
-def wait_for(predicate: object, timeout: float = 5.0) -> bool:
-    """Poll a zero-argument predicate until it holds or ``timeout`` passes."""
-    assert callable(predicate)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return bool(predicate())
 
 
 def run_and_verify(cluster: LocalCluster, rooms: list[int], **send: str) -> None:
@@ -219,7 +211,7 @@ def test_geometry_mismatch_in_arrival_fails_the_room() -> None:
         )
         assert outcome is ArrivalOutcome.REJECTED
         assert handler.poll_room(9) is RoomStatus.FAILED
-        assert handler._allocator.live_count == 0
+        assert wait_for(lambda: handler._allocator.live_count == 0)  # once writer 0 is fenced
         handler.release_room(9)
 
 
@@ -310,7 +302,8 @@ def test_lost_watermark_is_recovered(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_teardown_in_mid_flight_frees_everything_and_is_idempotent() -> None:
-    """Releasing a room with live regions frees them; later arrivals are ignored; twice is safe."""
+    """Releasing a room with live regions fences them until its writers answer, then frees them;
+    later arrivals are ignored; twice is safe."""
     with local_cluster(Geometry(2, 1, 4)) as cluster:
         cluster.add_request(17, num_pages=6, chunk_pages=2)
         handler = cluster.handlers[0]
@@ -322,7 +315,9 @@ def test_teardown_in_mid_flight_frees_everything_and_is_idempotent() -> None:
         )
         assert handler._allocator.live_count == 3
         handler.release_room(17)
-        assert handler._allocator.live_count == 0
+        assert handler.fenced_rooms == {17: frozenset({0, 1})}
+        assert wait_for(lambda: handler._allocator.live_count == 0)  # both writers fenced
+        assert handler.fenced_rooms == {}
         assert handler.live_rooms == 0
         late = handler.handle_chunk_arrival(
             17, 0, page_start=0, num_pages=2, session_id=sid, writer_rank=1
@@ -339,7 +334,7 @@ def test_stalled_room_fails_and_frees_the_ring() -> None:
         handler._stall_timeout = 0.05
         handler.handle_staging_req(18, 0, num_pages=2, session_id=handler.session_id, pp_rank=None)
         assert wait_for(lambda: handler.poll_room(18) is RoomStatus.FAILED)
-        assert handler._allocator.live_count == 0
+        assert wait_for(lambda: handler._allocator.live_count == 0)
         handler.release_room(18)
 
 

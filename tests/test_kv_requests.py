@@ -4,60 +4,22 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 
 import pytest
 
 from staging_contracts.backends.kv_requests import (
-    DecodeTransfers,
     KVPoll,
     KVReceiver,
     KVSender,
-    PrefillTransfers,
 )
 from staging_contracts.decode import handler as decode_handler
-from tests.local_cluster import Geometry, LocalCluster, local_cluster, pools_equal
-
-
-@dataclass
-class Sides:
-    """A local cluster with the per-request layer on top."""
-
-    cluster: LocalCluster
-    prefill: list[PrefillTransfers]
-    decode: list[DecodeTransfers]
-
-
-@contextmanager
-def sides(geometry: Geometry) -> Iterator[Sides]:
-    """Per-request transfers for every rank of a local cluster."""
-    with local_cluster(geometry) as cluster:
-        endpoints = [m.endpoint for m in cluster.prefill]
-        prefill = [
-            PrefillTransfers(m, w, meta_timeout_s=2.0)
-            for m, w in zip(cluster.prefill, cluster.writers, strict=True)
-        ]
-        decode = [
-            DecodeTransfers(m, h, endpoints)
-            for m, h in zip(cluster.decode, cluster.handlers, strict=True)
-        ]
-        try:
-            yield Sides(cluster, prefill, decode)
-        finally:
-            for transfers in prefill:
-                transfers.close()
-
-
-def wait_states(requests: list[KVSender] | list[KVReceiver], timeout: float = 10.0) -> list[KVPoll]:
-    """Poll until every request finished; return their states."""
-    deadline = time.monotonic() + timeout
-    while True:
-        states = [r.poll() for r in requests]
-        if all(s in (KVPoll.Success, KVPoll.Failed) for s in states) or time.monotonic() > deadline:
-            return states
-        time.sleep(0.005)
+from tests.local_cluster import (
+    Geometry,
+    pools_equal,
+    sides,
+    wait_for,
+    wait_states,
+)
 
 
 def test_request_goes_through_every_state_and_lands_bit_exact() -> None:
@@ -158,7 +120,7 @@ def test_chunk_off_decode_grid_fails_both_sides(monkeypatch: pytest.MonkeyPatch)
         assert time.monotonic() - start < 30.0  # woken, not timed out
         assert "prefill failed the room" in (receiver.failure() or "")
         receiver.release()
-        assert c.handlers[0].allocator.live_count == 0
+        assert wait_for(lambda: c.handlers[0].allocator.live_count == 0)
 
 
 def test_missing_room_meta_fails_after_the_timeout() -> None:

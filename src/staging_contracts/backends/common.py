@@ -13,6 +13,8 @@ import enum
 import logging
 from collections.abc import Callable, Sequence
 
+from ..control.liveness import PeerLiveness
+from ..control.room_messages import Ping, Pong
 from ..control.transport import Listener, PeerSockets
 from ..control.wire import MalformedMessage
 from ..protocols import KVArgs, TransferEngine
@@ -83,6 +85,10 @@ class CommonKVManager:
         )
         self._control: dict[bytes, Callable[[list[bytes]], None]] = {}
         self._closed = False
+        self.liveness = PeerLiveness(self.peers, self.listener.endpoint)
+        """Which peers are alive (``PING``/``PONG``; ticked by the staging idle hook)."""
+        self.register_control(Ping.KIND, self.liveness.on_ping)
+        self.register_control(Pong.KIND, self.liveness.on_pong)
 
     @property
     def endpoint(self) -> str:

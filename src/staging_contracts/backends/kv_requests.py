@@ -5,8 +5,10 @@ chunk of the chunked prefill; ``poll()``. Decode: ``KVReceiver(transfers, room)`
 ``init(page_indices, chunk_pages=...)`` registers the room; ``send_metadata()`` tells the
 prefill ranks it is ready; ``poll()``.
 
-:class:`PrefillTransfers` owns the prefill worker thread that stages queued chunks one after
-another; :class:`DecodeTransfers` ties receivers to the decode handler. Both route the
+:class:`PrefillTransfers` owns the prefill worker thread that stages queued chunks one at a
+time, taking first the oldest chunk whose decode regions are writable now (so a chunk waiting
+for ring space never blocks one that could go: no circular wait between rooms);
+:class:`DecodeTransfers` ties receivers to the decode handler. Both route the
 per-request control messages (``ROOM_META``, ``ROOM_FAILED``) through the manager's
 listener.
 """
@@ -20,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
 from ..control.room_messages import RoomFailed, RoomMeta
 from ..decode.handler import DecodeStagingHandler, RoomPlan, RoomStatus, peers_for
@@ -74,8 +76,37 @@ class _SendState:
     failure: str | None = None
 
 
+@dataclass
+class _Job:
+    """One queued chunk of a room, as the worker sees it."""
+
+    room: int
+    chunk: ChunkSpec
+    last: bool
+    queued: float
+    """When it was queued (its ``ROOM_META`` wait starts then)."""
+    deadline: float | None = None
+    """Give up when no progress by then (set once the room is ready; extended on progress)."""
+    marker: tuple[object, ...] = ()
+    """What progress looked like at the last check (answers and watermarks)."""
+    asked: float = 0.0
+    """When ``STAGING_REQ`` was last re-sent for it."""
+
+
+WORKER_SLICE_S: Final = 0.01
+"""The worker re-checks waiting chunks at least this often."""
+
+
 class PrefillTransfers:
-    """Prefill side: queued chunks staged by one worker thread, in submission order.
+    """Prefill side: queued chunks staged by one worker thread.
+
+    The worker writes one chunk at a time, the oldest one whose regions are writable now (in
+    submission order when all are): a chunk whose region waits for ring space never blocks
+    another room's chunk that could free that space. A chunk that waits re-requests its
+    region every ``answer_s``; it fails after ``deadline_s`` without progress (no answer, no
+    movement of its decode rings' watermarks), or at once when decode fences its room or a
+    decode rank it feeds is declared dead. Any error while staging a chunk fails that room
+    only, with the error named; the worker lives on.
 
     **Side:** prefill. **Thread-safety:** senders may be used from any thread; the listener
     thread delivers ``ROOM_META`` and ``ROOM_FAILED``.
@@ -94,9 +125,10 @@ class PrefillTransfers:
         self._meta_timeout = meta_timeout_s
         self._cond = threading.Condition()
         self._rooms: dict[int, _SendState] = {}
-        self._jobs: queue.SimpleQueue[tuple[int, ChunkSpec, bool] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         manager.register_control(RoomMeta.KIND, self._on_room_meta)
         manager.register_control(RoomFailed.KIND, self._on_room_failed)
+        writer.on_room_lost(self._on_room_lost)
         rank = manager.kv_args.engine_rank
         self._thread = threading.Thread(
             target=self._run, name=f"prefill-transfer-{rank}", daemon=True
@@ -146,7 +178,7 @@ class PrefillTransfers:
             state.last_submitted = last
             if state.status in (KVPoll.Bootstrapping, KVPoll.WaitingForInput):
                 state.status = KVPoll.Transferring
-        self._jobs.put((room, chunk, last))
+        self._jobs.put(_Job(room, chunk, last, time.monotonic()))
 
     def status(self, room: int) -> tuple[KVPoll, str | None]:
         """The room's state and failure reason."""
@@ -232,39 +264,103 @@ class PrefillTransfers:
 
     def _on_room_failed(self, frames: list[bytes]) -> None:
         message = RoomFailed.from_frames(frames)
+        self._lose(message.room, f"decode failed the room: {message.reason}")
+
+    def _on_room_lost(self, room: int, reason: str) -> None:
+        """The writer's news: decode fenced the room, or one of its decode ranks died."""
+        self._lose(room, reason)
+
+    def _lose(self, room: int, reason: str) -> None:
+        """Fail a room that the other side gave up or lost (nothing is sent back)."""
         with self._cond:
-            state = self._rooms.get(message.room)
+            state = self._rooms.get(room)
             if state is not None and state.status is not KVPoll.Failed:
                 state.status = KVPoll.Failed
-                state.failure = f"decode failed the room: {message.reason}"
+                state.failure = reason
+                logger.warning("room %d failed on prefill: %s", room, reason)
                 self._cond.notify_all()
 
     # ------------------------------------------------------------------ worker thread
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            room, chunk, last = job
+        pending: list[_Job] = []
+        stopping = False
+        while not (stopping and not pending):
+            stopping |= self._take_jobs(pending, block=not pending)
+            job = self._next_job(pending)
+            if job is None:
+                time.sleep(WORKER_SLICE_S)
+                continue
+            pending.remove(job)
             try:
-                self._stage(room, chunk, last)
+                self._stage(job)
             except StagingFailed as exc:
-                with self._cond:
-                    state = self._rooms.get(room)
-                    if state is not None:
-                        self._fail(room, state, exc.reason)
+                self._fail_job(job, exc.reason)
+            except Exception as exc:  # any error fails this room, never the worker
+                logger.exception("room %d chunk %d: staging failed", job.room, job.chunk.chunk_idx)
+                self._fail_job(job, f"chunk {job.chunk.chunk_idx}: {type(exc).__name__}: {exc}")
 
-    def _stage(self, room: int, chunk: ChunkSpec, last: bool) -> None:
-        deadline = time.monotonic() + self._meta_timeout
-        with self._cond:
+    def _take_jobs(self, pending: list[_Job], *, block: bool) -> bool:
+        """Move queued jobs to ``pending``; ``True`` once ``close`` asked to stop."""
+        stop = False
+        try:
+            item = self._jobs.get() if block else self._jobs.get_nowait()
             while True:
-                state = self._rooms.get(room)
+                if item is None:
+                    stop = True
+                else:
+                    pending.append(item)
+                item = self._jobs.get_nowait()
+        except queue.Empty:
+            return stop
+
+    def _fail_job(self, job: _Job, reason: str) -> None:
+        with self._cond:
+            state = self._rooms.get(job.room)
+            if state is not None and state.status is not KVPoll.Failed:
+                self._fail(job.room, state, reason)
+
+    def _next_job(self, pending: list[_Job]) -> _Job | None:
+        """The oldest job that can go now (or must fail now); re-requests for the others."""
+        now = time.monotonic()
+        timeouts = self._writer.timeouts
+        for job in pending:
+            with self._cond:
+                state = self._rooms.get(job.room)
                 if state is None or state.status is KVPoll.Failed:
-                    return
-                if state.fed is not None and state.fed <= state.ready:
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise StagingFailed(room, "decode never sent ROOM_META")
-                self._cond.wait(remaining)
+                    return job  # _stage drops it
+                ready = state.fed is not None and state.fed <= state.ready
+                decode = state.decode
+            if not ready:
+                if now - job.queued > self._meta_timeout:
+                    return job  # _stage fails it: no ROOM_META
+                continue
+            if self._writer.chunk_ready(job.room, job.chunk.chunk_idx, decode):
+                return job
+            marker = (
+                *self._writer.ring_marker(decode),
+                *self._writer.answers_marker(job.room, job.chunk.chunk_idx, decode),
+            )
+            if job.deadline is None:
+                job.asked = now  # its STAGING_REQ went out with the prefetch
+            if job.deadline is None or marker != job.marker:
+                job.deadline = now + timeouts.deadline_s
+                job.marker = marker
+            elif now >= job.deadline:
+                return job  # _stage fails it: no progress before the deadline
+            if now - job.asked >= min(timeouts.answer_s, timeouts.ready_s):
+                self._writer.rerequest(job.room, job.chunk.chunk_idx, len(job.chunk.pages), decode)
+                job.asked = now
+        return None
+
+    def _stage(self, job: _Job) -> None:
+        room, chunk, last = job.room, job.chunk, job.last
+        with self._cond:
+            state = self._rooms.get(room)
+            if state is None or state.status is KVPoll.Failed:
+                return
+            if state.fed is None or not state.fed <= state.ready:
+                raise StagingFailed(room, "decode never sent ROOM_META")
             expected = min(state.chunk_pages or 0, state.num_pages - chunk.page_start)
             if len(chunk.pages) != expected:
                 raise StagingFailed(
@@ -273,6 +369,12 @@ class PrefillTransfers:
                     f"{state.chunk_pages} pages expects {expected}",
                 )
             decode = state.decode
+        if not self._writer.chunk_ready(room, chunk.chunk_idx, decode):
+            raise StagingFailed(
+                room,
+                f"chunk {chunk.chunk_idx}: no region or ring space for "
+                f"{self._writer.timeouts.deadline_s}s without progress",
+            )
         self._writer.send_chunk(room, chunk, decode)
         with self._cond:
             state = self._rooms.get(room)

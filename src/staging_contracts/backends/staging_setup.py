@@ -8,10 +8,13 @@ a base class every backend would have to inherit in a particular order.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
+from ..control.liveness import PeerLiveness
+from ..control.room_messages import RoomFence, RoomFenced
 from ..control.transport import PeerSockets
 from ..control.wire import MalformedMessage
 from ..decode.handler import DecodeStagingHandler
@@ -48,7 +51,13 @@ class StagingBackend(StagingHostCore, Protocol):
     kv_buffer_tensors: KVBufferTensors | None
     engine: TransferEngine
     peers: PeerSockets
+    liveness: PeerLiveness
     pp_size: int
+
+    @property
+    def endpoint(self) -> str: ...
+
+    def register_control(self, kind: bytes, handler: Callable[[list[bytes]], None]) -> None: ...
 
     def attach_staging_handler(self, handler: StagingHandler) -> None: ...
     def _handle_chunk_notification(self, payload: bytes) -> ArrivalOutcome | None: ...
@@ -88,8 +97,17 @@ def enable_decode_staging(
         sender=backend.peers,
         scatter_stream=scatter_stream,
         stall_timeout_s=stall_timeout_s,
+        endpoint=backend.endpoint,
+        liveness=backend.liveness,
     )
     backend.attach_staging_handler(handler)
+
+    def on_fenced(frames: list[bytes]) -> None:
+        answer = RoomFenced.from_frames(frames)
+        handler.writer_fenced(answer.room, answer.session_id, answer.writer_rank)
+
+    backend.register_control(RoomFenced.KIND, on_fenced)
+    backend.liveness.subscribe(handler.peer_dead)
     return handler
 
 
@@ -122,7 +140,7 @@ def enable_prefill_staging(
     regions = RegionAnswerTable()
     backend.kv_buffer_tensors = kv_buffers
     backend._staging_ctx = PrefillStagingContext(watermarks, regions)
-    return StagingWriter(
+    writer = StagingWriter(
         kv_buffers=kv_buffers,
         engine=backend.engine,
         sender=backend.peers,
@@ -135,15 +153,23 @@ def enable_prefill_staging(
         pp_rank=None if backend.pp_size == 1 else kv_args.pp_rank,
         timeouts=timeouts,
         stream=stream,
+        liveness=backend.liveness,
     )
+    backend.register_control(
+        RoomFence.KIND, lambda frames: writer.handle_room_fence(RoomFence.from_frames(frames))
+    )
+    backend.liveness.subscribe(writer.peer_dead)
+    return writer
 
 
 def staging_idle(backend: StagingBackend) -> None:
     """The listener's idle work for a staging backend.
 
-    Delivers the engine's arrival notifications (NIXL) to the mixin, and every
-    ``PROGRESS_INTERVAL_S`` lets the decode handler free finished scatters and fail stalled
-    rooms. A malformed notification is counted and logged; the listener keeps serving.
+    Delivers the engine's arrival notifications (NIXL) to the mixin, pings watched peers and
+    declares silent ones dead (peer liveness), and every ``PROGRESS_INTERVAL_S`` lets the
+    decode handler free finished scatters, fail stalled rooms and re-send fences. A malformed
+    notification is counted and logged, any other error delivering one is logged with its
+    cause, and the remaining notifications are still delivered; the listener keeps serving.
 
     **Called by:** the backend's ``_on_idle``, on the listener thread.
     """
@@ -154,6 +180,9 @@ def staging_idle(backend: StagingBackend) -> None:
                 backend._handle_chunk_notification(note.payload)
             except MalformedMessage as exc:
                 logger.warning("malformed notification from %s dropped: %s", note.peer, exc)
+            except Exception:  # one bad arrival must not lose the others of the batch
+                logger.exception("delivering a notification from %s failed", note.peer)
+    backend.liveness.tick()
     handler = backend._staging_handler
     if isinstance(handler, DecodeStagingHandler):
         handler.progress(min_interval_s=PROGRESS_INTERVAL_S)

@@ -7,7 +7,17 @@ offers the scheduler room registration, status polling and teardown.
 Threads: the **listener** thread calls ``handle_staging_req`` and ``handle_chunk_arrival``;
 the **scheduler** calls ``register_room``, ``poll_room`` and ``release_room``; anyone may call
 ``progress``. One lock guards the room table; scatters run outside it, and teardown waits for
-them. Every send is non-blocking (:class:`~staging_contracts.control.transport.PeerSockets`): a dead
+them.
+
+**Fencing.** A failed or released-before-the-end room does not free its ring regions at once:
+a writer may still hold the room's ``STAGING_RSP`` and write into a region that meanwhile
+belongs to another room. The regions are *fenced* instead: every writer that had not arrived
+is sent ``ROOM_FENCE`` (again every ``fence_resend_s`` until it answers), and the regions are
+freed once each has answered ``ROOM_FENCED`` (no write of the room in flight, none to come) or
+has been declared dead by peer liveness. So no region is ever reused while a writer of its
+old room can still write into it.
+
+Every send is non-blocking (:class:`~staging_contracts.control.transport.PeerSockets`): a dead
 prefill never blocks a decode thread.
 """
 
@@ -16,11 +26,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from ..control.liveness import PeerLiveness
+from ..control.room_messages import RoomFence
 from ..control.transport import PeerSockets
 from ..control.wire import StagingRsp, WatermarkUpdate
 from ..protocols import ArrivalOutcome, KVBufferTensors, StagingReqOutcome, Watermark
@@ -33,13 +46,36 @@ from .publisher import PrefillPublisher
 from .rooms import ChunkRegion, PrefillPeer, RoomPlan, RoomState, RoomStatus
 from .scatter import ChunkScatter, event_done, wait_event
 
-__all__ = ["WAIT_SLICE_S", "DecodeStagingHandler", "PrefillPeer", "RoomPlan", "RoomStatus"]
+__all__ = [
+    "DEFAULT_FENCE_RESEND_S",
+    "WAIT_SLICE_S",
+    "DecodeStagingHandler",
+    "PrefillPeer",
+    "RoomPlan",
+    "RoomStatus",
+]
 
 logger = logging.getLogger(__name__)
 
 WAIT_SLICE_S = 0.01
 """``wait_room`` re-checks finished scatters at least this often (CUDA events complete
 without waking anyone)."""
+
+
+DEFAULT_FENCE_RESEND_S = 0.5
+"""``ROOM_FENCE`` is sent again this often to a writer that has not answered it."""
+
+
+@dataclass(slots=True)
+class _Fence:
+    """The ring regions of a failed room, held until its writers can no longer write."""
+
+    room: int
+    reason: str
+    allocations: list[int]
+    awaiting: dict[int, str]
+    """Writer rank -> its endpoint, for the writers that have not answered ``ROOM_FENCED``."""
+    last_sent: float = float("-inf")
 
 
 class _Outgoing(NamedTuple):
@@ -66,9 +102,19 @@ class DecodeStagingHandler:
         session_id: this rank's engine session id (carried by every message it answers).
         sender: non-blocking PUSH sockets to the prefill ranks' listeners.
         scatter_stream: CUDA only: the dedicated stream scatters run on.
-        stall_timeout_s: a room that holds ring regions without progress for this long fails
-            (its regions are freed), so one stuck prefill cannot pin the shared ring.
+        stall_timeout_s: a room that holds a writable ring region without progress for this
+            long fails (its regions are fenced, then freed), so one stuck prefill cannot pin
+            the shared ring. Time spent waiting for ring space is not counted.
         clock: monotonic clock (tests pass a fake one).
+        endpoint: this rank's control listener, where writers answer ``ROOM_FENCE``.
+        liveness: peer liveness of the host; the handler watches each room's writers (and
+            each fence's) while it needs them. ``None``: no watching (a dead writer's fence
+            then holds its regions until the writer answers).
+        fence_resend_s: how often an unanswered ``ROOM_FENCE`` is sent again.
+        accept_anonymous_arrivals: count arrivals without a writer rank in regions of several
+            writers (the reference's prefill sends none). Off by default: such arrivals cannot
+            be told apart, so a duplicate could start the scatter before every writer landed;
+            with it off, such an arrival fails the room.
 
     Raises:
         ValueError: the KV pool does not match ``total_kv_heads // decode_tp`` heads.
@@ -87,6 +133,10 @@ class DecodeStagingHandler:
         scatter_stream: torch.cuda.Stream | None = None,
         stall_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        endpoint: str = "",
+        liveness: PeerLiveness | None = None,
+        fence_resend_s: float = DEFAULT_FENCE_RESEND_S,
+        accept_anonymous_arrivals: bool = False,
     ) -> None:
         self._scatterer = ChunkScatter(
             allocator,
@@ -111,6 +161,11 @@ class DecodeStagingHandler:
         self._publisher = PrefillPublisher(sender)
         self._last_pass = 0.0
         self._watermark_cache: tuple[Watermark, list[bytes]] | None = None
+        self._endpoint = endpoint
+        self._liveness = liveness
+        self._fence_resend = fence_resend_s
+        self._fences: dict[int, _Fence] = {}
+        self._accept_anonymous = accept_anonymous_arrivals
 
     @property
     def decode_tp(self) -> int:
@@ -126,6 +181,12 @@ class DecodeStagingHandler:
     def allocator(self) -> StagingAllocator:
         """The staging ring (read its ``live_count``, watermark, peak use)."""
         return self._allocator
+
+    @property
+    def fenced_rooms(self) -> dict[int, frozenset[int]]:
+        """Rooms whose regions wait for a fence: room -> writer ranks not yet answered."""
+        with self._lock:
+            return {room: frozenset(f.awaiting) for room, f in self._fences.items()}
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -153,6 +214,7 @@ class DecodeStagingHandler:
                 last_progress=self._clock(),
             )
             self._rooms[plan.room] = state
+            self._watch(peer.endpoint for peer in plan.peers)
             problem = self._plan_problem(plan)
             if problem is not None:
                 self._fail(state, problem)
@@ -228,13 +290,16 @@ class DecodeStagingHandler:
             state = self._rooms.get(room)
             if state is not None and state.status is not RoomStatus.FAILED:
                 self._fail(state, reason)
+        self._send_fences()
         self._broadcast_watermark()
 
     def release_room(self, room: int, timeout: float = 10.0) -> None:
         """Tear a room down (after success, failure or abort); safe to call twice.
 
         Stops new arrivals for the room first, waits for scatters in flight (up to
-        ``timeout``), frees every region the room still holds and broadcasts the watermark.
+        ``timeout``), fences the regions of a room released before it finished (they are freed
+        once its writers answer, see the module's **Fencing**), frees the rest and broadcasts
+        the watermark.
 
         **Called by:** the scheduler. **Blocking:** until in-flight scatters of the room end.
 
@@ -255,12 +320,15 @@ class DecodeStagingHandler:
                 self._idle.wait(remaining)
             for event, _ in state.pending_events:
                 wait_event(event)
+            if state.regions:
+                self._fail(state, "released before it finished")
             for alloc_id in state.held_allocations():
                 self._allocator.free(alloc_id)
-            state.regions.clear()
             state.pending_events.clear()
             del self._rooms[room]
+            self._unwatch(peer.endpoint for peer in state.plan.peers)
         self._publisher.unsubscribe_room(room)
+        self._send_fences()
         self._broadcast_watermark()
 
     @property
@@ -270,7 +338,11 @@ class DecodeStagingHandler:
             return len(self._rooms)
 
     def progress(self, min_interval_s: float = 0.0) -> None:
-        """Free regions whose scatters completed; fail rooms that stalled.
+        """Free regions whose scatters completed; fail rooms that stalled; re-send fences.
+
+        A room stalls when it holds a region its writers could write (the watermark says it
+        is free) and no writer arrived for ``stall_timeout_s``; a room whose regions all wait
+        for ring space held by other rooms is not stalled.
 
         **Called by:** the listener's idle hook and ``poll_room``; any thread.
 
@@ -285,15 +357,18 @@ class DecodeStagingHandler:
         with self._lock:
             for state in self._rooms.values():
                 freed |= self._reap_events(state)
-                if (
-                    state.status is RoomStatus.TRANSFERRING
-                    and state.regions
-                    and now - state.last_progress > self._stall_timeout
-                ):
+                if state.status is not RoomStatus.TRANSFERRING or not state.regions:
+                    continue
+                if not any(self._allocator.is_ready(r.allocation) for r in state.regions.values()):
+                    # Waiting for ring space that other rooms hold is not a stall.
+                    state.last_progress = now
+                elif now - state.last_progress > self._stall_timeout:
                     self._fail(
-                        state, f"no progress for {self._stall_timeout}s while holding the ring"
+                        state,
+                        f"no progress for {self._stall_timeout}s while holding a writable region",
                     )
                     freed = True
+        self._send_fences()
         if freed:
             self._broadcast_watermark()
 
@@ -321,6 +396,7 @@ class DecodeStagingHandler:
                 return StagingReqOutcome.UNKNOWN_ROOM
             outcome = self._answer_request(state, chunk_idx, num_pages, session_id, pp_rank, out)
         self._flush(out)
+        self._send_fences()
         return outcome
 
     def _answer_request(
@@ -445,6 +521,7 @@ class DecodeStagingHandler:
                 state.consumed.add(chunk_idx)
                 state.scattering += 1
         if rejected:
+            self._send_fences()
             self._broadcast_watermark()
             return ArrivalOutcome.REJECTED
         return self._scatter(state, chunk_idx, region)
@@ -467,6 +544,11 @@ class DecodeStagingHandler:
             )
         if writer_rank is not None and writer_rank not in state.writer_ranks:
             return f"writer rank {writer_rank} does not feed decode rank {self._decode_rank}"
+        if writer_rank is None and region.expected_writers > 1 and not self._accept_anonymous:
+            return (
+                f"an arrival without a writer rank in a region of {region.expected_writers} "
+                "writers cannot be told from a duplicate"
+            )
         return None
 
     def _scatter(self, state: RoomState, chunk_idx: int, region: ChunkRegion) -> ArrivalOutcome:
@@ -496,6 +578,48 @@ class DecodeStagingHandler:
             self._broadcast_watermark()
         return ArrivalOutcome.COMPLETE
 
+    def writer_fenced(self, room: int, session_id: str, writer_rank: int) -> None:
+        """A writer answered ``ROOM_FENCED``: it will not write into the room's regions again.
+
+        Frees the room's fenced regions once every writer answered (or was declared dead).
+        An answer for another session, or for no fence, is ignored.
+
+        **Called by:** the listener thread. **Blocking:** no.
+        """
+        if session_id != self.session_id:
+            logger.warning(
+                "ROOM_FENCED for session %r ignored (this rank is %r)", session_id, self.session_id
+            )
+            return
+        with self._lock:
+            fence = self._fences.get(room)
+            freed = fence is not None and self._clear_fence(fence, [writer_rank])
+        if freed:
+            self._broadcast_watermark()
+
+    def peer_dead(self, endpoint: str) -> None:
+        """A prefill peer was declared dead: fail every unfinished room it writes into, and
+        stop waiting for its fence answers.
+
+        **Called by:** the listener thread (peer liveness). **Blocking:** no.
+        """
+        freed = False
+        with self._lock:
+            for state in self._rooms.values():
+                if state.status in (RoomStatus.SUCCESS, RoomStatus.FAILED):
+                    continue
+                dead = [p.tp_rank for p in state.plan.peers if p.endpoint == endpoint]
+                if dead:
+                    self._fail(state, f"prefill writer rank {dead[0]} ({endpoint}) is dead")
+                    freed = True
+            for fence in list(self._fences.values()):
+                ranks = [rank for rank, e in fence.awaiting.items() if e == endpoint]
+                if ranks:
+                    freed |= self._clear_fence(fence, ranks)
+        self._send_fences()
+        if freed:
+            self._broadcast_watermark()
+
     # ------------------------------------------------------------------ internals (lock held)
 
     def _maybe_succeed(self, state: RoomState) -> None:
@@ -521,10 +645,60 @@ class DecodeStagingHandler:
         state.status = RoomStatus.FAILED
         state.failure = reason
         self._idle.notify_all()
+        endpoints = {peer.tp_rank: peer.endpoint for peer in state.plan.peers}
+        awaiting: dict[int, str] = {}
+        held: list[int] = []
         for region in state.regions.values():
-            self._allocator.free(region.allocation.alloc_id)
+            held.append(region.allocation.alloc_id)
+            # An anonymous arrival does not say who landed: every writer may still write.
+            pending = (
+                state.writer_ranks if region.anonymous else state.writer_ranks - region.arrived
+            )
+            for rank in pending:
+                endpoint = endpoints.get(rank)
+                if endpoint is not None and not self._is_dead(endpoint):
+                    awaiting[rank] = endpoint
         state.regions.clear()
+        if awaiting:
+            fence = self._fences.get(state.plan.room)
+            if fence is None:
+                fence = self._fences[state.plan.room] = _Fence(state.plan.room, reason, [], {})
+                self._watch(awaiting.values())
+            else:
+                self._watch(e for r, e in awaiting.items() if r not in fence.awaiting)
+            fence.allocations.extend(held)
+            fence.awaiting.update(awaiting)
+            fence.last_sent = float("-inf")
+        else:
+            for alloc_id in held:
+                self._allocator.free(alloc_id)
         logger.warning("room %d failed: %s", state.plan.room, reason)
+
+    def _clear_fence(self, fence: _Fence, ranks: Sequence[int]) -> bool:
+        """Drop answered (or dead) writers of a fence; free it when none is left."""
+        for rank in ranks:
+            endpoint = fence.awaiting.pop(rank, None)
+            if endpoint is not None:
+                self._unwatch([endpoint])
+        if fence.awaiting:
+            return False
+        for alloc_id in fence.allocations:
+            self._allocator.free(alloc_id)
+        del self._fences[fence.room]
+        return True
+
+    def _is_dead(self, endpoint: str) -> bool:
+        return self._liveness is not None and self._liveness.is_dead(endpoint)
+
+    def _watch(self, endpoints: Iterable[str]) -> None:
+        if self._liveness is not None:
+            for endpoint in endpoints:
+                self._liveness.watch(endpoint)
+
+    def _unwatch(self, endpoints: Iterable[str]) -> None:
+        if self._liveness is not None:
+            for endpoint in endpoints:
+                self._liveness.unwatch(endpoint)
 
     # ------------------------------------------------------------------ sending (no lock)
 
@@ -536,6 +710,22 @@ class DecodeStagingHandler:
             frames = WatermarkUpdate(watermark.round, watermark.tail, self.session_id).to_frames()
             cached = self._watermark_cache = (watermark, frames)
         return cached[1]
+
+    def _send_fences(self) -> None:
+        """Send ``ROOM_FENCE`` to every writer of a fence that is due (new, or unanswered for
+        ``fence_resend_s``)."""
+        now = self._clock()
+        out: list[tuple[str, list[bytes]]] = []
+        with self._lock:
+            for fence in self._fences.values():
+                if now - fence.last_sent < self._fence_resend:
+                    continue
+                fence.last_sent = now
+                message = RoomFence(fence.room, self.session_id, self._endpoint, fence.reason)
+                encoded = message.to_frames()
+                out.extend((endpoint, encoded) for endpoint in fence.awaiting.values())
+        for endpoint, frames in out:
+            self._publisher.send(endpoint, frames)
 
     def _broadcast_watermark(self) -> None:
         self._publisher.broadcast_watermark(self._watermark_frames())

@@ -9,6 +9,11 @@ ZMQ, or the write's notification where the engine has them).
 
 Every failure of a chunk (decode refused it, no answer before the deadline, an engine error)
 raises :class:`StagingFailed` for that room; the worker thread that called lives on.
+
+**Fencing.** When decode fails a room it sends ``ROOM_FENCE``; from then on this writer never
+writes into that room's regions of that decode session, and it answers ``ROOM_FENCED`` as
+soon as no such write is in flight (right away, or when the running write returns). Waits of
+a fenced room, or of a decode rank declared dead by peer liveness, end within a wait slice.
 """
 
 from __future__ import annotations
@@ -16,14 +21,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import torch
 
+from ..control.liveness import PeerLiveness
+from ..control.room_messages import RoomFence, RoomFenced
 from ..control.transport import PeerSockets
 from ..control.wire import ChunkReady, StagingReq
-from ..protocols import KVBufferTensors, RegionAnswer, Transfer, TransferEngine, TransferError
+from ..protocols import (
+    KVBufferTensors,
+    RegionAnswer,
+    Transfer,
+    TransferEngine,
+    TransferError,
+    Watermark,
+)
 from ..staging.kernels import PagedKVPools
 from ..staging.layout import (
     compute_head_slice_params,
@@ -37,6 +52,9 @@ from .books import RegionAnswerTable, WatermarkTracker
 __all__ = ["ChunkSpec", "DecodeTarget", "PrefillTimeouts", "StagingFailed", "StagingWriter"]
 
 logger = logging.getLogger(__name__)
+
+WAIT_SLICE_S: Final = 0.05
+"""Longest a wait for a region or the watermark goes without checking fences and liveness."""
 
 
 class StagingFailed(RuntimeError):
@@ -90,7 +108,9 @@ class PrefillTimeouts:
     ready_s: float = 0.5
     """Wait this long for the watermark before re-sending ``STAGING_REQ``."""
     deadline_s: float = 30.0
-    """Give the chunk up (the room fails) after this long."""
+    """Give the chunk up (the room fails) after this long without progress: no answer, or
+    no movement of the decode ring's watermark while the region waits for it (waiting for
+    ring space that other rooms hold and release is not a stall)."""
 
 
 class StagingWriter:
@@ -113,6 +133,8 @@ class StagingWriter:
         pp_rank: this rank's pipeline stage, sent with each ``STAGING_REQ`` when not ``None``.
         timeouts: bounds of the waits.
         stream: CUDA only: the stream gathers run on.
+        liveness: peer liveness of the host; the writer watches the decode ranks of its rooms
+            until it forgets them, and stops waiting on a rank declared dead.
     """
 
     def __init__(
@@ -130,6 +152,7 @@ class StagingWriter:
         pp_rank: int | None = None,
         timeouts: PrefillTimeouts | None = None,
         stream: torch.cuda.Stream | None = None,
+        liveness: PeerLiveness | None = None,
     ) -> None:
         self._pools = PagedKVPools(kv_buffers.k_buffers, kv_buffers.v_buffers, kv_buffers.page_size)
         self._geometry = self._pools.geometry
@@ -163,11 +186,26 @@ class StagingWriter:
         self._write_lock = threading.Lock()
         self._requested: set[tuple[int, int, str]] = set()
         self._requested_lock = threading.Lock()
+        self._liveness = liveness
+        self._room_targets: dict[int, dict[str, str]] = {}
+        """Room -> the decode sessions it was requested from -> their endpoints (watched)."""
+        self._fence_lock = threading.Lock()
+        self._fenced: dict[tuple[int, str], str] = {}
+        """(room, decode session) -> why decode fenced it: never written again."""
+        self._in_flight: tuple[int, str] | None = None
+        """(room, decode session) of the engine write running now."""
+        self._fence_acks: dict[tuple[int, str], list[Callable[[], None]]] = {}
+        self._room_lost: list[Callable[[int, str], None]] = []
         self._closed = False
         self.requests_sent = 0
         """``STAGING_REQ`` messages sent, re-requests included."""
         self.bytes_written = 0
         """Payload bytes written into decode rings."""
+
+    @property
+    def timeouts(self) -> PrefillTimeouts:
+        """The bounds of the waits of one chunk."""
+        return self._timeouts
 
     @property
     def buffer_bytes(self) -> int:
@@ -199,7 +237,8 @@ class StagingWriter:
             Requests sent now.
         """
         sent = 0
-        targets = self.targets_of(decode)
+        targets = [t for t in self.targets_of(decode) if not self.fenced(room, t.session_id)]
+        self._track(room, targets)
         for chunk_idx, num_pages in chunks:
             for target in targets:
                 key = (room, chunk_idx, target.session_id)
@@ -211,16 +250,152 @@ class StagingWriter:
                 sent += 1
         return sent
 
+    def _track(self, room: int, targets: Sequence[DecodeTarget]) -> None:
+        """Remember (and watch) the decode ranks a room is requested from."""
+        new = []
+        with self._requested_lock:
+            known = self._room_targets.setdefault(room, {})
+            for target in targets:
+                if target.session_id not in known:
+                    known[target.session_id] = target.endpoint
+                    new.append(target.endpoint)
+        if self._liveness is not None:
+            for endpoint in new:
+                self._liveness.watch(endpoint)
+
     def _request(self, room: int, chunk_idx: int, num_pages: int, target: DecodeTarget) -> None:
         req = StagingReq(room, chunk_idx, num_pages, target.session_id, self._pp_rank)
         self._sender.send(target.endpoint, req.to_frames())
         self.requests_sent += 1
 
     def forget_room(self, room: int) -> None:
-        """Drop a finished or failed room's requests and answers."""
+        """Drop a finished or failed room's requests, answers, fences and watches."""
         with self._requested_lock:
             self._requested = {key for key in self._requested if key[0] != room}
+            endpoints = list(self._room_targets.pop(room, {}).values())
+        with self._fence_lock:
+            for key in [k for k in self._fenced if k[0] == room and k != self._in_flight]:
+                del self._fenced[key]
         self._regions.forget_room(room)
+        if self._liveness is not None:
+            for endpoint in endpoints:
+                self._liveness.unwatch(endpoint)
+
+    # ------------------------------------------------------------------ fences and liveness
+
+    def on_room_lost(self, listener: Callable[[int, str], None]) -> None:
+        """Call ``listener(room, reason)`` when decode fences a room or a decode rank of a
+        room is declared dead (on the listener thread)."""
+        self._room_lost.append(listener)
+
+    def fenced(self, room: int, session_id: str) -> bool:
+        """Whether decode ``session_id`` fenced ``room`` (it is never written again)."""
+        with self._fence_lock:
+            return (room, session_id) in self._fenced
+
+    def handle_room_fence(self, fence: RoomFence) -> None:
+        """Fence a room towards one decode session and answer ``ROOM_FENCED`` when no write of
+        it is in flight (now, or when the running write returns).
+
+        **Called by:** the listener thread (``ROOM_FENCE``). **Blocking:** no.
+        """
+        key = (fence.room, fence.session_id)
+        answer = RoomFenced(fence.room, fence.session_id, self._prefill_rank).to_frames()
+
+        def acknowledge() -> None:
+            self._sender.send(fence.reply_to, answer)
+
+        with self._fence_lock:
+            first = key not in self._fenced
+            self._fenced[key] = fence.reason
+            if self._in_flight == key:
+                self._fence_acks.setdefault(key, []).append(acknowledge)
+                acknowledge_now = False
+            else:
+                acknowledge_now = True
+        if acknowledge_now:
+            acknowledge()
+        if first:
+            self._tell_room_lost(fence.room, f"decode fenced the room: {fence.reason}")
+
+    def peer_dead(self, endpoint: str) -> None:
+        """A decode rank was declared dead: every room requested from it is lost.
+
+        **Called by:** the listener thread (peer liveness). **Blocking:** no.
+        """
+        with self._requested_lock:
+            rooms = [
+                room for room, targets in self._room_targets.items() if endpoint in targets.values()
+            ]
+        for room in rooms:
+            self._tell_room_lost(room, f"decode rank at {endpoint} is dead")
+
+    def _tell_room_lost(self, room: int, reason: str) -> None:
+        for listener in self._room_lost:
+            try:
+                listener(room, reason)
+            except Exception:  # one listener's bug must not stop the others or the listener
+                logger.exception("room %d: a room-lost listener failed", room)
+
+    def _abort_reason(self, room: int, target: DecodeTarget) -> str | None:
+        """Why a chunk of ``room`` must not be written to ``target`` (``None``: it may)."""
+        with self._fence_lock:
+            reason = self._fenced.get((room, target.session_id))
+        if reason is not None:
+            return f"decode fenced the room: {reason}"
+        if self._liveness is not None and self._liveness.is_dead(target.endpoint):
+            return f"decode rank {target.tp_rank} at {target.endpoint} is dead"
+        return None
+
+    def chunk_ready(self, room: int, chunk_idx: int, decode: Sequence[DecodeTarget]) -> bool:
+        """Whether :meth:`send_chunk` would write the chunk without waiting: every decode
+        rank it feeds answered a region whose watermark has passed, or one of them refused,
+        fenced the room or is dead (then ``send_chunk`` fails at once).
+
+        **Called by:** the prefill transfer worker, to pick a chunk it can write now.
+        **Blocking:** no.
+        """
+        for target in self.targets_of(decode):
+            if self._abort_reason(room, target) is not None:
+                return True
+            answer = self._regions.get(room, chunk_idx, target.session_id)
+            if answer is None:
+                return False
+            if answer.refused:
+                return True
+            if not self._watermarks.is_ready(target.session_id, answer.round, answer.end):
+                return False
+        return True
+
+    def ring_marker(self, decode: Sequence[DecodeTarget]) -> tuple[Watermark, ...]:
+        """The latest watermark of each decode rank this writer feeds: it changes whenever
+        one of their rings moves (a waiting chunk is then not stalled)."""
+        return tuple(self._watermarks.latest(t.session_id) for t in self.targets_of(decode))
+
+    def answers_marker(
+        self, room: int, chunk_idx: int, decode: Sequence[DecodeTarget]
+    ) -> tuple[RegionAnswer | None, ...]:
+        """The region answers of a chunk from each decode rank fed (``None``: none yet)."""
+        return tuple(
+            self._regions.get(room, chunk_idx, t.session_id) for t in self.targets_of(decode)
+        )
+
+    def rerequest(
+        self, room: int, chunk_idx: int, num_pages: int, decode: Sequence[DecodeTarget]
+    ) -> None:
+        """Send ``STAGING_REQ`` again to every decode rank fed that has not made the chunk
+        writable yet (recovers a lost ``STAGING_RSP`` or ``WATERMARK``).
+
+        **Called by:** the prefill transfer worker, for a chunk that waits. **Blocking:** no.
+        """
+        for target in self.targets_of(decode):
+            if self._abort_reason(room, target) is not None:
+                continue
+            answer = self._regions.get(room, chunk_idx, target.session_id)
+            if answer is None or not self._watermarks.is_ready(
+                target.session_id, answer.round, answer.end
+            ):
+                self._request(room, chunk_idx, num_pages, target)
 
     # ------------------------------------------------------------------ one chunk
 
@@ -309,6 +484,13 @@ class StagingWriter:
         )
         notify = arrival.to_notification() if self._engine.supports_notifications else None
         remote = target.ring_base + answer.offset + offset_in_region
+        key = (room, target.session_id)
+        with self._fence_lock:
+            reason = self._fenced.get(key)
+            if reason is None:
+                self._in_flight = key
+        if reason is not None:
+            raise StagingFailed(room, f"chunk {chunk.chunk_idx}: decode fenced the room: {reason}")
         try:
             self._engine.write(
                 target.session_id, [Transfer(self._buffer_ptr, remote, nbytes)], notify
@@ -317,6 +499,12 @@ class StagingWriter:
             raise StagingFailed(
                 room, f"chunk {chunk.chunk_idx}: engine write failed: {exc}"
             ) from exc
+        finally:
+            with self._fence_lock:
+                self._in_flight = None
+                acks = self._fence_acks.pop(key, [])
+            for acknowledge in acks:
+                acknowledge()
         if notify is None:
             self._sender.send(target.endpoint, arrival.to_frames())
         return nbytes
@@ -324,20 +512,31 @@ class StagingWriter:
     def _await_region(
         self, room: int, chunk_idx: int, num_pages: int, target: DecodeTarget, deadline: float
     ) -> RegionAnswer:
+        asked = time.monotonic()
         while True:
-            answer = self._regions.wait(room, chunk_idx, target.session_id, self._timeouts.answer_s)
+            self._check_abort(room, chunk_idx, target)
+            slice_s = min(WAIT_SLICE_S, self._timeouts.answer_s)
+            answer = self._regions.wait(room, chunk_idx, target.session_id, slice_s)
             if answer is not None:
                 if answer.refused:
                     raise StagingFailed(
                         room, f"decode refused chunk {chunk_idx} (offset {answer.offset})"
                     )
                 return answer
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 raise StagingFailed(
                     room, f"no STAGING_RSP for chunk {chunk_idx} before the deadline"
                 )
-            logger.info("room %d chunk %d: no STAGING_RSP yet, asking again", room, chunk_idx)
-            self._request(room, chunk_idx, num_pages, target)
+            if now - asked >= self._timeouts.answer_s:
+                logger.info("room %d chunk %d: no STAGING_RSP yet, asking again", room, chunk_idx)
+                self._request(room, chunk_idx, num_pages, target)
+                asked = now
+
+    def _check_abort(self, room: int, chunk_idx: int, target: DecodeTarget) -> None:
+        reason = self._abort_reason(room, target)
+        if reason is not None:
+            raise StagingFailed(room, f"chunk {chunk_idx}: {reason}")
 
     def _await_ready(
         self,
@@ -349,19 +548,30 @@ class StagingWriter:
         deadline: float,
     ) -> None:
         session = target.session_id
-        while not self._watermarks.wait_ready(
-            session, answer.round, answer.end, self._timeouts.ready_s
-        ):
-            if time.monotonic() >= deadline:
+        asked = time.monotonic()
+        seen = self._watermarks.latest(session)
+        while True:
+            self._check_abort(room, chunk_idx, target)
+            slice_s = min(WAIT_SLICE_S, self._timeouts.ready_s)
+            if self._watermarks.wait_ready(session, answer.round, answer.end, slice_s):
+                return
+            now = time.monotonic()
+            latest = self._watermarks.latest(session)
+            if latest != seen:  # the ring moves: waiting for space is not a stall
+                seen = latest
+                deadline = max(deadline, now + self._timeouts.deadline_s)
+            if now >= deadline:
                 raise StagingFailed(
                     room,
                     f"chunk {chunk_idx}: region of round {answer.round} never became writable "
-                    f"(watermark {tuple(self._watermarks.latest(session))})",
+                    f"(watermark {tuple(latest)})",
                 )
-            logger.info(
-                "room %d chunk %d: waiting for the watermark, asking again", room, chunk_idx
-            )
-            self._request(room, chunk_idx, num_pages, target)
+            if now - asked >= self._timeouts.ready_s:
+                logger.info(
+                    "room %d chunk %d: waiting for the watermark, asking again", room, chunk_idx
+                )
+                self._request(room, chunk_idx, num_pages, target)
+                asked = now
 
     def close(self) -> None:
         """Deregister the staging buffer; safe to call twice."""

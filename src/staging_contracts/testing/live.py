@@ -13,6 +13,7 @@ from typing import Final, NoReturn
 import pytest
 import zmq
 
+from ..control.room_messages import Ping, RoomFence
 from ..control.wire import MalformedMessage, StagingRsp, decode_message
 from ..decode.handler import DecodeStagingHandler
 from ..decode.rooms import PrefillPeer, RoomPlan, RoomStatus
@@ -21,6 +22,9 @@ from ..staging.layout import compute_staging_layout, prefill_ranks_for_decode, v
 from .decode_setup import LiveDecodeManager
 
 __all__ = ["FakePrefill", "LiveDecode", "kit_fail"]
+
+_PEER_CONTROL: Final = frozenset({Ping.KIND, RoomFence.KIND})
+"""Peer messages a decode manager may send a prefill peer besides the staging messages."""
 
 WAIT_S: Final = 5.0
 """How long the kit waits, by default, for the listener thread to act on a message."""
@@ -68,6 +72,8 @@ class FakePrefill:
             if remaining_ms <= 0 or self._socket.poll(remaining_ms) == 0:
                 break
             frames = self._socket.recv_multipart()
+            if frames and frames[0] in _PEER_CONTROL:
+                continue  # liveness and fencing, not the staging messages under test
             try:
                 message = decode_message(frames)
             except MalformedMessage as exc:

@@ -1,0 +1,162 @@
+"""Peer liveness: which watched peers have gone silent, by ``PING``/``PONG`` over ZMQ.
+
+A rank watches the peers its rooms depend on (decode: the prefill writers of its rooms;
+prefill: the decode ranks it writes to). Every ``interval_s`` it sends each watched peer a
+``PING`` carrying its own endpoint; the peer answers ``PONG`` at once, whether or not it
+watches back. Any message from a peer counts as a sign of life. A watched peer not heard from
+for ``timeout_s`` is declared dead once, and every subscriber is told (the rooms that depend
+on it then fail together, within seconds rather than at a per-chunk deadline).
+
+A peer heard from again after being declared dead is alive again (a new process on the same
+endpoint); the rooms already failed stay failed.
+
+**Threads:** ``tick`` runs on the listener thread (its idle hook); ``watch``, ``unwatch``,
+``heard`` and ``is_dead`` from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Final
+
+from .room_messages import Ping, Pong
+from .transport import PeerSockets
+
+__all__ = ["DEFAULT_PEER_INTERVAL_S", "DEFAULT_PEER_TIMEOUT_S", "PeerLiveness"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PEER_INTERVAL_S: Final = 0.5
+"""Seconds between two ``PING`` to a watched peer."""
+DEFAULT_PEER_TIMEOUT_S: Final = 5.0
+"""Seconds of silence after which a watched peer is declared dead."""
+
+
+class PeerLiveness:
+    """Watches peers by endpoint and tells subscribers when one goes silent.
+
+    Args:
+        sender: non-blocking sockets to the peers.
+        endpoint: this rank's own control listener (carried by ``PING`` and ``PONG``).
+        interval_s: seconds between two ``PING`` to a watched peer.
+        timeout_s: seconds of silence after which a watched peer is dead; must exceed
+            ``interval_s``.
+        clock: monotonic clock (tests pass a fake one).
+
+    Raises:
+        ValueError: ``interval_s`` is not positive or ``timeout_s`` does not exceed it.
+    """
+
+    def __init__(
+        self,
+        sender: PeerSockets,
+        endpoint: str,
+        *,
+        interval_s: float = DEFAULT_PEER_INTERVAL_S,
+        timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not interval_s > 0 or not timeout_s > interval_s:
+            raise ValueError(
+                f"interval_s={interval_s!r} must be > 0 and timeout_s={timeout_s!r} > interval_s"
+            )
+        self._sender = sender
+        self.endpoint = endpoint
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._watchers: dict[str, int] = {}
+        """Watched endpoint -> how many holders watch it."""
+        self._last_heard: dict[str, float] = {}
+        """Watched endpoint -> when it was last heard from (or first watched)."""
+        self._dead: set[str] = set()
+        self._last_ping = float("-inf")
+        self._subscribers: list[Callable[[str], None]] = []
+
+    def subscribe(self, on_dead: Callable[[str], None]) -> None:
+        """Call ``on_dead(endpoint)`` (on the listener thread) when a watched peer dies."""
+        with self._lock:
+            self._subscribers.append(on_dead)
+
+    def watch(self, endpoint: str) -> None:
+        """Start (or add one more holder to) watching a peer; its silence clock starts now."""
+        with self._lock:
+            count = self._watchers.get(endpoint, 0)
+            self._watchers[endpoint] = count + 1
+            if count == 0:
+                self._last_heard[endpoint] = self._clock()
+
+    def unwatch(self, endpoint: str) -> None:
+        """Drop one holder's watch of a peer (stop watching when none is left)."""
+        with self._lock:
+            count = self._watchers.get(endpoint, 0)
+            if count <= 1:
+                self._watchers.pop(endpoint, None)
+                self._last_heard.pop(endpoint, None)
+            else:
+                self._watchers[endpoint] = count - 1
+
+    def heard(self, endpoint: str) -> None:
+        """A message came from ``endpoint``: it is alive (again)."""
+        with self._lock:
+            if endpoint in self._watchers:
+                self._last_heard[endpoint] = self._clock()
+            self._dead.discard(endpoint)
+
+    def is_dead(self, endpoint: str) -> bool:
+        """Whether ``endpoint`` was declared dead and has not been heard from since."""
+        with self._lock:
+            return endpoint in self._dead
+
+    @property
+    def watched(self) -> frozenset[str]:
+        """The peers watched now."""
+        with self._lock:
+            return frozenset(self._watchers)
+
+    def on_ping(self, frames: list[bytes]) -> None:
+        """Answer a ``PING`` (listener thread). Raises ``MalformedMessage`` on bad frames."""
+        ping = Ping.from_frames(frames)
+        self.heard(ping.reply_to)
+        self._sender.send(ping.reply_to, Pong(self.endpoint).to_frames())
+
+    def on_pong(self, frames: list[bytes]) -> None:
+        """Note a ``PONG`` (listener thread). Raises ``MalformedMessage`` on bad frames."""
+        self.heard(Pong.from_frames(frames).endpoint)
+
+    def tick(self) -> list[str]:
+        """Ping the watched peers when due; declare the silent ones dead and tell subscribers.
+
+        **Called by:** the listener's idle hook. **Blocking:** no.
+
+        Returns:
+            The peers declared dead by this call.
+        """
+        now = self._clock()
+        with self._lock:
+            due = now - self._last_ping >= self.interval_s
+            if due:
+                self._last_ping = now
+            targets = [e for e in self._watchers if e not in self._dead] if due else []
+            newly_dead = [
+                e
+                for e, heard in self._last_heard.items()
+                if e not in self._dead and now - heard > self.timeout_s
+            ]
+            self._dead.update(newly_dead)
+            subscribers = list(self._subscribers)
+        ping = Ping(self.endpoint).to_frames()
+        for endpoint in targets:
+            self._sender.send(endpoint, ping)
+        for endpoint in newly_dead:
+            logger.warning("peer %s silent for over %gs: declared dead", endpoint, self.timeout_s)
+            for on_dead in subscribers:
+                try:
+                    on_dead(endpoint)
+                except Exception:  # a subscriber's bug must not stop the others or the listener
+                    logger.exception("liveness subscriber failed on dead peer %s", endpoint)
+        return newly_dead
