@@ -3,28 +3,48 @@
 A :class:`BootstrapServer` (a ZMQ ROUTER socket on loopback, served by a thread) collects
 one :class:`RankInfo` per rank — its control endpoint, engine session id and metadata, and on
 decode the staging ring's base address and size — and answers queries for all ranks of a
-role once every one of them has registered. Requests and answers are small JSON documents;
-a malformed request gets an error answer and the server keeps serving.
+role once every one of them has registered. Requests and answers are small JSON documents.
+
+Every request is validated in full before it touches the server's state: strict JSON (no
+``NaN``/``Infinity``, no float that overflows, bounded nesting), each field of the type it
+must have and within its bounds. A bad request gets an error answer
+(``{"ok": false, "error": "..."}``) and changes nothing; the server thread survives any
+request, and its log lines about bad requests are rate-limited. A frame over
+:data:`MAX_REQUEST_BYTES` is dropped by ZMQ before it is read (``ZMQ_MAXMSGSIZE``).
 
 Waiting is done by the server: :func:`query_ranks` and :func:`wait_barrier` send one request
 with ``wait_s``, which the server answers as soon as it is satisfied (or when ``wait_s`` ran
 out), so no rank polls with a new connection every few milliseconds, taking CPU from the
-ranks still transferring.
+ranks still transferring. At most :data:`MAX_WAITERS` requests are held at once; they are
+re-checked only after a registration or an arrival changed something, with a count
+comparison each, and their deadlines sit in a heap.
 """
 
 from __future__ import annotations
 
 import base64
+import heapq
+import itertools
 import json
 import logging
+import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
 import zmq
 
+from ..control.transport import LOG_BURST, LOG_INTERVAL_S, LogThrottle, recv_frames
+
 __all__ = [
+    "MAX_ANSWER_BYTES",
+    "MAX_NAME_CHARS",
+    "MAX_RANKS",
+    "MAX_REQUEST_BYTES",
+    "MAX_WAITERS",
+    "MAX_WAIT_S",
     "BootstrapError",
     "BootstrapServer",
     "RankInfo",
@@ -37,14 +57,77 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES: Final = 1 << 20
+"""Largest request the server reads, 1 MiB: the ``ZMQ_MAXMSGSIZE`` of its socket. The largest
+legitimate request is a registration, whose engine metadata (base64) is a few KiB (Mooncake)
+to some tens of KiB (NIXL); the rest is wide margin. ZMQ drops a larger frame while reading
+its header and disconnects its sender, whose request then times out."""
+MAX_ANSWER_BYTES: Final = 64 << 20
+"""Largest answer, 64 MiB: the ``ZMQ_MAXMSGSIZE`` of the client sockets. A query's answer
+holds every rank info it asks for; the server answers an error instead of a larger one."""
 MAX_WAIT_S: Final = 300.0
 """Longest ``wait_s`` the server holds a request for."""
+MAX_WAITERS: Final = 1024
+"""Most requests the server holds at once (a cluster holds at most one per rank). Past it, a
+request that would wait gets an error answer at once, and the client may retry."""
+MAX_RANKS: Final = 1 << 16
+"""Bound (exclusive) on a rank's ``tp_rank``; also on a query's ``count`` and a barrier's
+``wait_for`` (inclusive)."""
+MAX_NAME_CHARS: Final = 256
+"""Longest role, barrier, party, endpoint or session id, in characters."""
+_MAX_ADDRESS: Final = 2**64 - 1
+_ROLES: Final = ("prefill", "decode")
+_OPS: Final = ("register", "query", "arrive", "count")
 _MIN_ANSWER_S: Final = 1.0
 _SERVER_POLL_MS: Final = 20
+_SERVE_BATCH: Final = 64
+"""Most requests served between two checks of the held requests' deadlines."""
+_ENVELOPE_FRAMES: Final = 3
+"""A REQ client's request arrives at the ROUTER as ``[identity, b"", body]``."""
+_SHOW_CHARS: Final = 40
+_MAX_ERROR_CHARS: Final = 200
 
 
 class BootstrapError(RuntimeError):
     """The bootstrap server did not answer, or refused a request."""
+
+
+def _show(value: object) -> str:
+    """A short, safe rendering of a JSON value for an error text (never recursive)."""
+    if isinstance(value, str):
+        return repr(value[:_SHOW_CHARS]) + ("..." if len(value) > _SHOW_CHARS else "")
+    if value is None or isinstance(value, bool | float):
+        return repr(value)
+    if isinstance(value, int):
+        return str(value) if abs(value) < 10**20 else f"an integer of {value.bit_length()} bits"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _int_field(doc: dict[str, Any], key: str, low: int, high: int, default: int | None) -> int:
+    """``doc[key]``, an integer (not a bool) in ``[low, high]``; ``default`` if absent."""
+    if key not in doc:
+        if default is None:
+            raise ValueError(f"missing field {key!r}")
+        return default
+    value = doc[key]
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{key} must be an integer in [{low}, {high}], got {_show(value)}")
+    return value
+
+
+def _str_field(doc: dict[str, Any], key: str) -> str:
+    """``doc[key]``, a string of 1 to ``MAX_NAME_CHARS`` characters."""
+    if key not in doc:
+        raise ValueError(f"missing field {key!r}")
+    value = doc[key]
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_CHARS:
+        raise ValueError(
+            f"{key} must be a string of 1-{MAX_NAME_CHARS} characters, got {_show(value)}"
+        )
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,28 +157,103 @@ class RankInfo:
 
     @classmethod
     def from_json(cls, doc: object) -> RankInfo:
-        """Parse a dict made by :meth:`to_json`.
+        """Parse a dict made by :meth:`to_json`, checking every field's type and bounds.
+
+        **Called by:** the bootstrap server (registrations) and :func:`query_ranks` (answers).
 
         Raises:
-            ValueError: missing or mistyped fields.
+            ValueError: not an object, a missing field, a field of the wrong type, or out of
+                bounds (``tp_rank`` in ``[0, MAX_RANKS)``, ring fields in ``[0, 2**64)``,
+                strings of at most ``MAX_NAME_CHARS``, metadata base64).
         """
         if not isinstance(doc, dict):
             raise ValueError("rank info must be an object")
         try:
-            info = cls(
-                role=str(doc["role"]),
-                tp_rank=int(doc["tp_rank"]),
-                endpoint=str(doc["endpoint"]),
-                session_id=str(doc["session_id"]),
-                metadata=base64.b64decode(str(doc["metadata"]), validate=True),
-                ring_base=int(doc.get("ring_base", 0)),
-                ring_size=int(doc.get("ring_size", 0)),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
+            role, tp_rank = doc["role"], doc["tp_rank"]
+            endpoint, session_id = doc["endpoint"], doc["session_id"]
+            metadata = doc["metadata"]
+        except KeyError as exc:
             raise ValueError(f"bad rank info: {exc}") from None
-        if info.role not in ("prefill", "decode") or info.tp_rank < 0:
-            raise ValueError(f"bad rank info: role {info.role!r}, rank {info.tp_rank}")
-        return info
+        if role not in _ROLES or type(tp_rank) is not int or not 0 <= tp_rank < MAX_RANKS:
+            raise ValueError(f"bad rank info: role {_show(role)}, rank {_show(tp_rank)}")
+        try:
+            endpoint = _str_field(doc, "endpoint")
+            session_id = _str_field(doc, "session_id")
+            ring_base = _int_field(doc, "ring_base", 0, _MAX_ADDRESS, 0)
+            ring_size = _int_field(doc, "ring_size", 0, _MAX_ADDRESS, 0)
+            if not isinstance(metadata, str) or len(metadata) > MAX_REQUEST_BYTES:
+                raise ValueError(f"metadata must be a base64 string, got {_show(metadata)}")
+            try:
+                raw = base64.b64decode(metadata, validate=True)
+            except ValueError:
+                raise ValueError(f"metadata is not base64: {_show(metadata)}") from None
+        except ValueError as exc:
+            raise ValueError(f"bad rank info: {exc}") from None
+        return cls(str(role), tp_rank, endpoint, session_id, raw, ring_base, ring_size)
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number out of range: {text[:_SHOW_CHARS]}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """A request, validated: nothing about it can fail later."""
+
+    op: str
+    key: str
+    """The role (register, query) or the barrier (arrive, count)."""
+    want: int
+    """Ranks a query waits for, or parties a count waits for."""
+    wait_s: float
+    info: RankInfo | None = None
+    party: str = ""
+
+
+def _parse_request(raw: bytes) -> _Request:
+    """Parse and validate one request body.
+
+    Raises:
+        ValueError: the request is malformed (the text says why, briefly).
+    """
+    if len(raw) > MAX_REQUEST_BYTES:  # ZMQ drops these already; a second line of defence
+        raise ValueError(f"request too large ({len(raw)} bytes, at most {MAX_REQUEST_BYTES})")
+    try:
+        doc = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError("request is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, overlong integers
+        raise ValueError(f"request is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ValueError("request must be an object")
+    wait_s = doc.get("wait_s", 0)
+    if type(wait_s) not in (int, float) or not 0 <= wait_s <= MAX_WAIT_S:
+        raise ValueError(f"wait_s must be a number in [0, {MAX_WAIT_S}]")
+    op = doc.get("op")
+    if op == "register":
+        info = RankInfo.from_json(doc.get("info"))
+        return _Request("register", info.role, 0, float(wait_s), info=info)
+    if op == "query":
+        role = _str_field(doc, "role")
+        if role not in _ROLES:
+            raise ValueError(f"role must be one of {_ROLES}, got {_show(role)}")
+        count = _int_field(doc, "count", 1, MAX_RANKS, None)
+        return _Request("query", role, count, float(wait_s))
+    if op == "arrive":
+        barrier, party = _str_field(doc, "barrier"), _str_field(doc, "party")
+        return _Request("arrive", barrier, 0, float(wait_s), party=party)
+    if op == "count":
+        barrier = _str_field(doc, "barrier")
+        wait_for = _int_field(doc, "wait_for", 0, MAX_RANKS, 0)
+        return _Request("count", barrier, wait_for, float(wait_s))
+    raise ValueError(f"unknown op {_show(op)} (expected one of {', '.join(_OPS)})")
 
 
 @dataclass(slots=True)
@@ -103,33 +261,65 @@ class _Waiter:
     """A request the server answers once it is satisfied, or at ``deadline``."""
 
     identity: bytes
-    doc: dict[str, Any]
+    request: _Request
     deadline: float
+
+
+def _error(text: str) -> dict[str, Any]:
+    if len(text) > _MAX_ERROR_CHARS:
+        text = text[: _MAX_ERROR_CHARS - 3] + "..."
+    return {"ok": False, "error": text}
 
 
 class BootstrapServer:
     """Collects rank infos and answers queries, on a thread of its own.
 
     **Thread-safety:** ``start``/``stop`` from the owner's thread; requests are served on
-    the server thread.
+    the server thread; ``infos``, ``alive``, ``waiting`` and the counters may be read from any
+    thread.
 
     Args:
         host: address to bind (loopback by default).
+        log_burst: log lines per interval about bad requests (then a summary).
+        log_interval_s: the interval of that rate limit.
     """
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        *,
+        log_burst: int = LOG_BURST,
+        log_interval_s: float = LOG_INTERVAL_S,
+    ) -> None:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(f"tcp://{host}:*")
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        try:
+            self._socket.bind(f"tcp://{host}:*")
+        except zmq.ZMQError:
+            self._socket.close(linger=0)
+            raise
         last = self._socket.getsockopt(zmq.LAST_ENDPOINT)
         self.endpoint: str = last.decode() if isinstance(last, bytes) else str(last)
         """Where ranks send their requests."""
-        self._infos: dict[tuple[str, int], RankInfo] = {}
+        self._rejected_log = LogThrottle(
+            logger, "bootstrap: rejected requests", burst=log_burst, interval_s=log_interval_s
+        )
+        self._failed_log = LogThrottle(
+            logger, "bootstrap: failed requests", burst=log_burst, interval_s=log_interval_s
+        )
+        self._lock = threading.Lock()
+        self._ranks: dict[str, dict[int, RankInfo]] = {}
         self._barriers: dict[str, set[str]] = {}
-        self._waiters: list[_Waiter] = []
+        self._waiters: dict[int, _Waiter] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        self._sequence = itertools.count()
+        self._changed = False
         self.requests_served = 0
         """Requests received so far (each wait is one request, however long it waits)."""
+        self.requests_refused = 0
+        """Requests answered with an error (malformed, out of bounds, server busy, or a bug)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bootstrap-server", daemon=True)
 
@@ -138,127 +328,213 @@ class BootstrapServer:
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop serving and close the socket; safe to call twice."""
+        """Stop serving, refuse the held requests and close the socket; safe to call twice.
+
+        Raises:
+            TimeoutError: the thread did not stop within ``timeout``.
+        """
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"bootstrap server did not stop in {timeout}s")
         elif not self._socket.closed:
             self._socket.close(linger=0)
 
+    @property
+    def alive(self) -> bool:
+        """True while the server thread runs."""
+        return self._thread.is_alive()
+
+    @property
+    def waiting(self) -> int:
+        """Requests held now (at most :data:`MAX_WAITERS`)."""
+        return len(self._waiters)
+
     def infos(self, role: str) -> list[RankInfo]:
         """The ranks of a role registered so far, by rank."""
-        return sorted(
-            (i for (r, _), i in self._infos.items() if r == role), key=lambda i: i.tp_rank
-        )
+        with self._lock:
+            found = list(self._ranks.get(role, {}).values())
+        return sorted(found, key=lambda info: info.tp_rank)
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 if self._socket.poll(self._poll_ms()):
-                    self._serve(self._socket.recv_multipart())
-                self._answer_waiters()  # after any change, and for waits that ran out
+                    self._serve_batch()
+                self._guarded(self._answer_waiters)  # after any change, and for waits that ran out
+                self._rejected_log.tick()
+                self._failed_log.tick()
         finally:
+            self._guarded(self._refuse_waiters)
+            self._rejected_log.flush()
+            self._failed_log.flush()
             self._socket.close(linger=0)
 
+    def _guarded(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:  # a bug outside any one request: log it, keep serving
+            if self._failed_log.admit():
+                logger.exception("bootstrap: internal error; the server keeps serving")
+
     def _poll_ms(self) -> int:
-        if not self._waiters:
+        if not self._deadlines:
             return _SERVER_POLL_MS
-        soonest = min(waiter.deadline for waiter in self._waiters) - time.monotonic()
+        soonest = self._deadlines[0][0] - time.monotonic()
         return max(0, min(_SERVER_POLL_MS, int(soonest * 1000) + 1))
 
-    def _serve(self, frames: list[bytes]) -> None:
-        # A REQ client's request arrives as [identity, b"", body].
-        if len(frames) != 3 or frames[1]:
-            logger.warning("bootstrap: dropped a request of %d frames", len(frames))
-            return
-        identity, _, raw = frames
-        doc, answer = self._answer(raw)
+    def _serve_batch(self) -> None:
+        for _ in range(_SERVE_BATCH):
+            try:
+                frames, extra = recv_frames(
+                    self._socket, max_frames=_ENVELOPE_FRAMES, flags=zmq.NOBLOCK
+                )
+            except zmq.Again:
+                return
+            identity = frames[0]
+            try:
+                self._serve(frames, extra)
+            except Exception:  # a bug: answer it, log it, keep serving
+                self.requests_refused += 1
+                if self._failed_log.admit():
+                    logger.exception("bootstrap: request failed; the server keeps serving")
+                self._reply(identity, _error("internal error in the bootstrap server"))
+
+    def _serve(self, frames: list[bytes], extra: int) -> None:
+        identity = frames[0]
         self.requests_served += 1
-        if doc is not None and doc.get("wait_s", 0) > 0 and not _satisfied(doc, answer):
-            deadline = time.monotonic() + doc["wait_s"]
-            self._waiters.append(_Waiter(identity, doc, deadline))
+        if extra or len(frames) != _ENVELOPE_FRAMES or frames[1]:
+            count = len(frames) + extra
+            self._refuse(identity, f"expected a REQ request (2 frames: b'', body), got {count - 1}")
+            return
+        try:
+            request = _parse_request(frames[2])
+        except ValueError as exc:
+            self._refuse(identity, str(exc))
+            return
+        self._apply(request)
+        if request.wait_s > 0 and not self._satisfied(request):
+            if len(self._waiters) >= MAX_WAITERS:
+                self._refuse(
+                    identity,
+                    f"server busy: {MAX_WAITERS} requests already wait (MAX_WAITERS); retry later",
+                )
+                return
+            sequence = next(self._sequence)
+            deadline = time.monotonic() + request.wait_s
+            self._waiters[sequence] = _Waiter(identity, request, deadline)
+            heapq.heappush(self._deadlines, (deadline, sequence))
         else:
-            self._reply(identity, answer)
+            self._reply(identity, self._answer(request))
+
+    def _refuse(self, identity: bytes, why: str) -> None:
+        self.requests_refused += 1
+        answer = _error(why)
+        if self._rejected_log.admit():
+            logger.warning("bootstrap request rejected: %s", answer["error"])
+        self._reply(identity, answer)
+
+    def _apply(self, request: _Request) -> None:
+        """Record a registration or an arrival (nothing for the reads)."""
+        if request.op == "register" and request.info is not None:
+            with self._lock:
+                self._ranks.setdefault(request.key, {})[request.info.tp_rank] = request.info
+            self._changed = True
+        elif request.op == "arrive":
+            self._barriers.setdefault(request.key, set()).add(request.party)
+            self._changed = True
+
+    def _satisfied(self, request: _Request) -> bool:
+        """Whether ``request`` need not wait: one length comparison."""
+        if request.op == "query":
+            return len(self._ranks.get(request.key, ())) >= request.want
+        if request.op == "count":
+            return len(self._barriers.get(request.key, ())) >= request.want
+        return True
+
+    def _answer(self, request: _Request) -> dict[str, Any]:
+        if request.op == "query":
+            found = self.infos(request.key)
+            if len(found) < request.want:
+                return {"ok": True, "pending": request.want - len(found)}
+            return {"ok": True, "infos": [info.to_json() for info in found[: request.want]]}
+        if request.op == "count":
+            return {"ok": True, "count": len(self._barriers.get(request.key, ()))}
+        return {"ok": True}
 
     def _answer_waiters(self) -> None:
+        """Answer the held requests now satisfied (only after a change) or out of time."""
+        bodies: dict[tuple[str, str, int], bytes] = {}  # one answer per distinct request
+        if self._changed:
+            self._changed = False
+            for sequence, waiter in list(self._waiters.items()):
+                if self._satisfied(waiter.request):
+                    del self._waiters[sequence]
+                    self._reply_waiter(waiter, bodies)
         now = time.monotonic()
-        still: list[_Waiter] = []
-        for waiter in self._waiters:
-            answer = self._answer_doc(waiter.doc)  # a read, accepted once already
-            if _satisfied(waiter.doc, answer) or now >= waiter.deadline:
-                self._reply(waiter.identity, answer)
-            else:
-                still.append(waiter)
-        self._waiters = still
+        heap = self._deadlines
+        while heap and (heap[0][0] <= now or heap[0][1] not in self._waiters):
+            _, sequence = heapq.heappop(heap)
+            expired = self._waiters.pop(sequence, None)
+            if expired is not None:
+                self._reply_waiter(expired, bodies)
+        if len(heap) > 2 * len(self._waiters) + 64:  # drop entries of answered requests
+            self._deadlines = [(w.deadline, seq) for seq, w in self._waiters.items()]
+            heapq.heapify(self._deadlines)
+
+    def _reply_waiter(self, waiter: _Waiter, bodies: dict[tuple[str, str, int], bytes]) -> None:
+        request = waiter.request
+        key = (request.op, request.key, request.want)
+        body = bodies.get(key)
+        if body is None:
+            body = bodies[key] = self._encode(self._answer(request))
+        self._send(waiter.identity, body)
+
+    def _refuse_waiters(self) -> None:
+        """On stop: tell every held request that no answer will come."""
+        body = self._encode(_error("bootstrap server stopped"))
+        for waiter in self._waiters.values():
+            self._send(waiter.identity, body)
+        self._waiters.clear()
+        self._deadlines.clear()
+
+    def _encode(self, answer: dict[str, Any]) -> bytes:
+        body = json.dumps(answer).encode()
+        if len(body) > MAX_ANSWER_BYTES:
+            self.requests_refused += 1
+            body = json.dumps(
+                _error(f"answer too large ({len(body)} bytes, at most {MAX_ANSWER_BYTES})")
+            ).encode()
+        return body
 
     def _reply(self, identity: bytes, answer: dict[str, Any]) -> None:
+        self._send(identity, self._encode(answer))
+
+    def _send(self, identity: bytes, body: bytes) -> None:
         try:
-            self._socket.send_multipart(
-                [identity, b"", json.dumps(answer).encode()], flags=zmq.NOBLOCK
-            )
+            self._socket.send_multipart([identity, b"", body], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the client left: nobody to answer
             logger.info("bootstrap: answer not delivered: %s", exc)
-
-    def _answer(self, raw: bytes) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-        """The parsed request (``None`` if malformed) and its answer as of now."""
-        try:
-            if len(raw) > MAX_REQUEST_BYTES:
-                raise ValueError("request too large")
-            doc = json.loads(raw)
-            if not isinstance(doc, dict):
-                raise ValueError("request must be an object")
-            wait_s = doc.get("wait_s", 0)
-            if not isinstance(wait_s, int | float) or not 0 <= wait_s <= MAX_WAIT_S:
-                raise ValueError(f"wait_s must be a number in [0, {MAX_WAIT_S}]")
-            return doc, self._answer_doc(doc)
-        except (ValueError, TypeError, KeyError) as exc:
-            logger.warning("bootstrap request rejected: %s", exc)
-            return None, {"ok": False, "error": str(exc)}
-
-    def _answer_doc(self, doc: dict[str, Any]) -> dict[str, Any]:
-        op = doc.get("op")
-        if op == "register":
-            info = RankInfo.from_json(doc.get("info"))
-            self._infos[(info.role, info.tp_rank)] = info
-            return {"ok": True}
-        if op == "query":
-            role = str(doc.get("role"))
-            count = int(doc.get("count", 0))
-            found = self.infos(role)
-            if count < 1 or len(found) < count:
-                return {"ok": True, "pending": count - len(found)}
-            return {"ok": True, "infos": [i.to_json() for i in found[:count]]}
-        if op == "arrive":
-            self._barriers.setdefault(str(doc["barrier"]), set()).add(str(doc["party"]))
-            return {"ok": True}
-        if op == "count":
-            return {"ok": True, "count": len(self._barriers.get(str(doc["barrier"]), ()))}
-        raise ValueError(f"unknown op {op!r}")
-
-
-def _satisfied(doc: dict[str, Any], answer: dict[str, Any]) -> bool:
-    """Whether ``answer`` ends the wait ``doc`` asked for (``wait_for`` parties, or ranks)."""
-    if not answer.get("ok"):
-        return True
-    if doc.get("op") == "query":
-        return "infos" in answer
-    if doc.get("op") == "count":
-        return int(answer.get("count", 0)) >= int(doc.get("wait_for", 0))
-    return True
 
 
 def _request(endpoint: str, doc: dict[str, Any], timeout: float) -> dict[str, Any]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_ANSWER_BYTES)
     try:
         sock.connect(endpoint)
         sock.send(json.dumps(doc).encode())
         if not sock.poll(int(timeout * 1000)):
             raise BootstrapError(f"bootstrap server {endpoint} did not answer in {timeout}s")
-        answer = json.loads(sock.recv())
+        raw = sock.recv()
     finally:
         sock.close(linger=0)
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        raise BootstrapError(f"bootstrap server {endpoint} sent a malformed answer") from None
     if not isinstance(answer, dict) or not answer.get("ok"):
         raise BootstrapError(f"bootstrap server refused: {answer}")
     return answer

@@ -167,31 +167,35 @@ class LogThrottle:
 
 def recv_frames(
     sock: zmq.Socket[bytes], *, max_frames: int = MAX_FRAMES, flags: int = 0
-) -> list[bytes] | None:
-    """Receive one multipart message, or discard it uncopied if it has too many frames.
+) -> tuple[list[bytes], int]:
+    """Receive one multipart message, keeping at most ``max_frames`` of its frames.
 
     **Thread-safety:** the socket's owner thread only (ZMQ sockets are not thread-safe).
 
     Args:
         sock: the socket to read.
-        max_frames: most frames kept; the rest of a longer message is received as ZMQ frames
-            (no copy into Python) and dropped.
+        max_frames: most frames copied into ``bytes``; the rest of a longer message is
+            received as ZMQ frames (no copy into Python) and dropped.
         flags: for the first frame (e.g. ``zmq.NOBLOCK``); the rest are already there.
 
     Returns:
-        The frames, or ``None`` if the message had more than ``max_frames``.
+        The first ``max_frames`` frames, and how many more the message had (0 for a message
+        within the bound).
 
     Raises:
         zmq.Again: with ``zmq.NOBLOCK``, no message was waiting.
     """
     frames = [sock.recv(flags)]
     while sock.getsockopt(zmq.RCVMORE):
-        if len(frames) >= max_frames:
-            while sock.getsockopt(zmq.RCVMORE):
-                sock.recv(copy=False)
-            return None
-        frames.append(sock.recv())
-    return frames
+        if len(frames) < max_frames:
+            frames.append(sock.recv())
+            continue
+        dropped = 0
+        while sock.getsockopt(zmq.RCVMORE):
+            sock.recv(copy=False)
+            dropped += 1
+        return frames, dropped
+    return frames, 0
 
 
 class PeerSockets:
@@ -464,11 +468,13 @@ class Listener:
             if self._stop.is_set():
                 return
             try:
-                frames = recv_frames(self._socket, max_frames=self._max_frames, flags=_NOBLOCK)
+                frames, dropped = recv_frames(
+                    self._socket, max_frames=self._max_frames, flags=_NOBLOCK
+                )
             except zmq.Again:
                 return
             self._received += 1
-            if frames is None:
+            if dropped:
                 self._malformed += 1
                 if self._malformed_log.admit():
                     logger.warning(
