@@ -79,12 +79,22 @@ TARGETS: Final[dict[str, Target]] = {
     "wire": Target("src/staging_contracts/control/wire.py", ("tests/test_wire.py",), 0.90),
     "decode": Target(
         "src/staging_contracts/decode/handler.py",
-        ("tests/test_control_plane.py", "tests/test_decode_handler.py"),
+        (
+            "tests/test_control_plane.py",
+            "tests/test_decode_handler.py",
+            "tests/test_reliability.py",
+            "tests/test_kv_requests.py",
+        ),
         0.85,
     ),
     "prefill": Target(
         "src/staging_contracts/prefill/writer.py",
-        ("tests/test_control_plane.py", "tests/test_prefill_writer.py"),
+        (
+            "tests/test_control_plane.py",
+            "tests/test_prefill_writer.py",
+            "tests/test_reliability.py",
+            "tests/test_kv_requests.py",
+        ),
         0.85,
     ),
 }
