@@ -393,6 +393,8 @@ def stopped_receiver_main(job: PeerJob, peer: Connection, parent: Connection) ->
 def stopped_writer_main(job: PeerJob, peer: Connection, parent: Connection) -> None:
     """Write to a stopped receiver (times out), write the same range again (refused while
     the first write may still read it), resume the receiver, and write until it lands."""
+    from staging_contracts.engines.mooncake import MooncakeEngine
+
     deadline = time.monotonic() + job.timeout_s
     ledger = _install_batch_ledger(job) if job.ledger else None
     with _child_engine(job, parent) as made:
@@ -410,6 +412,7 @@ def stopped_writer_main(job: PeerJob, peer: Connection, parent: Connection) -> N
                     made.write(session, whole)
                 except TransferError as exc:
                     errors.append(str(exc))
+            held = made.unfinished_writes if isinstance(made, MooncakeEngine) else None
         finally:
             os.kill(pid, signal.SIGCONT)
             if ledger is not None:
@@ -428,7 +431,8 @@ def stopped_writer_main(job: PeerJob, peer: Connection, parent: Connection) -> N
         if _recv(peer, deadline, made) != "verified":
             raise AssertionError("receiver did not verify")
         made.close()
-        parent.send(("ok", {"errors": errors, "ledger": ledger and ledger.summary()}))
+        summary = ledger and ledger.summary()
+        parent.send(("ok", {"errors": errors, "held": held, "ledger": summary}))
 
 
 def closing_writer_main(job: PeerJob, peer: Connection, parent: Connection) -> None:

@@ -259,6 +259,7 @@ def test_mooncake_write_to_a_stopped_peer_times_out_and_holds_its_source(
     assert timed_out.startswith("mooncake write of 67108864 bytes to '127.0.0.1:")
     assert "timed out after 0.4 s; its source range stays in use" in timed_out
     assert refused.endswith("is still read by a write that timed out")
+    assert report["held"] == 1  # unfinished_writes while the peer was stopped
     ledger: dict[str, int] = report["ledger"]
     assert ledger.items() >= NO_LEAK.items(), ledger
     assert ledger["submitted"] == ledger["freed"] >= 3
@@ -287,6 +288,7 @@ def test_mooncake_batch_reported_timed_out_holds_its_source_and_is_freed_when_it
     timed_out, refused = report["errors"]
     assert "status -2 (Mooncake's transfer timeout; the source stays in use" in timed_out
     assert refused.endswith("is still read by a write that timed out")
+    assert report["held"] == 1  # unfinished_writes while the peer was stopped
     ledger: dict[str, int] = report["ledger"]
     assert ledger.items() >= NO_LEAK.items(), ledger
     assert ledger["timeouts_reported"] >= 1
