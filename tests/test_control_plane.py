@@ -238,7 +238,8 @@ def test_oversized_chunk_is_answered_with_minus_two_and_fails_the_room() -> None
         assert len(errors) == 1
         assert isinstance(errors[0], StagingFailed)
         assert errors[0].reason == "decode refused chunk 0 (offset -2)"
-        assert cluster.decode[0].staging_stats().oversized == 1
+        # The refusal can reach prefill before decode's listener counts it.
+        assert wait_for(lambda: cluster.decode[0].staging_stats().oversized == 1)
         assert cluster.handlers[0].poll_room(12) is RoomStatus.FAILED
         cluster.release([12])
 
