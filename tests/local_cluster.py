@@ -243,6 +243,15 @@ def wait_for(predicate: object, timeout: float = 5.0) -> bool:
     return bool(predicate())
 
 
+def trust_each_other(*managers: LocalKVManager) -> None:
+    """Every manager trusts every other's CURVE key (as the bootstrap would tell them; a
+    no-op without a cluster secret)."""
+    for manager in managers:
+        for peer in managers:
+            if peer is not manager:
+                manager.trust_peer(peer.endpoint, peer.curve_key)
+
+
 def pools_equal(a: KVBufferTensors, b: KVBufferTensors) -> bool:
     """Bit-exact equality of two pools."""
 
@@ -285,6 +294,7 @@ def local_cluster(
             )
             for m, pool in zip(prefill, prefill_pools, strict=True)
         ]
+        trust_each_other(*prefill, *decode)
         for m in (*prefill, *decode):
             m.start()
         targets = []

@@ -5,6 +5,16 @@ draining a PULL socket on loopback) and non-blocking PUSH sockets to peers. It k
 staging: a backend adds staging by mixing in ``StagingManagerMixin`` *before* this class
 (``class MooncakeKVManager(StagingManagerMixin, CommonKVManager)``), and a backend without
 staging support (Mori) uses it alone.
+
+**Authentication.** When the cluster secret is set (``STAGING_CONTRACTS_SECRET`` or
+``STAGING_CONTRACTS_SECRET_FILE``, see :mod:`~staging_contracts.control.security`), the listener
+is a CURVE server that accepts only the peers trusted with :meth:`CommonKVManager.trust_peer`
+(their keys come from the authenticated bootstrap), every message to a peer is encrypted to it,
+and each message is handed on only if every authoriser registered with
+:meth:`CommonKVManager.add_authorizer` accepts its sender (the staging set-up registers the
+per-room rules); the rest are dropped and counted in ``unauthorized``. Without a secret the
+control plane is unauthenticated and binds loopback only (``allow_insecure=True`` opts out,
+named as such); that is logged once per process.
 """
 
 from __future__ import annotations
@@ -12,16 +22,31 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Sequence
+from typing import Final, Literal
 
 from ..control.liveness import PeerLiveness
 from ..control.room_messages import Ping, Pong
-from ..control.transport import Listener, PeerSockets
+from ..control.security import (
+    ControlSecurity,
+    SecurityError,
+    check_insecure_bind,
+    load_cluster_secret,
+)
+from ..control.transport import Listener, LogThrottle, PeerSockets
 from ..control.wire import MalformedMessage
 from ..protocols import KVArgs, TransferEngine
 
 __all__ = ["CommonKVManager", "Role"]
 
 logger = logging.getLogger(__name__)
+
+FROM_ENV: Final = "env"
+"""``secret=FROM_ENV``: read the cluster secret from the environment (the default)."""
+
+Authorizer = Callable[[list[bytes], str], bool]
+"""``(frames, sender_endpoint) -> allowed``: may this authenticated peer send this message?"""
+
+_insecure_noted = False
 
 
 class Role(enum.Enum):
@@ -45,9 +70,14 @@ class CommonKVManager:
         pp_size: pipeline-parallel size of this side.
         host: address the control listener binds (loopback by default).
         poll_interval_s: longest wait of the listener before its idle work runs.
+        secret: the cluster secret; :data:`FROM_ENV` (the default) reads it from the
+            environment, ``None`` runs unauthenticated.
+        allow_insecure: bind a non-loopback ``host`` even without a secret.
 
     Raises:
         ValueError: a size is not positive.
+        SecurityError: the secret in the environment is unusable, or ``host`` is not
+            loopback and there is no secret and ``allow_insecure`` is false.
     """
 
     kv_args: KVArgs
@@ -67,23 +97,38 @@ class CommonKVManager:
         pp_size: int = 1,
         host: str = "127.0.0.1",
         poll_interval_s: float = 0.002,
+        secret: bytes | Literal["env"] | None = FROM_ENV,
+        allow_insecure: bool = False,
     ) -> None:
         if attn_tp_size < 1 or pp_size < 1:
             raise ValueError(f"attn_tp_size={attn_tp_size} and pp_size={pp_size} must be >= 1")
+        cluster_secret = load_cluster_secret() if secret == FROM_ENV else secret
+        if isinstance(cluster_secret, bytes):
+            self.security: ControlSecurity | None = ControlSecurity(cluster_secret)
+            """CURVE keys and trusted peers (``None``: unauthenticated, loopback only)."""
+        else:
+            check_insecure_bind(host, allow_insecure=allow_insecure)
+            self.security = None
+            _note_insecure()
         self.kv_args = kv_args
         self.attn_tp_size = attn_tp_size
         self.pp_size = pp_size
         self.role = role
         self.engine = engine
-        self.peers = PeerSockets()
+        self.peers = PeerSockets(security=self.security)
         self.listener = Listener(
-            self._on_message,
+            self._receive,
             name=f"{type(self).__name__}-{role.value}-{kv_args.engine_rank}",
             host=host,
             idle=self._on_idle,
             poll_interval_s=poll_interval_s,
+            security=self.security,
         )
         self._control: dict[bytes, Callable[[list[bytes]], None]] = {}
+        self._authorizers: list[Authorizer] = []
+        self._unauthorized_log = LogThrottle(logger, f"{self.listener.endpoint}: unauthorized")
+        self.unauthorized = 0
+        """Messages from authenticated peers that an authoriser refused (dropped)."""
         self._closed = False
         self.liveness = PeerLiveness(self.peers, self.listener.endpoint)
         """Which peers are alive (``PING``/``PONG``; ticked by the staging idle hook)."""
@@ -94,6 +139,50 @@ class CommonKVManager:
     def endpoint(self) -> str:
         """The control listener's ``tcp://host:port``, for peers to send to."""
         return self.listener.endpoint
+
+    @property
+    def curve_key(self) -> bytes | None:
+        """This manager's CURVE public key, to publish at bootstrap (``None``: no secret)."""
+        return None if self.security is None else self.security.keys.public
+
+    def trust_peer(self, endpoint: str, curve_key: bytes | None) -> None:
+        """Accept messages from, and encrypt messages to, the peer at ``endpoint``.
+
+        **Called by:** the bootstrap wiring, for each peer learned from the bootstrap.
+        Without a secret it does nothing.
+
+        Raises:
+            SecurityError: there is a secret but the peer published no key.
+        """
+        if self.security is None:
+            return
+        if not curve_key:
+            raise SecurityError(f"peer {endpoint} published no CURVE key, but a secret is set")
+        self.security.directory.trust(curve_key, endpoint)
+
+    def add_authorizer(self, authorizer: Authorizer) -> None:
+        """Hand a message on only if ``authorizer(frames, sender)`` accepts it (with a secret).
+
+        **Called by:** the staging set-up, before the listener starts.
+        """
+        self._authorizers.append(authorizer)
+
+    def _receive(self, frames: list[bytes]) -> None:
+        """The listener's dispatch: authorise (with a secret), then :meth:`_on_message`."""
+        if self._authorized(frames):
+            self._on_message(frames)
+
+    def _authorized(self, frames: list[bytes]) -> bool:
+        if self.security is None:
+            return True
+        sender = self.listener.sender
+        if sender is not None and all(allows(frames, sender) for allows in self._authorizers):
+            return True
+        self.unauthorized += 1
+        if self._unauthorized_log.admit():
+            kind = bytes(frames[0][:32]) if frames else b""
+            logger.warning("%r from %s not authorized for it: dropped", kind, sender)
+        return False
 
     def start(self) -> None:
         """Start the listener thread."""
@@ -137,4 +226,16 @@ class CommonKVManager:
         self._closed = True
         self.listener.stop()
         self.peers.close()
+        if self.security is not None:
+            self.security.close()
         self.engine.close()
+
+
+def _note_insecure() -> None:
+    global _insecure_noted  # noqa: PLW0603 - once per process
+    if not _insecure_noted:
+        _insecure_noted = True
+        logger.warning(
+            "no cluster secret (STAGING_CONTRACTS_SECRET): the control plane is "
+            "unauthenticated and binds loopback only"
+        )

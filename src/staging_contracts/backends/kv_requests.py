@@ -54,6 +54,8 @@ class ControlHost(Protocol):
 
     def send(self, endpoint: str, frames: Sequence[bytes]) -> bool: ...
 
+    def add_authorizer(self, authorizer: Callable[[list[bytes], str], bool]) -> None: ...
+
 
 # --------------------------------------------------------------------------- prefill
 
@@ -128,6 +130,7 @@ class PrefillTransfers:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         manager.register_control(RoomMeta.KIND, self._on_room_meta)
         manager.register_control(RoomFailed.KIND, self._on_room_failed)
+        manager.add_authorizer(self._authorize)
         writer.on_room_lost(self._on_room_lost)
         rank = manager.kv_args.engine_rank
         self._thread = threading.Thread(
@@ -261,6 +264,24 @@ class PrefillTransfers:
             decode = state.decode if state is not None else ()
         if decode:
             self._writer.prefetch(room, chunks, decode)
+
+    def _authorize(self, frames: list[bytes], sender: str) -> bool:
+        """``ROOM_META`` and ``ROOM_FAILED`` of a room only from its decode ranks (those it
+        was opened with); for a room not opened yet the codec and the open check decide."""
+        kind = bytes(frames[0]) if frames else b""
+        if kind not in (RoomMeta.KIND, RoomFailed.KIND) or len(frames) < 2:
+            return True
+        if not (frames[1].isdigit() and len(frames[1]) <= 18):
+            return True
+        with self._cond:
+            state = self._rooms.get(int(frames[1]))
+            decode = state.decode if state is not None else ()
+        if not decode:
+            return True
+        if kind == RoomMeta.KIND and len(frames) > 2 and frames[2].isdigit():
+            rank = int(frames[2])
+            return rank < len(decode) and decode[rank].endpoint == sender
+        return any(target.endpoint == sender for target in decode)
 
     def _on_room_failed(self, frames: list[bytes]) -> None:
         message = RoomFailed.from_frames(frames)

@@ -59,6 +59,8 @@ class StagingBackend(StagingHostCore, Protocol):
 
     def register_control(self, kind: bytes, handler: Callable[[list[bytes]], None]) -> None: ...
 
+    def add_authorizer(self, authorizer: Callable[[list[bytes], str], bool]) -> None: ...
+
     def attach_staging_handler(self, handler: StagingHandler) -> None: ...
     def _handle_chunk_notification(self, payload: bytes) -> ArrivalOutcome | None: ...
     def staging_stats(self) -> StagingStats: ...
@@ -107,6 +109,7 @@ def enable_decode_staging(
         handler.writer_fenced(answer.room, answer.session_id, answer.writer_rank)
 
     backend.register_control(RoomFenced.KIND, on_fenced)
+    backend.add_authorizer(handler.authorize)
     backend.liveness.subscribe(handler.peer_dead)
     return handler
 
@@ -158,6 +161,7 @@ def enable_prefill_staging(
     backend.register_control(
         RoomFence.KIND, lambda frames: writer.handle_room_fence(RoomFence.from_frames(frames))
     )
+    backend.add_authorizer(writer.authorize)
     backend.liveness.subscribe(writer.peer_dead)
     return writer
 

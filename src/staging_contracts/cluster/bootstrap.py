@@ -387,7 +387,7 @@ class BootstrapServer:
     def _serve_batch(self) -> None:
         for _ in range(_SERVE_BATCH):
             try:
-                frames, extra = recv_frames(
+                frames, extra, _ = recv_frames(
                     self._socket, max_frames=_ENVELOPE_FRAMES, flags=zmq.NOBLOCK
                 )
             except zmq.Again:

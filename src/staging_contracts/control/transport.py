@@ -22,11 +22,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 import zmq
 
 from .wire import MAX_MESSAGE_BYTES, MalformedMessage
+
+if TYPE_CHECKING:
+    from .security import ControlSecurity
 
 __all__ = [
     "DEFAULT_SEND_HWM",
@@ -40,6 +43,7 @@ __all__ = [
     "ListenerStats",
     "LogThrottle",
     "PeerSockets",
+    "Received",
     "open_socket_count",
     "recv_frames",
 ]
@@ -165,9 +169,20 @@ class LogThrottle:
         self._logged = 0
 
 
+class Received(NamedTuple):
+    """One multipart message as :func:`recv_frames` read it."""
+
+    frames: list[bytes]
+    """Its first frames (at most ``max_frames``)."""
+    dropped: int
+    """How many more frames it had (0 for a message within the bound)."""
+    user_id: str | None = None
+    """The ``User-Id`` ZMQ gave it (CURVE: the sender's public key), when asked for."""
+
+
 def recv_frames(
-    sock: zmq.Socket[bytes], *, max_frames: int = MAX_FRAMES, flags: int = 0
-) -> tuple[list[bytes], int]:
+    sock: zmq.Socket[bytes], *, max_frames: int = MAX_FRAMES, flags: int = 0, user_id: bool = False
+) -> Received:
     """Receive one multipart message, keeping at most ``max_frames`` of its frames.
 
     **Thread-safety:** the socket's owner thread only (ZMQ sockets are not thread-safe).
@@ -177,15 +192,23 @@ def recv_frames(
         max_frames: most frames copied into ``bytes``; the rest of a longer message is
             received as ZMQ frames (no copy into Python) and dropped.
         flags: for the first frame (e.g. ``zmq.NOBLOCK``); the rest are already there.
+        user_id: also read the message's ``User-Id`` property (set by ZAP authentication).
 
     Returns:
-        The first ``max_frames`` frames, and how many more the message had (0 for a message
-        within the bound).
+        The first ``max_frames`` frames, how many more the message had (0 for a message
+        within the bound), and its ``User-Id`` when asked for.
 
     Raises:
         zmq.Again: with ``zmq.NOBLOCK``, no message was waiting.
     """
-    frames = [sock.recv(flags)]
+    user = None
+    if user_id:
+        first = sock.recv(flags, copy=False)
+        frames = [first.bytes]
+        value = first.get("User-Id")
+        user = value if isinstance(value, str) and value else None
+    else:
+        frames = [sock.recv(flags)]
     while sock.getsockopt(zmq.RCVMORE):
         if len(frames) < max_frames:
             frames.append(sock.recv())
@@ -194,8 +217,8 @@ def recv_frames(
         while sock.getsockopt(zmq.RCVMORE):
             sock.recv(copy=False)
             dropped += 1
-        return frames, dropped
-    return frames, 0
+        return Received(frames, dropped, user)
+    return Received(frames, 0, user)
 
 
 class PeerSockets:
@@ -205,13 +228,22 @@ class PeerSockets:
     **Blocking:** never: a send to a peer whose queue is full (dead, stalled, not yet
     reachable beyond ``hwm`` messages) is dropped and counted, and ``send`` returns ``False``.
 
+    With ``security``, every socket is a CURVE client of its peer, with the peer's key from
+    the security's directory; a message to a peer whose key is unknown is never sent in the
+    clear: it is dropped, counted in ``untrusted`` and logged once per peer.
+
     Args:
         hwm: messages queued per peer before further sends to it are dropped.
         context: the ZMQ context (default: the process-wide instance).
+        security: this participant's CURVE keys and trusted peers (``None``: plain TCP).
     """
 
     def __init__(
-        self, *, hwm: int = DEFAULT_SEND_HWM, context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self,
+        *,
+        hwm: int = DEFAULT_SEND_HWM,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        security: ControlSecurity | None = None,
     ) -> None:
         self._context = context or zmq.Context.instance()
         self._hwm = hwm
@@ -219,10 +251,13 @@ class PeerSockets:
         self._sockets: dict[str, tuple[zmq.Socket[bytes], threading.Lock]] = {}
         self._closed = False
         self._dropping: set[str] = set()
+        self._security = security
         self.dropped = 0
         """Messages dropped because a peer's queue was full."""
+        self.untrusted = 0
+        """Messages not sent because the peer's CURVE key is unknown (with ``security``)."""
 
-    def _socket(self, endpoint: str) -> tuple[zmq.Socket[bytes], threading.Lock]:
+    def _socket(self, endpoint: str) -> tuple[zmq.Socket[bytes], threading.Lock] | None:
         with self._lock:
             if self._closed:
                 raise RuntimeError("PeerSockets is closed")
@@ -231,6 +266,9 @@ class PeerSockets:
                 sock = self._context.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, self._hwm)
+                if self._security is not None and not self._security.connect(sock, endpoint):
+                    sock.close(linger=0)
+                    return None
                 sock.connect(endpoint)
                 _opened(+1)
                 entry = (sock, threading.Lock())
@@ -243,7 +281,14 @@ class PeerSockets:
         Raises:
             RuntimeError: after :meth:`close`.
         """
-        sock, lock = self._socket(endpoint)
+        entry = self._socket(endpoint)
+        if entry is None:
+            self.untrusted += 1
+            if endpoint not in self._dropping:
+                self._dropping.add(endpoint)
+                logger.warning("no CURVE key known for peer %s: not sending to it", endpoint)
+            return False
+        sock, lock = entry
         with lock:
             try:
                 # Frame by frame with plain int flags: pyzmq's send_multipart builds Frame
@@ -331,6 +376,8 @@ class Listener:
         log_burst: log lines per ``log_interval_s`` for each kind of failure.
         log_interval_s: the interval of the log throttles.
         context: the ZMQ context (default: the process-wide instance).
+        security: CURVE server keys and the trusted peers; only they can connect, and
+            :attr:`sender` names each message's sender (``None``: plain TCP, no sender).
 
     Raises:
         ValueError: a bound is not positive.
@@ -353,6 +400,7 @@ class Listener:
         log_burst: int = LOG_BURST,
         log_interval_s: float = LOG_INTERVAL_S,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        security: ControlSecurity | None = None,
     ) -> None:
         if drain_batch < 1 or max_frame_bytes < 1 or max_frames < 1:
             raise ValueError(
@@ -383,6 +431,12 @@ class Listener:
         self._socket = ctx.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        self._security = security
+        if security is not None:
+            security.serve(self._socket)
+        self.sender: str | None = None
+        """The endpoint of the peer whose message is being dispatched (with ``security``;
+        ``None`` otherwise). Valid on the listener thread, during ``dispatch`` only."""
         try:
             if port:
                 self._socket.bind(f"tcp://{host}:{port}")
@@ -468,11 +522,16 @@ class Listener:
             if self._stop.is_set():
                 return
             try:
-                frames, dropped = recv_frames(
-                    self._socket, max_frames=self._max_frames, flags=_NOBLOCK
+                frames, dropped, user = recv_frames(
+                    self._socket,
+                    max_frames=self._max_frames,
+                    flags=_NOBLOCK,
+                    user_id=self._security is not None,
                 )
             except zmq.Again:
                 return
+            if self._security is not None:
+                self.sender = self._security.sender(user)
             self._received += 1
             if dropped:
                 self._malformed += 1

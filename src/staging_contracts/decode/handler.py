@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from ..control.liveness import PeerLiveness
-from ..control.room_messages import RoomFence
+from ..control.room_messages import RoomFailed, RoomFence, RoomFenced
 from ..control.transport import PeerSockets
 from ..control.wire import StagingRsp, WatermarkUpdate
 from ..protocols import ArrivalOutcome, KVBufferTensors, StagingReqOutcome, Watermark
@@ -60,6 +60,16 @@ logger = logging.getLogger(__name__)
 WAIT_SLICE_S = 0.01
 """``wait_room`` re-checks finished scatters at least this often (CUDA events complete
 without waking anyone)."""
+
+
+_CHUNK_READY = b"CHUNK_READY"
+_ROOM_KINDS = frozenset({b"STAGING_REQ", _CHUNK_READY, RoomFailed.KIND, RoomFenced.KIND})
+"""Messages whose sender must be one of the room's peers (see ``authorize``)."""
+
+
+def _room_of(frame: bytes) -> int | None:
+    """A non-negative decimal frame as an int (``None`` if it is not one)."""
+    return int(frame) if 0 < len(frame) <= 18 and frame.isdigit() else None
 
 
 DEFAULT_FENCE_RESEND_S = 0.5
@@ -577,6 +587,38 @@ class DecodeStagingHandler:
         if event is None:
             self._broadcast_watermark()
         return ArrivalOutcome.COMPLETE
+
+    def authorize(self, frames: Sequence[bytes], sender: str) -> bool:
+        """Whether an authenticated peer may send this message (authorisation per room).
+
+        ``STAGING_REQ``, ``CHUNK_READY`` and ``ROOM_FAILED`` of a room are accepted only from
+        that room's registered prefill peers, and a ``CHUNK_READY`` naming a writer rank only
+        from that writer; ``ROOM_FENCED`` only from the writer it names, for a fence that
+        waits for it. A message for a room this rank does not know, or that cannot be parsed,
+        is let through (the handler drops the first, the codec rejects the second); other
+        kinds are not this handler's to judge.
+
+        **Called by:** the listener thread, before the message is handled. **Blocking:** no.
+        """
+        kind = bytes(frames[0]) if frames else b""
+        if kind not in _ROOM_KINDS or len(frames) < 2:
+            return True
+        room = _room_of(frames[1])
+        if room is None:
+            return True
+        with self._lock:
+            if kind == RoomFenced.KIND:
+                fence = self._fences.get(room)
+                rank = _room_of(frames[3]) if len(frames) > 3 else None
+                return fence is None or (rank is not None and fence.awaiting.get(rank) == sender)
+            state = self._rooms.get(room)
+            if state is None:
+                return True
+            peers = {peer.tp_rank: peer.endpoint for peer in state.plan.peers}
+        if kind == _CHUNK_READY and len(frames) > 6:
+            rank = _room_of(frames[6])
+            return rank is not None and peers.get(rank) == sender
+        return sender in peers.values()
 
     def writer_fenced(self, room: int, session_id: str, writer_rank: int) -> None:
         """A writer answered ``ROOM_FENCED``: it will not write into the room's regions again.

@@ -53,6 +53,9 @@ __all__ = ["ChunkSpec", "DecodeTarget", "PrefillTimeouts", "StagingFailed", "Sta
 
 logger = logging.getLogger(__name__)
 
+_SESSION_FRAME: Final = {b"STAGING_RSP": 6, b"WATERMARK": 3, RoomFence.KIND: 2}
+"""The frame that names the decode session, per message the writer authorises."""
+
 WAIT_SLICE_S: Final = 0.05
 """Longest a wait for a region or the watermark goes without checking fences and liveness."""
 
@@ -329,6 +332,35 @@ class StagingWriter:
             ]
         for room in rooms:
             self._tell_room_lost(room, f"decode rank at {endpoint} is dead")
+
+    def authorize(self, frames: Sequence[bytes], sender: str) -> bool:
+        """Whether an authenticated peer may send this message (authorisation per session).
+
+        ``STAGING_RSP`` and ``ROOM_FENCE`` naming a decode session are accepted only from that
+        session's endpoint as this writer learned it (from the targets it requested), and a
+        ``ROOM_FENCE`` only with that endpoint as its reply address; ``WATERMARK`` only from
+        the session it names or, without one, from any decode rank this writer requested
+        from. Other kinds are not this writer's to judge.
+
+        **Called by:** the listener thread, before the message is handled. **Blocking:** no.
+        """
+        kind = bytes(frames[0]) if frames else b""
+        session_index = _SESSION_FRAME.get(kind)
+        if session_index is None:
+            return True
+        with self._requested_lock:
+            endpoints = {
+                session: endpoint
+                for targets in self._room_targets.values()
+                for session, endpoint in targets.items()
+            }
+        session = frames[session_index] if len(frames) > session_index else b""
+        if not session:  # a WATERMARK without a session (the reference sends it so)
+            return sender in endpoints.values()
+        expected = endpoints.get(session.decode("ascii", "replace"))
+        if kind == RoomFence.KIND:
+            return expected == sender and len(frames) > 3 and frames[3] == sender.encode()
+        return expected == sender
 
     def _tell_room_lost(self, room: int, reason: str) -> None:
         for listener in self._room_lost:
