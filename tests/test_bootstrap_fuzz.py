@@ -73,9 +73,9 @@ def assert_clear_error(answer: object) -> None:
 
 
 def assert_still_serving(server: BootstrapServer, rank: int) -> None:
-    """A registration and a query still work."""
+    """A registration (replacing whatever the fuzz registered there) and a query still work."""
     info = RankInfo("prefill", rank, "tcp://127.0.0.1:1", f"p{rank}", b"m")
-    register_rank(server.endpoint, info, timeout=5)
+    register_rank(server.endpoint, info, timeout=5, replace=True)
     found = query_ranks(server.endpoint, "prefill", rank + 1, timeout=5)
     assert found[rank] == info
 

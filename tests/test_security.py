@@ -11,6 +11,15 @@ import zmq
 
 from staging_contracts.backends.common import CommonKVManager, Role
 from staging_contracts.backends.local import LocalKVManager
+from staging_contracts.cluster.bootstrap import (
+    BootstrapError,
+    BootstrapServer,
+    RankInfo,
+    query_ranks,
+    register_rank,
+)
+from staging_contracts.cluster.runner import run_cluster
+from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.control.room_messages import RoomFailed, RoomFence, RoomFenced
 from staging_contracts.control.security import (
     SECRET_ENV,
@@ -24,6 +33,7 @@ from staging_contracts.control.security import (
 from staging_contracts.control.transport import Listener, PeerSockets
 from staging_contracts.control.wire import ChunkReady, StagingReq, StagingRsp, WatermarkUpdate
 from staging_contracts.decode.handler import RoomStatus
+from staging_contracts.engines import engine_available
 from staging_contracts.engines.local import LocalEngine
 from tests.local_cluster import Geometry, local_cluster, trust_each_other, wait_for
 from tests.test_reliability import FAST, pages_match
@@ -226,3 +236,100 @@ def test_a_peer_holding_no_key_is_not_heard() -> None:
         finally:
             plain.close(linger=0)
             keyed.close(linger=0)
+
+
+# --------------------------------------------------------------------------- the bootstrap
+
+
+def _info(rank: int, endpoint: str, key: str = "") -> RankInfo:
+    return RankInfo("decode", rank, endpoint, f"session-{rank}", b"meta", 0, 0, key)
+
+
+@pytest.mark.usefixtures("secret_env")
+def test_the_bootstrap_answers_only_holders_of_the_secret(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the secret, registration and queries work; without it, or with another secret,
+    the handshake fails and nothing is answered (the refusals are counted)."""
+    server = BootstrapServer()
+    server.start()
+    try:
+        assert server.authenticated
+        register_rank(server.endpoint, _info(0, "tcp://127.0.0.1:7", "k" * 40))
+        assert query_ranks(server.endpoint, "decode", 1, timeout=2)[0].curve_key == "k" * 40
+        monkeypatch.delenv(SECRET_ENV)
+        with pytest.raises(BootstrapError, match=r"did not answer"):
+            query_ranks(server.endpoint, "decode", 1, timeout=0.5)
+        monkeypatch.setenv(SECRET_ENV, "another secret of 32 characters!")
+        with pytest.raises(BootstrapError, match=r"did not answer"):
+            register_rank(server.endpoint, _info(1, "tcp://127.0.0.1:8"), timeout=0.5)
+        # A client that knows the server's key (derived from the secret) but not the
+        # secret's client key is refused by ZAP, and counted.
+        stranger: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
+        stranger.setsockopt(zmq.LINGER, 0)
+        try:
+            server_key = CurveKeys.derive(SECRET, "bootstrap-server").public
+            CurveKeys.generate().connect_to(stranger, server_key)
+            stranger.connect(server.endpoint)
+            stranger.send(b'{"op": "query", "role": "decode", "count": 1}')
+            assert stranger.poll(500) == 0
+        finally:
+            stranger.close(linger=0)
+        assert server.denied >= 1
+        assert [i.tp_rank for i in server.infos("decode")] == [0]
+    finally:
+        server.stop()
+
+
+def test_a_bootstrap_entry_is_replaced_only_explicitly() -> None:
+    """The same entry again is fine; another participant's needs replace=True."""
+    server = BootstrapServer(secret=None)
+    server.start()
+    try:
+        register_rank(server.endpoint, _info(0, "tcp://127.0.0.1:7"))
+        register_rank(server.endpoint, _info(0, "tcp://127.0.0.1:7"))
+        with pytest.raises(BootstrapError, match=r"already registered by another participant"):
+            register_rank(server.endpoint, _info(0, "tcp://127.0.0.1:9"))
+        assert server.infos("decode")[0].endpoint == "tcp://127.0.0.1:7"
+        register_rank(server.endpoint, _info(0, "tcp://127.0.0.1:9"), replace=True)
+        assert server.infos("decode")[0].endpoint == "tcp://127.0.0.1:9"
+    finally:
+        server.stop()
+
+
+def test_a_non_loopback_bootstrap_without_a_secret_is_refused() -> None:
+    """The bootstrap follows the same bind rule as the listeners."""
+    with pytest.raises(SecurityError, match=r"^refusing to bind '0.0.0.0'"):
+        BootstrapServer("0.0.0.0", secret=None)
+
+
+def test_rank_info_carries_a_curve_key() -> None:
+    """The key survives the JSON round trip; a malformed one is refused."""
+    info = _info(3, "tcp://127.0.0.1:7", "a" * 40)
+    assert RankInfo.from_json(info.to_json()) == info
+    with pytest.raises(ValueError, match=r"curve_key must be 40 Z85 characters"):
+        RankInfo.from_json({**info.to_json(), "curve_key": "short"})
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not engine_available("nixl")[0], reason=engine_available("nixl")[1])
+@pytest.mark.usefixtures("secret_env")
+def test_a_multi_process_transfer_runs_with_curve_on() -> None:
+    """Rank processes read the secret, publish their keys through the authenticated
+    bootstrap, trust each other by them, and land every page bit for bit."""
+    config = TransferConfig(
+        backend="nixl",
+        prefill_tp=2,
+        decode_tp=1,
+        kv_heads=2,
+        layers=2,
+        head_dim=16,
+        tokens=48,
+        page_size=4,
+        requests=2,
+        chunk_tokens=16,
+        ring_chunks=2,
+    )
+    result = run_cluster(config, timeout_s=120)
+    assert result.verified, result
+    assert result.first_death is None

@@ -22,15 +22,16 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Sequence
-from typing import Final, Literal
+from typing import Literal
 
 from ..control.liveness import PeerLiveness
 from ..control.room_messages import Ping, Pong
 from ..control.security import (
+    FROM_ENV,
     ControlSecurity,
     SecurityError,
     check_insecure_bind,
-    load_cluster_secret,
+    resolve_secret,
 )
 from ..control.transport import Listener, LogThrottle, PeerSockets
 from ..control.wire import MalformedMessage
@@ -39,9 +40,6 @@ from ..protocols import KVArgs, TransferEngine
 __all__ = ["CommonKVManager", "Role"]
 
 logger = logging.getLogger(__name__)
-
-FROM_ENV: Final = "env"
-"""``secret=FROM_ENV``: read the cluster secret from the environment (the default)."""
 
 Authorizer = Callable[[list[bytes], str], bool]
 """``(frames, sender_endpoint) -> allowed``: may this authenticated peer send this message?"""
@@ -102,8 +100,8 @@ class CommonKVManager:
     ) -> None:
         if attn_tp_size < 1 or pp_size < 1:
             raise ValueError(f"attn_tp_size={attn_tp_size} and pp_size={pp_size} must be >= 1")
-        cluster_secret = load_cluster_secret() if secret == FROM_ENV else secret
-        if isinstance(cluster_secret, bytes):
+        cluster_secret = resolve_secret(secret)
+        if cluster_secret is not None:
             self.security: ControlSecurity | None = ControlSecurity(cluster_secret)
             """CURVE keys and trusted peers (``None``: unauthenticated, loopback only)."""
         else:

@@ -36,6 +36,14 @@ from typing import Any, Final
 
 import zmq
 
+from ..control.security import (
+    FROM_ENV,
+    CurveKeys,
+    check_insecure_bind,
+    load_cluster_secret,
+    resolve_secret,
+    zap_handler,
+)
 from ..control.transport import LOG_BURST, LOG_INTERVAL_S, LogThrottle, recv_frames
 
 __all__ = [
@@ -77,6 +85,10 @@ MAX_NAME_CHARS: Final = 256
 _MAX_ADDRESS: Final = 2**64 - 1
 _ROLES: Final = ("prefill", "decode")
 _OPS: Final = ("register", "query", "arrive", "count")
+BOOTSTRAP_SERVER_LABEL: Final = "bootstrap-server"
+BOOTSTRAP_CLIENT_LABEL: Final = "bootstrap-client"
+"""Labels of the CURVE key pairs every holder of the cluster secret derives for the bootstrap."""
+_CURVE_KEY_CHARS: Final = 40
 _MIN_ANSWER_S: Final = 1.0
 _SERVER_POLL_MS: Final = 20
 _SERVE_BATCH: Final = 64
@@ -148,6 +160,9 @@ class RankInfo:
     """Decode: address of the staging ring."""
     ring_size: int = 0
     """Decode: bytes of the staging ring."""
+    curve_key: str = ""
+    """The rank's CURVE public key (Z85 text) when the cluster secret is set, else empty:
+    peers trust the rank's listener by it."""
 
     def to_json(self) -> dict[str, Any]:
         """As a JSON-ready dict (metadata base64-encoded)."""
@@ -181,6 +196,11 @@ class RankInfo:
             session_id = _str_field(doc, "session_id")
             ring_base = _int_field(doc, "ring_base", 0, _MAX_ADDRESS, 0)
             ring_size = _int_field(doc, "ring_size", 0, _MAX_ADDRESS, 0)
+            curve_key = doc.get("curve_key", "")
+            if not isinstance(curve_key, str) or not (
+                curve_key == "" or (len(curve_key) == _CURVE_KEY_CHARS and curve_key.isascii())
+            ):
+                raise ValueError(f"curve_key must be 40 Z85 characters, got {_show(curve_key)}")
             if not isinstance(metadata, str) or len(metadata) > MAX_REQUEST_BYTES:
                 raise ValueError(f"metadata must be a base64 string, got {_show(metadata)}")
             try:
@@ -189,7 +209,7 @@ class RankInfo:
                 raise ValueError(f"metadata is not base64: {_show(metadata)}") from None
         except ValueError as exc:
             raise ValueError(f"bad rank info: {exc}") from None
-        return cls(str(role), tp_rank, endpoint, session_id, raw, ring_base, ring_size)
+        return cls(str(role), tp_rank, endpoint, session_id, raw, ring_base, ring_size, curve_key)
 
 
 def _no_constant(name: str) -> float:
@@ -215,6 +235,8 @@ class _Request:
     wait_s: float
     info: RankInfo | None = None
     party: str = ""
+    replace: bool = False
+    """A registration that may replace another participant's entry (after a restart)."""
 
 
 def _parse_request(raw: bytes) -> _Request:
@@ -239,7 +261,10 @@ def _parse_request(raw: bytes) -> _Request:
     op = doc.get("op")
     if op == "register":
         info = RankInfo.from_json(doc.get("info"))
-        return _Request("register", info.role, 0, float(wait_s), info=info)
+        replace = doc.get("replace", False)
+        if type(replace) is not bool:
+            raise ValueError(f"replace must be true or false, got {_show(replace)}")
+        return _Request("register", info.role, 0, float(wait_s), info=info, replace=replace)
     if op == "query":
         role = _str_field(doc, "role")
         if role not in _ROLES:
@@ -290,11 +315,25 @@ class BootstrapServer:
         *,
         log_burst: int = LOG_BURST,
         log_interval_s: float = LOG_INTERVAL_S,
+        secret: bytes | str | None = FROM_ENV,
+        allow_insecure: bool = False,
     ) -> None:
+        cluster_secret = resolve_secret(secret)
+        if cluster_secret is None:
+            check_insecure_bind(host, allow_insecure=allow_insecure)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self._domain = f"staging-contracts-bootstrap-{id(self):x}"
+        self.authenticated = cluster_secret is not None
+        """Whether only holders of the cluster secret can reach the server (CURVE)."""
+        if cluster_secret is not None:
+            client = CurveKeys.derive(cluster_secret, BOOTSTRAP_CLIENT_LABEL).public
+            CurveKeys.derive(cluster_secret, BOOTSTRAP_SERVER_LABEL).serve(
+                self._socket, self._domain
+            )
+            zap_handler(self._ctx).register(self._domain, lambda key: key == client)
         try:
             self._socket.bind(f"tcp://{host}:*")
         except zmq.ZMQError:
@@ -334,12 +373,19 @@ class BootstrapServer:
             TimeoutError: the thread did not stop within ``timeout``.
         """
         self._stop.set()
+        if self.authenticated:
+            zap_handler(self._ctx).unregister(self._domain)
         if self._thread.is_alive():
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise TimeoutError(f"bootstrap server did not stop in {timeout}s")
         elif not self._socket.closed:
             self._socket.close(linger=0)
+
+    @property
+    def denied(self) -> int:
+        """Connections refused for not holding the cluster secret (0 without one)."""
+        return zap_handler(self._ctx).denied(self._domain) if self.authenticated else 0
 
     @property
     def alive(self) -> bool:
@@ -413,6 +459,10 @@ class BootstrapServer:
         except ValueError as exc:
             self._refuse(identity, str(exc))
             return
+        conflict = self._conflict(request)
+        if conflict is not None:
+            self._refuse(identity, conflict)
+            return
         self._apply(request)
         if request.wait_s > 0 and not self._satisfied(request):
             if len(self._waiters) >= MAX_WAITERS:
@@ -434,6 +484,20 @@ class BootstrapServer:
         if self._rejected_log.admit():
             logger.warning("bootstrap request rejected: %s", answer["error"])
         self._reply(identity, answer)
+
+    def _conflict(self, request: _Request) -> str | None:
+        """Why a registration may not replace the entry it names (``None``: it may)."""
+        info = request.info
+        if request.op != "register" or info is None or request.replace:
+            return None
+        with self._lock:
+            known = self._ranks.get(request.key, {}).get(info.tp_rank)
+        if known is None or (known.endpoint, known.curve_key) == (info.endpoint, info.curve_key):
+            return None
+        return (
+            f"{info.role} rank {info.tp_rank} is already registered by another participant "
+            f"({known.endpoint}); a restarted rank registers again with replace=true"
+        )
 
     def _apply(self, request: _Request) -> None:
         """Record a registration or an arrival (nothing for the reads)."""
@@ -523,6 +587,10 @@ def _request(endpoint: str, doc: dict[str, Any], timeout: float) -> dict[str, An
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_ANSWER_BYTES)
+    cluster_secret = load_cluster_secret()
+    if cluster_secret is not None:
+        server = CurveKeys.derive(cluster_secret, BOOTSTRAP_SERVER_LABEL).public
+        CurveKeys.derive(cluster_secret, BOOTSTRAP_CLIENT_LABEL).connect_to(sock, server)
     try:
         sock.connect(endpoint)
         sock.send(json.dumps(doc).encode())
@@ -540,13 +608,19 @@ def _request(endpoint: str, doc: dict[str, Any], timeout: float) -> dict[str, An
     return answer
 
 
-def register_rank(endpoint: str, info: RankInfo, timeout: float = 10.0) -> None:
+def register_rank(
+    endpoint: str, info: RankInfo, timeout: float = 10.0, *, replace: bool = False
+) -> None:
     """Tell the bootstrap server about this rank.
 
+    Registering the same entry again is harmless; an entry of another participant (another
+    endpoint or key) is replaced only with ``replace=True`` (a rank restarted after a crash).
+
     Raises:
-        BootstrapError: no answer within ``timeout``, or refused.
+        BootstrapError: no answer within ``timeout``, or refused (e.g. the rank is registered
+            by another participant and ``replace`` is false).
     """
-    _request(endpoint, {"op": "register", "info": info.to_json()}, timeout)
+    _request(endpoint, {"op": "register", "info": info.to_json(), "replace": replace}, timeout)
 
 
 def query_ranks(endpoint: str, role: str, count: int, timeout: float = 60.0) -> list[RankInfo]:

@@ -149,9 +149,11 @@ def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) 
                 engine.metadata(),
                 allocator.base_ptr,
                 allocator.total_size,
+                _key_text(common.curve_key),
             ),
         )
         prefill = query_ranks(bootstrap, "prefill", config.prefill_tp)
+        _trust(common, prefill)
         transfers = DecodeTransfers(common, handler, [info.endpoint for info in prefill])
         _freeze_heap()
         report("ready")
@@ -205,6 +207,7 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
         common.start()
         engine = manager.engine
         decode = query_ranks(bootstrap, "decode", config.decode_tp)
+        _trust(common, decode)
         for info in decode:
             engine.add_peer(info.session_id, info.metadata)
         targets = [
@@ -213,7 +216,14 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
         ]
         register_rank(
             bootstrap,
-            RankInfo("prefill", rank, common.endpoint, engine.session_id, engine.metadata()),
+            RankInfo(
+                "prefill",
+                rank,
+                common.endpoint,
+                engine.session_id,
+                engine.metadata(),
+                curve_key=_key_text(common.curve_key),
+            ),
         )
         _freeze_heap()
         report("ready")
@@ -265,6 +275,17 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
         }
     finally:
         common.close()
+
+
+def _key_text(key: bytes | None) -> str:
+    """A CURVE public key as published at bootstrap (empty without a cluster secret)."""
+    return "" if key is None else key.decode("ascii")
+
+
+def _trust(manager: CommonKVManager, peers: list[RankInfo]) -> None:
+    """Trust each peer's listener by the key it published (a no-op without a secret)."""
+    for info in peers:
+        manager.trust_peer(info.endpoint, info.curve_key.encode("ascii") or None)
 
 
 def _freeze_heap() -> None:

@@ -35,6 +35,7 @@ import zmq
 from zmq.utils import z85
 
 __all__ = [
+    "FROM_ENV",
     "SECRET_ENV",
     "SECRET_FILE_ENV",
     "ControlSecurity",
@@ -44,6 +45,7 @@ __all__ = [
     "ZapHandler",
     "check_insecure_bind",
     "load_cluster_secret",
+    "resolve_secret",
     "zap_handler",
 ]
 
@@ -53,6 +55,8 @@ SECRET_ENV: Final = "STAGING_CONTRACTS_SECRET"
 """Environment variable holding the cluster secret."""
 SECRET_FILE_ENV: Final = "STAGING_CONTRACTS_SECRET_FILE"
 """Environment variable naming a file that holds the cluster secret."""
+FROM_ENV: Final = "env"
+"""``secret=FROM_ENV``: read the cluster secret from the environment (the default)."""
 MIN_SECRET_BYTES: Final = 16
 """Shortest secret accepted."""
 _ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"
@@ -93,6 +97,19 @@ def load_cluster_secret(environ: Mapping[str, str] | None = None) -> bytes | Non
             f"{MIN_SECRET_BYTES} (e.g. 32 random bytes, hex-encoded)"
         )
     return secret
+
+
+def resolve_secret(secret: bytes | str | None) -> bytes | None:
+    """``secret`` itself, or the environment's for :data:`FROM_ENV`.
+
+    Raises:
+        SecurityError: as :func:`load_cluster_secret`, or ``secret`` is another string.
+    """
+    if secret == FROM_ENV:
+        return load_cluster_secret()
+    if secret is None or isinstance(secret, bytes):
+        return secret
+    raise SecurityError(f"secret must be bytes, None or FROM_ENV, got {type(secret).__name__}")
 
 
 def check_insecure_bind(host: str, *, allow_insecure: bool) -> None:
@@ -284,8 +301,8 @@ def zap_handler(context: zmq.Context[zmq.Socket[bytes]] | None = None) -> ZapHan
 class ControlSecurity:
     """One participant's side of the authenticated control plane.
 
-    Holds the participant's own CURVE keys (random), the :class:`KeyDirectory` of the peers it
-    trusts, and the key pairs of the bootstrap derived from the cluster secret.
+    Holds the participant's own CURVE keys (random) and the :class:`KeyDirectory` of the peers
+    it trusts.
 
     Args:
         cluster_secret: the shared secret (see :func:`load_cluster_secret`).
@@ -304,8 +321,6 @@ class ControlSecurity:
         """This participant's key pair; its public half goes to the bootstrap."""
         self.directory = KeyDirectory()
         """The peers this participant trusts (learned from the bootstrap)."""
-        self.bootstrap_server_keys = CurveKeys.derive(cluster_secret, "bootstrap-server")
-        self.bootstrap_client_keys = CurveKeys.derive(cluster_secret, "bootstrap-client")
         self._context = context or zmq.Context.instance()
         self.domain = f"staging-contracts-{id(self):x}"
         """The ZAP domain of this participant's listener."""
