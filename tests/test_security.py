@@ -4,11 +4,13 @@ and hostile peers (one holding no key, one authenticated but not part of the roo
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
 
+from staging_contracts import StagingReqOutcome
 from staging_contracts.backends.common import CommonKVManager, Role
 from staging_contracts.backends.local import LocalKVManager
 from staging_contracts.cluster.bootstrap import (
@@ -32,11 +34,12 @@ from staging_contracts.control.security import (
 )
 from staging_contracts.control.transport import Listener, PeerSockets
 from staging_contracts.control.wire import ChunkReady, StagingReq, StagingRsp, WatermarkUpdate
-from staging_contracts.decode.handler import RoomStatus
+from staging_contracts.decode.handler import DecodeStagingHandler, RoomStatus
+from staging_contracts.decode.rooms import PrefillPeer, RoomPlan
 from staging_contracts.engines import engine_available
 from staging_contracts.engines.local import LocalEngine
 from tests.local_cluster import Geometry, local_cluster, trust_each_other, wait_for
-from tests.test_reliability import FAST, pages_match
+from tests.test_reliability import FAST, pages_match, region_bytes
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -333,3 +336,72 @@ def test_a_multi_process_transfer_runs_with_curve_on() -> None:
     result = run_cluster(config, timeout_s=120)
     assert result.verified, result
     assert result.first_death is None
+
+
+# --------------------------------------------------------------------------- ring share
+
+
+def test_one_prefill_instance_cannot_pin_the_whole_ring(
+    fake_prefills: tuple[list[str], list[zmq.Socket[bytes]]],
+) -> None:
+    """With a ring share of one half, an instance asking for more is deferred (not answered)
+    while another instance still gets its region; the deferred request is answered once the
+    first instance's own region frees."""
+    g = Geometry(1, 1, 2)
+    endpoints, _ = fake_prefills
+    with local_cluster(g, ring_bytes=4 * region_bytes(g, 1)) as cluster:
+        handler = cluster.handlers[0]
+        handler._quota_bytes = 0.5 * handler.allocator.total_size
+        sid = handler.session_id
+        greedy = RoomPlan(310, (1, 2, 3), 1, 1, (PrefillPeer(0, endpoints[0]),))
+        modest = RoomPlan(311, (4,), 1, 1, (PrefillPeer(0, endpoints[1]),))
+        for plan in (greedy, modest):
+            handler.register_room(plan)
+        outcomes = [
+            handler.handle_staging_req(310, c, num_pages=1, session_id=sid, pp_rank=None)
+            for c in range(3)
+        ]
+        assert outcomes == [StagingReqOutcome.ALLOCATED] * 2 + [StagingReqOutcome.DEFERRED]
+        modest_outcome = handler.handle_staging_req(
+            311, 0, num_pages=1, session_id=sid, pp_rank=None
+        )
+        assert modest_outcome is StagingReqOutcome.ALLOCATED
+        assert handler.allocator.live_count == 3
+        handler.handle_chunk_arrival(
+            310, 0, page_start=0, num_pages=1, session_id=sid, writer_rank=0
+        )
+        again = handler.handle_staging_req(310, 2, num_pages=1, session_id=sid, pp_rank=None)
+        assert again is StagingReqOutcome.ALLOCATED
+
+
+def test_a_ring_share_outside_zero_to_one_is_refused() -> None:
+    """The share is a fraction of the ring."""
+    with local_cluster(Geometry(1, 1, 2)) as cluster:
+        manager = cluster.decode[0]
+        with pytest.raises(ValueError, match=r"^ring_share=0 must be in \(0, 1\]$"):
+            DecodeStagingHandler(
+                allocator=cluster.handlers[0].allocator,
+                kv_buffers=cluster.decode_pools[0],
+                decode_tp=1,
+                decode_rank=0,
+                total_kv_heads=2,
+                session_id="s",
+                sender=manager.peers,
+                ring_share=0,
+            )
+
+
+@pytest.fixture
+def fake_prefills() -> Iterator[tuple[list[str], list[zmq.Socket[bytes]]]]:
+    """Two PULL sockets standing in for two prefill instances' listeners."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sockets = [context.socket(zmq.PULL) for _ in range(2)]
+    for sock in sockets:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind("tcp://127.0.0.1:*")
+    endpoints = [str(s.getsockopt_string(zmq.LAST_ENDPOINT)) for s in sockets]
+    try:
+        yield endpoints, sockets
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)

@@ -52,6 +52,7 @@ _REQ_COUNTER: Final[dict[StagingReqOutcome, str]] = {
     StagingReqOutcome.OVERSIZED: "oversized",
     StagingReqOutcome.UNKNOWN_ROOM: "dropped",
     StagingReqOutcome.REJECTED: "rejected",
+    StagingReqOutcome.DEFERRED: "deferred",
 }
 _ARRIVAL_COUNTER: Final[dict[ArrivalOutcome, str]] = {
     ArrivalOutcome.WAITING: "arrivals",

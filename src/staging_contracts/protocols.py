@@ -312,6 +312,9 @@ class StagingReqOutcome(enum.Enum):
     """The room is not registered; dropped."""
     REJECTED = "rejected"
     """Consumed chunk, chunk beyond the room, or a geometry mismatch; answered as a failure."""
+    DEFERRED = "deferred"
+    """The requester's prefill instance holds its share of the ring already: no region yet,
+    not answered; its writers ask again and are answered once its own regions free."""
 
 
 class ArrivalOutcome(enum.Enum):

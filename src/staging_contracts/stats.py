@@ -30,6 +30,8 @@ class StagingStats:
     """STAGING_RSPs recorded (prefill)."""
     watermarks: int = 0
     """WATERMARKs that moved a session's watermark forward (prefill)."""
+    deferred: int = 0
+    """STAGING_REQs left unanswered for now: the prefill instance held its ring share (decode)."""
 
 
 class StagingCounters:

@@ -67,6 +67,11 @@ _ROOM_KINDS = frozenset({b"STAGING_REQ", _CHUNK_READY, RoomFailed.KIND, RoomFenc
 """Messages whose sender must be one of the room's peers (see ``authorize``)."""
 
 
+def _owner(plan: RoomPlan) -> tuple[str, ...]:
+    """The prefill instance of a room, for the ring share: its writers' endpoints."""
+    return tuple(sorted(peer.endpoint for peer in plan.peers))
+
+
 def _room_of(frame: bytes) -> int | None:
     """A non-negative decimal frame as an int (``None`` if it is not one)."""
     return int(frame) if 0 < len(frame) <= 18 and frame.isdigit() else None
@@ -125,9 +130,15 @@ class DecodeStagingHandler:
             writers (the reference's prefill sends none). Off by default: such arrivals cannot
             be told apart, so a duplicate could start the scatter before every writer landed;
             with it off, such an arrival fails the room.
+        ring_share: the largest share of the ring one prefill instance (the set of writers of
+            a room) may hold at once; a request past it is deferred (not answered) until the
+            instance's own regions free, so one peer cannot pin the ring and starve the
+            others. An instance that holds nothing always gets its region. 1.0 (the
+            default): no cap, every request is answered (the ring overcommits, SPEC §2).
 
     Raises:
-        ValueError: the KV pool does not match ``total_kv_heads // decode_tp`` heads.
+        ValueError: the KV pool does not match ``total_kv_heads // decode_tp`` heads, or
+            ``ring_share`` is not in ``(0, 1]``.
     """
 
     def __init__(
@@ -147,6 +158,7 @@ class DecodeStagingHandler:
         liveness: PeerLiveness | None = None,
         fence_resend_s: float = DEFAULT_FENCE_RESEND_S,
         accept_anonymous_arrivals: bool = False,
+        ring_share: float = 1.0,
     ) -> None:
         self._scatterer = ChunkScatter(
             allocator,
@@ -176,6 +188,13 @@ class DecodeStagingHandler:
         self._fence_resend = fence_resend_s
         self._fences: dict[int, _Fence] = {}
         self._accept_anonymous = accept_anonymous_arrivals
+        if not 0 < ring_share <= 1:
+            raise ValueError(f"ring_share={ring_share!r} must be in (0, 1]")
+        self._quota_bytes = None if ring_share == 1 else ring_share * allocator.total_size
+        self._usage: dict[tuple[str, ...], int] = {}
+        """Ring bytes held per prefill instance (its writers' endpoints)."""
+        self._owners: dict[int, tuple[tuple[str, ...], int]] = {}
+        """Allocation id -> (its prefill instance, its bytes)."""
 
     @property
     def decode_tp(self) -> int:
@@ -333,7 +352,7 @@ class DecodeStagingHandler:
             if state.regions:
                 self._fail(state, "released before it finished")
             for alloc_id in state.held_allocations():
-                self._allocator.free(alloc_id)
+                self._free(alloc_id)
             state.pending_events.clear()
             del self._rooms[room]
             self._unwatch(peer.endpoint for peer in state.plan.peers)
@@ -445,6 +464,12 @@ class DecodeStagingHandler:
         outcome = StagingReqOutcome.SHARED
         if region is None:
             size = self._scatterer.region_bytes(plan.prefill_tp, num_pages)
+            owner = _owner(plan)
+            held = self._usage.get(owner, 0)
+            if self._quota_bytes is not None and held and held + size > self._quota_bytes:
+                # Over this prefill's share: no region yet. Its writers ask again (every
+                # answer_s) and are answered once its own regions free.
+                return StagingReqOutcome.DEFERRED
             allocation = self._allocator.assign(size)
             if allocation is None:
                 self._fail(
@@ -455,6 +480,8 @@ class DecodeStagingHandler:
                 refusal = StagingRsp.oversized(plan.room, chunk_idx, session_id).to_frames()
                 out.extend(_Outgoing(p.endpoint, refusal) for p in peers)
                 return StagingReqOutcome.OVERSIZED
+            self._owners[allocation.alloc_id] = (owner, size)
+            self._usage[owner] = held + size
             region = ChunkRegion(
                 allocation=allocation,
                 num_pages=num_pages,
@@ -571,7 +598,7 @@ class DecodeStagingHandler:
             logger.exception("room %d chunk %d: scatter failed", plan.room, chunk_idx)
             with self._lock:
                 state.scattering -= 1
-                self._allocator.free(alloc.alloc_id)
+                self._free(alloc.alloc_id)
                 self._fail(state, f"scatter of chunk {chunk_idx} failed: {exc}")
                 self._idle.notify_all()
             self._broadcast_watermark()
@@ -579,7 +606,7 @@ class DecodeStagingHandler:
         with self._lock:
             state.scattering -= 1
             if event is None:
-                self._allocator.free(alloc.alloc_id)
+                self._free(alloc.alloc_id)
             else:
                 state.pending_events.append((event, alloc.alloc_id))
             self._maybe_succeed(state)
@@ -678,7 +705,7 @@ class DecodeStagingHandler:
         done = [(event, alloc_id) for event, alloc_id in state.pending_events if event_done(event)]
         for item in done:
             state.pending_events.remove(item)
-            self._allocator.free(item[1])
+            self._free(item[1])
         if done:
             self._maybe_succeed(state)
         return bool(done)
@@ -713,8 +740,19 @@ class DecodeStagingHandler:
             fence.last_sent = float("-inf")
         else:
             for alloc_id in held:
-                self._allocator.free(alloc_id)
+                self._free(alloc_id)
         logger.warning("room %d failed: %s", state.plan.room, reason)
+
+    def _free(self, alloc_id: int) -> None:
+        """Free a region and take it off its prefill instance's share (lock held)."""
+        self._allocator.free(alloc_id)
+        owner = self._owners.pop(alloc_id, None)
+        if owner is not None:
+            left = self._usage[owner[0]] - owner[1]
+            if left:
+                self._usage[owner[0]] = left
+            else:
+                del self._usage[owner[0]]
 
     def _clear_fence(self, fence: _Fence, ranks: Sequence[int]) -> bool:
         """Drop answered (or dead) writers of a fence; free it when none is left."""
@@ -725,7 +763,7 @@ class DecodeStagingHandler:
         if fence.awaiting:
             return False
         for alloc_id in fence.allocations:
-            self._allocator.free(alloc_id)
+            self._free(alloc_id)
         del self._fences[fence.room]
         return True
 
