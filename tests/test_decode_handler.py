@@ -18,9 +18,10 @@ import zmq
 
 from staging_contracts import ArrivalOutcome, StagingReqOutcome
 from staging_contracts.control.liveness import PeerLiveness
-from staging_contracts.control.room_messages import RoomFence
+from staging_contracts.control.room_messages import RoomFailed, RoomFence, RoomFenced
 from staging_contracts.control.transport import PeerSockets
-from staging_contracts.control.wire import StagingRsp, WatermarkUpdate
+from staging_contracts.control.wire import ChunkReady, StagingReq, StagingRsp, WatermarkUpdate
+from staging_contracts.decode import handler as handler_module
 from staging_contracts.decode.handler import (
     DEFAULT_FENCE_RESEND_S,
     WAIT_SLICE_S,
@@ -164,6 +165,7 @@ def rig(
     fence_resend_s: float = DEFAULT_FENCE_RESEND_S,
     liveness: bool = True,
     accept_anonymous: bool = False,
+    ring_share: float = 1.0,
 ) -> Rig:
     """A handler for the geometry, its recording sender, fake clocks and liveness."""
     geometry = Geometry(prefill_tp, decode_tp, heads)
@@ -190,6 +192,7 @@ def rig(
         liveness=watcher,
         fence_resend_s=fence_resend_s,
         accept_anonymous_arrivals=accept_anonymous,
+        ring_share=ring_share,
     )
     return Rig(handler, sender, clock, watcher, allocator, live_clock)
 
@@ -1226,3 +1229,176 @@ def test_a_peer_that_stops_taking_messages_is_skipped() -> None:
     r.sender.full.add(P0)
     assert r.req(1, 0) is StagingReqOutcome.ALLOCATED
     assert [endpoint for endpoint, _ in r.sender.take()] == [P1, P1]
+
+
+# --------------------------------------------------------------------------- authorisation
+
+
+def test_messages_of_no_room_are_not_judged() -> None:
+    """Other kinds, too few frames, an unparsable or unknown room: let through."""
+    r = rig()
+    r.handler.register_room(plan(7))
+    stranger = "tcp://stranger:1"
+    for frames in (
+        [],
+        [b"WATERMARK", b"7", b"0"],
+        [b"PING", b"7"],
+        [b"STAGING_REQ"],
+        [b"STAGING_REQ", b"x7", b"0", b"2", SID.encode()],
+        [b"STAGING_REQ", b"-7", b"0", b"2", SID.encode()],
+        StagingReq(8, 0, 2, SID).to_frames(),
+        RoomFenced(8, SID, 0).to_frames(),
+    ):
+        assert r.handler.authorize(frames, stranger), frames
+
+
+def test_room_messages_only_from_the_room_s_peers() -> None:
+    """STAGING_REQ, ROOM_FAILED and a rank-less CHUNK_READY come from a peer of the room."""
+    r = rig(2, 1, 4)
+    r.handler.register_room(plan(7, prefill_tp=2, endpoints=(P0, P1)))
+    messages = [
+        StagingReq(7, 0, 2, SID).to_frames(),
+        RoomFailed(7, "x").to_frames(),
+        ChunkReady(7, 0, 0, 2, SID).to_frames(),
+        [b"STAGING_REQ", b"7"],
+        [b"STAGING_REQ", b"07", b"0"],
+    ]
+    for frames in messages:
+        assert r.handler.authorize(frames, P0), frames
+        assert r.handler.authorize(frames, P1), frames
+        assert not r.handler.authorize(frames, P2), frames
+
+
+def test_a_chunk_ready_naming_a_writer_comes_from_that_writer() -> None:
+    """CHUNK_READY with a writer rank is accepted only from that rank's endpoint."""
+    r = rig(2, 1, 4)
+    r.handler.register_room(plan(7, prefill_tp=2, endpoints=(P0, P1)))
+    frames = ChunkReady(7, 0, 0, 2, SID, 1).to_frames()
+    assert r.handler.authorize(frames, P1)
+    assert not r.handler.authorize(frames, P0)
+    assert not r.handler.authorize(ChunkReady(7, 0, 0, 2, SID, 2).to_frames(), P0)
+    assert not r.handler.authorize([*frames[:6], b"x"], P1)
+
+
+def test_a_fence_answer_comes_from_the_writer_it_names_while_awaited() -> None:
+    """ROOM_FENCED: without a fence, let through; with one, only the awaited rank's endpoint."""
+    r = rig(2, 1, 4)
+    r.handler.register_room(plan(7, prefill_tp=2, endpoints=(P0, P1)))
+    assert r.handler.authorize(RoomFenced(7, SID, 1).to_frames(), P3)
+    r.req(7, 0)
+    r.arrive(7, 0, 0)
+    r.handler.fail_room(7, "x")
+    assert r.handler.fenced_rooms == {7: frozenset({1})}
+    assert r.handler.authorize(RoomFenced(7, SID, 1).to_frames(), P1)
+    assert not r.handler.authorize(RoomFenced(7, SID, 1).to_frames(), P0)
+    assert not r.handler.authorize(RoomFenced(7, SID, 0).to_frames(), P0)
+    assert not r.handler.authorize([RoomFenced.KIND, b"7", SID.encode()], P1)
+    assert not r.handler.authorize([RoomFenced.KIND, b"7", SID.encode(), b"one"], P1)
+
+
+def test_room_numbers_parse_as_plain_decimals_of_up_to_18_digits() -> None:
+    """_room_of reads non-negative decimals of 1 to 18 digits, nothing else."""
+    room_of = handler_module._room_of
+    assert room_of(b"0") == 0
+    assert room_of(b"0042") == 42
+    assert room_of(b"9" * 18) == 10**18 - 1
+    for bad in (b"", b"9" * 19, b"-1", b"+1", b" 1", b"1.0", b"x"):
+        assert room_of(bad) is None, bad
+
+
+def test_a_room_of_18_digits_is_judged_and_one_of_19_is_not() -> None:
+    """The 18-digit bound applies to authorisation: a 19-digit room is not looked up."""
+    r = rig()
+    big, bigger = 10**17, 10**18
+    r.handler.register_room(plan(big))
+    r.handler.register_room(plan(bigger))
+    assert not r.handler.authorize(StagingReq(big, 0, 2, SID).to_frames(), P1)
+    assert r.handler.authorize(StagingReq(bigger, 0, 2, SID).to_frames(), P1)
+
+
+# --------------------------------------------------------------------------- ring share
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5])
+def test_a_ring_share_outside_zero_to_one_is_refused(share: float) -> None:
+    """ring_share must be in (0, 1]."""
+    with pytest.raises(ValueError, match=rf"^ring_share={share!r} must be in \(0, 1\]$"):
+        rig(ring_share=share)
+
+
+def test_the_whole_ring_means_no_quota() -> None:
+    """ring_share=1: every request is answered, however much one instance holds."""
+    r = rig(ring_bytes=2 * REGION)
+    assert r.handler._quota_bytes is None
+    r.handler.register_room(plan(1, pages=8))
+    assert [r.req(1, c) for c in range(4)] == [StagingReqOutcome.ALLOCATED] * 4
+
+
+def test_an_instance_over_its_share_is_deferred_until_its_regions_free() -> None:
+    """Past its share a prefill instance gets no region and no answer; after a free it does."""
+    r = rig(ring_bytes=4 * REGION, ring_share=0.5)
+    assert r.handler._quota_bytes == 2 * REGION
+    r.handler.register_room(plan(1, pages=8))
+    assert r.req(1, 0) is StagingReqOutcome.ALLOCATED
+    assert r.req(1, 1) is StagingReqOutcome.ALLOCATED  # exactly the share
+    r.sender.take()
+    assert r.req(1, 2) is StagingReqOutcome.DEFERRED
+    assert r.sender.take() == []
+    assert r.allocator.live_count == 2
+    assert r.handler.poll_room(1) is RoomStatus.TRANSFERRING
+    assert r.handler._usage == {(P0,): 2 * REGION}
+    r.arrive(1, 0, 0)
+    assert r.handler._usage == {(P0,): REGION}
+    assert r.req(1, 2) is StagingReqOutcome.ALLOCATED
+    r.arrive(1, 1, 0)
+    r.arrive(1, 2, 0)
+    assert r.handler._usage == {}
+    assert r.handler._owners == {}
+
+
+def test_the_share_is_per_prefill_instance() -> None:
+    """Rooms of the same writers share one quota; another instance has its own."""
+    r = rig(2, 1, 4, ring_bytes=8 * REGION, ring_share=0.25)
+    r.handler.register_room(plan(1, prefill_tp=2, endpoints=(P0, P1)))
+    r.handler.register_room(plan(2, prefill_tp=2, endpoints=(P0, P1)))
+    r.handler.register_room(RoomPlan(3, (20, 21), 2, 2, (PrefillPeer(1, P3), PrefillPeer(0, P2))))
+    assert r.req(1, 0) is StagingReqOutcome.ALLOCATED
+    assert r.req(2, 0) is StagingReqOutcome.DEFERRED
+    assert r.req(3, 0) is StagingReqOutcome.ALLOCATED
+    assert r.handler._usage == {(P0, P1): 2 * REGION, (P2, P3): 2 * REGION}
+
+
+def test_an_instance_holding_nothing_always_gets_its_region() -> None:
+    """A region larger than the share is still given to an instance that holds nothing."""
+    r = rig(ring_bytes=4 * REGION, ring_share=0.1)
+    r.handler.register_room(plan(1, pages=8))
+    assert r.req(1, 0) is StagingReqOutcome.ALLOCATED
+    assert r.req(1, 1) is StagingReqOutcome.DEFERRED
+
+
+def test_a_failed_or_fenced_room_gives_its_share_back_when_freed() -> None:
+    """Fenced regions count against the share until their writers answer."""
+    r = rig(ring_bytes=4 * REGION, ring_share=0.5)
+    r.handler.register_room(plan(1, pages=8))
+    r.handler.register_room(plan(2, pages=8))
+    r.req(1, 0)
+    r.req(1, 1)
+    r.handler.fail_room(1, "x")
+    assert r.req(2, 0) is StagingReqOutcome.DEFERRED
+    r.handler.writer_fenced(1, SID, 0)
+    assert r.handler._usage == {}
+    assert r.req(2, 0) is StagingReqOutcome.ALLOCATED
+
+
+def test_a_deferred_request_still_sends_due_fences() -> None:
+    """Handling a deferred STAGING_REQ re-sends fences that are due."""
+    r = rig(ring_bytes=4 * REGION, ring_share=0.25)
+    r.handler.register_room(plan(1, pages=8))
+    r.handler.register_room(plan(2, pages=8, endpoints=(P1,)))
+    r.req(1, 0)
+    r.req(2, 0)
+    r.handler.fail_room(2, "x")
+    r.sender.take()
+    r.clock.now += DEFAULT_FENCE_RESEND_S
+    assert r.req(1, 1) is StagingReqOutcome.DEFERRED
+    assert r.sender.take() == [(P1, fence(2, "x"))]
