@@ -20,7 +20,7 @@ import zmq
 from staging_contracts.control.liveness import PeerLiveness
 from staging_contracts.control.room_messages import RoomFence, RoomFenced
 from staging_contracts.control.transport import PeerSockets
-from staging_contracts.control.wire import ChunkReady, StagingReq
+from staging_contracts.control.wire import ChunkReady, StagingReq, StagingRsp, WatermarkUpdate
 from staging_contracts.prefill import writer as writer_module
 from staging_contracts.prefill.books import RegionAnswerTable, WatermarkTracker
 from staging_contracts.prefill.writer import (
@@ -897,3 +897,68 @@ def test_the_deadline_is_per_decode_rank(clock: Clock) -> None:
         rig.writer.send_chunk(1, ChunkSpec(0, 0, (1, 2)), rig.targets)
     assert rig.clock.now == 7 * TICK
     assert len(rig.engine.writes) == 1
+
+
+# --------------------------------------------------------------------------- authorisation
+
+
+def test_decode_messages_only_from_the_session_s_endpoint(clock: Clock) -> None:
+    """STAGING_RSP and a WATERMARK naming a session come from that session's endpoint."""
+    rig = make_rig(clock, 1, 2, 4)
+    rsp0 = StagingRsp(1, 0, 0, 0, 1024, "decode-0").to_frames()
+    mark1 = WatermarkUpdate(0, 0, "decode-1").to_frames()
+    assert not rig.writer.authorize(rsp0, "tcp://decode:0")  # nothing requested yet
+    rig.writer.prefetch(1, [(0, 2)], rig.targets)
+    assert rig.writer.authorize(rsp0, "tcp://decode:0")
+    assert not rig.writer.authorize(rsp0, "tcp://decode:1")
+    assert rig.writer.authorize(mark1, "tcp://decode:1")
+    assert not rig.writer.authorize(mark1, "tcp://decode:0")
+    assert not rig.writer.authorize(WatermarkUpdate(0, 0, "decode-9").to_frames(), "x")
+
+
+def test_a_watermark_without_a_session_comes_from_any_decode_rank_asked(r: Rig) -> None:
+    """The reference's WATERMARK names no session: any endpoint requested from may send it."""
+    frames = WatermarkUpdate(0, 0, "").to_frames()
+    assert len(frames) == 3
+    assert not r.writer.authorize(frames, "tcp://decode:0")
+    r.writer.prefetch(1, [(0, 2)], r.targets)
+    assert r.writer.authorize(frames, "tcp://decode:0")
+    assert not r.writer.authorize(frames, "tcp://decode:1")
+    assert r.writer.authorize([*frames, b""], "tcp://decode:0")
+    assert not r.writer.authorize([*frames, b""], "tcp://elsewhere:0")
+
+
+def test_a_short_staging_rsp_is_judged_as_naming_no_session(r: Rig) -> None:
+    """Without its session frame a STAGING_RSP is accepted only from a known decode rank."""
+    r.writer.prefetch(1, [(0, 2)], r.targets)
+    short = StagingRsp(1, 0, 0, 0, 1024, "decode-0").to_frames()[:6]
+    assert r.writer.authorize(short, "tcp://decode:0")
+    assert not r.writer.authorize(short, "tcp://elsewhere:0")
+
+
+def test_a_fence_comes_from_its_session_and_replies_there(r: Rig) -> None:
+    """ROOM_FENCE: from the session's endpoint, with that endpoint as its reply address."""
+    r.writer.prefetch(1, [(0, 2)], r.targets)
+    good = RoomFence(1, "decode-0", "tcp://decode:0", "x").to_frames()
+    assert r.writer.authorize(good, "tcp://decode:0")
+    assert not r.writer.authorize(good, "tcp://decode:1")
+    elsewhere = RoomFence(1, "decode-0", "tcp://elsewhere:0", "x").to_frames()
+    assert not r.writer.authorize(elsewhere, "tcp://decode:0")
+    assert not r.writer.authorize(good[:3], "tcp://decode:0")
+    assert r.writer.authorize(good[:4], "tcp://decode:0")
+    assert not r.writer.authorize(
+        RoomFence(1, "decode-1", "tcp://decode:0", "x").to_frames(), "tcp://decode:0"
+    )
+
+
+def test_other_messages_are_not_the_writer_s_to_judge(r: Rig) -> None:
+    """Kinds the writer does not authorise, and no frames at all, are let through."""
+    for frames in ([], [b"PING", b"x"], StagingReq(1, 0, 2, "decode-0").to_frames()):
+        assert r.writer.authorize(frames, "tcp://stranger:0")
+
+
+def test_a_session_frame_that_is_not_ascii_matches_no_session(r: Rig) -> None:
+    """A non-ASCII session is read with replacement characters and matches nothing."""
+    r.writer.prefetch(1, [(0, 2)], r.targets)
+    frames = [*StagingRsp(1, 0, 0, 0, 1024, "decode-0").to_frames()[:6], b"decode-\xff"]
+    assert not r.writer.authorize(frames, "tcp://decode:0")
