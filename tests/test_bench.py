@@ -90,3 +90,20 @@ def test_transfer_group_builds_its_rows_from_the_three_measurements(
     assert raw.ratio == pytest.approx(0.25)
     assert rows["transfer.nixl.vs-per-token"].ratio == pytest.approx(staged / 0.1)
     assert config.request_bytes == 32 * 2 * 4096 * 8 * 128 * 2
+
+
+def test_bench_control_measures_plain_and_curve_rates(tmp_path: Path) -> None:
+    """bench control gives the plain row against the echo anchor and the CURVE row against
+    the plain rate of the same run, with finite positive figures (not timed)."""
+    out_path = tmp_path / "rows.json"
+    assert main(["bench", "control", "--quick", "--json", str(out_path)]) == 0
+    rows = json.loads(out_path.read_text())
+    assert [r["name"] for r in rows] == [
+        "control.staging-req-rate",
+        "control.staging-req-rate.curve",
+    ]
+    assert [r["goal"] for r in rows] == [">= 0.5", ">= 0.8"]
+    assert rows[1]["anchor"] == rows[0]["ours"]
+    for row in rows:
+        assert row["ours"] > 0
+        assert 0 < row["ratio"] < 100

@@ -22,7 +22,6 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Sequence
-from typing import Literal
 
 from ..control.liveness import PeerLiveness
 from ..control.room_messages import Ping, Pong
@@ -95,7 +94,7 @@ class CommonKVManager:
         pp_size: int = 1,
         host: str = "127.0.0.1",
         poll_interval_s: float = 0.002,
-        secret: bytes | Literal["env"] | None = FROM_ENV,
+        secret: bytes | str | None = FROM_ENV,
         allow_insecure: bool = False,
     ) -> None:
         if attn_tp_size < 1 or pp_size < 1:

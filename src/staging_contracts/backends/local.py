@@ -7,6 +7,7 @@ use, tests and examples.
 
 from __future__ import annotations
 
+from ..control.security import FROM_ENV
 from ..engines.local import LocalEngine
 from ..mixin import StagingManagerMixin
 from ..protocols import (
@@ -45,6 +46,7 @@ class LocalKVManager(StagingManagerMixin, CommonKVManager):
         attn_tp_size: int,
         pp_size: int = 1,
         engine_name: str | None = None,
+        secret: bytes | str | None = FROM_ENV,
     ) -> None:
         super().__init__(
             kv_args,
@@ -52,6 +54,7 @@ class LocalKVManager(StagingManagerMixin, CommonKVManager):
             attn_tp_size=attn_tp_size,
             pp_size=pp_size,
             engine=LocalEngine(engine_name),
+            secret=secret,
         )
 
     def _on_message(self, frames: list[bytes]) -> None:

@@ -641,11 +641,11 @@ class DecodeStagingHandler:
             state = self._rooms.get(room)
             if state is None:
                 return True
-            peers = {peer.tp_rank: peer.endpoint for peer in state.plan.peers}
+            peers = state.plan.peers
         if kind == _CHUNK_READY and len(frames) > 6:
             rank = _room_of(frames[6])
-            return rank is not None and peers.get(rank) == sender
-        return sender in peers.values()
+            return any(p.tp_rank == rank and p.endpoint == sender for p in peers)
+        return any(p.endpoint == sender for p in peers)
 
     def writer_fenced(self, room: int, session_id: str, writer_rank: int) -> None:
         """A writer answered ``ROOM_FENCED``: it will not write into the room's regions again.

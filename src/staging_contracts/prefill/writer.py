@@ -192,6 +192,8 @@ class StagingWriter:
         self._liveness = liveness
         self._room_targets: dict[int, dict[str, str]] = {}
         """Room -> the decode sessions it was requested from -> their endpoints (watched)."""
+        self._session_endpoints: dict[str, str] = {}
+        """Every decode session this writer requested from -> its endpoint (latest)."""
         self._fence_lock = threading.Lock()
         self._fenced: dict[tuple[int, str], str] = {}
         """(room, decode session) -> why decode fenced it: never written again."""
@@ -259,6 +261,7 @@ class StagingWriter:
         with self._requested_lock:
             known = self._room_targets.setdefault(room, {})
             for target in targets:
+                self._session_endpoints[target.session_id] = target.endpoint
                 if target.session_id not in known:
                     known[target.session_id] = target.endpoint
                     new.append(target.endpoint)
@@ -348,16 +351,11 @@ class StagingWriter:
         session_index = _SESSION_FRAME.get(kind)
         if session_index is None:
             return True
-        with self._requested_lock:
-            endpoints = {
-                session: endpoint
-                for targets in self._room_targets.values()
-                for session, endpoint in targets.items()
-            }
         session = frames[session_index] if len(frames) > session_index else b""
-        if not session:  # a WATERMARK without a session (the reference sends it so)
-            return sender in endpoints.values()
-        expected = endpoints.get(session.decode("ascii", "replace"))
+        with self._requested_lock:
+            if not session:  # a WATERMARK without a session (the reference sends it so)
+                return sender in self._session_endpoints.values()
+            expected = self._session_endpoints.get(session.decode("ascii", "replace"))
         if kind == RoomFence.KIND:
             return expected == sender and len(frames) > 3 and frames[3] == sender.encode()
         return expected == sender
