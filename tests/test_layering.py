@@ -46,9 +46,7 @@ ALLOWED: Final[dict[str, frozenset[str]]] = {
     "bench": _BELOW_BACKENDS | {"backends", "cluster"},
     "mypy_plugin": frozenset({"contract"}),
     "__init__": frozenset({"contract", "mixin", "protocols", "stats"}),
-    "cli": frozenset(
-        {"contract", "mixin", "protocols", "stats", "backends", "cluster", "bench", "testing"}
-    ),
+    "cli": _BELOW_BACKENDS | {"backends", "testing", "cluster", "bench"},
 }
 """What each unit (a top-level module, or a package with everything in it) may import.
 
