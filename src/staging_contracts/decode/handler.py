@@ -42,9 +42,10 @@ from ..staging.layout import (
     prefill_ranks_for_decode,
     validate_tp_pair,
 )
+from ..staging.ordering import DeviceOrdering
 from .publisher import PrefillPublisher
 from .rooms import ChunkRegion, PrefillPeer, RoomPlan, RoomState, RoomStatus
-from .scatter import ChunkScatter, event_done, wait_event
+from .scatter import ChunkScatter
 
 __all__ = [
     "DEFAULT_FENCE_RESEND_S",
@@ -117,6 +118,8 @@ class DecodeStagingHandler:
         session_id: this rank's engine session id (carried by every message it answers).
         sender: non-blocking PUSH sockets to the prefill ranks' listeners.
         scatter_stream: CUDA only: the dedicated stream scatters run on.
+        ordering: when a scatter has completed, so that its region is freed only then
+            (default: the device's; see :mod:`~staging_contracts.staging.ordering`).
         stall_timeout_s: a room that holds a writable ring region without progress for this
             long fails (its regions are fenced, then freed), so one stuck prefill cannot pin
             the shared ring. Time spent waiting for ring space is not counted.
@@ -159,6 +162,7 @@ class DecodeStagingHandler:
         fence_resend_s: float = DEFAULT_FENCE_RESEND_S,
         accept_anonymous_arrivals: bool = False,
         ring_share: float = 1.0,
+        ordering: DeviceOrdering | None = None,
     ) -> None:
         self._scatterer = ChunkScatter(
             allocator,
@@ -167,6 +171,7 @@ class DecodeStagingHandler:
             decode_rank=decode_rank,
             total_kv_heads=total_kv_heads,
             stream=scatter_stream,
+            ordering=ordering,
         )
         self._geometry = self._scatterer.geometry
         self._allocator = allocator
@@ -348,7 +353,7 @@ class DecodeStagingHandler:
                     raise TimeoutError(f"room {room}: a scatter did not finish in {timeout}s")
                 self._idle.wait(remaining)
             for event, _ in state.pending_events:
-                wait_event(event)
+                self._scatterer.ordering.wait(event)
             if state.regions:
                 self._fail(state, "released before it finished")
             for alloc_id in state.held_allocations():
@@ -702,7 +707,8 @@ class DecodeStagingHandler:
             self._idle.notify_all()
 
     def _reap_events(self, state: RoomState) -> bool:
-        done = [(event, alloc_id) for event, alloc_id in state.pending_events if event_done(event)]
+        done_ = self._scatterer.ordering.done
+        done = [(event, alloc_id) for event, alloc_id in state.pending_events if done_(event)]
         for item in done:
             state.pending_events.remove(item)
             self._free(item[1])

@@ -1,9 +1,10 @@
 """Decode: moving a complete chunk region of the ring into the paged KV pool.
 
 :class:`ChunkScatter` knows the decode rank's pool and layout; it sizes regions for a prefill
-TP size and scatters a region whose writers have all arrived: synchronously on CPU, on a
-dedicated stream on CUDA, where it returns an event the caller polls before freeing the
-region.
+TP size and scatters a region whose writers have all arrived, returning the token of its
+:class:`~staging_contracts.staging.ordering.DeviceOrdering` that the caller polls before freeing
+the region: ``None`` on CPU (already complete), an event on CUDA (on the dedicated stream, or
+the current one when none is given).
 """
 
 from __future__ import annotations
@@ -16,11 +17,9 @@ from ..protocols import Allocation, KVBufferTensors
 from ..staging.allocator import StagingAllocator
 from ..staging.kernels import PagedKVPools, PoolGeometry
 from ..staging.layout import WriterPlacement, compute_staging_layout, writer_placements
+from ..staging.ordering import DeviceOrdering, ordering_for
 
-__all__ = ["ChunkScatter", "ScatterEvent", "event_done", "wait_event"]
-
-ScatterEvent = object
-"""A ``torch.cuda.Event`` recorded after a scatter (``None`` on CPU: already done)."""
+__all__ = ["ChunkScatter"]
 
 
 class _RegionLayout(NamedTuple):
@@ -46,6 +45,9 @@ class ChunkScatter:
         decode_rank: this rank's attention-TP rank.
         total_kv_heads: KV heads of the whole model.
         stream: CUDA only: the dedicated stream scatters run on.
+        ordering: when a scatter has completed (default: the device's real one, see
+            :func:`~staging_contracts.staging.ordering.ordering_for`; tests pass an
+            instrumented one).
 
     Raises:
         ValueError: the pool does not hold ``total_kv_heads // decode_tp`` heads per token.
@@ -60,6 +62,7 @@ class ChunkScatter:
         decode_rank: int,
         total_kv_heads: int,
         stream: torch.cuda.Stream | None = None,
+        ordering: DeviceOrdering | None = None,
     ) -> None:
         self._pools = PagedKVPools(kv_buffers.k_buffers, kv_buffers.v_buffers, kv_buffers.page_size)
         self.geometry: PoolGeometry = self._pools.geometry
@@ -75,6 +78,8 @@ class ChunkScatter:
         self._decode_rank = decode_rank
         self._total_heads = total_kv_heads
         self._stream = stream
+        self.ordering: DeviceOrdering = ordering or ordering_for(self.geometry.device, stream)
+        """When a scatter has completed; the handler polls its tokens before freeing."""
         self._layouts: dict[tuple[int, int], _RegionLayout] = {}
 
     @property
@@ -109,13 +114,14 @@ class ChunkScatter:
 
     def scatter(
         self, allocation: Allocation, pages: torch.Tensor, prefill_tp: int
-    ) -> ScatterEvent | None:
+    ) -> object | None:
         """Scatter every writer of a region into the pool's ``pages``.
 
         **Blocking:** on CPU until copied; on CUDA until enqueued.
 
         Returns:
-            ``None`` when done (CPU), or the event to poll before freeing the region (CUDA).
+            The ordering's token to poll (``ordering.done``) before freeing the region:
+            ``None`` when already complete (CPU), an event on CUDA.
 
         Raises:
             ValueError: the region, pages or layout do not match the pool.
@@ -126,21 +132,4 @@ class ChunkScatter:
             self._layout(prefill_tp, int(pages.numel())).writers,
             stream=self._stream,
         )
-        if self._stream is None:
-            return None
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
-        event.record(self._stream)
-        return event
-
-
-def event_done(event: ScatterEvent) -> bool:
-    """Has the scatter behind ``event`` completed?"""
-    query = getattr(event, "query", None)
-    return bool(query()) if callable(query) else True
-
-
-def wait_event(event: ScatterEvent) -> None:
-    """Block until the scatter behind ``event`` completed."""
-    sync = getattr(event, "synchronize", None)
-    if callable(sync):
-        sync()
+        return self.ordering.scattered()

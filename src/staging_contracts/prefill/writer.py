@@ -47,6 +47,7 @@ from ..staging.layout import (
     validate_tp_pair,
     writer_index,
 )
+from ..staging.ordering import DeviceOrdering, ordering_for
 from .books import RegionAnswerTable, WatermarkTracker
 
 __all__ = ["ChunkSpec", "DecodeTarget", "PrefillTimeouts", "StagingFailed", "StagingWriter"]
@@ -138,6 +139,9 @@ class StagingWriter:
         stream: CUDA only: the stream gathers run on.
         liveness: peer liveness of the host; the writer watches the decode ranks of its rooms
             until it forgets them, and stops waiting on a rank declared dead.
+        ordering: when a gather has completed, so that the engine never reads the staging
+            buffer before (default: the device's; see
+            :mod:`~staging_contracts.staging.ordering`).
     """
 
     def __init__(
@@ -156,6 +160,7 @@ class StagingWriter:
         timeouts: PrefillTimeouts | None = None,
         stream: torch.cuda.Stream | None = None,
         liveness: PeerLiveness | None = None,
+        ordering: DeviceOrdering | None = None,
     ) -> None:
         self._pools = PagedKVPools(kv_buffers.k_buffers, kv_buffers.v_buffers, kv_buffers.page_size)
         self._geometry = self._pools.geometry
@@ -173,6 +178,7 @@ class StagingWriter:
         self._pp_rank = pp_rank
         self._timeouts = timeouts or PrefillTimeouts()
         self._stream = stream
+        self._ordering = ordering or ordering_for(self._geometry.device, stream)
         geometry = self._geometry
         self._buffer_bytes = (
             max_chunk_pages
@@ -502,8 +508,7 @@ class StagingWriter:
             self._buffer[:nbytes],
             stream=self._stream,
         )
-        if self._stream is not None:
-            self._stream.synchronize()
+        self._ordering.gathered()  # the engine must not read the buffer before the gather
         arrival = ChunkReady(
             room,
             chunk.chunk_idx,
