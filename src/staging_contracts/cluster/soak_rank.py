@@ -1,0 +1,549 @@
+"""One long-running prefill or decode rank of a soak, as an OS process of its own.
+
+Started by :func:`staging_contracts.cluster.soak.run_soak` (``multiprocessing`` spawn), one
+process per rank, and started again after the soak kills it. Unlike a
+:mod:`~staging_contracts.cluster.rank` process, which runs a fixed list of requests and exits,
+a soak rank serves rooms until it is told to stop: the driver sends it commands and it
+reports events, both as JSON over ZMQ.
+
+**Commands** (driver → rank, PUSH to the rank's PULL socket, bound on loopback: the driver
+runs on the same host, whatever address the control listeners bind):
+
+* ``peers``: the current ranks of the other side (:class:`~.bootstrap.RankInfo` as JSON).
+  The rank trusts their listeners by the CURVE keys they published (a no-op without a cluster
+  secret); decode points its per-request layer at their listeners; prefill adds the engines of
+  decode sessions it does not know yet and writes new rooms to the ranks given.
+* ``room``: ``room`` id and workload request ``index``. Decode zeroes that request's pages and
+  registers the room (``KVReceiver.init`` and ``send_metadata``); prefill opens it and queues
+  every chunk (``KVSender.init`` and ``send``). A thread per room waits for its end (bounded
+  by :attr:`RankSettings.room_bound_s`), reports it, and releases it.
+* ``status``: answers with the rank's counters (ring use, fences, open rooms, listener
+  health, malformed messages, control messages dropped by the ``drop`` fault).
+* ``stop``: close the backend and exit.
+
+**Events** (rank → driver; each carries ``kind``, ``role``, ``rank``, ``pid`` and ``t``, the
+rank's ``time.monotonic()``, which is the same clock in every process of the host):
+``ready`` (its ``RankInfo`` and command endpoint), ``room`` (``state`` ``ok``, ``failed`` or
+``hung``; decode adds ``verified`` and the first mismatches), ``status``, ``error`` (a command
+that raised; the rank lives on), ``listener_down`` (its control listener thread ended) and
+``exit``.
+
+**Fault ``drop``:** with :attr:`RankSettings.drop_share` above 0, the rank's
+``PeerSockets.send`` drops that share of its outgoing control messages (a seeded draw): every
+message between ranks, ``PING`` and ``PONG`` included, can be lost.
+
+The rank exits by itself when the driver's process is gone (its parent changed).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+import zmq
+
+from ..backends import load_backend
+from ..backends.common import CommonKVManager, Role
+from ..backends.kv_requests import DecodeTransfers, KVPoll, KVReceiver, KVSender, PrefillTransfers
+from ..backends.staging_setup import StagingBackend, enable_decode_staging, enable_prefill_staging
+from ..control.transport import PeerSockets
+from ..decode.handler import DecodeStagingHandler, peers_for
+from ..prefill.writer import DecodeTarget, PrefillTimeouts, StagingWriter
+from ..protocols import KVBufferTensors
+from ..staging.layout import compute_staging_layout
+from .bootstrap import RankInfo
+from .workload import TransferConfig, fill_prefill_pool, request_plans, verify_decode_pool
+
+__all__ = ["DropCounter", "RankSettings", "install_drop", "ring_bytes", "soak_rank_main"]
+
+logger = logging.getLogger(__name__)
+
+COMMAND_POLL_MS: Final = 100
+"""Longest the rank's main loop waits for a command before it checks its listener and parent."""
+CLOSE_TIMEOUT_S: Final = 10.0
+"""Longest the prefill worker gets to stop at ``stop``."""
+SOAK_PREFILL_TIMEOUTS: Final = PrefillTimeouts(answer_s=0.2, ready_s=0.2, deadline_s=10.0)
+"""A soak prefill's chunk waits: quick re-requests (lost answers are part of the soak), and
+a deadline well under the room bound."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankSettings:
+    """What every rank process of a soak is started with (picklable, the same for all)."""
+
+    transfer: TransferConfig
+    """Geometry, TP sizes, backend and seeded requests (rooms pick a request by index)."""
+    host: str = "127.0.0.1"
+    """Address the rank's control listener and engine bind (its command socket is always on
+    loopback)."""
+    liveness_timeout_s: float = 3.0
+    """Seconds of silence after which a peer is declared dead (``manager.liveness``)."""
+    stall_timeout_s: float = 4.0
+    """Decode: a room holding a writable region without progress this long fails."""
+    prefill_timeouts: PrefillTimeouts = SOAK_PREFILL_TIMEOUTS
+    """Prefill: the bounds of a chunk's waits."""
+    meta_timeout_s: float = 5.0
+    """Prefill: how long a chunk waits for decode's ``ROOM_META``."""
+    room_bound_s: float = 45.0
+    """A room not ended on this rank this long after its ``room`` command is reported
+    ``hung`` (and released)."""
+    drop_share: float = 0.0
+    """Share of outgoing control messages the ``drop`` fault discards (0: none)."""
+    seed: int = 0
+    """Seeds the ``drop`` draws (mixed with the role, rank and process id)."""
+    log_level: int = logging.ERROR
+    """Level of the rank's log lines (stderr)."""
+
+
+def ring_bytes(config: TransferConfig) -> int:
+    """Bytes of a decode rank's staging ring: ``ring_chunks`` regions of the largest chunk."""
+    largest = max(
+        compute_staging_layout(
+            config.prefill_tp,
+            config.decode_tp,
+            d,
+            config.kv_heads,
+            config.chunk_pages * config.page_size,
+            config.head_dim * config.element_size,
+            config.layers,
+        ).total_bytes
+        for d in range(config.decode_tp)
+    )
+    return largest * config.ring_chunks
+
+
+class DropCounter:
+    """What the ``drop`` fault did in one process (read from any thread)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        """Control messages the rank tried to send."""
+        self.dropped = 0
+        """Of those, dropped by the fault."""
+
+
+def install_drop(peers: PeerSockets, share: float, rng: random.Random) -> DropCounter:
+    """Make ``peers.send`` drop ``share`` of the messages it is given (a fault injection).
+
+    The instance's ``send`` is replaced, so everything that holds this ``PeerSockets`` (the
+    manager, peer liveness, the decode handler, the prefill writer) loses messages alike. A
+    dropped message is reported as sent (``True``), as a message lost on the network would be.
+
+    **Called by:** the rank, before its listener starts. **Thread-safety:** the replacement
+    may be called from any thread.
+
+    Raises:
+        ValueError: ``share`` is not in ``[0, 1)``.
+    """
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"drop share {share!r} must be in [0, 1)")
+    counter = DropCounter()
+    original = peers.send
+    lock = threading.Lock()
+
+    def send(endpoint: str, frames: Sequence[bytes]) -> bool:
+        with lock:
+            counter.sent += 1
+            drop = rng.random() < share
+            counter.dropped += drop
+        return True if drop else original(endpoint, frames)
+
+    peers.send = send  # type: ignore[method-assign]  # the fault: this instance only
+    return counter
+
+
+def soak_rank_main(role: str, rank: int, settings: RankSettings, driver: str) -> None:
+    """Process entry point: serve the driver's commands until ``stop``; never raise.
+
+    **Blocking:** until ``stop``, or until the driver's process is gone.
+
+    Args:
+        role: ``"prefill"`` or ``"decode"``.
+        rank: the rank's attention-TP rank.
+        settings: the soak's rank settings.
+        driver: the driver's PULL endpoint, where events go.
+    """
+    logging.basicConfig(
+        level=settings.log_level,
+        format=f"[soak {role}{rank} pid {os.getpid()}] %(levelname)s %(name)s: %(message)s",
+    )
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's C++ info and warning logs
+    torch.set_num_threads(1)
+    parent = os.getppid()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    events = _Events(ctx, driver, role, rank)
+    server: _RankServer | None = None
+    try:
+        server = (
+            _DecodeServer(rank, settings, events)
+            if role == "decode"
+            else _PrefillServer(rank, settings, events)
+        )
+        server.serve(ctx, parent)
+    except BaseException as exc:  # the driver hears of every failure, even KeyboardInterrupt
+        logger.exception("soak rank failed")
+        events.send("exit", ok=False, error=f"{type(exc).__name__}: {exc}")
+    else:
+        events.send("exit", ok=True)
+    finally:
+        if server is not None:
+            server.close()
+        events.close()
+
+
+class _Events:
+    """The rank's PUSH socket to the driver; ``send`` may be called from any thread."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], driver: str, role: str, rank: int):
+        self._sock = ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 2000)
+        self._sock.setsockopt(zmq.SNDTIMEO, 2000)
+        self._sock.connect(driver)
+        self._lock = threading.Lock()
+        self._head = {"role": role, "rank": rank, "pid": os.getpid()}
+
+    def send(self, kind: str, **fields: Any) -> None:
+        event = {"kind": kind, **self._head, "t": time.monotonic(), **fields}
+        with self._lock:
+            try:
+                self._sock.send(json.dumps(event).encode())
+            except zmq.Again:
+                logger.error("the driver takes no events; %s event dropped", kind)
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close()
+
+
+class _RankServer:
+    """What both sides share: the backend, the command loop, status, the room threads."""
+
+    role: Role
+
+    def __init__(self, rank: int, settings: RankSettings, events: _Events) -> None:
+        self.rank = rank
+        self.settings = settings
+        self.config = settings.transfer
+        self.events = events
+        tp = self.config.prefill_tp if self.role is Role.PREFILL else self.config.decode_tp
+        self.tp = tp
+        self.pool: KVBufferTensors = self.config.empty_pool(tp, rank)
+        backend = load_backend(self.config.backend)
+        logging.getLogger("nixl").setLevel(max(logging.WARNING, settings.log_level))
+        manager = backend(
+            self.config.kv_args(tp, rank), role=self.role, attn_tp_size=tp, host=settings.host
+        )
+        self.manager: StagingBackend = manager
+        """The backend as the staging set-up sees it."""
+        self.common: CommonKVManager = manager
+        """The same object as a ``CommonKVManager`` (every backend is one)."""
+        self.manager.liveness.timeout_s = settings.liveness_timeout_s
+        self.drops = DropCounter()
+        if settings.drop_share > 0:
+            rng = random.Random(f"{settings.seed}-{self.role.value}-{rank}-{os.getpid()}")
+            self.drops = install_drop(self.manager.peers, settings.drop_share, rng)
+        self.threads: list[threading.Thread] = []
+        self.listener_reported = False
+        self.closed = False
+
+    # ------------------------------------------------------------------ to override
+
+    def info(self) -> RankInfo:
+        raise NotImplementedError
+
+    def on_peers(self, ranks: list[RankInfo]) -> None:
+        raise NotImplementedError
+
+    def open_room(self, room: int, index: int) -> Callable[[], dict[str, Any]]:
+        """Start a room; returns the function its thread calls to wait, report and release."""
+        raise NotImplementedError
+
+    def side_status(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def close_side(self) -> None:
+        """Close what the side opened beyond the manager (before it closes)."""
+
+    # ------------------------------------------------------------------ the loop
+
+    def serve(self, ctx: zmq.Context[zmq.Socket[bytes]], parent: int) -> None:
+        commands = ctx.socket(zmq.PULL)
+        commands.setsockopt(zmq.LINGER, 0)
+        try:
+            commands.bind("tcp://127.0.0.1:*")
+            raw = commands.getsockopt(zmq.LAST_ENDPOINT)
+            endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
+            gc.collect()
+            gc.freeze()  # as rank.py: keep start-up objects out of the collector's walks
+            self.events.send("ready", info=self.info().to_json(), commands=endpoint)
+            while True:
+                if commands.poll(COMMAND_POLL_MS) and not self._command(commands.recv()):
+                    return
+                self._check_listener()
+                if os.getppid() != parent:
+                    logger.error("the soak driver is gone; exiting")
+                    return
+        finally:
+            commands.close(linger=0)
+
+    def _command(self, raw: bytes) -> bool:
+        """Run one command; ``False`` on ``stop``. A failing command is reported, not fatal."""
+        try:
+            doc = json.loads(raw)
+            name = doc["cmd"]
+            if name == "stop":
+                return False
+            if name == "peers":
+                self.on_peers([RankInfo.from_json(item) for item in doc["ranks"]])
+            elif name == "room":
+                self._room(int(doc["room"]), int(doc["index"]))
+            elif name == "status":
+                self.events.send("status", id=doc.get("id"), **self.status())
+            else:
+                raise ValueError(f"unknown command {name!r}")
+        except Exception as exc:  # a bad command or a failing call: report, keep serving
+            logger.exception("command failed")
+            self.events.send("error", error=f"{type(exc).__name__}: {exc}", command=raw[:200].hex())
+        return True
+
+    def _room(self, room: int, index: int) -> None:
+        finish = self.open_room(room, index)
+
+        def run() -> None:
+            try:
+                fields = finish()
+            except Exception as exc:  # the room's end could not be read: say so
+                logger.exception("room %d: waiting for its end failed", room)
+                fields = {"state": "failed", "reason": f"rank error: {type(exc).__name__}: {exc}"}
+            self.events.send("room", room=room, index=index, **fields)
+
+        thread = threading.Thread(target=run, name=f"soak-room-{room}", daemon=True)
+        thread.start()
+        self.threads = [t for t in self.threads if t.is_alive()]
+        self.threads.append(thread)
+
+    def _check_listener(self) -> None:
+        if not self.listener_reported and not self.common.listener.alive:
+            self.listener_reported = True
+            logger.error("the control listener thread ended")
+            self.events.send("listener_down")
+
+    def status(self) -> dict[str, Any]:
+        stats = self.manager.staging_stats()
+        listener = self.common.listener.stats()
+        return {
+            "listener_alive": self.common.listener.alive,
+            "listener_received": listener.received,
+            "listener_malformed": listener.malformed,
+            "listener_errors": listener.errors,
+            "staging_malformed": stats.malformed,
+            "control_sent": self.drops.sent,
+            "control_dropped": self.drops.dropped,
+            "room_threads": sum(t.is_alive() for t in self.threads),
+            **self.side_status(),
+        }
+
+    def trust(self, ranks: list[RankInfo]) -> None:
+        """Trust the listeners of ``ranks`` by their published keys (no-op without a secret)."""
+        for info in ranks:
+            self.common.trust_peer(info.endpoint, info.curve_key.encode("ascii") or None)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.close_side()
+        finally:
+            self.common.close()
+
+
+class _DecodeServer(_RankServer):
+    role = Role.DECODE
+
+    def __init__(self, rank: int, settings: RankSettings, events: _Events) -> None:
+        super().__init__(rank, settings, events)
+        self.handler: DecodeStagingHandler = enable_decode_staging(
+            self.manager,
+            kv_buffers=self.pool,
+            ring_bytes=ring_bytes(self.config),
+            stall_timeout_s=settings.stall_timeout_s,
+        )
+        self.common.start()
+        self.transfers: DecodeTransfers | None = None
+        self.plans = request_plans(self.config)
+
+    def info(self) -> RankInfo:
+        engine = self.manager.engine
+        allocator = self.handler.allocator
+        return RankInfo(
+            "decode",
+            self.rank,
+            self.common.endpoint,
+            engine.session_id,
+            engine.metadata(),
+            allocator.base_ptr,
+            allocator.total_size,
+            _key_text(self.common.curve_key),
+        )
+
+    def on_peers(self, ranks: list[RankInfo]) -> None:
+        self.trust(ranks)
+        endpoints = [info.endpoint for info in sorted(ranks, key=lambda i: i.tp_rank)]
+        if len(endpoints) != self.config.prefill_tp:
+            raise ValueError(f"{len(endpoints)} prefill ranks, expected {self.config.prefill_tp}")
+        if self.transfers is None:
+            self.transfers = DecodeTransfers(self.common, self.handler, endpoints)
+        else:
+            # Rooms registered from now on go to the new prefill ranks; rooms in flight keep
+            # the peers of their plan.
+            self.transfers.peers = peers_for(
+                endpoints, self.config.prefill_tp, self.config.decode_tp, self.rank
+            )
+
+    def open_room(self, room: int, index: int) -> Callable[[], dict[str, Any]]:
+        if self.transfers is None:
+            raise RuntimeError("a room before the prefill ranks are known")
+        plan = self.plans[index]
+        self._zero(plan.decode_pages)
+        receiver = KVReceiver(self.transfers, room)
+        receiver.init(plan.decode_pages, chunk_pages=self.config.chunk_pages)
+        receiver.send_metadata()
+        deadline = time.monotonic() + self.settings.room_bound_s
+
+        def finish() -> dict[str, Any]:
+            state = receiver.wait(max(0.0, deadline - time.monotonic()))
+            fields: dict[str, Any] = {"t": time.monotonic()}
+            if state is KVPoll.Success:
+                problems = verify_decode_pool(self.pool, self.config, self.rank, {index})
+                fields.update(state="ok", verified=not problems, problems=problems[:3])
+            elif state is KVPoll.Failed:
+                fields.update(state="failed", reason=receiver.failure() or "unknown")
+            else:
+                fields.update(state="hung", reason=f"still {state.name}")
+            try:
+                receiver.release()
+            except TimeoutError as exc:
+                fields["release_error"] = str(exc)
+            return fields
+
+        return finish
+
+    def _zero(self, pages: Sequence[int]) -> None:
+        """Zero a request's pages, so that a room that moves nothing cannot verify."""
+        size = self.config.page_size
+        rows = torch.tensor(pages, dtype=torch.int64).unsqueeze(1) * size + torch.arange(size)
+        flat = rows.reshape(-1)
+        for buffers in (self.pool.k_buffers, self.pool.v_buffers):
+            for buffer in buffers:
+                buffer[flat] = 0
+
+    def side_status(self) -> dict[str, Any]:
+        allocator = self.handler.allocator
+        return {
+            "ring_live_count": allocator.live_count,
+            "ring_live_bytes": allocator.live_bytes,
+            "ring_size": allocator.total_size,
+            "fenced_rooms": len(self.handler.fenced_rooms),
+            "open_rooms": self.handler.live_rooms,
+        }
+
+
+class _PrefillServer(_RankServer):
+    role = Role.PREFILL
+
+    def __init__(self, rank: int, settings: RankSettings, events: _Events) -> None:
+        super().__init__(rank, settings, events)
+        fill_prefill_pool(self.pool, self.config, rank)
+        self.writer: StagingWriter = enable_prefill_staging(
+            self.manager,
+            kv_buffers=self.pool,
+            max_chunk_pages=self.config.chunk_pages,
+            timeouts=settings.prefill_timeouts,
+        )
+        self.transfers = PrefillTransfers(
+            self.common, self.writer, meta_timeout_s=settings.meta_timeout_s
+        )
+        self.common.start()
+        self.targets: list[DecodeTarget] = []
+        self.sessions: dict[str, bytes] = {}
+        self.plans = request_plans(self.config)
+        self.open = 0
+        self.lock = threading.Lock()
+
+    def info(self) -> RankInfo:
+        engine = self.manager.engine
+        return RankInfo(
+            "prefill",
+            self.rank,
+            self.common.endpoint,
+            engine.session_id,
+            engine.metadata(),
+            curve_key=_key_text(self.common.curve_key),
+        )
+
+    def on_peers(self, ranks: list[RankInfo]) -> None:
+        self.trust(ranks)
+        ordered = sorted(ranks, key=lambda i: i.tp_rank)
+        if len(ordered) != self.config.decode_tp:
+            raise ValueError(f"{len(ordered)} decode ranks, expected {self.config.decode_tp}")
+        for info in ordered:
+            if self.sessions.get(info.session_id) != info.metadata:
+                self.manager.engine.add_peer(info.session_id, info.metadata)
+                self.sessions[info.session_id] = info.metadata
+        self.targets = [
+            DecodeTarget(i.tp_rank, i.session_id, i.endpoint, i.ring_base, i.ring_size)
+            for i in ordered
+        ]
+
+    def open_room(self, room: int, index: int) -> Callable[[], dict[str, Any]]:
+        if not self.targets:
+            raise RuntimeError("a room before the decode ranks are known")
+        plan = self.plans[index]
+        sender = KVSender(self.transfers, room)
+        sender.init(self.config.num_pages, self.targets)
+        chunks = list(self.config.chunks())
+        for number, (start, count) in enumerate(chunks):
+            sender.send(plan.prefill_pages[start : start + count], last=number == len(chunks) - 1)
+        deadline = time.monotonic() + self.settings.room_bound_s
+        with self.lock:
+            self.open += 1
+
+        def finish() -> dict[str, Any]:
+            try:
+                state = sender.wait(max(0.0, deadline - time.monotonic()))
+                end = time.monotonic()
+                if state is KVPoll.Success:
+                    return {"state": "ok", "t": end}
+                if state is KVPoll.Failed:
+                    return {"state": "failed", "reason": sender.failure() or "unknown", "t": end}
+                return {"state": "hung", "reason": f"still {state.name}", "t": end}
+            finally:
+                sender.release()
+                with self.lock:
+                    self.open -= 1
+
+        return finish
+
+    def side_status(self) -> dict[str, Any]:
+        with self.lock:
+            open_rooms = self.open
+        return {"open_rooms": open_rooms, "bytes_written": self.writer.bytes_written}
+
+    def close_side(self) -> None:
+        self.transfers.close(CLOSE_TIMEOUT_S)
+        self.writer.close()
+
+
+def _key_text(key: bytes | None) -> str:
+    """A CURVE public key as :class:`RankInfo` carries it (empty without a cluster secret)."""
+    return "" if key is None else key.decode("ascii")
