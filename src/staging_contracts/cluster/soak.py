@@ -1,0 +1,741 @@
+"""The soak's driver: rank processes kept busy with rooms while faults are injected.
+
+:func:`run_soak` starts P prefill and D decode rank processes (:mod:`.soak_rank`), keeps
+:attr:`~.soak_report.SoakConfig.rooms_in_flight` rooms moving through them, and injects the
+listed :data:`~.soak_report.FAULTS` in turn, until the configured duration has passed and each
+listed fault was injected at least once. Every room a decode rank completes is checked bit for
+bit against the seeded workload (:mod:`.workload`). At the end no room is issued any more, the
+rooms in flight end (bounded), and every rank is asked for its counters until it is idle. The
+outcome is a :class:`~.soak_report.SoakResult` (:mod:`.soak_report` says what counts as what).
+
+A room is issued to every rank at once (decode first: it registers the room before prefill
+asks for regions); its workload request (its pages and data) is reused only after every rank
+reported the previous room on it, and a decode rank zeroes the pages first, so a room that
+moves nothing cannot verify. While a killed rank's new process starts, no room is issued.
+
+**Threads:** one; :func:`run_soak` blocks and calls ``progress`` on its own thread (the flood
+sends from two threads of its own). Every wait is bounded (the ``*_S`` constants and the
+config's bounds); every process it started is gone when it returns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from typing import Any, Final
+
+import zmq
+
+from ..control.room_messages import Ping, Pong, RoomFailed, RoomFence, RoomFenced, RoomMeta
+from ..control.security import check_insecure_bind, load_cluster_secret
+from ..control.transport import MAX_FRAMES
+from ..control.wire import MESSAGE_TYPES
+from .bootstrap import RankInfo
+from .soak_rank import soak_rank_main
+from .soak_report import (
+    FAULT_ORDER,
+    FloodRecord,
+    KillRecord,
+    SoakConfig,
+    SoakResult,
+    StallRecord,
+    reason_group,
+)
+
+__all__ = [
+    "FLOOD_DEADLINE_S",
+    "HUNG_SLACK_S",
+    "IDLE_S",
+    "LONG_STALL_EXTRA_S",
+    "SHORT_STALL_S",
+    "STARTUP_S",
+    "STATUS_EVERY_S",
+    "STATUS_S",
+    "STOP_S",
+    "ProgressCallback",
+    "malformed_message",
+    "run_soak",
+]
+
+logger = logging.getLogger(__name__)
+
+SHORT_STALL_S: Final = 2.0
+"""How long ``stall`` stops a prefill rank."""
+LONG_STALL_EXTRA_S: Final = 1.5
+"""How much longer than the liveness timeout ``stall-long`` stops a prefill rank."""
+STARTUP_S: Final = 120.0
+"""Longest a rank process may take to report ``ready``."""
+STATUS_EVERY_S: Final = 2.0
+"""How often the driver asks every rank for its counters while the soak runs."""
+STATUS_S: Final = 10.0
+"""Longest the driver waits for a rank's answer to one ``status`` command."""
+IDLE_S: Final = 20.0
+"""Longest the driver waits, at the end, for every ring and fence to drain."""
+HUNG_SLACK_S: Final = 5.0
+"""A room no rank reported ``room_bound_s`` plus this long after it was issued is hung."""
+FLOOD_DEADLINE_S: Final = 10.0
+"""Longest one flood burst lasts, whatever its frame count."""
+STOP_S: Final = 15.0
+"""Longest a rank gets to exit after ``stop`` before it is killed."""
+_PUMP_S: Final = 0.02
+"""Longest the driver waits for an event before it looks at processes and rooms again."""
+_SEND_TIMEOUT_MS: Final = 1000
+
+RankKey = tuple[str, int]
+"""``(role, rank)`` of a rank."""
+
+
+ProgressCallback = Callable[[str], None]
+"""Called on the driver's thread with one line about each fault as it ends."""
+
+
+def run_soak(config: SoakConfig, *, progress: ProgressCallback | None = None) -> SoakResult:
+    """Run the soak described by ``config`` and gather its outcome.
+
+    **Blocking:** about ``duration_s``, plus start-up, the fault due at the end, the drain
+    of the rooms in flight and the stop; each of those is bounded. Every rank process is
+    gone when it returns, whatever happened.
+
+    Raises:
+        ImportError: the configured backend's engine cannot be imported.
+        SecurityError: ``host`` is not loopback and no cluster secret is set, or the secret
+            in the environment is unusable (checked before any process starts).
+    """
+    from ..backends import load_backend  # noqa: PLC0415 - fail fast, before spawning
+
+    load_backend(config.backend)
+    if load_cluster_secret() is None:
+        check_insecure_bind(config.host, allow_insecure=False)
+    driver = _Driver(config, progress)
+    try:
+        driver.run()
+    finally:
+        driver.shutdown()
+    return driver.result()
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+@dataclass
+class _Rank:
+    """One rank process as the driver knows it."""
+
+    key: RankKey
+    process: BaseProcess
+    started: float
+    pid: int | None = None
+    info: RankInfo | None = None
+    commands: zmq.Socket[bytes] | None = None
+    killed: bool = False
+    """The soak killed this process (its death is expected)."""
+    gone: bool = False
+    """The driver has seen it dead (killed or by itself) and stopped talking to it."""
+
+
+@dataclass
+class _Room:
+    room: int
+    index: int
+    issued: float
+    expected: dict[RankKey, int]
+    """The ranks (and their process ids) that must report the room."""
+    reports: dict[RankKey, dict[str, Any]] = field(default_factory=dict)
+    lost: set[RankKey] = field(default_factory=set)
+    """Ranks that died before reporting it."""
+    outcome: str | None = None
+    """``succeeded``, ``failed``, ``corrupt`` or ``hung`` once settled."""
+    reason: str = ""
+
+    def waiting(self) -> set[RankKey]:
+        return set(self.expected) - set(self.reports) - self.lost
+
+
+class _Driver:
+    def __init__(self, config: SoakConfig, progress: ProgressCallback | None) -> None:
+        self.config = config
+        self.settings = config.rank_settings()
+        self.progress = progress
+        self.rng = random.Random(config.seed)
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.bind("tcp://127.0.0.1:*")  # the ranks run on this host
+        raw = self.inbox.getsockopt(zmq.LAST_ENDPOINT)
+        self.inbox_endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
+        self.spawn = multiprocessing.get_context("spawn")
+        self.keys: list[RankKey] = [("decode", d) for d in range(config.decode_tp)] + [
+            ("prefill", p) for p in range(config.prefill_tp)
+        ]
+        self.ranks: dict[RankKey, _Rank] = {}
+        self.retired: list[_Rank] = []
+        self.rooms: dict[int, _Room] = {}
+        self.next_room = 1_000_000
+        self.free = list(range(config.transfer().requests))
+        self.issuing = False
+        self.start = time.monotonic()
+        self.ended = self.start
+        self.last_status_poll = 0.0
+        self.status_id = 0
+        self.answers: dict[int, dict[RankKey, dict[str, Any]]] = {}
+        self.last_status: dict[int, dict[str, Any]] = {}
+        """Process id -> its latest status (so killed processes' counts are kept)."""
+        self.kills: list[KillRecord] = []
+        self.stalls: list[StallRecord] = []
+        self.floods: list[FloodRecord] = []
+        self.injected: Counter[str] = Counter()
+        self.listener_deaths: set[int] = set()
+        self.unexpected: list[str] = []
+        self.errors: list[str] = []
+        self.final: dict[RankKey, dict[str, Any]] = {}
+        self.idle = False
+        self.startup_s = 10.0
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> None:
+        config = self.config
+        self.start = time.monotonic()
+        for key in self.keys:
+            self._spawn(key)
+        if not self._wait(self._all_ready, STARTUP_S):
+            raise RuntimeError(f"rank processes not ready in {STARTUP_S:.0f} s: {self._unready()}")
+        self.startup_s = time.monotonic() - self.start
+        self._send_peers()
+        self.issuing = True
+        run_from = time.monotonic()
+        cycle = [name for name in FAULT_ORDER if name in config.faults and name != "drop"]
+        turn = 0
+        while True:
+            remaining = config.duration_s - (time.monotonic() - run_from)
+            if all(self.injected[name] for name in cycle):
+                upcoming = cycle[turn % len(cycle)] if cycle else None
+                if upcoming is None or remaining < config.settle_s + self._estimate(upcoming):
+                    self._wait(_never, max(0.0, remaining))
+                    break
+            self._wait(_never, config.settle_s)
+            self._inject(cycle[turn % len(cycle)])
+            turn += 1
+        self.issuing = False
+        self._wait(lambda: not self._unsettled(), config.room_bound_s + HUNG_SLACK_S)
+        for room in self._unsettled():
+            self._settle(room, hung=f"no report in {config.room_bound_s + HUNG_SLACK_S:.0f} s")
+        self.idle = self._wait_idle()
+        if "drop" in config.faults and self._drops()[1]:
+            self.injected["drop"] = 1
+
+    def _estimate(self, fault: str) -> float:
+        """About how long injecting ``fault`` takes (to not start one past the duration)."""
+        liveness = self.config.liveness_timeout_s
+        return {
+            "flood": 3.0,
+            "stall": SHORT_STALL_S,
+            "stall-long": liveness + LONG_STALL_EXTRA_S,
+        }.get(fault, liveness + self.startup_s + 2.0)
+
+    def shutdown(self) -> None:
+        """Stop every rank process (``stop``, then ``SIGKILL`` after ``STOP_S``); idempotent."""
+        self.issuing = False
+        for rank in self.ranks.values():
+            if not rank.gone:
+                self._send(rank, {"cmd": "stop"})
+        deadline = time.monotonic() + STOP_S
+        for rank in [*self.ranks.values(), *self.retired]:
+            rank.process.join(max(0.0, deadline - time.monotonic()))
+            if rank.process.is_alive():
+                logger.warning("%s %d did not exit; killing it", *rank.key)
+                rank.process.kill()
+                rank.process.join(5)
+            if rank.commands is not None:
+                rank.commands.close(linger=0)
+                rank.commands = None
+        self.ended = time.monotonic()
+        self.inbox.close(linger=0)
+
+    # ------------------------------------------------------------------ faults
+
+    def _inject(self, fault: str) -> None:
+        if fault == "flood":
+            self._flood()
+        elif fault in ("stall", "stall-long"):
+            long = fault == "stall-long"
+            self._stall(
+                self.config.liveness_timeout_s + LONG_STALL_EXTRA_S if long else SHORT_STALL_S
+            )
+        elif fault in ("kill-prefill", "kill-decode"):
+            self._kill(fault.removeprefix("kill-"))
+        self.injected[fault] += 1
+
+    def _victim(self, role: str) -> _Rank:
+        keys = [key for key in self.keys if key[0] == role]
+        return self.ranks[self.rng.choice(keys)]
+
+    def _kill(self, role: str) -> None:
+        rank = self._victim(role)
+        self._top_up()  # fresh rooms: the victim cannot have finished them
+        at = time.monotonic()
+        rank.killed = True
+        rank.process.kill()
+        self._died(rank, at, unexpected=False)
+
+    def _died(self, rank: _Rank, at: float, *, unexpected: bool) -> None:
+        """A rank died: measure how the others take it, then start a new process for it.
+
+        No room is issued from the death until the new process is ready and every rank knows
+        it (a serving system takes a broken instance out of rotation, too).
+        """
+        rank.gone = True
+        if unexpected:
+            self.unexpected.append(
+                f"{rank.key[0]} {rank.key[1]} (pid {rank.pid}) exited with {rank.process.exitcode}"
+            )
+        issuing, self.issuing = self.issuing, False
+        dependent = [r for r in self._unsettled() if rank.key in r.waiting()]
+        for room in dependent:
+            room.lost.add(rank.key)
+            self._maybe_settle(room)
+        self._wait(
+            lambda: all(r.outcome is not None for r in dependent),
+            self.config.room_bound_s + HUNG_SLACK_S,
+        )
+        failed_at = [
+            float(report["t"])
+            for room in dependent
+            if room.outcome == "failed"
+            for report in room.reports.values()
+            if report.get("state") == "failed"
+        ]
+        failed = sum(room.outcome == "failed" for room in dependent)
+        detect = max(failed_at) - at if failed_at else None
+        rank.process.join(5)
+        self.retired.append(rank)
+        if rank.commands is not None:
+            rank.commands.close(linger=0)
+            rank.commands = None
+        new = self._spawn(rank.key)
+        back = self._wait(lambda: new.info is not None, STARTUP_S)
+        restart = time.monotonic() - at if back else None
+        if back:
+            self._send_peers()
+        record = KillRecord(
+            rank.key[0],
+            rank.key[1],
+            at - self.start,
+            len(dependent),
+            failed,
+            detect,
+            restart,
+            unexpected,
+        )
+        self.kills.append(record)
+        self.issuing = issuing
+        detected = "no room failed" if detect is None else f"detected in {detect:.2f} s"
+        self._say(
+            f"{'died' if unexpected else 'killed'} {rank.key[0]} {rank.key[1]} with "
+            f"{len(dependent)} rooms in flight ({failed} failed): {detected}; "
+            + ("back" if back else "NOT back")
+            + (f" in {restart:.1f} s" if restart is not None else "")
+        )
+
+    def _stall(self, seconds: float) -> None:
+        rank = self._victim("prefill")
+        in_flight = self._unsettled()
+        at = time.monotonic()
+        pid = rank.process.pid
+        if pid is None:
+            return
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            self._wait(_never, seconds)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        self._wait(lambda: all(r.outcome is not None for r in in_flight), self.config.settle_s)
+        failed = sum(r.outcome == "failed" for r in in_flight)
+        self.stalls.append(
+            StallRecord(rank.key[1], at - self.start, seconds, len(in_flight), failed)
+        )
+        self._say(
+            f"stalled prefill {rank.key[1]} for {seconds:.1f} s with {len(in_flight)} rooms "
+            f"in flight ({failed} failed)"
+        )
+
+    def _flood(self) -> None:
+        live = [self.ranks[key] for key in self.keys]
+        rank = live[self.injected["flood"] % len(live)]
+        if rank.info is None:
+            return
+        before = self._status([rank.key]).get(rank.key, {}).get("listener_malformed", 0)
+        at = time.monotonic()
+        per_thread = self.config.flood_frames // 2
+        sent = [0, 0]
+        threads = [
+            threading.Thread(
+                target=_flood,
+                args=(self.ctx, rank.info.endpoint, per_thread, self.config.seed + i, sent, i),
+                name=f"soak-flood-{i}",
+                daemon=True,
+            )
+            for i in range(2)
+        ]
+        for thread in threads:
+            thread.start()
+        self._wait(lambda: not any(t.is_alive() for t in threads), FLOOD_DEADLINE_S + 5.0)
+        seconds = time.monotonic() - at
+        total = sum(sent)
+        counted = 0
+
+        def counted_all() -> bool:
+            nonlocal counted
+            answer = self._status([rank.key]).get(rank.key)
+            if answer is not None:
+                counted = int(answer.get("listener_malformed", 0)) - int(before)
+            return counted >= total
+
+        deadline = time.monotonic() + STATUS_S
+        while not counted_all() and time.monotonic() < deadline:
+            self._wait(_never, 0.25)
+        label = f"{rank.key[0]} {rank.key[1]}"
+        self.floods.append(FloodRecord(label, at - self.start, total, counted, seconds))
+        self._say(f"flooded {label} with {total} malformed messages; it counted {counted}")
+
+    # ------------------------------------------------------------------ the pump
+
+    def _wait(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Keep the soak going (events, rooms, deaths) until ``done()`` or ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if done():
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._step(min(_PUMP_S, remaining))
+
+    def _step(self, timeout_s: float) -> None:
+        if self.inbox.poll(max(1, round(timeout_s * 1000))):
+            while self.inbox.poll(0):
+                self._event(self.inbox.recv())
+        now = time.monotonic()
+        self._look_at_processes(now)
+        self._top_up()
+        for room in self._unsettled():
+            if now - room.issued > self.config.room_bound_s + HUNG_SLACK_S:
+                self._settle(room, hung="no report")
+        if now - self.last_status_poll > STATUS_EVERY_S:
+            self.last_status_poll = now
+            self._ask_status(self.keys)
+
+    def _look_at_processes(self, now: float) -> None:
+        for rank in list(self.ranks.values()):
+            if rank.gone or rank.killed or rank.process.is_alive():
+                continue
+            logger.error("%s %d (pid %s) died by itself", rank.key[0], rank.key[1], rank.pid)
+            self._died(rank, now, unexpected=True)
+
+    def _event(self, raw: bytes) -> None:
+        try:
+            event = json.loads(raw)
+            key: RankKey = (str(event["role"]), int(event["rank"]))
+            kind, pid = str(event["kind"]), int(event["pid"])
+        except (ValueError, TypeError, KeyError) as exc:
+            logger.warning("malformed event from a rank dropped: %r", exc)
+            return
+        rank = self.ranks.get(key)
+        current = rank is not None and rank.pid == pid
+        if kind == "room":
+            room = self.rooms.get(int(event.get("room", -1)))
+            if room is not None and room.expected.get(key) == pid and room.outcome is None:
+                room.reports[key] = event
+                self._maybe_settle(room)
+        elif kind == "status":
+            self.last_status[pid] = event
+            answers = self.answers.get(int(event.get("id") or 0))
+            if answers is not None and current:
+                answers[key] = event
+            if not event.get("listener_alive", True):
+                self.listener_deaths.add(pid)
+        elif kind == "ready" and rank is not None and current:
+            self._ready(rank, event)
+        elif kind == "listener_down":
+            self.listener_deaths.add(pid)
+        elif kind == "error":
+            self.errors.append(f"{key[0]} {key[1]}: {event.get('error')}")
+        elif kind == "exit" and not event.get("ok", True):
+            self.errors.append(f"{key[0]} {key[1]} exited: {event.get('error')}")
+
+    # ------------------------------------------------------------------ ranks
+
+    def _spawn(self, key: RankKey) -> _Rank:
+        process = self.spawn.Process(
+            target=soak_rank_main,
+            args=(key[0], key[1], self.settings, self.inbox_endpoint),
+            name=f"soak-{key[0]}-{key[1]}",
+            daemon=True,
+        )
+        process.start()
+        rank = _Rank(key, process, time.monotonic(), pid=process.pid)
+        self.ranks[key] = rank
+        return rank
+
+    def _ready(self, rank: _Rank, event: dict[str, Any]) -> None:
+        try:
+            info = RankInfo.from_json(event["info"])
+            endpoint = str(event["commands"])
+        except (KeyError, ValueError) as exc:
+            self.errors.append(f"{rank.key[0]} {rank.key[1]}: bad ready event: {exc}")
+            return
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+        sock.connect(endpoint)
+        rank.commands = sock
+        rank.info = info
+
+    def _all_ready(self) -> bool:
+        return all(rank.info is not None for rank in self.ranks.values())
+
+    def _unready(self) -> str:
+        return ", ".join(f"{k[0]} {k[1]}" for k, r in self.ranks.items() if r.info is None)
+
+    def _send(self, rank: _Rank, doc: dict[str, Any]) -> bool:
+        if rank.commands is None or rank.gone:
+            return False
+        try:
+            rank.commands.send(json.dumps(doc).encode())
+        except zmq.Again:
+            logger.warning("%s %d takes no commands; %s dropped", *rank.key, doc.get("cmd"))
+            return False
+        return True
+
+    def _send_peers(self) -> None:
+        infos = {key: rank.info for key, rank in self.ranks.items() if rank.info is not None}
+        for key, rank in self.ranks.items():
+            other = "prefill" if key[0] == "decode" else "decode"
+            peers = [info.to_json() for k, info in sorted(infos.items()) if k[0] == other]
+            self._send(rank, {"cmd": "peers", "ranks": peers})
+
+    def _ask_status(self, keys: Iterable[RankKey]) -> int:
+        self.status_id += 1
+        self.answers[self.status_id] = {}
+        for key in keys:
+            self._send(self.ranks[key], {"cmd": "status", "id": self.status_id})
+        self.answers = {i: a for i, a in self.answers.items() if i > self.status_id - 50}
+        return self.status_id
+
+    def _status(self, keys: list[RankKey]) -> dict[RankKey, dict[str, Any]]:
+        """Ask ``keys`` for their counters and wait (bounded) for every answer."""
+        asked = self._ask_status(keys)
+        answers = self.answers[asked]
+        self._wait(lambda: all(key in answers for key in keys), STATUS_S)
+        return dict(answers)
+
+    def _wait_idle(self) -> bool:
+        """Ask every rank for its counters until nothing is held (bounded); keep the last."""
+        deadline = time.monotonic() + IDLE_S
+        while True:
+            self.final = self._status(self.keys)
+            complete = len(self.final) == len(self.keys)
+            if complete and not any(_holds(answer) for answer in self.final.values()):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            self._wait(_never, 0.25)
+
+    def _drops(self) -> tuple[int, int]:
+        sent = sum(int(s.get("control_sent", 0)) for s in self.last_status.values())
+        dropped = sum(int(s.get("control_dropped", 0)) for s in self.last_status.values())
+        return sent, dropped
+
+    # ------------------------------------------------------------------ rooms
+
+    def _unsettled(self) -> list[_Room]:
+        return [room for room in self.rooms.values() if room.outcome is None]
+
+    def _top_up(self) -> None:
+        if not self.issuing or not self._all_ready():
+            return
+        while len(self._unsettled()) < self.config.rooms_in_flight and self.free:
+            index = self.free.pop(0)
+            room = _Room(
+                self.next_room,
+                index,
+                time.monotonic(),
+                {key: rank.pid or 0 for key, rank in self.ranks.items()},
+            )
+            self.next_room += 1
+            self.rooms[room.room] = room
+            for key in self.keys:  # decode first: it registers the room before prefill asks
+                self._send(self.ranks[key], {"cmd": "room", "room": room.room, "index": index})
+
+    def _maybe_settle(self, room: _Room) -> None:
+        if room.outcome is None and not room.waiting():
+            self._settle(room)
+
+    def _settle(self, room: _Room, *, hung: str | None = None) -> None:
+        reports = room.reports
+        corrupt = [
+            f"room {room.room} (request {room.index}) on {key[0]} {key[1]}: "
+            + "; ".join(report.get("problems") or ["pages differ"])
+            for key, report in sorted(reports.items())
+            if report.get("state") == "ok" and key[0] == "decode" and not report.get("verified")
+        ]
+        stuck = [key for key, report in reports.items() if report.get("state") == "hung"]
+        if hung is not None:
+            stuck += sorted(room.waiting())
+        failures = [
+            str(report.get("reason"))
+            for key, report in sorted(reports.items())
+            if report.get("state") == "failed"
+        ]
+        if corrupt:
+            room.outcome, room.reason = "corrupt", "\n".join(corrupt)
+        elif stuck:
+            room.outcome, room.reason = "hung", self._describe(room, hung or "no report")
+        elif failures:
+            room.outcome, room.reason = "failed", failures[0]
+        elif room.lost:
+            room.outcome, room.reason = "failed", "rank killed"
+        else:
+            room.outcome = "succeeded"
+        if room.outcome != "hung":  # a hung room's pages may still be written: retire them
+            self.free.append(room.index)
+
+    @staticmethod
+    def _describe(room: _Room, missing: str) -> str:
+        """Every rank's word on a room: ``room 7 (request 3): decode 0 ok; prefill 1 hung:
+        still Transferring; ...`` (``missing`` for ranks that said nothing)."""
+        parts = []
+        for key in sorted(room.expected):
+            report = room.reports.get(key)
+            if report is None:
+                state = "killed" if key in room.lost else missing
+            else:
+                state = str(report.get("state"))
+                if report.get("reason"):
+                    state += f": {report.get('reason')}"
+            parts.append(f"{key[0]} {key[1]} {state}")
+        return f"room {room.room} (request {room.index}): " + "; ".join(parts)
+
+    # ------------------------------------------------------------------ the result
+
+    def _say(self, line: str) -> None:
+        if self.progress is not None:
+            self.progress(f"{time.monotonic() - self.start:6.1f} s  {line}")
+
+    def result(self) -> SoakResult:
+        rooms = list(self.rooms.values())
+        failed: Counter[str] = Counter()
+        examples: dict[str, str] = {}
+        for room in rooms:
+            if room.outcome == "failed":
+                group = "rank killed" if room.reason == "rank killed" else reason_group(room.reason)
+                failed[group] += 1
+                examples.setdefault(group, room.reason)
+        final = self.final.values()
+        sent, dropped = self._drops()
+        return SoakResult(
+            config=self.config,
+            elapsed_s=self.ended - self.start,
+            rooms_started=len(rooms),
+            rooms_succeeded=sum(r.outcome == "succeeded" for r in rooms),
+            failed_by_reason=dict(failed.most_common()),
+            failure_examples=examples,
+            corrupt=sum(r.outcome == "corrupt" for r in rooms),
+            corrupt_details=tuple(r.reason for r in rooms if r.outcome == "corrupt"),
+            hung=sum(r.outcome == "hung" for r in rooms),
+            hung_details=tuple(r.reason for r in rooms if r.outcome == "hung"),
+            kills=tuple(self.kills),
+            stalls=tuple(self.stalls),
+            floods=tuple(self.floods),
+            faults_injected={name: self.injected[name] for name in self.config.faults},
+            control_sent=sent,
+            control_dropped=dropped,
+            ring_live_bytes_end=sum(int(a.get("ring_live_bytes", 0)) for a in final),
+            ring_live_regions_end=sum(int(a.get("ring_live_count", 0)) for a in final),
+            fenced_rooms_end=sum(int(a.get("fenced_rooms", 0)) for a in final),
+            open_rooms_end=sum(int(a.get("open_rooms", 0)) for a in final),
+            idle_reached=self.idle,
+            listener_restarts=len(self.listener_deaths),
+            listener_errors=sum(int(a.get("listener_errors", 0)) for a in final),
+            unexpected_exits=tuple(self.unexpected),
+            rank_errors=tuple(self.errors),
+        )
+
+
+def _never() -> bool:
+    return False
+
+
+def _holds(status: Mapping[str, Any]) -> bool:
+    """Whether a rank's status shows anything held: ring, fences, open rooms, room threads."""
+    return any(
+        int(status.get(name, 0))
+        for name in ("ring_live_count", "ring_live_bytes", "fenced_rooms", "open_rooms")
+    ) or not status.get("listener_alive", False)
+
+
+_KINDS: Final = (
+    *sorted(MESSAGE_TYPES),
+    RoomMeta.KIND,
+    RoomFailed.KIND,
+    RoomFence.KIND,
+    RoomFenced.KIND,
+    Ping.KIND,
+    Pong.KIND,
+)
+
+
+def malformed_message(rng: random.Random) -> list[bytes]:
+    """One control message no codec accepts: random bytes, a known type with bad fields, or
+    too many frames. Every field after the type starts with a NUL byte, which no field of any
+    message may hold, so the message is malformed whatever its type and frame count."""
+
+    def junk() -> bytes:
+        return b"\x00" + rng.randbytes(rng.randrange(0, 48))
+
+    shape = rng.randrange(4)
+    if shape == 0:
+        return [junk() for _ in range(rng.randrange(1, 4))]
+    if shape == 1:
+        return [rng.choice(_KINDS), *(junk() for _ in range(rng.randrange(1, 7)))]
+    if shape == 2:
+        return [rng.choice(_KINDS), *(b"\x00" for _ in range(MAX_FRAMES + rng.randrange(1, 9)))]
+    return [b""]
+
+
+def _flood(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    endpoint: str,
+    count: int,
+    seed: int,
+    sent: list[int],
+    slot: int,
+) -> None:
+    """Send up to ``count`` malformed messages to ``endpoint`` within ``FLOOD_DEADLINE_S``;
+    ``sent[slot]`` counts those that went."""
+    rng = random.Random(seed)
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)  # what is queued at the end still goes
+    sock.setsockopt(zmq.SNDHWM, 1000)
+    sock.setsockopt(zmq.SNDTIMEO, 100)
+    sock.connect(endpoint)
+    deadline = time.monotonic() + FLOOD_DEADLINE_S
+    try:
+        while sent[slot] < count and time.monotonic() < deadline:
+            try:
+                sock.send_multipart(malformed_message(rng))
+            except zmq.Again:
+                continue
+            sent[slot] += 1
+    finally:
+        sock.close()

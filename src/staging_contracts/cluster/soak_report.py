@@ -1,0 +1,534 @@
+"""What a soak is and what it found: its faults, its configuration, its result and summary.
+
+The pure half of ``staging-contracts soak`` (no process is started here): :data:`FAULTS` (the
+faults, each with the description ``--help`` shows), :func:`parse_faults`,
+:class:`SoakConfig`, the records of each fault (:class:`KillRecord`, :class:`StallRecord`,
+:class:`FloodRecord`), :class:`SoakResult` with its verdict, :func:`reason_group` (failure
+reasons in a few categories) and :func:`format_summary`. :func:`~.soak.run_soak` runs a soak.
+
+A room *succeeds* when every rank reported it done and every decode rank's pages verified
+bit for bit; it *fails* when a rank reported a failure (grouped by :func:`reason_group`) or a
+rank it needed was killed; it is *corrupt* when a decode rank reported success but its pages
+do not hold the expected bytes; it is *hung* when a rank that stayed alive did not end it
+within :attr:`SoakConfig.room_bound_s` (a liveness bug). A soak passes
+(:attr:`SoakResult.ok`) when no room was corrupt or hung, nothing was left in a ring, a fence
+or an open room once idle at the end, every control listener lived, no rank died by itself
+and some rooms succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import textwrap
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Final
+
+from .soak_rank import RankSettings, ring_bytes
+from .workload import TransferConfig
+
+__all__ = [
+    "FAULTS",
+    "FAULT_ORDER",
+    "SOAK_EPILOG",
+    "FloodRecord",
+    "KillRecord",
+    "SoakConfig",
+    "SoakResult",
+    "StallRecord",
+    "add_soak_arguments",
+    "config_from_args",
+    "format_summary",
+    "parse_faults",
+    "reason_group",
+]
+
+FAULTS: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "drop": "drop a share of every rank's outgoing control messages (--drop-share, "
+        "default 2%) for the whole run: requests, answers, watermarks, room messages, fences, "
+        "pings",
+        "flood": "send a burst of malformed frames (random bytes, known types with bad fields, "
+        "too many frames) to one rank's control listener, from two threads",
+        "stall": "SIGSTOP a prefill rank for 2 s (under the liveness timeout), then SIGCONT",
+        "stall-long": "SIGSTOP a prefill rank for the liveness timeout + 1.5 s: it is declared "
+        "dead while it still holds its writes, then it comes back (SIGCONT)",
+        "kill-prefill": "SIGKILL a prefill rank with rooms in flight, time until the survivors "
+        "fail those rooms, start a new process for it",
+        "kill-decode": "SIGKILL a decode rank with rooms in flight, time until the survivors "
+        "fail those rooms, start a new process for it",
+    }
+)
+"""Every fault the soak injects: name -> what it does (``--help`` lists these)."""
+FAULT_ORDER: Final = tuple(FAULTS)
+"""The order faults are injected in (``drop`` is on for the whole run)."""
+
+
+def parse_faults(text: str) -> tuple[str, ...]:
+    """The faults named in a comma-separated list (``all``: every fault; ``none``: none).
+
+    Returns:
+        The named faults, in :data:`FAULT_ORDER`, each once.
+
+    Raises:
+        ValueError: a name is not a fault; the message names the valid ones.
+    """
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if names == ["all"]:
+        return FAULT_ORDER
+    if names in ([], ["none"]):
+        return ()
+    unknown = [name for name in names if name not in FAULTS]
+    if unknown:
+        raise ValueError(
+            f"unknown fault{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"valid faults: {', '.join(FAULT_ORDER)} (or all, none)"
+        )
+    return tuple(name for name in FAULT_ORDER if name in names)
+
+
+SOAK_EPILOG: Final = "\n".join(
+    [
+        "faults (--faults, comma-separated; default all):",
+        *(
+            textwrap.fill(
+                text, width=88, initial_indent=f"  {name:<13} ", subsequent_indent=" " * 16
+            )
+            for name, text in FAULTS.items()
+        ),
+        "",
+        "The soak runs until --duration has passed and each listed fault was injected once.",
+        "Exit status: 0 when no room was corrupt or hung, the rings and fences were empty at the",
+        "end, every control listener lived and some rooms succeeded; 1 otherwise; 2 for bad",
+        "options.",
+        "",
+        "examples:",
+        "  staging-contracts soak --duration 60",
+        "  staging-contracts soak --backend mooncake --faults kill-prefill,kill-decode",
+        "  staging-contracts soak --faults drop,flood --drop-share 0.05 --duration 300",
+    ]
+)
+"""The end of ``staging-contracts soak --help``: every fault, the exit status, examples."""
+
+
+def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
+    """The soak's command-line options (``--faults`` is parsed by :func:`config_from_args`,
+    so that an unknown name is refused in one line)."""
+    default = SoakConfig()
+    parser.add_argument(
+        "--backend",
+        choices=["nixl", "mooncake"],
+        default=default.backend,
+        help="transfer engine (default: nixl, which needs no system libraries)",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=default.duration_s,
+        metavar="S",
+        help=f"seconds of rooms and faults (default {default.duration_s:g})",
+    )
+    parser.add_argument(
+        "--faults",
+        default="all",
+        metavar="LIST",
+        help=f"comma-separated faults to inject: {', '.join(FAULT_ORDER)}, all or none "
+        "(default all; see below)",
+    )
+    parser.add_argument(
+        "--host",
+        default=default.host,
+        help="address the ranks' control listeners and engines bind (default 127.0.0.1; "
+        "another address needs STAGING_CONTRACTS_SECRET)",
+    )
+    parser.add_argument("--seed", type=int, default=default.seed, metavar="N")
+    parser.add_argument("--prefill-tp", type=int, default=default.prefill_tp, metavar="P")
+    parser.add_argument("--decode-tp", type=int, default=default.decode_tp, metavar="D")
+    parser.add_argument(
+        "--rooms-in-flight",
+        type=int,
+        default=default.rooms_in_flight,
+        metavar="N",
+        help=f"rooms kept issued at once (default {default.rooms_in_flight})",
+    )
+    parser.add_argument(
+        "--drop-share",
+        type=float,
+        default=default.drop_share,
+        metavar="F",
+        help=f"share of control messages the drop fault loses (default {default.drop_share:g})",
+    )
+    parser.add_argument(
+        "--liveness-timeout",
+        type=float,
+        default=default.liveness_timeout_s,
+        metavar="S",
+        help="seconds of silence before a rank declares a peer dead "
+        f"(default {default.liveness_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--verbose", action="store_true", help="let the ranks log warnings (every failed room)"
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> SoakConfig:
+    """Build the soak's configuration from parsed options.
+
+    Raises:
+        ValueError: an unknown fault (the message names the valid ones), or a value out of
+            range.
+    """
+    return SoakConfig(
+        backend=args.backend,
+        duration_s=args.duration,
+        faults=parse_faults(args.faults),
+        host=args.host,
+        seed=args.seed,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+        rooms_in_flight=args.rooms_in_flight,
+        drop_share=args.drop_share,
+        liveness_timeout_s=args.liveness_timeout,
+        log_level=logging.WARNING if args.verbose else logging.ERROR,
+    )
+
+
+_REASON_GROUPS: Final = (
+    ("peer dead", ("is dead",)),
+    ("stalled", ("no progress for",)),
+    ("no ROOM_META", ("never sent room_meta",)),
+    ("prefill deadline", ("before the deadline", "never became writable", "without progress")),
+    ("engine error", ("engine write failed",)),
+    ("refused", ("refused",)),
+    ("released early", ("released before it finished",)),
+    ("rank error", ("rank error",)),
+    ("fenced", ("fenced the room",)),
+)
+
+
+def reason_group(reason: str) -> str:
+    """The category of a room's failure reason, by its innermost cause.
+
+    A reason passed on by the other side (``"decode failed the room: prefill writer rank 0
+    ... is dead"``) counts as its cause (``"peer dead"``). Unrecognised reasons are
+    ``"other"``.
+    """
+    lowered = reason.lower()
+    for group, needles in _REASON_GROUPS:
+        if any(needle in lowered for needle in needles):
+            return group
+    return "other"
+
+
+@dataclass(frozen=True, slots=True)
+class SoakConfig:
+    """One soak: engine, duration, faults, ranks, the load and the bounds.
+
+    Raises:
+        ValueError: an unknown fault or backend, or a size or bound out of range.
+    """
+
+    backend: str = "nixl"
+    """Transfer engine: ``nixl`` or ``mooncake`` (engines that work across processes)."""
+    duration_s: float = 60.0
+    """How long rooms are issued; the soak runs longer if a listed fault is still due."""
+    faults: tuple[str, ...] = FAULT_ORDER
+    """Faults to inject (names of :data:`FAULTS`)."""
+    host: str = "127.0.0.1"
+    """Address every rank's control listener and engine bind. A non-loopback address needs
+    the cluster secret (``STAGING_CONTRACTS_SECRET``); the driver's own sockets stay on
+    loopback."""
+    seed: int = 0
+    """Seeds the workload, the drops, the flood frames and which rank each fault hits."""
+    prefill_tp: int = 2
+    decode_tp: int = 1
+    rooms_in_flight: int = 4
+    """Rooms the driver keeps issued and not yet ended."""
+    drop_share: float = 0.02
+    """Share of control messages the ``drop`` fault discards."""
+    flood_frames: int = 20_000
+    """Malformed messages in one ``flood`` burst (over its two threads)."""
+    liveness_timeout_s: float = 3.0
+    """Ranks declare a peer dead after this long without a word from it."""
+    stall_timeout_s: float = 4.0
+    """Decode fails a room that holds a writable region without progress this long."""
+    meta_timeout_s: float = 5.0
+    """Prefill fails a room whose ``ROOM_META`` has not come this long after its first chunk."""
+    room_bound_s: float = 45.0
+    """A room not ended this long after it was issued is hung."""
+    settle_s: float = 2.0
+    """Fault-free time between two faults."""
+    kv_heads: int = 4
+    layers: int = 2
+    head_dim: int = 64
+    tokens: int = 256
+    page_size: int = 16
+    chunk_tokens: int = 64
+    ring_chunks: int = 4
+    log_level: int = logging.ERROR
+    """Level of the rank processes' log lines (stderr)."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("nixl", "mooncake"):
+            raise ValueError(f"backend {self.backend!r} is not one of nixl, mooncake")
+        unknown = [name for name in self.faults if name not in FAULTS]
+        if unknown:
+            raise ValueError(f"unknown faults {unknown}; valid: {', '.join(FAULT_ORDER)}")
+        if not self.duration_s > 0:
+            raise ValueError(f"duration_s={self.duration_s!r} must be > 0")
+        if self.rooms_in_flight < 1 or self.flood_frames < 2:
+            raise ValueError(
+                f"rooms_in_flight={self.rooms_in_flight} must be >= 1 and "
+                f"flood_frames={self.flood_frames} >= 2"
+            )
+        if not 0.0 <= self.drop_share < 0.5:
+            raise ValueError(f"drop_share={self.drop_share!r} must be in [0, 0.5)")
+        for name in ("liveness_timeout_s", "stall_timeout_s", "meta_timeout_s", "room_bound_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+        if self.liveness_timeout_s <= 0.5:
+            raise ValueError("liveness_timeout_s must exceed the 0.5 s ping interval")
+        ring_bytes(self.transfer())  # raises ValueError for a TP pair the heads do not allow
+
+    def transfer(self) -> TransferConfig:
+        """The seeded workload the ranks share: twice as many requests as rooms in flight."""
+        return TransferConfig(
+            backend=self.backend,
+            prefill_tp=self.prefill_tp,
+            decode_tp=self.decode_tp,
+            kv_heads=self.kv_heads,
+            layers=self.layers,
+            head_dim=self.head_dim,
+            tokens=self.tokens,
+            page_size=self.page_size,
+            requests=2 * self.rooms_in_flight,
+            seed=self.seed,
+            chunk_tokens=self.chunk_tokens,
+            ring_chunks=self.ring_chunks,
+        )
+
+    def rank_settings(self) -> RankSettings:
+        """What every rank process is started with."""
+        return RankSettings(
+            transfer=self.transfer(),
+            host=self.host,
+            liveness_timeout_s=self.liveness_timeout_s,
+            stall_timeout_s=self.stall_timeout_s,
+            meta_timeout_s=self.meta_timeout_s,
+            room_bound_s=self.room_bound_s,
+            drop_share=self.drop_share if "drop" in self.faults else 0.0,
+            seed=self.seed,
+            log_level=self.log_level,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class KillRecord:
+    """One rank killed (``kill-*``) or found dead, and how the others took it."""
+
+    role: str
+    rank: int
+    at_s: float
+    """Seconds from the start of the soak."""
+    rooms_in_flight: int
+    """Rooms not yet ended on every rank when it died (each needed it)."""
+    rooms_failed: int
+    """Of those, rooms that failed (the others had finished their part before)."""
+    detect_s: float | None
+    """Seconds from the death until the surviving ranks had failed every one of those rooms
+    (``None``: none failed)."""
+    restart_s: float | None
+    """Seconds from the death until its new process was ready (``None``: it did not come
+    back)."""
+    unexpected: bool = False
+    """The process died by itself, not by the soak's hand (always a problem)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StallRecord:
+    """One prefill rank stopped (``SIGSTOP``) and continued."""
+
+    rank: int
+    at_s: float
+    duration_s: float
+    rooms_in_flight: int
+    """Rooms issued and not ended when it stopped."""
+    rooms_failed: int
+    """Of those, rooms that failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class FloodRecord:
+    """One burst of malformed frames at a rank's control listener."""
+
+    target: str
+    """``"decode 0"``, ``"prefill 1"``, ..."""
+    at_s: float
+    sent: int
+    """Malformed messages sent."""
+    counted: int
+    """Malformed messages the target's listener counted meanwhile (should equal ``sent``)."""
+    seconds: float
+    """How long the sending took."""
+
+
+@dataclass(frozen=True, slots=True)
+class SoakResult:
+    """The outcome of :func:`run_soak`."""
+
+    config: SoakConfig
+    elapsed_s: float
+    """From the ranks' start to their stop."""
+    rooms_started: int
+    rooms_succeeded: int
+    failed_by_reason: dict[str, int]
+    """Failed rooms by :func:`reason_group` of their first failure reason (``"rank killed"``:
+    no survivor failed it, a rank it needed died)."""
+    failure_examples: dict[str, str]
+    """One failure reason of each group, as a rank gave it."""
+    corrupt: int
+    """Rooms a decode rank reported done whose pages do not verify. Must be 0."""
+    corrupt_details: tuple[str, ...]
+    hung: int
+    """Rooms not ended within the bound by a rank that stayed alive. Must be 0."""
+    hung_details: tuple[str, ...]
+    kills: tuple[KillRecord, ...]
+    stalls: tuple[StallRecord, ...]
+    floods: tuple[FloodRecord, ...]
+    faults_injected: dict[str, int]
+    """Fault name -> times injected (``drop``: 1 when it dropped any message)."""
+    control_sent: int
+    """Control messages the ranks sent (over every process, as last reported)."""
+    control_dropped: int
+    """Of those, dropped by the ``drop`` fault."""
+    ring_live_bytes_end: int
+    """Bytes the decode rings still held once idle at the end. Must be 0."""
+    ring_live_regions_end: int
+    """Regions the decode rings still held once idle at the end. Must be 0."""
+    fenced_rooms_end: int
+    """Rooms still fenced at the end. Must be 0."""
+    open_rooms_end: int
+    """Rooms still open on a rank at the end. Must be 0."""
+    idle_reached: bool
+    """Every rank answered the final ``status`` and reported nothing held."""
+    listener_restarts: int
+    """Control listener threads that ended (each would need a restart). Must be 0."""
+    listener_errors: int
+    """Dispatches or idle runs that raised something other than ``MalformedMessage`` (bugs;
+    each is logged with its traceback by the rank), over the ranks alive at the end."""
+    unexpected_exits: tuple[str, ...]
+    """Rank processes that died without being killed by the soak. Must be empty."""
+    rank_errors: tuple[str, ...]
+    """Commands a rank could not carry out. Must be empty."""
+
+    @property
+    def rooms_failed(self) -> int:
+        """Rooms that failed, whatever the reason."""
+        return sum(self.failed_by_reason.values())
+
+    @property
+    def problems(self) -> list[str]:
+        """Why the soak did not pass, one line each (empty: it passed)."""
+        out: list[str] = []
+        if self.corrupt:
+            out.append(f"{self.corrupt} corrupt rooms")
+        if self.hung:
+            out.append(f"{self.hung} hung rooms")
+        if self.ring_live_bytes_end or self.ring_live_regions_end:
+            out.append(
+                f"ring still holds {self.ring_live_bytes_end} bytes in "
+                f"{self.ring_live_regions_end} regions at the end"
+            )
+        if self.fenced_rooms_end or self.open_rooms_end:
+            out.append(
+                f"{self.fenced_rooms_end} fenced and {self.open_rooms_end} open rooms at the end"
+            )
+        if not self.idle_reached:
+            out.append("the ranks did not all report idle at the end")
+        if self.listener_restarts:
+            out.append(f"{self.listener_restarts} control listeners died")
+        if self.unexpected_exits:
+            out.append(f"{len(self.unexpected_exits)} rank processes died by themselves")
+        if self.rank_errors:
+            out.append(f"{len(self.rank_errors)} commands failed on a rank")
+        if not self.rooms_succeeded:
+            out.append("no room succeeded")
+        return out
+
+    @property
+    def ok(self) -> bool:
+        """Nothing corrupt, hung or leaked, every listener alive, some rooms succeeded."""
+        return not self.problems
+
+
+def format_summary(result: SoakResult) -> str:
+    """The soak's summary, one fact per line."""
+    config = result.config
+    failed = result.failed_by_reason
+    rows: list[tuple[str, str]] = [
+        ("engine", f"{config.backend}, {config.prefill_tp} prefill -> {config.decode_tp} decode"),
+        ("ran", f"{result.elapsed_s:.1f} s, faults: {', '.join(config.faults) or 'none'}"),
+        (
+            "rooms",
+            f"{result.rooms_started} started, {result.rooms_succeeded} succeeded, "
+            f"{result.rooms_failed} failed, {result.corrupt} corrupt, {result.hung} hung",
+        ),
+    ]
+    for group, count in failed.items():
+        rows.append((f"  failed: {group}", f"{count}  (e.g. {result.failure_examples[group]})"))
+    for detail in (*result.corrupt_details, *result.hung_details)[:5]:
+        rows.append(("  !", detail.replace("\n", "; ")))
+    injected = ", ".join(f"{n} {c}" for n, c in result.faults_injected.items()) or "none"
+    rows.append(("faults injected", injected))
+    if "drop" in config.faults:
+        rows.append(
+            (
+                "control dropped",
+                f"{result.control_dropped} of {result.control_sent} messages "
+                f"({config.drop_share:.0%} asked)",
+            )
+        )
+    for flood in result.floods:
+        rows.append(
+            (
+                "flood",
+                f"{flood.target} at {flood.at_s:.1f} s: {flood.sent} malformed messages in "
+                f"{flood.seconds:.1f} s, {flood.counted} counted",
+            )
+        )
+    for stall in result.stalls:
+        rows.append(
+            (
+                "stall",
+                f"prefill {stall.rank} at {stall.at_s:.1f} s for {stall.duration_s:.1f} s: "
+                f"{stall.rooms_in_flight} rooms in flight, {stall.rooms_failed} failed",
+            )
+        )
+    for kill in result.kills:
+        detect = "n/a (no room failed)" if kill.detect_s is None else f"{kill.detect_s:.2f} s"
+        back = "never" if kill.restart_s is None else f"{kill.restart_s:.1f} s"
+        rows.append(
+            (
+                "died by itself" if kill.unexpected else "kill",
+                f"{kill.role} {kill.rank} at {kill.at_s:.1f} s: {kill.rooms_in_flight} rooms "
+                f"in flight, {kill.rooms_failed} failed; detected in {detect}; back in {back}",
+            )
+        )
+    rows += [
+        (
+            "ring use at end",
+            f"{result.ring_live_bytes_end} bytes in {result.ring_live_regions_end} regions, "
+            f"{result.fenced_rooms_end} fenced rooms, {result.open_rooms_end} open rooms"
+            + ("" if result.idle_reached else " (NOT idle)"),
+        ),
+        ("listener restarts", str(result.listener_restarts)),
+        ("listener errors", str(result.listener_errors)),
+    ]
+    rows += [("unexpected exit", line) for line in result.unexpected_exits]
+    rows += [("rank error", line) for line in result.rank_errors[:5]]
+    problems = result.problems
+    rows.append(("verdict", "PASS" if not problems else "FAIL: " + "; ".join(problems)))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
