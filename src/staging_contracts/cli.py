@@ -1,4 +1,4 @@
-"""Command line: ``staging-contracts check | bench``.
+"""Command line: ``staging-contracts check | demo | soak | bench``.
 
 The CLI is the only place in the package that prints.
 """
@@ -64,6 +64,23 @@ def _parser() -> argparse.ArgumentParser:
 
     add_demo_arguments(demo)
     demo.set_defaults(run=_run_demo)
+
+    from .cluster.soak_report import SOAK_EPILOG, add_soak_arguments  # noqa: PLC0415 - as demo
+
+    soak = commands.add_parser(
+        "soak",
+        help="run the multi-process transfer continuously while injecting faults",
+        description=(
+            "Keep rooms moving from P prefill to D decode rank processes while injecting the "
+            "listed faults in turn; verify every completed room bit for bit; print a summary: "
+            "rooms succeeded and failed by reason, corrupt and hung rooms, time to detect "
+            "each kill, ring use at the end, listener restarts."
+        ),
+        epilog=SOAK_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_soak_arguments(soak)
+    soak.set_defaults(run=_run_soak)
 
     from .bench import GROUPS  # noqa: PLC0415 - keeps `check` free of benchmark imports
 
@@ -145,6 +162,35 @@ def _run_demo(args: argparse.Namespace) -> int:
         print(f"staging-contracts demo: {exc}", file=sys.stderr)
         return EXIT_UNIMPORTABLE
     return run_demo(config)
+
+
+def _run_soak(args: argparse.Namespace) -> int:
+    from .cluster.soak import run_soak  # noqa: PLC0415 - heavy imports
+    from .cluster.soak_report import config_from_args, format_summary  # noqa: PLC0415
+    from .control.security import SecurityError  # noqa: PLC0415
+
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"staging-contracts soak: {exc}", file=sys.stderr)
+        return EXIT_UNIMPORTABLE
+    _progress(
+        f"soak over {config.backend}: {config.prefill_tp} prefill -> {config.decode_tp} decode "
+        f"ranks, {config.duration_s:g} s, faults: {', '.join(config.faults) or 'none'}"
+    )
+    try:
+        result = run_soak(config, progress=_progress)
+    except (ImportError, SecurityError) as exc:
+        print(f"staging-contracts soak: {exc}", file=sys.stderr)
+        return EXIT_UNIMPORTABLE
+    except RuntimeError as exc:  # the ranks did not start; they are stopped already
+        print(f"staging-contracts soak: {exc}", file=sys.stderr)
+        return EXIT_NONCONFORMING
+    except KeyboardInterrupt:  # run_soak stopped every rank on the way out
+        print("staging-contracts soak: interrupted", file=sys.stderr)
+        return 130
+    print(format_summary(result))
+    return EXIT_OK if result.ok else EXIT_NONCONFORMING
 
 
 def _run_bench(args: argparse.Namespace) -> int:
