@@ -96,7 +96,8 @@ class _Job:
 
 
 WORKER_SLICE_S: Final = 0.01
-"""The worker re-checks waiting chunks at least this often."""
+"""The worker re-checks waiting chunks at least this often (and at once when decode answers,
+a watermark moves, a room is lost or a chunk is queued)."""
 
 
 class PrefillTransfers:
@@ -132,6 +133,9 @@ class PrefillTransfers:
         manager.register_control(RoomFailed.KIND, self._on_room_failed)
         manager.add_authorizer(self._authorize)
         writer.on_room_lost(self._on_room_lost)
+        self._wakeup = threading.Event()
+        """Set when a waiting chunk may be able to go: an answer, a watermark, a new job."""
+        writer.on_progress(self._wakeup.set)
         rank = manager.kv_args.engine_rank
         self._thread = threading.Thread(
             target=self._run, name=f"prefill-transfer-{rank}", daemon=True
@@ -182,6 +186,7 @@ class PrefillTransfers:
             if state.status in (KVPoll.Bootstrapping, KVPoll.WaitingForInput):
                 state.status = KVPoll.Transferring
         self._jobs.put(_Job(room, chunk, last, time.monotonic()))
+        self._wakeup.set()
 
     def status(self, room: int) -> tuple[KVPoll, str | None]:
         """The room's state and failure reason."""
@@ -308,9 +313,10 @@ class PrefillTransfers:
         stopping = False
         while not (stopping and not pending):
             stopping |= self._take_jobs(pending, block=not pending)
+            self._wakeup.clear()
             job = self._next_job(pending)
             if job is None:
-                time.sleep(WORKER_SLICE_S)
+                self._wakeup.wait(WORKER_SLICE_S)
                 continue
             pending.remove(job)
             try:

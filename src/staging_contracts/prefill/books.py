@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from ..protocols import RegionAnswer, Watermark
 from ..staging.allocator import is_watermark_ready
@@ -28,6 +29,12 @@ class WatermarkTracker:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._latest: dict[str, Watermark] = {}
+        self._listeners: list[Callable[[], None]] = []
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (on the observing thread, without the lock) when a watermark
+        moves forward."""
+        self._listeners.append(listener)
 
     def observe(self, session_id: str, watermark: Watermark) -> bool:
         """Record a watermark if it is newer (lexicographically) than the session's latest.
@@ -40,7 +47,9 @@ class WatermarkTracker:
                 return False
             self._latest[session_id] = Watermark(*watermark)
             self._cond.notify_all()
-            return True
+        for listener in self._listeners:
+            listener()
+        return True
 
     def latest(self, session_id: str) -> Watermark:
         """The newest watermark of a session (``Watermark(0, 0)`` before any)."""
@@ -82,12 +91,19 @@ class RegionAnswerTable:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._answers: dict[tuple[int, int, str], RegionAnswer] = {}
+        self._listeners: list[Callable[[], None]] = []
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (on the recording thread, without the lock) after each answer."""
+        self._listeners.append(listener)
 
     def record(self, room: int, chunk_idx: int, session_id: str, answer: RegionAnswer) -> None:
         """Store an answer and wake waiters."""
         with self._cond:
             self._answers[(room, chunk_idx, session_id)] = answer
             self._cond.notify_all()
+        for listener in self._listeners:
+            listener()
 
     def get(self, room: int, chunk_idx: int, session_id: str) -> RegionAnswer | None:
         """The answer for a chunk, or ``None`` before one arrived."""

@@ -295,6 +295,14 @@ class StagingWriter:
 
     # ------------------------------------------------------------------ fences and liveness
 
+    def on_progress(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` whenever decode answers a region or a watermark moves, and when
+        a room is lost: a waiting chunk may be writable (or must fail) now. Called on the
+        listener thread; it must not block."""
+        self._watermarks.add_listener(listener)
+        self._regions.add_listener(listener)
+        self._room_lost.append(lambda room, reason: listener())
+
     def on_room_lost(self, listener: Callable[[int, str], None]) -> None:
         """Call ``listener(room, reason)`` when decode fences a room or a decode rank of a
         room is declared dead (on the listener thread)."""
