@@ -5,6 +5,11 @@
 meet: a small ZMQ rendezvous server and its client calls), :mod:`.workload` (seeded requests
 and KV data every rank derives alike) and :mod:`.demo` (``staging-contracts demo``).
 
+The soak (``staging-contracts soak``): :mod:`.soak` (:func:`~.soak.run_soak`: rank processes
+kept busy with rooms while faults are injected), :mod:`.soak_rank` (a long-running rank that
+serves rooms on command) and :mod:`.soak_report` (its faults, configuration, result and
+summary).
+
 May import: ``backends`` and everything below it; never ``testing``, ``bench`` or ``cli``.
 Imported by: ``bench`` and ``cli``.
 """
