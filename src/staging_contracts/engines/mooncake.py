@@ -5,6 +5,15 @@ Peers find each other by P2P handshake: no metadata server, a session id is
 by this engine (``supports_notifications`` is ``False``): the caller sends ``CHUNK_READY`` over
 its own ZMQ socket after ``write`` returned.
 
+**Exposure.** Mooncake cannot be confined to ``host``: whatever address it is given, it
+binds its P2P handshake listener to ``0.0.0.0`` and its TCP data listener to ``[::]`` (dual
+stack), both on ports drawn from ``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT`` (default
+15000-17000); ``MC_TCP_BIND_ADDRESS`` only names the address advertised in metadata-server
+mode. Whoever reaches the data port can read and write this engine's registered memory, with
+no authentication. The engine lists the listeners Mooncake opened at start-up
+(:attr:`MooncakeEngine.listening`) and warns about each one beyond ``host``; confine such a
+process with a firewall or a network namespace (README, "Security").
+
 Requires the ``mooncake`` extra: ``pip install 'staging-contracts[mooncake]'``.
 """
 
@@ -20,6 +29,7 @@ from mooncake.engine import TransferEngine as _NativeEngine
 
 from ..protocols import Notification, Transfer, TransferError
 from ._common import InflightGate, RegionTable, format_problems, transfer_problems
+from ._netif import is_wildcard, resolve_host, unconfined, watch_listeners
 
 __all__ = ["MooncakeEngine"]
 
@@ -49,15 +59,27 @@ _TIMED_OUT: Final = -2
 its id is not freed."""
 
 
+def _addresses_of(host: str) -> list[str]:
+    """``host`` as a numeric address, in a list (empty when it does not resolve)."""
+    try:
+        return [resolve_host(host)]
+    except OSError:
+        return []
+
+
 class MooncakeEngine:
     """A :class:`~staging_contracts.protocols.TransferEngine` over Mooncake.
 
     **Thread-safety:** every method may be called from any thread; ``write`` calls may run
     concurrently (Mooncake batches are independent). ``close`` waits for running writes.
 
+    **Exposure:** Mooncake listens on every interface whatever ``host`` is (see the module
+    docstring); the engine warns at start-up about each listener beyond ``host``.
+
     Args:
-        host: Address peers reach this process at (also the address Mooncake's RPC listener
-            binds to), e.g. ``"127.0.0.1"`` for one machine or the NIC's address on a cluster.
+        host: Address peers reach this process at (its session id), e.g. ``"127.0.0.1"``
+            for one machine or the NIC's address on a cluster. Mooncake's listeners do not
+            bind it: they listen on every interface.
         protocol: Mooncake transport: ``"tcp"`` (default, works everywhere) or ``"rdma"``.
         device_name: RDMA device(s) for ``protocol="rdma"``, e.g. ``"mlx5_0"``; empty lets
             Mooncake discover the topology.
@@ -80,7 +102,8 @@ class MooncakeEngine:
         write_timeout_s: float = 30.0,
     ) -> None:
         native = _NativeEngine()
-        status = native.initialize(host, P2P_HANDSHAKE, protocol, device_name)
+        with watch_listeners() as opened:
+            status = native.initialize(host, P2P_HANDSHAKE, protocol, device_name)
         if status != 0:
             raise TransferError(
                 f"mooncake failed to initialize on host {host!r} with protocol {protocol!r}"
@@ -99,7 +122,24 @@ class MooncakeEngine:
         self._regions = RegionTable()
         self._peers: set[str] = set()
         self._gate = InflightGate(f"mooncake engine {self._session_id!r}")
-        logger.info("mooncake engine %s ready (protocol %s)", self._session_id, protocol)
+        self._listening = tuple(str(item) for item in sorted(opened))
+        logger.info(
+            "mooncake engine %s ready (protocol %s), listening on %s",
+            self._session_id,
+            protocol,
+            ", ".join(self._listening) or "(unknown)",
+        )
+        exposed = [] if is_wildcard(host) else unconfined(opened, _addresses_of(host))
+        if exposed:
+            logger.warning(
+                "mooncake engine %s listens beyond its host %r, on %s: Mooncake binds its"
+                " handshake and TCP data listeners to every interface, and whoever reaches"
+                " the data port can read and write the registered memory; confine this"
+                " process with a firewall or a network namespace (README, Security)",
+                self._session_id,
+                host,
+                ", ".join(map(str, exposed)),
+            )
 
     def __repr__(self) -> str:
         state = "closed" if self._gate.closed else f"{len(self._regions)} regions"
@@ -117,6 +157,12 @@ class MooncakeEngine:
         they end (asked at every ``write`` and while ``close`` waits)."""
         with self._lock:
             return len(self._stuck)
+
+    @property
+    def listening(self) -> tuple[str, ...]:
+        """The TCP listeners Mooncake opened at start-up, as ``"address:port"`` (IPv6 in
+        brackets), sorted; empty where ``/proc`` cannot be read."""
+        return self._listening
 
     @property
     def session_id(self) -> str:

@@ -15,6 +15,17 @@ system's ibverbs providers installed next to NIXL's bundled ``libibverbs``, a pr
 loaded UCX's InfiniBand modules crashes (SIGSEGV in ``libnl-route``'s destructor) at exit,
 whatever was released; ``load_ib_modules=False`` avoids it where there is no RDMA NIC.
 
+**Exposure.** UCX's TCP transport listens on one address of each network device it uses
+(by default every interface: the NIC's address and ``127.0.0.1``). ``host=`` confines it to
+the interface holding that address (UCX's ``NET_DEVICES`` and ``TCP_AF_PRIO``, set for this
+agent only, see :func:`ucx_confinement`); a ``UCX_NET_DEVICES`` in the environment is an
+explicit setting and wins, as NIXL lets every ``UCX_*`` variable win. Since ``NET_DEVICES``
+names every network device UCX may use, RDMA hosts list their HCA ports there themselves
+(``UCX_NET_DEVICES=eth0,mlx5_0:1``). At start-up the engine lists the TCP listeners the
+agent opened (:attr:`NixlEngine.listening`) and warns about each one beyond ``host`` (beyond
+``UCX_NET_DEVICES``' interfaces); when neither is given it says (at ``INFO``) where beyond
+loopback UCX listens.
+
 Requires the ``nixl`` extra: ``pip install 'staging-contracts[nixl]'``.
 """
 
@@ -33,6 +44,15 @@ from typing import TYPE_CHECKING, Final, Literal, NamedTuple, TypeVar
 
 from ..protocols import Notification, Transfer, TransferError
 from ._common import InflightGate, RegionTable, format_problems, transfer_problems
+from ._netif import (
+    ListeningSocket,
+    interface_addresses,
+    interface_of,
+    is_wildcard,
+    resolve_host,
+    unconfined,
+    watch_listeners,
+)
 
 if TYPE_CHECKING:
     from nixl_cu12 import _api as nixl_api
@@ -55,7 +75,7 @@ else:
     finally:
         logging.raiseExceptions = _raise_exceptions
 
-__all__ = ["NixlEngine"]
+__all__ = ["NixlEngine", "ucx_confinement"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +103,56 @@ _SPIN_S: Final = 50e-6
 _MAX_SLEEP_S: Final = 1e-3
 
 
+_NET_DEVICES_ENV: Final = "UCX_NET_DEVICES"
+_LOOPBACK: Final = ("127.0.0.1", "::1")
+_UNTOLD: Final = "no host= and no UCX_NET_DEVICES"
+
+
+def ucx_confinement(host: str) -> dict[str, str]:
+    """The UCX settings that confine UCX's TCP transport to the interface holding ``host``.
+
+    Names are without the ``UCX_`` prefix: ``{"NET_DEVICES": <interface>, "TCP_AF_PRIO":
+    "inet" | "inet6"}``; empty for a wildcard ``host`` (``0.0.0.0``, ``::``). Prefix them
+    with ``UCX_`` to set them in a process's environment before its first agent starts.
+
+    Raises:
+        TransferError: ``host`` does not resolve, or no interface of this host holds it.
+    """
+    try:
+        address = resolve_host(host)
+        if is_wildcard(address):
+            return {}
+        name = interface_of(address)
+    except OSError as exc:
+        raise TransferError(f"cannot find the network interface of {host!r}: {exc}") from exc
+    if name is None:
+        raise TransferError(f"no network interface of this host holds {host!r}")
+    return {"NET_DEVICES": name, "TCP_AF_PRIO": "inet6" if ":" in address else "inet"}
+
+
+def _allowed_addresses(host: str | None) -> tuple[list[str] | None, str]:
+    """Where the agent's listeners may be (``None``: anywhere) and why, in words."""
+    if host is not None:
+        if is_wildcard(host):
+            return None, "host is a wildcard"
+        try:
+            return [resolve_host(host)], f"host {host!r}"
+        except OSError:
+            return [], f"host {host!r}"
+    devices = os.environ.get(_NET_DEVICES_ENV)
+    if devices is None:
+        return list(_LOOPBACK), _UNTOLD
+    names = {entry.strip() for entry in devices.split(",")}
+    if "all" in names:
+        return None, f"{_NET_DEVICES_ENV}=all"
+    try:
+        interfaces = interface_addresses()
+    except OSError:
+        return None, "the interfaces cannot be listed"
+    allowed = [a for name, addresses in interfaces.items() if name in names for a in addresses]
+    return allowed, f"{_NET_DEVICES_ENV}={devices}"
+
+
 class _Peer(NamedTuple):
     metadata: bytes
     mem_type: MemKind
@@ -108,9 +178,17 @@ class NixlEngine:
     serialized by one lock, which ``write`` releases between its completion checks, so a
     listener thread can poll notifications while a worker thread writes.
 
+    **Exposure:** UCX listens where ``host`` (or ``UCX_NET_DEVICES``) says, on every
+    interface otherwise; the engine warns at start-up about each listener beyond where it
+    was told (see the module docstring).
+
     Args:
         name: Agent name, which is the session id; unique among the agents a peer knows.
             Default ``nixl-<host>-<pid>-<random>``.
+        host: Address UCX's TCP transport listens on and advertises: UCX uses only the
+            network interface holding it (:func:`ucx_confinement`; a ``UCX_NET_DEVICES``
+            in the environment wins). ``None`` (default): UCX's own choice, every
+            interface unless ``UCX_NET_DEVICES`` is set.
         mem_type: ``"DRAM"`` for host memory, ``"VRAM"`` for CUDA device memory.
         device_id: CUDA device of the registered memory (``0`` for DRAM).
         ucx_error_handling_mode: UCX backend's ``ucx_error_handling_mode``; ``"none"``
@@ -123,13 +201,15 @@ class NixlEngine:
         close_timeout_s: How long ``close`` waits for running writes.
 
     Raises:
-        TransferError: the UCX plugin is missing or the agent could not be created.
+        TransferError: the UCX plugin is missing, the agent could not be created, or no
+            interface holds ``host``.
     """
 
     def __init__(
         self,
         name: str | None = None,
         *,
+        host: str | None = None,
         mem_type: MemKind = "DRAM",
         device_id: int = 0,
         ucx_error_handling_mode: Literal["none", "peer"] = "none",
@@ -143,11 +223,19 @@ class NixlEngine:
             os.environ.setdefault("UCX_MODULES", "^ib")
         config = nixl_api.nixl_agent_config(enable_prog_thread=False, backends=[])
         params = {"ucx_error_handling_mode": ucx_error_handling_mode, **(ucx_params or {})}
+        if host is not None:
+            confinement = ",".join(f"{k}={v}" for k, v in ucx_confinement(host).items())
+            if confinement:
+                given = params.get("engine_config")
+                params["engine_config"] = f"{given},{confinement}" if given else confinement
+        opened: set[ListeningSocket] = set()
         try:
             agent = nixl_api.nixl_agent(session_id, config)
             plugins = agent.get_plugin_list()
             if "UCX" in plugins:
-                agent.create_backend("UCX", params)
+                with watch_listeners() as found:
+                    agent.create_backend("UCX", params)
+                opened = found
         except _START_ERRORS as exc:
             raise TransferError(f"NIXL agent {session_id!r} failed to start: {exc!r}") from exc
         if "UCX" not in plugins:
@@ -169,7 +257,15 @@ class NixlEngine:
         """Failed fetches since the last one that worked (only the first is a warning)."""
         self._stuck: list[nixl_api.nixl_xfer_handle] = []
         self._gate = InflightGate(f"NIXL engine {session_id!r}")
-        logger.info("NIXL engine %s ready (%s, UCX %s)", session_id, mem_type, params)
+        self._listening = tuple(str(item) for item in sorted(opened))
+        logger.info(
+            "NIXL engine %s ready (%s, UCX %s), listening on %s",
+            session_id,
+            mem_type,
+            params,
+            ", ".join(self._listening) or "(no TCP listener)",
+        )
+        self._check_exposure(host, opened)
 
     def __repr__(self) -> str:
         state = "closed" if self._gate.closed else f"{len(self._regions)} regions"
@@ -179,6 +275,13 @@ class NixlEngine:
     def registered_regions(self) -> int:
         """Memory ranges registered now (0 after every ``deregister`` and after ``close``)."""
         return len(self._regions)
+
+    @property
+    def listening(self) -> tuple[str, ...]:
+        """The TCP listeners UCX opened when the agent started, as ``"address:port"`` (IPv6
+        in brackets), sorted; empty without a TCP transport or where ``/proc`` cannot be
+        read."""
+        return self._listening
 
     @property
     def session_id(self) -> str:
@@ -353,6 +456,35 @@ class NixlEngine:
         logger.info("NIXL engine %s closed", self._session_id)
 
     # ------------------------------------------------------------------ internals
+
+    def _check_exposure(self, host: str | None, opened: set[ListeningSocket]) -> None:
+        """Warn about each listener the agent opened beyond where it was told to listen."""
+        allowed, why = _allowed_addresses(host)
+        exposed = [] if allowed is None else unconfined(opened, allowed)
+        if not exposed:
+            return
+        if why == _UNTOLD:  # UCX's own choice, as asked: said, not warned about
+            logger.info(
+                "NIXL engine %s: UCX listens on every interface it found, beyond loopback on"
+                " %s; pass host= or set UCX_NET_DEVICES to confine it (README, Security)",
+                self._session_id,
+                ", ".join(map(str, exposed)),
+            )
+            return
+        devices = os.environ.get(_NET_DEVICES_ENV)
+        fix = (
+            f"{_NET_DEVICES_ENV}={devices} in the environment wins over host="
+            if host is not None and devices is not None
+            else f"pass host= or set {_NET_DEVICES_ENV} to the interface peers reach"
+        )
+        logger.warning(
+            "NIXL engine %s: UCX listens beyond where it was told (%s), on %s; %s"
+            " (README, Security)",
+            self._session_id,
+            why,
+            ", ".join(map(str, exposed)),
+            fix,
+        )
 
     def _write(self, peer: str, target: _Peer, transfers: Sequence[Transfer], note: bytes) -> None:
         deadline = time.monotonic() + self._write_timeout_s
