@@ -7,8 +7,10 @@ to each prefill peer.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -1402,3 +1404,153 @@ def test_a_deferred_request_still_sends_due_fences() -> None:
     r.clock.now += DEFAULT_FENCE_RESEND_S
     assert r.req(1, 1) is StagingReqOutcome.DEFERRED
     assert r.sender.take() == [(P1, fence(2, "x"))]
+
+
+# --------------------------------------------------------------------------- logs and bounds
+
+
+def handler_logs(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
+    """(level, message) of every record the handler logged."""
+    return [
+        (record.levelname, record.getMessage())
+        for record in caplog.records
+        if record.name == handler_module.__name__
+    ]
+
+
+def test_every_refusal_and_failure_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Dropped and refused requests, rejected arrivals and failed rooms are logged."""
+    caplog.set_level(logging.WARNING, logger=handler_module.__name__)
+    r = rig()
+    r.req(9, 1)
+    r.handler.register_room(plan(1))
+    r.req(1, 5)
+    r.req(1, 0)
+    r.arrive(1, 0, 0, pages=1)
+    r.handler.writer_fenced(1, "other", 0)
+    assert handler_logs(caplog) == [
+        ("WARNING", "STAGING_REQ for unknown room 9 chunk 1 dropped"),
+        ("WARNING", "room 1: STAGING_REQ refused: chunk 5 is beyond the room's 2 chunks"),
+        ("WARNING", "room 1 failed: arrival covers pages [0, 1), the region holds [0, 2)"),
+        (
+            "WARNING",
+            "room 1 chunk 0: arrival rejected: arrival covers pages [0, 1), the region holds "
+            "[0, 2)",
+        ),
+        ("WARNING", "ROOM_FENCED for session 'other' ignored (this rank is 'decode-0')"),
+    ]
+
+
+def test_a_failed_scatter_is_logged_with_its_exception(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scatter's exception is logged with its traceback, naming room and chunk."""
+    caplog.set_level(logging.WARNING, logger=handler_module.__name__)
+    r = rig()
+    r.handler.register_room(plan(1))
+    r.req(1, 1)
+
+    def boom(*args: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(r.handler._scatterer, "scatter", boom)
+    r.arrive(1, 1, 0)
+    assert handler_logs(caplog)[0] == ("ERROR", "room 1 chunk 1: scatter failed")
+    assert caplog.records[0].exc_info is not None
+
+
+def test_a_finished_room_before_an_unfinished_one_does_not_stop_peer_dead() -> None:
+    """peer_dead skips finished rooms and still fails the unfinished ones after them."""
+    r = rig()
+    r.handler.register_room(plan(1, pages=2))
+    r.handler.register_room(plan(2))
+    r.handler.register_room(plan(3))
+    r.req(1, 0)
+    r.arrive(1, 0, 0)
+    r.handler.fail_room(2, "earlier")
+    r.handler.peer_dead(P0)
+    assert r.handler.poll_room(1) is RoomStatus.SUCCESS
+    assert r.handler.room_failure(2) == "earlier"
+    assert r.handler.room_failure(3) == f"prefill writer rank 0 ({P0}) is dead"
+
+
+def test_release_waits_ten_seconds_by_default() -> None:
+    """release_room's default bound on a running scatter is 10 s of the handler's clock."""
+    r = rig()
+    r.handler.register_room(plan(1))
+    r.handler._rooms[1].scattering = 1
+    waits: list[float | None] = []
+
+    def wait(timeout: float | None = None) -> bool:
+        waits.append(timeout)
+        r.clock.now += 4.0
+        return False
+
+    r.handler._idle.wait = wait  # type: ignore[method-assign]
+    with pytest.raises(TimeoutError, match=r"^room 1: a scatter did not finish in 10.0s$"):
+        r.handler.release_room(1)
+    assert waits == [10.0, 6.0, 2.0]
+
+
+class WaitClock:
+    """Stands in for the handler module's ``time``: waits advance it by what they waited."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.waits: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def fake_waits(
+    r: Rig, monkeypatch: pytest.MonkeyPatch, at_wait: dict[int, object] | None = None
+) -> WaitClock:
+    """Make wait_room's clock and condition waits fake; ``at_wait[n]()`` runs at wait n."""
+    clock = WaitClock()
+    monkeypatch.setattr(handler_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    actions = at_wait or {}
+
+    def wait(timeout: float | None = None) -> bool:
+        assert timeout is not None
+        clock.waits.append(timeout)
+        clock.now += max(timeout, 0.001)
+        action = actions.get(len(clock.waits))
+        if callable(action):
+            r.handler._lock.release()
+            try:
+                action()
+            finally:
+                r.handler._lock.acquire()
+        return False
+
+    monkeypatch.setattr(r.handler._idle, "wait", wait)
+    return clock
+
+
+def test_wait_room_waits_in_slices_until_the_room_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """wait_room re-checks every WAIT_SLICE_S and returns once the room succeeded."""
+    r = rig()
+    r.handler.register_room(plan(1, pages=2))
+    r.req(1, 0)
+    clock = fake_waits(r, monkeypatch, {3: lambda: r.arrive(1, 0, 0)})
+    assert r.handler.wait_room(1, 1.0) is RoomStatus.SUCCESS
+    assert clock.waits == [WAIT_SLICE_S] * 3
+
+
+def test_wait_room_s_last_slice_is_what_is_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last wait is cut to the time left; then the current status is returned."""
+    r = rig()
+    r.handler.register_room(plan(1))
+    clock = fake_waits(r, monkeypatch)
+    assert r.handler.wait_room(1, 0.25 * WAIT_SLICE_S) is RoomStatus.REGISTERED
+    assert clock.waits == [0.25 * WAIT_SLICE_S]
+
+
+def test_wait_room_with_no_time_left_does_not_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A zero bound returns the status at once."""
+    r = rig()
+    r.handler.register_room(plan(1))
+    clock = fake_waits(r, monkeypatch)
+    assert r.handler.wait_room(1, 0.0) is RoomStatus.REGISTERED
+    assert clock.waits == []
