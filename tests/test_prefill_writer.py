@@ -8,10 +8,12 @@ are exact and no test sleeps.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import pytest
 import torch
@@ -43,6 +45,7 @@ from staging_contracts.staging.layout import (
     compute_staging_layout,
     writer_index,
 )
+from staging_contracts.staging.ordering import HostOrdering
 from tests.local_cluster import Geometry
 
 _INHERITED_CONTEXTS: list[object] = []
@@ -154,7 +157,7 @@ class FakeRegions(RegionAnswerTable):
         super().__init__()
         self.clock = clock
         self.waits: list[float] = []
-        self.on_wait: Callable[[], None] | None = None
+        self.on_wait: Callable[[], object] | None = None
 
     def wait(
         self, room: int, chunk_idx: int, session_id: str, timeout: float
@@ -176,7 +179,7 @@ class FakeWatermarks(WatermarkTracker):
         super().__init__()
         self.clock = clock
         self.waits: list[float] = []
-        self.on_wait: Callable[[], None] | None = None
+        self.on_wait: Callable[[], object] | None = None
 
     def wait_ready(self, session_id: str, alloc_round: int, alloc_end: int, timeout: float) -> bool:
         self.waits.append(timeout)
@@ -253,6 +256,7 @@ def make_rig(
     notifications: bool = False,
     pp_rank: int | None = None,
     ring_size: int = 1 << 16,
+    stream: torch.cuda.Stream | None = None,
 ) -> Rig:
     """A writer of the geometry with a random KV pool and its fakes."""
     geometry = Geometry(prefill_tp, decode_tp, heads)
@@ -281,6 +285,7 @@ def make_rig(
         max_chunk_pages=max_chunk_pages,
         pp_rank=pp_rank,
         timeouts=timeouts,
+        stream=stream,
         liveness=liveness,
     )
     rig = Rig(
@@ -962,3 +967,126 @@ def test_a_session_frame_that_is_not_ascii_matches_no_session(r: Rig) -> None:
     r.writer.prefetch(1, [(0, 2)], r.targets)
     frames = [*StagingRsp(1, 0, 0, 0, 1024, "decode-0").to_frames()[:6], b"decode-\xff"]
     assert not r.writer.authorize(frames, "tcp://decode:0")
+
+
+# --------------------------------------------------------------------------- logs and streams
+
+
+def writer_logs(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
+    """(level, message) of every record the writer logged."""
+    return [
+        (record.levelname, record.getMessage())
+        for record in caplog.records
+        if record.name == writer_module.__name__
+    ]
+
+
+def test_re_requests_are_logged(r: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    """Each re-request for a missing answer or a lagging watermark is logged at INFO."""
+    caplog.set_level(logging.INFO, logger=writer_module.__name__)
+    r.regions.on_wait = lambda: r.answer(1, 2, 0, 1024, rnd=2) if r.clock.now == 2 * TICK else None
+    r.watermarks.on_wait = lambda: (
+        r.watermarks.observe("decode-0", Watermark(2, 0)) if r.clock.now == 4 * TICK else None
+    )
+    r.writer.send_chunk(1, ChunkSpec(2, 0, (1, 2)), r.targets)
+    assert writer_logs(caplog) == [
+        ("INFO", "room 1 chunk 2: no STAGING_RSP yet, asking again"),
+        ("INFO", "room 1 chunk 2: waiting for the watermark, asking again"),
+    ]
+
+
+def test_a_failing_room_lost_listener_is_logged(r: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    """A room-lost listener's exception is logged with its traceback and the room."""
+
+    def broken(room: int, reason: str) -> None:
+        raise RuntimeError("bug")
+
+    r.writer.on_room_lost(broken)
+    r.fence(6, "x")
+    assert writer_logs(caplog) == [("ERROR", "room 6: a room-lost listener failed")]
+    assert caplog.records[0].exc_info is not None
+
+
+class FakeStream:
+    """Stands in for a CUDA stream (never used on CPU: the gather is redirected)."""
+
+
+class RecordingOrdering(HostOrdering):
+    """Host ordering that records when the writer waited for its gather."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self.gathers_before_write: list[int] = []
+
+    def gathered(self) -> None:
+        self.gathers_before_write.append(len(self.engine.writes))
+
+
+def test_gathers_run_on_the_writer_s_stream_and_complete_before_each_write(
+    clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each gather is enqueued on the writer's stream and waited for before its write."""
+    stream = FakeStream()
+    rig = make_rig(clock, 1, 2, 4, stream=cast(torch.cuda.Stream, stream))
+    ordering = RecordingOrdering(rig.engine)
+    rig.writer._ordering = ordering
+    gather = rig.writer._pools.gather
+    streams: list[object] = []
+
+    def on_cpu(*args: object, stream: object = None, **kwargs: object) -> int:
+        streams.append(stream)
+        return gather(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rig.writer._pools, "gather", on_cpu)
+    rig.answer(1, 0, 0, 1024, d=0)
+    rig.answer(1, 0, 0, 1024, d=1)
+    rig.writer.send_chunk(1, ChunkSpec(0, 0, (1, 2)), rig.targets)
+    assert streams == [stream, stream]
+    assert ordering.gathers_before_write == [0, 1]
+
+
+def test_the_ordering_is_the_one_given_or_the_host_s(clock: Clock) -> None:
+    """An explicit ordering is kept; on CPU the default is HostOrdering."""
+    rig = make_rig(clock)
+    assert type(rig.writer._ordering) is HostOrdering
+    ordering = RecordingOrdering(rig.engine)
+    writer = StagingWriter(
+        kv_buffers=rig.writer._kv,
+        engine=rig.engine,
+        sender=rig.sender,
+        watermarks=rig.watermarks,
+        regions=rig.regions,
+        prefill_tp=1,
+        prefill_rank=0,
+        total_kv_heads=2,
+        max_chunk_pages=1,
+        ordering=ordering,
+    )
+    assert writer._ordering is ordering
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def test_progress_listeners_hear_answers_watermark_moves_and_lost_rooms(r: Rig) -> None:
+    """on_progress: called after each answer, each forward watermark move and each lost room."""
+    calls: list[int] = []
+    r.writer.on_progress(lambda: calls.append(len(calls)))
+    r.answer(1, 0, 0, 1024)
+    assert len(calls) == 1
+    r.watermarks.observe("decode-0", Watermark(1, 0))
+    r.watermarks.observe("decode-0", Watermark(0, 5))  # backwards: no call
+    assert len(calls) == 2
+    r.fence(1, "x")
+    assert len(calls) == 3
+    assert r.lost == [(1, "decode fenced the room: x")]
+
+
+def test_authorisation_follows_a_session_s_latest_endpoint(r: Rig) -> None:
+    """A decode session re-registered at a new endpoint is authorised there from then on."""
+    rsp = StagingRsp(2, 0, 0, 0, 1024, "decode-0").to_frames()
+    r.writer.prefetch(1, [(0, 2)], r.targets)
+    moved = DecodeTarget(0, "decode-0", "tcp://moved:0", 1_000_000, 1 << 16)
+    r.writer.prefetch(2, [(0, 2)], [moved])
+    assert r.writer.authorize(rsp, "tcp://moved:0")
+    assert not r.writer.authorize(rsp, "tcp://decode:0")
