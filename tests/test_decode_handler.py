@@ -220,6 +220,21 @@ def raw_status(r: Rig, room: int) -> RoomStatus:
     return r.handler._rooms[room].status
 
 
+def bounded_waits(r: Rig, step: float) -> list[float | None]:
+    """Replace the handler's condition wait: each call is recorded and moves the handler's
+    clock by ``step``; a hundred calls fail the test (a wait loop that never ends)."""
+    waits: list[float | None] = []
+
+    def wait(timeout: float | None = None) -> bool:
+        assert len(waits) < 100, "the wait loop never ends"
+        waits.append(timeout)
+        r.clock.now += step
+        return False
+
+    r.handler._idle.wait = wait  # type: ignore[method-assign]
+    return waits
+
+
 def rsp(room: int, chunk: int, alloc: tuple[int, int, int]) -> list[bytes]:
     offset, alloc_round, end = alloc
     return StagingRsp(room, chunk, offset, alloc_round, end, SID).to_frames()
@@ -1111,8 +1126,10 @@ def test_release_times_out_while_a_scatter_runs() -> None:
     r = rig()
     r.handler.register_room(plan(1))
     r.handler._rooms[1].scattering = 1
+    waits = bounded_waits(r, step=1.0)
     with pytest.raises(TimeoutError, match=r"^room 1: a scatter did not finish in 0.0s$"):
         r.handler.release_room(1, timeout=0.0)
+    assert waits == []
     assert r.handler.live_rooms == 1
     assert r.handler._rooms[1].closing
 
@@ -1122,15 +1139,7 @@ def test_release_times_out_once_the_clock_passes_the_deadline() -> None:
     r = rig()
     r.handler.register_room(plan(1))
     r.handler._rooms[1].scattering = 1
-    original_wait = r.handler._idle.wait
-    waits: list[float | None] = []
-
-    def wait(timeout: float | None = None) -> bool:
-        waits.append(timeout)
-        r.clock.now += 1.0
-        return original_wait(0)
-
-    r.handler._idle.wait = wait  # type: ignore[method-assign]
+    waits = bounded_waits(r, step=1.0)
     with pytest.raises(TimeoutError, match=r"^room 1: a scatter did not finish in 2.5s$"):
         r.handler.release_room(1, timeout=2.5)
     assert waits == [2.5, 1.5, 0.5]
@@ -1479,14 +1488,7 @@ def test_release_waits_ten_seconds_by_default() -> None:
     r = rig()
     r.handler.register_room(plan(1))
     r.handler._rooms[1].scattering = 1
-    waits: list[float | None] = []
-
-    def wait(timeout: float | None = None) -> bool:
-        waits.append(timeout)
-        r.clock.now += 4.0
-        return False
-
-    r.handler._idle.wait = wait  # type: ignore[method-assign]
+    waits = bounded_waits(r, step=4.0)
     with pytest.raises(TimeoutError, match=r"^room 1: a scatter did not finish in 10.0s$"):
         r.handler.release_room(1)
     assert waits == [10.0, 6.0, 2.0]
@@ -1513,6 +1515,7 @@ def fake_waits(
 
     def wait(timeout: float | None = None) -> bool:
         assert timeout is not None
+        assert len(clock.waits) < 1000, "wait_room never ends"
         clock.waits.append(timeout)
         clock.now += max(timeout, 0.001)
         action = actions.get(len(clock.waits))

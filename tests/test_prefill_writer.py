@@ -162,6 +162,7 @@ class FakeRegions(RegionAnswerTable):
     def wait(
         self, room: int, chunk_idx: int, session_id: str, timeout: float
     ) -> RegionAnswer | None:
+        assert len(self.waits) < 1000, "the wait for an answer never ends"
         self.waits.append(timeout)
         answer = self.get(room, chunk_idx, session_id)
         if answer is None:
@@ -182,6 +183,7 @@ class FakeWatermarks(WatermarkTracker):
         self.on_wait: Callable[[], object] | None = None
 
     def wait_ready(self, session_id: str, alloc_round: int, alloc_end: int, timeout: float) -> bool:
+        assert len(self.waits) < 1000, "the wait for the watermark never ends"
         self.waits.append(timeout)
         if self.is_ready(session_id, alloc_round, alloc_end):
             return True
