@@ -144,6 +144,7 @@ def passing_result(**changes: object) -> SoakResult:
         elapsed_s=61.5,
         rooms_started=120,
         rooms_succeeded=100,
+        rooms_prefill_failed=2,
         failed_by_reason={"peer dead": 15, "stalled": 5},
         failure_examples={"peer dead": "prefill writer rank 0 (x) is dead", "stalled": "no prog"},
         corrupt=0,
@@ -205,6 +206,7 @@ def test_the_summary_has_every_figure_the_issue_asks_for() -> None:
         r"^rooms +120 started, 100 succeeded, 20 failed, 0 corrupt, 0 hung$", text, re.M
     )
     assert any(line.startswith("  failed: peer dead") and " 15 " in line for line in lines)
+    assert re.search(r"^  succeeded +2 of them failed or lost on a prefill rank", text, re.M)
     assert "prefill 0 at 12.0 s: 4 rooms in flight, 4 failed; detected in 3.00 s" in text
     assert re.search(r"^ring use at end +0 bytes in 0 regions, 0 fenced rooms, 0 open", text, re.M)
     assert re.search(r"^listener restarts +0$", text, re.M)

@@ -156,6 +156,9 @@ class _Room:
     outcome: str | None = None
     """``succeeded``, ``failed``, ``corrupt`` or ``hung`` once settled."""
     reason: str = ""
+    settled_at: float = 0.0
+    prefill_failed: bool = False
+    """Succeeded on every decode rank, but a prefill rank failed it or died."""
 
     def waiting(self) -> set[RankKey]:
         return set(self.expected) - set(self.reports) - self.lost
@@ -300,8 +303,11 @@ class _Driver:
                 f"{rank.key[0]} {rank.key[1]} (pid {rank.pid}) exited with {rank.process.exitcode}"
             )
         issuing, self.issuing = self.issuing, False
-        dependent = [r for r in self._unsettled() if rank.key in r.waiting()]
-        for room in dependent:
+        waiting = [r for r in self._unsettled() if rank.key in r.waiting()]
+        # The rooms a survivor still had in flight: those the death must be detected for
+        # (a room every survivor had ended already only lacked the dead rank's word).
+        dependent = [r for r in waiting if r.waiting() - {rank.key}]
+        for room in waiting:
             room.lost.add(rank.key)
             self._maybe_settle(room)
         self._wait(
@@ -313,7 +319,7 @@ class _Driver:
             for room in dependent
             if room.outcome == "failed"
             for report in room.reports.values()
-            if report.get("state") == "failed"
+            if report.get("state") == "failed" and float(report["t"]) >= at
         ]
         failed = sum(room.outcome == "failed" for room in dependent)
         detect = max(failed_at) - at if failed_at else None
@@ -360,13 +366,15 @@ class _Driver:
         finally:
             os.kill(pid, signal.SIGCONT)
         self._wait(lambda: all(r.outcome is not None for r in in_flight), self.config.settle_s)
-        failed = sum(r.outcome == "failed" for r in in_flight)
+        # Rooms issued during the stop need the stopped rank too: count every room that
+        # failed from the stop until now.
+        failed = sum(r.outcome == "failed" and r.settled_at >= at for r in self.rooms.values())
         self.stalls.append(
             StallRecord(rank.key[1], at - self.start, seconds, len(in_flight), failed)
         )
         self._say(
             f"stalled prefill {rank.key[1]} for {seconds:.1f} s with {len(in_flight)} rooms "
-            f"in flight ({failed} failed)"
+            f"in flight; {failed} failed meanwhile"
         )
 
     def _flood(self) -> None:
@@ -594,20 +602,24 @@ class _Driver:
             stuck += sorted(room.waiting())
         failures = [
             str(report.get("reason"))
-            for key, report in sorted(reports.items())
+            for key, report in sorted(reports.items(), key=lambda item: item[0][0] != "decode")
             if report.get("state") == "failed"
         ]
+        decode = [key for key in room.expected if key[0] == "decode"]
+        decode_done = all(reports.get(key, {}).get("state") == "ok" for key in decode)
+        room.settled_at = time.monotonic()
         if corrupt:
             room.outcome, room.reason = "corrupt", "\n".join(corrupt)
         elif stuck:
             room.outcome, room.reason = "hung", self._describe(room, hung or "no report")
+        elif decode_done:  # the KV cache arrived and verified: the request goes on on decode
+            room.outcome = "succeeded"
+            room.prefill_failed = bool(failures or room.lost)
         elif failures:
             room.outcome, room.reason = "failed", failures[0]
-        elif room.lost:
-            room.outcome, room.reason = "failed", "rank killed"
         else:
-            room.outcome = "succeeded"
-        if room.outcome != "hung":  # a hung room's pages may still be written: retire them
+            room.outcome, room.reason = "failed", "rank killed"
+        if not room.waiting():  # every rank released it; else its pages may still change
             self.free.append(room.index)
 
     @staticmethod
@@ -648,6 +660,7 @@ class _Driver:
             elapsed_s=self.ended - self.start,
             rooms_started=len(rooms),
             rooms_succeeded=sum(r.outcome == "succeeded" for r in rooms),
+            rooms_prefill_failed=sum(r.prefill_failed for r in rooms),
             failed_by_reason=dict(failed.most_common()),
             failure_examples=examples,
             corrupt=sum(r.outcome == "corrupt" for r in rooms),

@@ -6,14 +6,14 @@ faults, each with the description ``--help`` shows), :func:`parse_faults`,
 :class:`FloodRecord`), :class:`SoakResult` with its verdict, :func:`reason_group` (failure
 reasons in a few categories) and :func:`format_summary`. :func:`~.soak.run_soak` runs a soak.
 
-A room *succeeds* when every rank reported it done and every decode rank's pages verified
-bit for bit; it *fails* when a rank reported a failure (grouped by :func:`reason_group`) or a
-rank it needed was killed; it is *corrupt* when a decode rank reported success but its pages
-do not hold the expected bytes; it is *hung* when a rank that stayed alive did not end it
-within :attr:`SoakConfig.room_bound_s` (a liveness bug). A soak passes
-(:attr:`SoakResult.ok`) when no room was corrupt or hung, nothing was left in a ring, a fence
-or an open room once idle at the end, every control listener lived, no rank died by itself
-and some rooms succeeded.
+A room *succeeds* when every decode rank reported it done and its pages verified bit for bit
+(a prefill rank that failed it or died afterwards is counted apart); it *fails* when a
+decode rank failed it or died (grouped by :func:`reason_group` of the first reason given,
+decode's first); it is *corrupt* when a decode rank reported success but its pages do not
+hold the expected bytes; it is *hung* when a rank that stayed alive did not end it within
+:attr:`SoakConfig.room_bound_s` (a liveness bug). A soak passes (:attr:`SoakResult.ok`) when
+no room was corrupt or hung, nothing was left in a ring, a fence or an open room once idle
+at the end, every control listener lived, no rank died by itself and some rooms succeeded.
 """
 
 from __future__ import annotations
@@ -333,12 +333,12 @@ class KillRecord:
     at_s: float
     """Seconds from the start of the soak."""
     rooms_in_flight: int
-    """Rooms not yet ended on every rank when it died (each needed it)."""
+    """Rooms it was part of that a surviving rank had not ended yet when it died."""
     rooms_failed: int
     """Of those, rooms that failed (the others had finished their part before)."""
     detect_s: float | None
     """Seconds from the death until the surviving ranks had failed every one of those rooms
-    (``None``: none failed)."""
+    that failed (``None``: none failed after the death)."""
     restart_s: float | None
     """Seconds from the death until its new process was ready (``None``: it did not come
     back)."""
@@ -356,7 +356,8 @@ class StallRecord:
     rooms_in_flight: int
     """Rooms issued and not ended when it stopped."""
     rooms_failed: int
-    """Of those, rooms that failed."""
+    """Rooms that failed from the stop until shortly after it continued (those issued
+    during the stop included)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,9 +384,13 @@ class SoakResult:
     """From the ranks' start to their stop."""
     rooms_started: int
     rooms_succeeded: int
+    """Rooms every decode rank completed with pages that verified."""
+    rooms_prefill_failed: int
+    """Of those, rooms a prefill rank failed or died in after its part had landed (the
+    request still goes on on decode)."""
     failed_by_reason: dict[str, int]
-    """Failed rooms by :func:`reason_group` of their first failure reason (``"rank killed"``:
-    no survivor failed it, a rank it needed died)."""
+    """Failed rooms by :func:`reason_group` of their first failure reason, decode's first
+    (``"rank killed"``: no survivor failed it, a decode rank it needed died)."""
     failure_examples: dict[str, str]
     """One failure reason of each group, as a rank gave it."""
     corrupt: int
@@ -475,6 +480,11 @@ def format_summary(result: SoakResult) -> str:
             f"{result.rooms_started} started, {result.rooms_succeeded} succeeded, "
             f"{result.rooms_failed} failed, {result.corrupt} corrupt, {result.hung} hung",
         ),
+        (
+            "  succeeded",
+            f"{result.rooms_prefill_failed} of them failed or lost on a prefill rank after its "
+            "part landed",
+        ),
     ]
     for group, count in failed.items():
         rows.append((f"  failed: {group}", f"{count}  (e.g. {result.failure_examples[group]})"))
@@ -503,7 +513,7 @@ def format_summary(result: SoakResult) -> str:
             (
                 "stall",
                 f"prefill {stall.rank} at {stall.at_s:.1f} s for {stall.duration_s:.1f} s: "
-                f"{stall.rooms_in_flight} rooms in flight, {stall.rooms_failed} failed",
+                f"{stall.rooms_in_flight} rooms in flight, {stall.rooms_failed} failed meanwhile",
             )
         )
     for kill in result.kills:
