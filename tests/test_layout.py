@@ -229,6 +229,7 @@ def test_single_head_model_is_supported() -> None:
         (0, 2, r"^total_kv_heads=0 must be >= 1$"),
         (6, 4, r"^total_kv_heads=6 and tp=4 must divide one another$"),
     ],
+    ids=["tp-positive", "heads-positive", "heads-divide"],
 )
 def test_heads_per_rank_names_the_broken_rule(total_kv_heads: int, tp: int, match: str) -> None:
     """Rejects an invalid head count or TP size, naming the argument and the rule."""
@@ -246,6 +247,15 @@ def test_heads_per_rank_names_the_broken_rule(total_kv_heads: int, tp: int, matc
         ((4, 4, 6), r"^total_kv_heads=6 and prefill_tp=4 must divide one another$"),
         ((2, 4, 6), r"^total_kv_heads=6 and decode_tp=4 must divide one another$"),
         ((2, 2, -1), r"^total_kv_heads=-1 must be >= 1$"),
+    ],
+    ids=[
+        "prefill-zero",
+        "prefill-negative",
+        "decode-negative",
+        "tp-divide",
+        "heads-prefill",
+        "heads-decode",
+        "heads-positive",
     ],
 )
 def test_validate_tp_pair_names_the_broken_rule(

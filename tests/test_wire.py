@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pickle
+import re
+from collections import UserList
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -12,6 +14,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from staging_contracts.control import wire
 from staging_contracts.control.wire import (
     ALLOC_OVERSIZED,
     MAX_MESSAGE_BYTES,
@@ -81,6 +84,11 @@ def assert_malformed_only(frames: list[object]) -> None:
         message = decode_message(frames)
     if message is not None:
         assert decode_message(message.to_frames()) == message
+
+
+def slug(pattern: object) -> str:
+    """A test id from a message pattern: no spaces or backslashes, so a node id is one word."""
+    return re.sub(r"[^A-Za-z0-9_]+", "-", str(pattern)).strip("-")[:72] or "empty"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,6 +292,9 @@ def with_frame(frames: list[bytes], index: int, value: object) -> list[object]:
     out[index] = value
     return out
 
+
+BYTES_LIKE: list[Callable[[bytes], object]] = [bytearray, memoryview, zmq.Frame]
+"""The frame types other than bytes that a receiver may hand over."""
 
 MALFORMED: list[tuple[list[object], str, int | None, str | None]] = [
     # frame counts
@@ -592,6 +603,66 @@ MALFORMED: list[tuple[list[object], str, int | None, str | None]] = [
         5,
         "session_id",
     ),
+    # room and chunk_idx of the other messages
+    (
+        with_frame(RSP, 1, b"-1"),
+        r"^STAGING_RSP frame 1 \('room'\): must be >= 0, got -1$",
+        1,
+        "room",
+    ),
+    (
+        with_frame(RSP, 2, b"-4"),
+        r"^STAGING_RSP frame 2 \('chunk_idx'\): must be >= 0, got -4$",
+        2,
+        "chunk_idx",
+    ),
+    (
+        with_frame(CR, 1, b"-1"),
+        r"^CHUNK_READY frame 1 \('room'\): must be >= 0, got -1$",
+        1,
+        "room",
+    ),
+    (
+        with_frame(CR, 2, b"-9"),
+        r"^CHUNK_READY frame 2 \('chunk_idx'\): must be >= 0, got -9$",
+        2,
+        "chunk_idx",
+    ),
+    (
+        with_frame(CR, 1, str(2**63).encode()),
+        r"^CHUNK_READY frame 1 \('room'\): must fit a signed 64-bit integer, "
+        r"got 9223372036854775808$",
+        1,
+        "room",
+    ),
+    # the signed 64-bit bounds of an offset
+    (
+        with_frame(RSP, 3, str(-(2**63)).encode()),
+        r"^STAGING_RSP frame 3 \('offset'\): must be >= 0 or -2, got -9223372036854775808$",
+        3,
+        "offset",
+    ),
+    (
+        with_frame(RSP, 3, str(2**63).encode()),
+        r"^STAGING_RSP frame 3 \('offset'\): must fit a signed 64-bit integer, "
+        r"got 9223372036854775808$",
+        3,
+        "offset",
+    ),
+    # values shown whole up to 40 bytes, cut beyond
+    (
+        with_frame(REQ, 1, b"a" * 40),
+        r"^STAGING_REQ frame 1 \('room'\): not an ASCII decimal integer: b'a{40}'$",
+        1,
+        "room",
+    ),
+    (
+        with_frame(REQ, 1, b"a" * 41),
+        r"^STAGING_REQ frame 1 \('room'\): not an ASCII decimal integer: "
+        r"b'a{40}'\.\.\. \(41 long\)$",
+        1,
+        "room",
+    ),
     # non-bytes frames
     (
         with_frame(REQ, 1, 7),
@@ -630,10 +701,57 @@ MALFORMED: list[tuple[list[object], str, int | None, str | None]] = [
         3,
         "session_id",
     ),
+    (
+        with_frame(WM, 3, zmq.Frame(b"s" * 5000)),
+        r"^WATERMARK frame 3 \('session_id'\): message too large: 5000 bytes \(at most 4096\)$",
+        3,
+        "session_id",
+    ),
+    (
+        [zmq.Frame(b"X" * 5000)],
+        r"^frame 0 \('type'\): message too large: 5000 bytes \(at most 4096\)$",
+        0,
+        "type",
+    ),
+    # the frames add up: every frame fits, the message does not
+    (
+        with_frame(WM, 3, b"s" * (MAX_MESSAGE_BYTES - 10)),
+        r"^WATERMARK: message too large: more than 4096 bytes$",
+        None,
+        None,
+    ),
+    # exactly MAX_MESSAGE_BYTES: not too large
+    (
+        with_frame(WM, 3, b"s" * (MAX_MESSAGE_BYTES - 11)),
+        r"^WATERMARK frame 3 \('session_id'\): must be 1-256 characters of printable ASCII, "
+        r"got 's{40}'\.\.\. \(4085 long\)$",
+        3,
+        "session_id",
+    ),
+    *(
+        (
+            [make(b"X" * MAX_MESSAGE_BYTES)],
+            r"^frame 0 \('type'\): unknown message type b'X{40}'\.\.\. \(4096 long\)$",
+            0,
+            "type",
+        )
+        for make in BYTES_LIKE
+    ),
+    *(
+        (
+            [b"WATERMARK", make(b"1" * MAX_MESSAGE_BYTES), b"0"],
+            r"^WATERMARK: message too large: more than 4096 bytes$",
+            None,
+            None,
+        )
+        for make in BYTES_LIKE
+    ),
 ]
 
 
-@pytest.mark.parametrize(("frames", "match", "frame_index", "field"), MALFORMED)
+@pytest.mark.parametrize(
+    ("frames", "match", "frame_index", "field"), MALFORMED, ids=[slug(m[1]) for m in MALFORMED]
+)
 def test_malformed_message_is_rejected(
     frames: list[object], match: str, frame_index: int | None, field: str | None
 ) -> None:
@@ -702,49 +820,75 @@ def test_unreadable_frames_are_rejected() -> None:
         decode_message([TextFrame(), *REQ[1:]])
 
 
+MALFORMED_NOTIFICATIONS: list[tuple[object, str, int | None, str | None]] = [
+    (b"", r"^frame 0 \('type'\): not a CHUNK_READY notification: b''$", 0, "type"),
+    (
+        b"STAGING_REQ\x007\x000\x004\x00sess",
+        r"^frame 0 \('type'\): not a CHUNK_READY notification: b'STAGING_REQ'$",
+        0,
+        "type",
+    ),
+    (b"CHUNK_READY", r"^CHUNK_READY frame 1 \('room'\): missing", 1, "room"),
+    (
+        b"CHUNK_READY\x001\x000\x000\x001\x00s\x003\x00x",
+        r"^CHUNK_READY frame 7: unexpected extra frame",
+        7,
+        None,
+    ),
+    (
+        b"CHUNK_READY\x001\x000\x000\x000\x00s",
+        r"^CHUNK_READY frame 4 \('num_pages'\): must be >= 1",
+        4,
+        "num_pages",
+    ),
+    (
+        b"CHUNK_READY\x00+1\x000\x000\x001\x00s",
+        r"^CHUNK_READY frame 1 \('room'\): not an ASCII",
+        1,
+        "room",
+    ),
+    (
+        b"CHUNK_READY\x001\x000\x000\x001\x00",
+        r"^CHUNK_READY frame 5 \('session_id'\): must be 1-256",
+        5,
+        "session_id",
+    ),
+    (
+        b"CHUNK_READY\x00" + b"1" * 5000,
+        r"^message too large: 5012 bytes \(at most 4096\)$",
+        None,
+        None,
+    ),
+    ("CHUNK_READY\x001\x000\x000\x001\x00s", r"^not a bytes-like frame: str$", None, None),
+    (
+        b"CHUNK_READY\x00" + b"1" * (MAX_MESSAGE_BYTES - 12),
+        r"^CHUNK_READY frame 2 \('chunk_idx'\): missing \(CHUNK_READY takes 6 or 7 frames, "
+        r"got 2\)$",
+        2,
+        "chunk_idx",
+    ),
+    *(
+        (
+            make(b"CHUNK_READY\x00" + b"1" * (MAX_MESSAGE_BYTES - 12)),
+            r"^CHUNK_READY frame 2 \('chunk_idx'\): missing",
+            2,
+            "chunk_idx",
+        )
+        for make in (bytearray, memoryview)
+    ),
+    (
+        bytearray(b"CHUNK_READY\x00" + b"1" * (MAX_MESSAGE_BYTES - 11)),
+        r"^message too large: 4097 bytes \(at most 4096\)$",
+        None,
+        None,
+    ),
+]
+
+
 @pytest.mark.parametrize(
     ("payload", "match", "frame_index", "field"),
-    [
-        (b"", r"^frame 0 \('type'\): not a CHUNK_READY notification: b''$", 0, "type"),
-        (
-            b"STAGING_REQ\x007\x000\x004\x00sess",
-            r"^frame 0 \('type'\): not a CHUNK_READY notification: b'STAGING_REQ'$",
-            0,
-            "type",
-        ),
-        (b"CHUNK_READY", r"^CHUNK_READY frame 1 \('room'\): missing", 1, "room"),
-        (
-            b"CHUNK_READY\x001\x000\x000\x001\x00s\x003\x00x",
-            r"^CHUNK_READY frame 7: unexpected extra frame",
-            7,
-            None,
-        ),
-        (
-            b"CHUNK_READY\x001\x000\x000\x000\x00s",
-            r"^CHUNK_READY frame 4 \('num_pages'\): must be >= 1",
-            4,
-            "num_pages",
-        ),
-        (
-            b"CHUNK_READY\x00+1\x000\x000\x001\x00s",
-            r"^CHUNK_READY frame 1 \('room'\): not an ASCII",
-            1,
-            "room",
-        ),
-        (
-            b"CHUNK_READY\x001\x000\x000\x001\x00",
-            r"^CHUNK_READY frame 5 \('session_id'\): must be 1-256",
-            5,
-            "session_id",
-        ),
-        (
-            b"CHUNK_READY\x00" + b"1" * 5000,
-            r"^message too large: 5012 bytes \(at most 4096\)$",
-            None,
-            None,
-        ),
-        ("CHUNK_READY\x001\x000\x000\x001\x00s", r"^not a bytes-like frame: str$", None, None),
-    ],
+    MALFORMED_NOTIFICATIONS,
+    ids=[slug(case[1]) for case in MALFORMED_NOTIFICATIONS],
 )
 def test_malformed_notification_is_rejected(
     payload: object, match: str, frame_index: int | None, field: str | None
@@ -927,10 +1071,33 @@ CONSTRUCTORS: list[tuple[Callable[[], object], str]] = [
         r"^invalid ChunkReady: 'writer_rank' must be >= 0, got -1$",
     ),
     (lambda: ChunkReady(0, 0, 0, 1, "\x7f"), r"^invalid ChunkReady: 'session_id' must be 1-256"),
+    (lambda: ChunkReady(-1, 0, 0, 1, "s"), r"^invalid ChunkReady: 'room' must be >= 0, got -1$"),
+    (
+        lambda: ChunkReady(0, -2, 0, 1, "s"),
+        r"^invalid ChunkReady: 'chunk_idx' must be >= 0, got -2$",
+    ),
+    (lambda: StagingRsp(-1, 0, 0, 0, 1, "s"), r"^invalid StagingRsp: 'room' must be >= 0, got -1$"),
+    (
+        lambda: StagingRsp(0, -3, 0, 0, 1, "s"),
+        r"^invalid StagingRsp: 'chunk_idx' must be >= 0, got -3$",
+    ),
+    (
+        lambda: StagingRsp(0, 0, 2**63, 0, 1, "s"),
+        r"^invalid StagingRsp: 'offset' must fit a signed 64-bit integer, got 9223372036854775808$",
+    ),
+    (
+        lambda: StagingRsp(0, 0, 0.5, 0, 1, "s"),  # type: ignore[arg-type]
+        r"^invalid StagingRsp: 'offset' must be an int, got float$",
+    ),
+    (
+        lambda: StagingRsp(0, 0, 0, 0, 1, "a\nb"),
+        r"^invalid StagingRsp: 'session_id' must be 1-256 characters of printable ASCII, "
+        r"got 'a\\nb'$",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("build", "match"), CONSTRUCTORS)
+@pytest.mark.parametrize(("build", "match"), CONSTRUCTORS, ids=[slug(m) for _, m in CONSTRUCTORS])
 def test_constructor_rejects_invalid_field(build: Callable[[], object], match: str) -> None:
     """Building a message with an invalid field raises ValueError naming field and value."""
     with pytest.raises(ValueError, match=match):
@@ -953,3 +1120,52 @@ def test_messages_are_frozen_and_hashable() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         message.room = 8  # type: ignore[misc]
     assert {message: 1}[StagingReq(7, 0, 4, "sess")] == 1
+
+
+class Wide(int):
+    """An int subclass, as an IntEnum or a numpy-converted value might be."""
+
+
+def test_int_subclasses_are_checked_at_both_bounds() -> None:
+    """Accepts int subclasses at a field's minimum and at the signed 64-bit maximum."""
+    req = StagingReq(Wide(0), Wide(0), Wide(1), "s", Wide(I64_MAX))
+    assert req.to_frames() == [b"STAGING_REQ", b"0", b"0", b"1", b"s", str(I64_MAX).encode()]
+    rsp = StagingRsp(Wide(I64_MAX), Wide(0), Wide(0), Wide(0), Wide(I64_MAX), "s")
+    assert rsp.to_frames()[1:6] == [str(I64_MAX).encode(), b"0", b"0", b"0", str(I64_MAX).encode()]
+    with pytest.raises(ValueError, match=r"^invalid StagingReq: 'num_pages' must be >= 1, got 0$"):
+        StagingReq(0, 0, Wide(0), "s")
+    with pytest.raises(
+        ValueError, match=r"^invalid StagingReq: 'room' must fit a signed 64-bit integer, got "
+    ):
+        StagingReq(Wide(I64_MAX + 1), 0, 1, "s")
+
+
+def test_malformed_message_args_hold_every_field() -> None:
+    """Passes all four fields to ValueError, so args and repr show them."""
+    error = MalformedMessage("must be >= 0, got -1", 1, "room", "STAGING_REQ")
+    assert error.args == ("must be >= 0, got -1", 1, "room", "STAGING_REQ")
+    assert repr(error) == "MalformedMessage('must be >= 0, got -1', 1, 'room', 'STAGING_REQ')"
+    assert MalformedMessage("empty").args == ("empty", None, None, None)
+
+
+def test_any_sequence_of_frames_decodes() -> None:
+    """Decodes frames from any Sequence, not only a list or a tuple."""
+    assert decode_message(UserList(WM)) == WatermarkUpdate(1, 2, "sess")
+    assert decode_message(UserList(CR)) == ChunkReady(7, 0, 8, 4, "sess", 3)
+
+
+def test_notification_refuses_a_record_other_than_chunk_ready(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Refuses the payload if the CHUNK_READY codec ever built another record (defensive)."""
+    monkeypatch.setitem(wire._CODECS, ChunkReady.WIRE_TYPE, wire._CODECS[StagingReq.WIRE_TYPE])
+    with pytest.raises(
+        MalformedMessage, match=r"^frame 0 \('type'\): not a CHUNK_READY notification$"
+    ) as info:
+        decode_notification(b"CHUNK_READY\x007\x000\x004\x00sess")
+    assert (info.value.reason, info.value.frame_index, info.value.field) == (
+        "not a CHUNK_READY notification",
+        0,
+        "type",
+    )
+    assert info.value.message_type is None
