@@ -46,9 +46,13 @@ PROGRESS_INTERVAL_S = 0.01
 
 
 class StagingBackend(StagingHostCore, Protocol):
-    """A staging host built on ``CommonKVManager``: the contract plus engine and sockets."""
+    """A staging host built on ``CommonKVManager``: the contract plus engine and sockets.
 
-    kv_buffer_tensors: KVBufferTensors | None
+    ``kv_buffer_tensors`` is not a member: it is optional in the contract (a host need not
+    declare it), so a host that leaves it out is still a ``StagingBackend``; the set-up
+    functions below assign it (see :func:`_give_pool`).
+    """
+
     engine: TransferEngine
     peers: PeerSockets
     liveness: PeerLiveness
@@ -64,6 +68,15 @@ class StagingBackend(StagingHostCore, Protocol):
     def attach_staging_handler(self, handler: StagingHandler) -> None: ...
     def _handle_chunk_notification(self, payload: bytes) -> ArrivalOutcome | None: ...
     def staging_stats(self) -> StagingStats: ...
+
+
+def _give_pool(backend: StagingBackend, kv_buffers: KVBufferTensors) -> None:
+    """Set the optional ``kv_buffer_tensors`` member, declared or not.
+
+    A host that declares it gets the pool in its declared attribute; one that does not gets
+    an instance attribute. Either way the contract's type (``KVBufferTensors | None``) holds.
+    """
+    setattr(backend, "kv_buffer_tensors", kv_buffers)  # noqa: B010 - optional member, not in the Protocol
 
 
 def enable_decode_staging(
@@ -90,7 +103,7 @@ def enable_decode_staging(
     kv_args = backend.kv_args
     allocator = StagingAllocator(ring_bytes, device=kv_args.device)
     backend.engine.register(allocator.base_ptr, ring_bytes)
-    backend.kv_buffer_tensors = kv_buffers
+    _give_pool(backend, kv_buffers)
     backend._staging_ctx = DecodeStagingContext(allocator)
     handler = DecodeStagingHandler(
         allocator=allocator,
@@ -145,7 +158,7 @@ def enable_prefill_staging(
     kv_args = backend.kv_args
     watermarks = WatermarkTracker()
     regions = RegionAnswerTable()
-    backend.kv_buffer_tensors = kv_buffers
+    _give_pool(backend, kv_buffers)
     backend._staging_ctx = PrefillStagingContext(watermarks, regions)
     writer = StagingWriter(
         kv_buffers=kv_buffers,
