@@ -445,7 +445,7 @@ def test_a_short_soak_with_every_fault_finds_nothing_corrupt_hung_or_leaked() ->
 
     assert result.faults_injected == dict.fromkeys(FAULT_ORDER, 1), result.faults_injected
     assert result.control_dropped > 0
-    assert result.rooms_succeeded >= 10
+    assert result.rooms_succeeded >= 5
     assert result.corrupt == 0, result.corrupt_details
     unexplained = [d for d in result.hung_details if not is_last_chunk_first_hang(d)]
     assert not unexplained, unexplained

@@ -11,7 +11,8 @@ outcome is a :class:`~.soak_report.SoakResult` (:mod:`.soak_report` says what co
 A room is issued to every rank at once (decode first: it registers the room before prefill
 asks for regions); its workload request (its pages and data) is reused only after every rank
 reported the previous room on it, and a decode rank zeroes the pages first, so a room that
-moves nothing cannot verify. While a killed rank's new process starts, no room is issued.
+moves nothing cannot verify. While a killed rank is down, rooms keep coming to the survivors,
+with the peers they know (a router has not noticed either).
 
 **Threads:** one; :func:`run_soak` blocks and calls ``progress`` on its own thread (the flood
 sends from two threads of its own). Every wait is bounded (the ``*_S`` constants and the
@@ -57,6 +58,8 @@ __all__ = [
     "HUNG_SLACK_S",
     "IDLE_S",
     "LONG_STALL_EXTRA_S",
+    "MAX_REVIVALS",
+    "NEEDED_S",
     "SHORT_STALL_S",
     "STARTUP_S",
     "STATUS_EVERY_S",
@@ -87,6 +90,10 @@ FLOOD_DEADLINE_S: Final = 10.0
 """Longest one flood burst lasts, whatever its frame count."""
 STOP_S: Final = 15.0
 """Longest a rank gets to exit after ``stop`` before it is killed."""
+NEEDED_S: Final = 10.0
+"""Longest a kill or stall waits for a room in flight that needs its victim."""
+MAX_REVIVALS: Final = 3
+"""Rank processes that died by themselves the soak replaces before it gives up."""
 _PUMP_S: Final = 0.02
 """Longest the driver waits for an event before it looks at processes and rooms again."""
 _SEND_TIMEOUT_MS: Final = 1000
@@ -110,6 +117,8 @@ def run_soak(config: SoakConfig, *, progress: ProgressCallback | None = None) ->
         ImportError: the configured backend's engine cannot be imported.
         SecurityError: ``host`` is not loopback and no cluster secret is set, or the secret
             in the environment is unusable (checked before any process starts).
+        RuntimeError: a rank process did not start (not ready in ``STARTUP_S``, or it
+            exited first), or ranks died by themselves more than ``MAX_REVIVALS`` times.
     """
     from ..backends import load_backend  # noqa: PLC0415 - fail fast, before spawning
 
@@ -199,6 +208,8 @@ class _Driver:
         self.injected: Counter[str] = Counter()
         self.listener_deaths: set[int] = set()
         self.unexpected: list[str] = []
+        self.exit_errors: dict[int, str] = {}
+        """Process id -> the error it reported on its way out."""
         self.errors: list[str] = []
         self.final: dict[RankKey, dict[str, Any]] = {}
         self.idle = False
@@ -283,26 +294,34 @@ class _Driver:
         keys = [key for key in self.keys if key[0] == role]
         return self.ranks[self.rng.choice(keys)]
 
+    def _needed(self, rank: _Rank) -> bool:
+        """Whether a room in flight still waits for ``rank`` and for another rank too."""
+        return any(
+            rank.key in waiting and len(waiting) > 1
+            for waiting in (room.waiting() for room in self._unsettled())
+        )
+
+    def _await_needed(self, rank: _Rank) -> None:
+        """Keep the soak going until a room in flight needs ``rank`` (bounded by
+        ``NEEDED_S``), so that the fault hits rooms that depend on it."""
+        self._wait(lambda: self._needed(rank), NEEDED_S)
+
     def _kill(self, role: str) -> None:
         rank = self._victim(role)
-        self._top_up()  # fresh rooms: the victim cannot have finished them
+        self._await_needed(rank)
         at = time.monotonic()
         rank.killed = True
         rank.process.kill()
         self._died(rank, at, unexpected=False)
 
     def _died(self, rank: _Rank, at: float, *, unexpected: bool) -> None:
-        """A rank died: measure how the others take it, then start a new process for it.
-
-        No room is issued from the death until the new process is ready and every rank knows
-        it (a serving system takes a broken instance out of rotation, too).
-        """
+        """A rank died: time how the others take it, then start a new process for it and
+        tell every rank (rooms keep coming to the survivors meanwhile, see ``_top_up``)."""
         rank.gone = True
         if unexpected:
             self.unexpected.append(
                 f"{rank.key[0]} {rank.key[1]} (pid {rank.pid}) exited with {rank.process.exitcode}"
             )
-        issuing, self.issuing = self.issuing, False
         waiting = [r for r in self._unsettled() if rank.key in r.waiting()]
         # The rooms a survivor still had in flight: those the death must be detected for
         # (a room every survivor had ended already only lacked the dead rank's word).
@@ -344,7 +363,6 @@ class _Driver:
             unexpected,
         )
         self.kills.append(record)
-        self.issuing = issuing
         detected = "no room failed" if detect is None else f"detected in {detect:.2f} s"
         self._say(
             f"{'died' if unexpected else 'killed'} {rank.key[0]} {rank.key[1]} with "
@@ -355,6 +373,7 @@ class _Driver:
 
     def _stall(self, seconds: float) -> None:
         rank = self._victim("prefill")
+        self._await_needed(rank)
         in_flight = self._unsettled()
         at = time.monotonic()
         pid = rank.process.pid
@@ -444,10 +463,23 @@ class _Driver:
             self._ask_status(self.keys)
 
     def _look_at_processes(self, now: float) -> None:
+        """Start a new process for a rank that died by itself (up to ``MAX_REVIVALS`` times).
+
+        Raises:
+            RuntimeError: a rank died before it was ready (it would again), or ranks died by
+                themselves more than ``MAX_REVIVALS`` times.
+        """
         for rank in list(self.ranks.values()):
             if rank.gone or rank.killed or rank.process.is_alive():
                 continue
-            logger.error("%s %d (pid %s) died by itself", rank.key[0], rank.key[1], rank.pid)
+            rank.gone = True
+            why = self.exit_errors.get(rank.pid or 0, f"exit code {rank.process.exitcode}")
+            name = f"{rank.key[0]} {rank.key[1]} (pid {rank.pid})"
+            if rank.info is None:
+                raise RuntimeError(f"{name} exited while starting: {why}")
+            if len(self.unexpected) >= MAX_REVIVALS:
+                raise RuntimeError(f"{name} died by itself, and {MAX_REVIVALS} did before: {why}")
+            logger.error("%s died by itself: %s", name, why)
             self._died(rank, now, unexpected=True)
 
     def _event(self, raw: bytes) -> None:
@@ -479,6 +511,7 @@ class _Driver:
         elif kind == "error":
             self.errors.append(f"{key[0]} {key[1]}: {event.get('error')}")
         elif kind == "exit" and not event.get("ok", True):
+            self.exit_errors[pid] = str(event.get("error"))
             self.errors.append(f"{key[0]} {key[1]} exited: {event.get('error')}")
 
     # ------------------------------------------------------------------ ranks
@@ -570,7 +603,15 @@ class _Driver:
         return [room for room in self.rooms.values() if room.outcome is None]
 
     def _top_up(self) -> None:
-        if not self.issuing or not self._all_ready():
+        """Issue rooms until ``rooms_in_flight`` are unsettled, to every rank that is up.
+
+        While a rank is down its rooms still come (as from a router that has not noticed):
+        the survivors get them with the peers they know, and the rank counts as lost.
+        """
+        if not self.issuing:
+            return
+        live = {key: r for key, r in self.ranks.items() if r.info is not None and not r.gone}
+        if not live:
             return
         while len(self._unsettled()) < self.config.rooms_in_flight and self.free:
             index = self.free.pop(0)
@@ -578,12 +619,14 @@ class _Driver:
                 self.next_room,
                 index,
                 time.monotonic(),
-                {key: rank.pid or 0 for key, rank in self.ranks.items()},
+                {key: rank.pid or 0 for key, rank in live.items()},
+                lost=set(self.keys) - set(live),
             )
             self.next_room += 1
             self.rooms[room.room] = room
             for key in self.keys:  # decode first: it registers the room before prefill asks
-                self._send(self.ranks[key], {"cmd": "room", "room": room.room, "index": index})
+                if key in live:
+                    self._send(live[key], {"cmd": "room", "room": room.room, "index": index})
 
     def _maybe_settle(self, room: _Room) -> None:
         if room.outcome is None and not room.waiting():
@@ -605,7 +648,7 @@ class _Driver:
             for key, report in sorted(reports.items(), key=lambda item: item[0][0] != "decode")
             if report.get("state") == "failed"
         ]
-        decode = [key for key in room.expected if key[0] == "decode"]
+        decode = [key for key in self.keys if key[0] == "decode"]
         decode_done = all(reports.get(key, {}).get("state") == "ok" for key in decode)
         room.settled_at = time.monotonic()
         if corrupt:

@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import random
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -172,6 +173,8 @@ def soak_rank_main(role: str, rank: int, settings: RankSettings, driver: str) ->
         settings: the soak's rank settings.
         driver: the driver's PULL endpoint, where events go.
     """
+    # Ctrl-C reaches every process of the terminal's group: the driver stops the ranks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=settings.log_level,
         format=f"[soak {role}{rank} pid {os.getpid()}] %(levelname)s %(name)s: %(message)s",

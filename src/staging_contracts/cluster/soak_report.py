@@ -56,9 +56,11 @@ FAULTS: Final[Mapping[str, str]] = MappingProxyType(
         "stall-long": "SIGSTOP a prefill rank for the liveness timeout + 1.5 s: it is declared "
         "dead while it still holds its writes, then it comes back (SIGCONT)",
         "kill-prefill": "SIGKILL a prefill rank with rooms in flight, time until the survivors "
-        "fail those rooms, start a new process for it",
+        "fail those rooms, start a new process for it (rooms keep coming to the survivors "
+        "meanwhile)",
         "kill-decode": "SIGKILL a decode rank with rooms in flight, time until the survivors "
-        "fail those rooms, start a new process for it",
+        "fail those rooms, start a new process for it (rooms keep coming to the survivors "
+        "meanwhile)",
     }
 )
 """Every fault the soak injects: name -> what it does (``--help`` lists these)."""
