@@ -8,12 +8,13 @@ from importlib.metadata import entry_points
 import pytest
 
 from staging_contracts.control.transport import open_socket_count
-from staging_contracts.testing import NO_FACTORY_MESSAGE
+from staging_contracts.testing import NO_FACTORY_MESSAGE, NO_MANAGER_FACTORY_MESSAGE
 
 PLUGIN_MODULE = "staging_contracts.testing.plugin"
 LOCAL = "staging_contracts.backends.local:LocalKVManager"
-KIT_TESTS = 11
+KIT_TESTS = 13
 CLASS_TESTS = 3
+TRANSFER_TESTS = 2
 
 
 def _plugin_args() -> tuple[str, ...]:
@@ -82,6 +83,20 @@ class BadValues(StagingManagerMixin, Plain):
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
 
 
+class NeedsMore(LocalKVManager):
+    """A constructor the kit cannot call: it needs a router nobody passes."""
+
+    def __init__(self, kv_args, *, role, attn_tp_size, router):
+        super().__init__(kv_args, role=role, attn_tp_size=attn_tp_size)
+
+
+class IdleHookless(LocalKVManager):
+    """The issue's bad_g: the idle hook does not call staging_idle."""
+
+    def _on_idle(self):
+        pass
+
+
 def deaf(setup):
     manager = Deaf(setup.kv_args, role=Role.DECODE, attn_tp_size=setup.attn_tp_size)
     return setup.start(manager)
@@ -113,6 +128,18 @@ def kit_dir(pytester: pytest.Pytester) -> pytest.Pytester:
     return pytester
 
 
+SHORT_WAITS = """
+import pytest
+from staging_contracts.testing import StagingBackendContract
+
+@pytest.fixture(autouse=True)
+def short_waits(monkeypatch):
+    monkeypatch.setattr(StagingBackendContract, "wait_s", 0.2)
+    monkeypatch.setattr(StagingBackendContract, "transfer_timeout_s", 1.5)
+"""
+"""A conftest that keeps the checks of broken backends short."""
+
+
 def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     """Run pytest in-process with the plugin loaded and skip reasons reported."""
     return pytester.runpytest(*PLUGIN_ARGS, "-rs", *args)
@@ -127,7 +154,7 @@ def test_help_lists_the_option_group_and_its_ini_key(pytester: pytest.Pytester) 
     result.stdout.fnmatch_lines(
         [
             "staging backend contract kit:",
-            "  --staging-backend=MODULE:CLASS[[]=MODULE:FACTORY[]]",
+            "  --staging-backend=NAME|MODULE:CLASS[[]=MODULE:FACTORY[]]",
             "*staging_backend (linelist):*",
         ]
     )
@@ -138,7 +165,13 @@ def test_command_line_backend_passes_the_whole_kit(kit_dir: pytest.Pytester) -> 
     result = run(kit_dir, "-v", "--staging-backend", f"{LOCAL}=factories:local")
     result.assert_outcomes(passed=KIT_TESTS)
     result.stdout.fnmatch_lines(
-        ["*staging-backend::TestLocalKVManager::test_chunk_writers_share_one_region PASSED*"]
+        [
+            "*staging-backend::TestLocalKVManager::test_chunk_writers_share_one_region PASSED*",
+            "*staging-backend::TestLocalKVManager::test_staged_transfer_delivers_every_page"
+            "[[]P2-D1[]] PASSED*",
+            "*staging-backend::TestLocalKVManager::test_staged_transfer_delivers_every_page"
+            "[[]P1-D2[]] PASSED*",
+        ]
     )
 
 
@@ -152,8 +185,40 @@ def test_ini_key_names_the_backends(kit_dir: pytest.Pytester) -> None:
 def test_flag_overrides_the_ini_key(kit_dir: pytest.Pytester) -> None:
     """Backends given on the command line replace those of the ini key."""
     kit_dir.makeini("[pytest]\nstaging_backend = no_such_module:Nothing\n")
+    result = run(kit_dir, "--staging-backend", LOCAL, "-k", "class_satisfies")
+    result.assert_outcomes(passed=1, deselected=KIT_TESTS - 1)
+
+
+def test_class_only_runs_every_check_with_the_standard_constructor(
+    kit_dir: pytest.Pytester,
+) -> None:
+    """With no factory, the kit builds the backend as Class(kv_args, role=, attn_tp_size=)."""
     result = run(kit_dir, "--staging-backend", LOCAL)
-    result.assert_outcomes(passed=CLASS_TESTS, skipped=KIT_TESTS - CLASS_TESTS)
+    result.assert_outcomes(passed=KIT_TESTS)
+
+
+def test_registry_name_runs_the_in_tree_backend(kit_dir: pytest.Pytester) -> None:
+    """--staging-backend local: the in-tree backend by its registry name, factories included."""
+    result = run(kit_dir, "-v", "--staging-backend", "local")
+    result.assert_outcomes(passed=KIT_TESTS)
+    result.stdout.fnmatch_lines(
+        ["*staging-backend::TestLocalKVManager::test_instance_satisfies_the_contract PASSED*"]
+    )
+
+
+def test_unknown_backend_name_is_a_usage_error_listing_the_known_ones(
+    pytester: pytest.Pytester,
+) -> None:
+    """A bare name that is neither in-tree nor registered stops pytest, listing the names."""
+    result = run(pytester, "--staging-backend", "acme_nowhere")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [
+            "*--staging-backend expects NAME, MODULE:CLASS or MODULE:CLASS=MODULE:FACTORY "
+            "(e.g. nixl or mypkg.backend:MyKVManager): unknown backend 'acme_nowhere'; "
+            "known: local, mooncake, nixl, ascend, mori*"
+        ]
+    )
 
 
 def test_repeated_flag_tests_each_backend(kit_dir: pytest.Pytester) -> None:
@@ -184,11 +249,14 @@ def test_keyword_selects_generated_tests(kit_dir: pytest.Pytester) -> None:
 
 
 def test_malformed_backend_name_is_a_usage_error(pytester: pytest.Pytester) -> None:
-    """A value that is not MODULE:CLASS[=MODULE:FACTORY] stops pytest with a usage error."""
-    result = run(pytester, "--staging-backend", "LocalKVManager")
+    """A value that is not NAME or MODULE:CLASS[=MODULE:FACTORY] stops pytest."""
+    result = run(pytester, "--staging-backend", "mod:Class=factory")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
-        ["*--staging-backend expects MODULE:CLASS or MODULE:CLASS=MODULE:FACTORY*"]
+        [
+            "*--staging-backend expects NAME, MODULE:CLASS or MODULE:CLASS=MODULE:FACTORY * got "
+            "'mod:Class=factory'"
+        ]
     )
 
 
@@ -201,19 +269,57 @@ def test_without_the_flag_the_plugin_adds_nothing(pytester: pytest.Pytester) -> 
 # --------------------------------------------------------------------------- outcomes
 
 
-def test_without_a_factory_behaviour_tests_skip_saying_how_to_add_one(
+LIVE_TESTS = KIT_TESTS - CLASS_TESTS - TRANSFER_TESTS
+"""Checks on one live decode manager."""
+
+
+def test_when_the_standard_constructor_does_not_fit_live_tests_skip_saying_why(
     kit_dir: pytest.Pytester,
 ) -> None:
-    """Without a factory the class tests pass and each live test skips with the how-to."""
-    result = run(kit_dir, "--staging-backend", LOCAL)
+    """A constructor the kit cannot call: each live test skips naming it and the how-to."""
+    result = run(kit_dir, "--staging-backend", "backends:NeedsMore")
     result.assert_outcomes(passed=CLASS_TESTS, skipped=KIT_TESTS - CLASS_TESTS)
-    assert result.stdout.str().count(NO_FACTORY_MESSAGE) == KIT_TESTS - CLASS_TESTS
+    output = result.stdout.str()
+    why = (
+        "its standard constructor NeedsMore(kv_args, role=..., attn_tp_size=...) does not fit "
+        "NeedsMore(kv_args, *, role, attn_tp_size, router): missing a required argument: "
+        "'router'"
+    )
+    assert output.count(f"{why}; this check {NO_FACTORY_MESSAGE}") == LIVE_TESTS
+    result.stdout.fnmatch_lines(
+        [f"SKIPPED [[]{TRANSFER_TESTS}[]] *: {why}; the transfer checks need managers: *"]
+    )
+    assert output.count(NO_MANAGER_FACTORY_MESSAGE) == 1  # one line for both transfer checks
 
 
 def test_subclass_without_a_factory_skips_saying_how_to_add_one(
     pytester: pytest.Pytester,
 ) -> None:
-    """A StagingBackendContract subclass without make_decode_manager skips the live tests."""
+    """A subclass without factories, of a backend the kit cannot build, skips the live tests."""
+    pytester.makepyfile(
+        test_mine="""
+        from staging_contracts.backends.local import LocalKVManager
+        from staging_contracts.testing import StagingBackendContract
+
+
+        class NeedsMore(LocalKVManager):
+            def __init__(self, kv_args, *, role, attn_tp_size, router):
+                super().__init__(kv_args, role=role, attn_tp_size=attn_tp_size)
+
+
+        class TestMine(StagingBackendContract):
+            backend_class = NeedsMore
+        """
+    )
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(passed=CLASS_TESTS, skipped=KIT_TESTS - CLASS_TESTS)
+    result.stdout.fnmatch_lines([f"SKIPPED * {NO_FACTORY_MESSAGE}"])
+
+
+def test_subclass_without_a_factory_runs_the_standard_constructor(
+    pytester: pytest.Pytester,
+) -> None:
+    """A subclass that names a backend with the standard constructor runs every check."""
     pytester.makepyfile(
         test_mine="""
         from staging_contracts.backends.local import LocalKVManager
@@ -225,8 +331,7 @@ def test_subclass_without_a_factory_skips_saying_how_to_add_one(
         """
     )
     result = pytester.runpytest("-rs")
-    result.assert_outcomes(passed=CLASS_TESTS, skipped=KIT_TESTS - CLASS_TESTS)
-    result.stdout.fnmatch_lines([f"SKIPPED * {NO_FACTORY_MESSAGE}"])
+    result.assert_outcomes(passed=KIT_TESTS)
 
 
 def test_subclass_with_a_factory_passes_and_leaks_nothing(pytester: pytest.Pytester) -> None:
@@ -272,15 +377,21 @@ def test_subclass_without_backend_class_fails_saying_what_to_add(
     result.stdout.fnmatch_lines(["*TestMine sets no backend_class: add 'backend_class = *"])
 
 
-def test_backend_rejected_at_import_fails_with_the_contract_message(
+def test_backend_rejected_at_import_is_one_collection_error_with_the_contract_message(
     kit_dir: pytest.Pytester,
 ) -> None:
-    """A class statement the contract rejects fails the kit with its message and explanation."""
+    """A class statement the contract rejects: one collection error, message and explanation."""
     result = run(kit_dir, "--staging-backend", "broken_backend:BrokenKVManager")
-    result.assert_outcomes(failed=CLASS_TESTS, errors=KIT_TESTS - CLASS_TESTS)
+    result.assert_outcomes(errors=1)
+    output = result.stdout.str()
+    assert output.count("does not satisfy the StagingHost contract") == 1
+    assert "Traceback" not in output
+    assert "contract.py" not in output
     result.stdout.fnmatch_lines(
         [
-            "importing 'broken_backend' failed: the contract rejected a class statement:",
+            "*ERROR collecting staging-backend *",
+            "broken_backend:BrokenKVManager: importing 'broken_backend' failed: the contract "
+            "rejected a class statement:",
             "BrokenKVManager does not satisfy the StagingHost contract of StagingManagerMixin:",
             "  - has no declaration of '_staging_ctx' "
             "(expected DecodeStagingContext | PrefillStagingContext | None)",
@@ -305,31 +416,66 @@ def test_class_without_the_mixin_fails_the_class_check(kit_dir: pytest.Pytester)
     )
 
 
-def test_unimportable_backend_fails_naming_the_module(kit_dir: pytest.Pytester) -> None:
-    """A backend module that cannot be imported fails the class tests, naming it."""
-    result = run(kit_dir, "--staging-backend", "no_such_module:Nothing", "-k", "explanation")
-    result.assert_outcomes(failed=1, deselected=KIT_TESTS - 1)
+def test_unimportable_backend_is_one_collection_error_with_a_path_hint(
+    kit_dir: pytest.Pytester,
+) -> None:
+    """A backend module that cannot be found: one collection error naming it, with the hint."""
+    result = run(kit_dir, "--staging-backend", "acme_backend:AcmeKVManager")
+    result.assert_outcomes(errors=1)
+    assert "Traceback" not in result.stdout.str()
     result.stdout.fnmatch_lines(
-        ["*cannot import the backend module 'no_such_module': No module named 'no_such_module'"]
+        [
+            "*ERROR collecting staging-backend *",
+            "acme_backend:AcmeKVManager: cannot import the backend module 'acme_backend': "
+            "No module named 'acme_backend' (pytest does not put the current directory on "
+            'sys.path: run \'python -m pytest\', or set pythonpath = [[]"."[]] (or [[]"src"[]]) '
+            "under [[]tool.pytest.ini_options[]], or install the package)",
+        ]
     )
+
+
+def test_backend_whose_import_raises_is_one_collection_error_with_its_traceback(
+    pytester: pytest.Pytester,
+) -> None:
+    """Any other error importing the backend: one collection error, with the module's trace."""
+    pytester.makepyfile(exploding="raise RuntimeError('no GPU here')\n")
+    pytester.syspathinsert()
+    result = run(pytester, "--staging-backend", "exploding:Backend", "--staging-backend", LOCAL)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "exploding:Backend: importing the backend module 'exploding' raised RuntimeError: "
+            "no GPU here",
+            "*exploding.py*line 1*",
+            "RuntimeError: no GPU here",
+        ]
+    )
+
+
+def test_only_the_broken_backend_is_an_error(kit_dir: pytest.Pytester) -> None:
+    """A broken backend next to a working one: the working one's tests still collect."""
+    result = run(
+        kit_dir,
+        "--collect-only",
+        "-q",
+        "--staging-backend",
+        "no_such_module:Nothing",
+        "--staging-backend",
+        LOCAL,
+    )
+    result.stdout.fnmatch_lines(
+        ["staging-backend::TestLocalKVManager::test_class_satisfies_the_contract"]
+    )
+    assert result.stdout.str().count("staging-backend::TestLocalKVManager::") == KIT_TESTS
 
 
 def test_backend_that_does_not_route_staging_messages_fails_the_listener_checks(
     kit_dir: pytest.Pytester,
 ) -> None:
     """Checks that send through the listener fail when _on_message ignores staging messages."""
-    kit_dir.makeconftest(
-        """
-        import pytest
-        from staging_contracts.testing import StagingBackendContract
-
-        @pytest.fixture(autouse=True)
-        def short_waits(monkeypatch):
-            monkeypatch.setattr(StagingBackendContract, "wait_s", 0.2)
-        """
-    )
+    kit_dir.makeconftest(SHORT_WAITS)
     result = run(kit_dir, "--staging-backend", "backends:Deaf=backends:deaf")
-    result.assert_outcomes(passed=KIT_TESTS - 3, failed=3)
+    result.assert_outcomes(passed=KIT_TESTS - 3 - TRANSFER_TESTS, failed=3 + TRANSFER_TESTS)
     result.stdout.fnmatch_lines(
         [
             "*TestDeaf.test_unknown_room_staging_req_is_dropped_and_counted*",
@@ -340,8 +486,32 @@ def test_backend_that_does_not_route_staging_messages_fails_the_listener_checks(
             "the prefill peer got no STAGING_RSP for an oversized chunk (is the listener *",
             "*TestDeaf.test_chunk_writers_share_one_region*",
             "2 writers asked for a region; their peers got 0 answers, expected 4: *",
+            "*TestDeaf.test_staged_transfer_delivers_every_page*P2-D1*",
+            "the staged transfer from prefill TP 2 to decode TP 1 through Deaf failed: "
+            "decode's staging handler got no message at all: is the decode listener started, "
+            "and does its _on_message hand staging messages to self._dispatch_staging?",
         ]
     )
+
+
+def test_idle_hookless_backend_fails_the_transfer_checks_naming_the_idle_hook(
+    kit_dir: pytest.Pytester,
+) -> None:
+    """The issue's bad_g passes every single-manager check but fails both transfer checks."""
+    kit_dir.makeconftest(SHORT_WAITS)
+    result = run(kit_dir, "--staging-backend", "backends:IdleHookless")
+    result.assert_outcomes(passed=KIT_TESTS - TRANSFER_TESTS, failed=TRANSFER_TESTS)
+    for shape, (prefill_tp, decode_tp) in (("P2-D1", (2, 1)), ("P1-D2", (1, 2))):
+        result.stdout.fnmatch_lines(
+            [
+                f"*TestIdleHookless.test_staged_transfer_delivers_every_page*{shape}*",
+                f"the staged transfer from prefill TP {prefill_tp} to decode TP {decode_tp} "
+                "through IdleHookless failed: no arrivals were delivered at all (the writes "
+                "were done): is the listener's idle hook wired to staging_idle? (arrivals by "
+                "engine notification are delivered there: '_on_idle(self): staging_idle(self)')",
+                "room 1000: failed: timed out after 1.5s *(arrivals 0/*, chunks verified 0/3)",
+            ]
+        )
 
 
 def test_factory_whose_instance_breaks_the_contract_fails_with_its_message(

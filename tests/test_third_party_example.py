@@ -3,8 +3,11 @@
 ``examples/third_party_backend`` is a package with its own ``pyproject.toml``. It is copied to
 a temporary directory (so that nothing is built inside the repository), installed there with
 pip (offline: no index, no build isolation, no dependencies), and its tests run in a child
-pytest exactly as its author would run them. Then one annotation is deleted from the backend,
-and ``staging-contracts check`` and the kit both fail with the contract's message.
+pytest exactly as its author would run them: the kit and a staged transfer through the
+harness. Installed, it registers itself under the ``staging_contracts.backends`` entry points,
+so ``--staging-backend acme`` finds it by name. Then one annotation is deleted from the
+backend, and ``staging-contracts check`` and the kit both fail with the contract's message;
+and with its idle hook emptied, the kit's transfer checks fail naming the idle hook.
 """
 
 from __future__ import annotations
@@ -18,11 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_testing_plugin import PLUGIN_ARGS
+from staging_contracts.testing import IDLE_HOOK_HINT
+from tests.test_testing_plugin import KIT_TESTS, PLUGIN_ARGS, TRANSFER_TESTS
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "third_party_backend"
 CHILD_TIMEOUT_S = 120.0
 DELETED = "    _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None\n"
+IDLE_HOOK = "    def _on_idle(self) -> None:\n        staging_idle(self)\n"
+EMPTIED_IDLE_HOOK = "    def _on_idle(self) -> None:\n        pass\n"
+EXAMPLE_TRANSFER_TESTS = 3
+"""The harness tests of the example (tests/test_acme_transfer.py)."""
 CONTRACT_MESSAGE = (
     "AcmeKVManager does not satisfy the StagingHost contract of StagingManagerMixin:",
     "  - has no declaration of '_staging_ctx' "
@@ -98,12 +106,12 @@ def broken_example(tmp_path: Path) -> Path:
 
 
 def test_installed_example_passes_its_kit_tests(installed_example: tuple[Path, Path]) -> None:
-    """The installed example's own kit tests pass, run in its directory by a child pytest."""
+    """The installed example's own kit and harness tests pass, run by a child pytest."""
     source, site = installed_example
     done = _run(["-m", "pytest", "-p", "no:cacheprovider", "-q"], cwd=source, python_path=site)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
-    assert "11 passed" in output, output
+    assert f"{KIT_TESTS + EXAMPLE_TRANSFER_TESTS} passed" in output, output
     assert (
         str(site / "acme_kv")
         in _run(
@@ -112,21 +120,58 @@ def test_installed_example_passes_its_kit_tests(installed_example: tuple[Path, P
     )
 
 
+@pytest.mark.parametrize("spec", ["acme_kv.backend:AcmeKVManager", "acme"])
 def test_installed_example_passes_the_kit_from_the_command_line(
-    installed_example: tuple[Path, Path],
+    installed_example: tuple[Path, Path], spec: str
 ) -> None:
-    """--staging-backend runs the class checks on the installed backend with no test file."""
+    """--staging-backend, by class or by its entry-point name, runs every check with no test
+    file: the kit builds the backend with its standard constructor."""
     source, site = installed_example
     args = ["-m", "pytest", *PLUGIN_ARGS, "-p", "no:cacheprovider", "-q", "-rs"]
     done = _run(
-        [*args, "--staging-backend", "acme_kv.backend:AcmeKVManager"],
-        cwd=_neutral_dir(source.parent),
-        python_path=site,
+        [*args, "--staging-backend", spec], cwd=_neutral_dir(source.parent), python_path=site
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
-    assert "3 passed, 8 skipped" in output, output
-    assert "needs a live decode manager: define make_decode_manager(self, setup)" in output
+    assert f"{KIT_TESTS} passed" in output, output
+    assert "skipped" not in output, output
+
+
+def test_installed_example_is_registered_by_name(installed_example: tuple[Path, Path]) -> None:
+    """The example's entry point makes load_backend('acme') find it, listed by name."""
+    source, site = installed_example
+    code = (
+        "from staging_contracts.backends import backend_names, load_backend; "
+        "print(backend_names()); print(load_backend('acme'))"
+    )
+    done = _run(["-c", code], cwd=_neutral_dir(source.parent), python_path=site)
+    assert done.returncode == 0, done.stdout + done.stderr
+    names, loaded = done.stdout.splitlines()
+    assert names.endswith(", 'acme')"), names
+    assert loaded == "<class 'acme_kv.backend.AcmeKVManager'>"
+
+
+def test_example_without_its_idle_hook_fails_the_transfer_checks(tmp_path: Path) -> None:
+    """The issue's bad_g, written as its author would: the kit's transfer checks fail and
+    point at the idle hook; every other check passes."""
+    source = _copy_example(tmp_path / "acme")
+    backend = source / "src" / "acme_kv" / "backend.py"
+    text = backend.read_text(encoding="utf-8")
+    assert text.count(IDLE_HOOK) == 1
+    backend.write_text(text.replace(IDLE_HOOK, EMPTIED_IDLE_HOOK), encoding="utf-8")
+    (source / "tests" / "test_acme_transfer.py").unlink()
+    (source / "tests" / "conftest.py").write_text(
+        "from staging_contracts.testing import StagingBackendContract\n\n"
+        "StagingBackendContract.transfer_timeout_s = 2.0\n",
+        encoding="utf-8",
+    )
+    done = _run(
+        ["-m", "pytest", "-p", "no:cacheprovider", "-q"], cwd=source, python_path=source / "src"
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    assert f"{TRANSFER_TESTS} failed, {KIT_TESTS - TRANSFER_TESTS} passed" in output, output
+    assert output.count(IDLE_HOOK_HINT) == TRANSFER_TESTS, output
 
 
 def test_check_command_fails_with_the_contract_message(broken_example: Path) -> None:
@@ -154,7 +199,7 @@ def test_kit_tests_fail_with_the_contract_message(broken_example: Path) -> None:
 
 
 def test_command_line_kit_fails_with_the_contract_message(broken_example: Path) -> None:
-    """--staging-backend on the broken backend fails its class check with the explanation."""
+    """--staging-backend on the broken backend: one collection error, with the explanation."""
     args = ["-m", "pytest", *PLUGIN_ARGS, "-p", "no:cacheprovider", "-q"]
     done = _run(
         [*args, "--staging-backend", "acme_kv.backend:AcmeKVManager"],
@@ -162,8 +207,10 @@ def test_command_line_kit_fails_with_the_contract_message(broken_example: Path) 
         python_path=broken_example / "src",
     )
     output = done.stdout + done.stderr
-    assert done.returncode == 1, output
+    assert done.returncode == pytest.ExitCode.INTERRUPTED, output
     assert _lines_in_order(output, CONTRACT_MESSAGE), output
-    assert "_staging_ctx" in output
+    assert output.count(CONTRACT_MESSAGE[1]) == 1, output
     assert "verdict: does not conform: 1 problem(s)" in output, output
-    assert "FAILED staging-backend::TestAcmeKVManager::test_class_satisfies_the_contract" in output
+    assert "ERROR staging-backend::TestAcmeKVManager\n" in output, output
+    assert "1 error in" in output, output
+    assert " passed" not in output, output

@@ -19,6 +19,13 @@ or run it without a test module: ``pytest --staging-backend mypkg.backend:MyKVMa
 (the plugin, :mod:`staging_contracts.testing.plugin`, is registered as a ``pytest11`` entry
 point). See ``docs/writing-a-backend.md``.
 
+The harness behind the kit's transfer checks is public too: :func:`run_transfer` stages
+several multi-chunk rooms from P prefill to D decode managers of any backend, in one process,
+verifies every decode page bit for bit and returns a :class:`TransferReport`::
+
+    report = run_transfer(MyKVManager, prefill_tp=2, decode_tp=1, rooms=3)
+    assert report.ok, report.summary()
+
 Requires pytest.
 
 May import: ``backends`` and everything below it; never ``cluster``, ``bench`` or ``cli``.
@@ -28,16 +35,36 @@ Imported by: backend authors' tests and the ``pytest11`` entry point.
 from __future__ import annotations
 
 from .decode_setup import DecodeFactory, DecodeSetup, LiveDecodeManager, StartableBackend
-from .kit import NO_FACTORY_MESSAGE, StagingBackendContract
+from .factories import FactoryUnavailable, standard_factory
+from .harness import (
+    IDLE_HOOK_HINT,
+    ManagerFactory,
+    RoomReport,
+    TransferGeometry,
+    TransferManager,
+    TransferReport,
+    run_transfer,
+)
+from .kit import NO_FACTORY_MESSAGE, NO_MANAGER_FACTORY_MESSAGE, StagingBackendContract
 from .live import FakePrefill, LiveDecode
 
 __all__ = [
+    "IDLE_HOOK_HINT",
     "NO_FACTORY_MESSAGE",
+    "NO_MANAGER_FACTORY_MESSAGE",
     "DecodeFactory",
     "DecodeSetup",
+    "FactoryUnavailable",
     "FakePrefill",
     "LiveDecode",
     "LiveDecodeManager",
+    "ManagerFactory",
+    "RoomReport",
     "StagingBackendContract",
     "StartableBackend",
+    "TransferGeometry",
+    "TransferManager",
+    "TransferReport",
+    "run_transfer",
+    "standard_factory",
 ]

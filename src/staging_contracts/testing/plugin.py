@@ -5,16 +5,20 @@ One option group, ``staging-contracts``, whose flag is mirrored by an ini key:
 ==========================================  ======================  =========================
 flag                                        ini key                 meaning
 ==========================================  ======================  =========================
-``--staging-backend MODULE:CLASS[=F]``      ``staging_backend``     run the kit on the class
+``--staging-backend NAME|MODULE:CLASS[=F]`` ``staging_backend``     run the kit on the class
                                             (one per line)          (may repeat); ``F`` is
                                                                     ``MODULE:FACTORY`` of a
                                                                     decode factory
 ==========================================  ======================  =========================
 
-The flag wins over the ini key. For each backend the plugin adds a test class generated from
+``NAME`` is an in-tree backend (``local``, ``mooncake``, ``nixl``, ``ascend``) or one registered
+under the ``staging_contracts.backends`` entry-point group. The flag wins over the ini key. For
+each backend the plugin adds a test class generated from
 :class:`~staging_contracts.testing.StagingBackendContract`, collected under the node
 ``staging-backend::Test<Class>`` with the session's other tests, so ``-k``, ``-m`` and
-``--collect-only`` treat it like any test class.
+``--collect-only`` treat it like any test class. The backend is imported when its class is
+collected: if that fails (the module does not import, or the contract rejects a ``class``
+statement), the class is one collection error that says why, and none of its tests run.
 
 Loaded through the ``pytest11`` entry point of the installed package, or with
 ``-p staging_contracts.testing.plugin`` from a source tree.
@@ -23,13 +27,13 @@ Loaded through the ``pytest11`` entry point of the installed package, or with
 from __future__ import annotations
 
 import types
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 import pytest
 
 from .kit import StagingBackendContract
-from .targets import BackendTarget
+from .targets import BackendLoadError, BackendTarget
 
 __all__ = [
     "INI_KEY",
@@ -52,8 +56,9 @@ _TARGETS: Final = pytest.StashKey[tuple[BackendTarget, ...]]()
 def pytest_addoption(parser: pytest.Parser) -> None:
     """Add the ``staging-contracts`` option group and its ini key."""
     help_text = (
-        "run the staging backend contract kit on MODULE:CLASS (may repeat); append "
-        "=MODULE:FACTORY to name a decode factory for the behaviour tests"
+        "run the staging backend contract kit on the backend NAME (in-tree or registered "
+        "under the staging_contracts.backends entry points) or MODULE:CLASS (may repeat); "
+        "append =MODULE:FACTORY to name a decode factory for the behaviour tests"
     )
     group = parser.getgroup("staging-contracts", "staging backend contract kit")
     group.addoption(
@@ -61,13 +66,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="append",
         dest=INI_KEY,
         default=None,
-        metavar="MODULE:CLASS[=MODULE:FACTORY]",
+        metavar="NAME|MODULE:CLASS[=MODULE:FACTORY]",
         help=help_text,
     )
     parser.addini(
         INI_KEY,
         "backends to run the staging backend contract kit on, one "
-        "MODULE:CLASS[=MODULE:FACTORY] per line (--staging-backend overrides them)",
+        "NAME or MODULE:CLASS[=MODULE:FACTORY] per line (--staging-backend overrides them)",
         type="linelist",
         default=[],
     )
@@ -77,7 +82,8 @@ def pytest_configure(config: pytest.Config) -> None:
     """Parse the named backends (importing them is left to the tests).
 
     Raises:
-        pytest.UsageError: a value is not ``MODULE:CLASS[=MODULE:FACTORY]``.
+        pytest.UsageError: a value is not ``NAME`` or ``MODULE:CLASS``, optionally with
+            ``=MODULE:FACTORY``, or names no known backend.
     """
     given: Sequence[str] | None = config.getoption(INI_KEY)
     specs = list(given) if given else list(config.getini(INI_KEY))
@@ -126,15 +132,40 @@ class _KitModule(pytest.Module):
     def __init__(self, *, targets: Sequence[BackendTarget], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._targets = tuple(targets)
-
-    def _getobj(self) -> types.ModuleType:
-        module = types.ModuleType(f"{__name__}.generated")
-        module.__doc__ = "Contract kit test classes generated from --staging-backend."
+        self._names: list[tuple[str, BackendTarget]] = []
         taken: set[str] = set()
         for index, target in enumerate(self._targets):
             name = f"Test{target.class_name}"
             if name in taken:
                 name = f"{name}_{index}"
             taken.add(name)
+            self._names.append((name, target))
+
+    def _getobj(self) -> types.ModuleType:
+        module = types.ModuleType(f"{__name__}.generated")
+        module.__doc__ = "Contract kit test classes generated from --staging-backend."
+        for name, target in self._names:
             setattr(module, name, kit_class(target, name))
         return module
+
+    def collect(self) -> list[pytest.Item | pytest.Collector]:
+        """One :class:`_KitClass` per named backend."""
+        return [
+            _KitClass.from_parent(self, name=name, target=target) for name, target in self._names
+        ]
+
+
+class _KitClass(pytest.Class):
+    """The kit's test class for one backend; importing the backend is part of collecting it."""
+
+    def __init__(self, *, target: BackendTarget, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._target = target
+
+    def collect(self) -> Iterable[pytest.Item | pytest.Collector]:
+        """The kit's tests, or one collection error saying why the backend does not load."""
+        try:
+            self._target.load_class()
+        except BackendLoadError as exc:
+            raise self.CollectError(f"{self._target.spec}: {exc}") from None
+        return super().collect()

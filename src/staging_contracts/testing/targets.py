@@ -1,28 +1,48 @@
-"""Backends named on the command line: ``MODULE:CLASS`` or ``MODULE:CLASS=MODULE:FACTORY``.
+"""Backends named on the command line: ``NAME``, ``MODULE:CLASS``, either with ``=MODULE:FACTORY``.
 
-Parsing happens when pytest is configured (a bad name is a usage error); importing happens in
-the kit's tests, so that a backend whose ``class`` statement the contract rejects is reported
-by the tests, with the contract's message, and not as a crash of pytest.
+``NAME`` is an in-tree backend (``local``, ``mooncake``, ``nixl``, ``ascend``) or one
+registered under the ``staging_contracts.backends`` entry-point group; it is turned into its
+``MODULE:CLASS`` when pytest is configured, without importing anything (an unknown name, like
+a malformed value, is a usage error). Importing happens when the plugin collects the kit's
+tests: a backend that cannot be imported, or whose ``class`` statement the contract rejects,
+is then reported once, as one collection error with the reason (and the class's explanation),
+not by every test of the kit.
 """
 
 from __future__ import annotations
 
 import importlib
 import re
+import traceback
 from dataclasses import dataclass
 from typing import Final, cast
 
+from ..backends import backend_ref
 from ..contract.contract import Contract
 from ..contract.enforcement import contract_roots
 from ..contract.problems import ContractError
 from ..mixin import STAGING_CONTRACT
 from .decode_setup import DecodeFactory
 
-__all__ = ["BackendLoadError", "BackendTarget", "contract_of"]
+__all__ = ["PATH_HINT", "BackendLoadError", "BackendTarget", "contract_of"]
 
 _NAME: Final = r"[A-Za-z_][A-Za-z0-9_]*"
 _REF: Final = rf"{_NAME}(?:\.{_NAME})*:{_NAME}(?:\.{_NAME})*"
-_SPEC_RE: Final = re.compile(rf"(?P<cls>{_REF})(?:=(?P<factory>{_REF}))?")
+_BACKEND_NAME: Final = r"[A-Za-z_][A-Za-z0-9_.-]*"
+_SPEC_RE: Final = re.compile(
+    rf"(?:(?P<cls>{_REF})|(?P<name>{_BACKEND_NAME}))(?:=(?P<factory>{_REF}))?"
+)
+_EXPECTED: Final = (
+    "--staging-backend expects NAME, MODULE:CLASS or MODULE:CLASS=MODULE:FACTORY "
+    "(e.g. nixl or mypkg.backend:MyKVManager)"
+)
+
+PATH_HINT: Final = (
+    "pytest does not put the current directory on sys.path: run 'python -m pytest', or set "
+    'pythonpath = ["."] (or ["src"]) under [tool.pytest.ini_options], or install the '
+    "package"
+)
+"""Why a backend module found next to the tests may not import under ``pytest``."""
 
 
 class BackendLoadError(Exception):
@@ -48,22 +68,29 @@ class BackendTarget:
     """``MODULE:CLASS`` of the backend."""
     factory_ref: str | None = None
     """``MODULE:FUNCTION`` of a :data:`~staging_contracts.testing.DecodeFactory`, if given."""
+    name: str | None = None
+    """The backend's registry or entry-point name, when it was named so."""
 
     @classmethod
     def parse(cls, spec: str) -> BackendTarget:
-        """Parse ``MODULE:CLASS`` or ``MODULE:CLASS=MODULE:FACTORY``.
+        """Parse ``NAME``, ``MODULE:CLASS``, either optionally followed by ``=MODULE:FACTORY``.
 
         Raises:
-            ValueError: the value has another shape (the message shows the expected one).
+            ValueError: the value has another shape, or names no known backend (the message
+                shows the expected shape and the known names).
         """
         text = spec.strip()
         match = _SPEC_RE.fullmatch(text)
         if match is None:
-            raise ValueError(
-                f"--staging-backend expects MODULE:CLASS or MODULE:CLASS=MODULE:FACTORY "
-                f"(e.g. mypkg.backend:MyKVManager), got {spec!r}"
-            )
-        return cls(text, match["cls"], match["factory"])
+            raise ValueError(f"{_EXPECTED}, got {spec!r}")
+        name = match["name"]
+        if name is None:
+            return cls(text, match["cls"], match["factory"])
+        try:
+            ref = backend_ref(name)
+        except ValueError as exc:
+            raise ValueError(f"{_EXPECTED}: {exc}") from None
+        return cls(text, ref, match["factory"], name)
 
     @property
     def class_name(self) -> str:
@@ -108,7 +135,19 @@ def _load(ref: str, what: str) -> object:
             f"{exc}\n\n{contract.explain(exc.cls)}"
         ) from None
     except ImportError as exc:
-        raise BackendLoadError(f"cannot import the {what} module {module_name!r}: {exc}") from exc
+        hint = ""
+        missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+        if missing is not None and module_name.split(".")[0] == missing.split(".")[0]:
+            hint = f" ({PATH_HINT})"
+        raise BackendLoadError(
+            f"cannot import the {what} module {module_name!r}: {exc}{hint}"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - any error of the module is reported, traced
+        trace = "".join(traceback.format_exception(exc)).rstrip()
+        raise BackendLoadError(
+            f"importing the {what} module {module_name!r} raised {type(exc).__name__}: "
+            f"{exc}\n\n{trace}"
+        ) from None
     for part in qualname.split("."):
         try:
             obj = getattr(obj, part)
