@@ -154,14 +154,19 @@ def _check_one(target: str) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from .cluster.demo import config_from_args, run_demo  # noqa: PLC0415 - heavy imports
+    from .cluster.demo import (  # noqa: PLC0415 - heavy imports
+        config_from_args,
+        placement_from_args,
+        run_demo,
+    )
 
     try:
         config = config_from_args(args)
+        placement = placement_from_args(args)
     except ValueError as exc:
         print(f"staging-contracts demo: {exc}", file=sys.stderr)
         return EXIT_UNIMPORTABLE
-    return run_demo(config)
+    return run_demo(config, placement=placement)
 
 
 def _run_soak(args: argparse.Namespace) -> int:

@@ -4,20 +4,56 @@
 requests through the staging path with the chosen engine, and verifies that every decode
 rank's pages hold exactly the expected heads. It prints a progress bar while it runs and a
 summary table at the end; the exit status is 0 only when every page verified.
+
+**Two machines.** ``--host`` is the address this side's ranks (and a bootstrap server
+started here) bind and advertise; ``--ranks prefill`` or ``--ranks decode`` starts one side's
+ranks only, and ``--bootstrap tcp://ADDR:PORT`` joins the bootstrap server the other side
+started (and printed) instead of starting one. Each side then checks what it can: prefill
+that every request was sent, decode every page. A non-loopback ``--host`` needs the cluster
+secret in the environment of both sides (``STAGING_CONTRACTS_SECRET`` or
+``STAGING_CONTRACTS_SECRET_FILE``; never an argument).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
-from typing import Any, TextIO
+from dataclasses import dataclass
+from typing import Any, Final, TextIO
 
-from .runner import ClusterResult, run_cluster
+from ..control.security import SecurityError, check_insecure_bind, load_cluster_secret
+from .bootstrap import BootstrapServer
+from .runner import ClusterResult, RankSet, run_cluster
 from .workload import DTYPES, TransferConfig
 
-__all__ = ["add_demo_arguments", "config_from_args", "format_summary", "run_demo"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "DemoPlacement",
+    "add_demo_arguments",
+    "config_from_args",
+    "format_summary",
+    "placement_from_args",
+    "run_demo",
+]
 
 _BAR_WIDTH = 30
+DEFAULT_TIMEOUT_S: Final = 300.0
+"""How long a demo side runs before its ranks still running are told to stop."""
+_ENDPOINT: Final = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):([0-9]{1,5})")
+"""A bootstrap endpoint: ``tcp://`` host or ``[IPv6]``, a port."""
+
+
+@dataclass(frozen=True, slots=True)
+class DemoPlacement:
+    """Which ranks of the run start here, and where they meet the other side's."""
+
+    ranks: RankSet = "all"
+    """``"all"``, or one side's ranks (the other side runs elsewhere)."""
+    bootstrap: str | None = None
+    """The bootstrap server to join; ``None`` starts one here, on the run's ``host``."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """When to tell this side's ranks still running to stop (:data:`DEFAULT_TIMEOUT_S`)."""
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +87,37 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allocate each layer's K and V pool on its own instead of one KV cache buffer",
     )
+    place = parser.add_argument_group(
+        "placement",
+        "Run one side on each of two machines: start one side (it prints its bootstrap "
+        "endpoint), then the other with --bootstrap. A non-loopback --host needs the cluster "
+        "secret (STAGING_CONTRACTS_SECRET or STAGING_CONTRACTS_SECRET_FILE) on both sides.",
+    )
+    place.add_argument(
+        "--host",
+        default=default.host,
+        metavar="ADDR",
+        help="address this side's ranks and bootstrap server bind and advertise "
+        f"(default: {default.host})",
+    )
+    place.add_argument(
+        "--ranks",
+        choices=["all", "prefill", "decode"],
+        default="all",
+        help="start every rank here (default), or one side's only",
+    )
+    place.add_argument(
+        "--bootstrap",
+        metavar="tcp://ADDR:PORT",
+        help="join the other side's bootstrap server instead of starting one here",
+    )
+    place.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help="stop this side's ranks after S seconds (default: %(default)s)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> TransferConfig:
@@ -73,13 +140,35 @@ def config_from_args(args: argparse.Namespace) -> TransferConfig:
         seed=args.seed,
         chunk_tokens=args.chunk_tokens,
         separate_layers=args.separate_layers,
+        host=args.host,
     )
 
 
-class _ProgressBar:
-    """Rooms finished on decode ranks, redrawn in place on a terminal, line by line otherwise."""
+def placement_from_args(args: argparse.Namespace) -> DemoPlacement:
+    """Where the run's ranks start, from parsed options.
 
-    def __init__(self, total: int, out: TextIO) -> None:
+    Raises:
+        ValueError: a malformed ``--bootstrap``, a timeout that is not positive, or a
+            non-loopback ``--host`` without a usable cluster secret in the environment.
+    """
+    if args.bootstrap is not None and _ENDPOINT.fullmatch(args.bootstrap) is None:
+        raise ValueError(f"--bootstrap {args.bootstrap!r} is not tcp://ADDR:PORT")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout {args.timeout} must be > 0")
+    try:
+        if load_cluster_secret() is None:
+            check_insecure_bind(args.host, allow_insecure=False)
+    except SecurityError as exc:
+        raise ValueError(str(exc)) from None
+    return DemoPlacement(args.ranks, args.bootstrap, args.timeout)
+
+
+class _ProgressBar:
+    """Rooms finished on one side's ranks (decode's, unless only prefill runs here), redrawn
+    in place on a terminal, line by line otherwise."""
+
+    def __init__(self, total: int, out: TextIO, role: str = "decode") -> None:
+        self._role = role
         self._total = total
         self._done = 0
         self._failed = 0
@@ -91,7 +180,7 @@ class _ProgressBar:
         if kind == "ready":
             self._ready += 1
             return
-        if kind != "room" or event.get("role") != "decode":
+        if kind != "room" or event.get("role") != self._role:
             return
         self._done += 1
         self._failed += 0 if event.get("ok") else 1
@@ -115,7 +204,15 @@ def format_summary(result: ClusterResult) -> str:
     peak = max(peaks, default=(0, 1), key=lambda p: p[0] / p[1])
     problems = [line for r in decode for line in r.fields.get("problems", [])]
     errors = [f"{r.role} {r.rank}: {r.fields.get('error')}" for r in result.reports if not r.ok]
-    if result.verified:
+    prefill_here = result.side != "decode"
+    decode_here = result.side != "prefill"
+    elsewhere = "(on the prefill side)" if decode_here else "(on the decode side)"
+    if result.verified and result.side == "prefill":
+        verdict = (
+            f"PASS: every one of {config.requests} requests sent by {config.prefill_tp} "
+            "prefill ranks (the decode side verifies the pages)"
+        )
+    elif result.verified:
         verdict = (
             f"PASS: every page of {config.requests} requests on {config.decode_tp} decode ranks"
         )
@@ -134,10 +231,14 @@ def format_summary(result: ClusterResult) -> str:
             f"{config.requests} x {config.tokens} tokens, page_size {config.page_size}, "
             f"chunks of {config.chunk_pages} pages",
         ),
-        ("bytes moved", f"{result.bytes_moved / 2**20:.1f} MiB"),
-        ("transfer time", f"{result.elapsed_s:.3f} s"),
-        ("throughput", f"{result.gbps:.2f} GB/s"),
-        ("chunks staged", str(result.total("decode", "chunks"))),
+        *([("ranks here", f"{result.side} on {config.host}")] if result.side != "all" else []),
+        ("bytes moved", f"{result.bytes_moved / 2**20:.1f} MiB" if prefill_here else elsewhere),
+        (
+            "transfer time",
+            f"{result.elapsed_s:.3f} s" + (" (this side's clock)" if result.side != "all" else ""),
+        ),
+        ("throughput", f"{result.gbps:.2f} GB/s" if prefill_here else elsewhere),
+        ("chunks staged", str(result.total("decode", "chunks")) if decode_here else elsewhere),
         (
             "control messages",
             str(
@@ -152,7 +253,9 @@ def format_summary(result: ClusterResult) -> str:
                 f" ({peak[0] / peak[1]:.1f}x: later rounds wait for the watermark)"
                 if peak[0] > peak[1]
                 else ""
-            ),
+            )
+            if decode_here
+            else elsewhere,
         ),
         ("failed requests", ", ".join(map(str, sorted(result.failed_requests))) or "none"),
         ("verification", verdict),
@@ -161,19 +264,52 @@ def format_summary(result: ClusterResult) -> str:
     return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
 
 
-def run_demo(config: TransferConfig, *, out: TextIO | None = None) -> int:
+def run_demo(
+    config: TransferConfig,
+    *,
+    out: TextIO | None = None,
+    placement: DemoPlacement | None = None,
+) -> int:
     """Run the demo and print progress and the summary; return the exit status.
 
+    With one side's ranks only and no bootstrap to join, a bootstrap server is started here,
+    on ``config.host``, and its endpoint printed for the other side's ``--bootstrap``.
+
     Returns:
-        0 when every decode page verified, 1 otherwise.
+        0 when every decode page verified (a prefill-only side: every request was sent),
+        1 otherwise.
+
+    Raises:
+        SecurityError: no cluster secret, and ``config.host`` is not loopback.
     """
     stream = out if out is not None else sys.stdout
+    place = placement or DemoPlacement()
     stream.write(
         f"staging {config.requests} requests of {config.tokens} tokens over {config.backend}: "
         f"{config.prefill_tp} prefill ranks -> {config.decode_tp} decode ranks\n"
     )
+    server: BootstrapServer | None = None
+    bootstrap = place.bootstrap
+    if place.ranks != "all":
+        if bootstrap is None:
+            server = BootstrapServer(config.host)
+            server.start()
+            bootstrap = server.endpoint
+            stream.write(
+                f"bootstrap server at {bootstrap}: start the other side with"
+                f" --bootstrap {bootstrap}\n"
+            )
+        stream.write(f"this side: the {place.ranks} ranks, on {config.host}\n")
     stream.flush()
-    bar = _ProgressBar(config.requests * config.decode_tp, stream)
-    result = run_cluster(config, progress=bar)
+    role = "prefill" if place.ranks == "prefill" else "decode"
+    tp = config.prefill_tp if role == "prefill" else config.decode_tp
+    bar = _ProgressBar(config.requests * tp, stream, role)
+    try:
+        result = run_cluster(
+            config, progress=bar, timeout_s=place.timeout_s, ranks=place.ranks, bootstrap=bootstrap
+        )
+    finally:
+        if server is not None:
+            server.stop()
     stream.write(format_summary(result) + "\n")
     return 0 if result.verified else 1

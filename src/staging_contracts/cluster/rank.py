@@ -6,6 +6,12 @@ request of the :class:`~staging_contracts.cluster.workload.TransferConfig` throu
 API, verifies (decode) and reports to the driver as JSON over ZMQ: ``ready``, one ``room``
 event per finished request, and a final ``report``; every event carries the rank's ``pid``.
 
+The rank binds and advertises ``config.host``: its control listener and its transfer
+engine. NIXL's agent is built by the backend, so the rank confines UCX through its own
+environment (``UCX_NET_DEVICES`` and ``UCX_TCP_AF_PRIO``, unless already set); Mooncake
+listens on every interface whatever it is told, and says so at start-up (see
+:mod:`staging_contracts.engines.mooncake`).
+
 ``SIGTERM`` (the driver's "stop": another rank died, or the run timed out) raises
 :class:`RankStopped` in the rank's main thread: the rank closes its backend and sends a
 final report with ``stopped: true``, the ``phase`` it was in and the ``rooms`` it finished.
@@ -41,6 +47,9 @@ __all__ = ["RankStopped", "rank_main"]
 logger = logging.getLogger(__name__)
 
 ROOM_TIMEOUT_S = 120.0
+RENDEZVOUS_TIMEOUT_S = 120.0
+"""How long a rank waits for the other side's ranks to register or reach a barrier: when
+the two sides are started by hand on two machines, one may start well after the other."""
 _FAULT_OFFSET = 1 << 40
 
 
@@ -109,9 +118,22 @@ def rank_main(role: str, rank: int, config: TransferConfig, bootstrap: str, repo
 def _make_manager(config: TransferConfig, role: Role, rank: int) -> StagingBackend:
     backend = load_backend(config.backend)
     logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL installs an INFO handler
+    if config.backend == "nixl":
+        _confine_ucx(config.host)
     tp = config.prefill_tp if role is Role.PREFILL else config.decode_tp
-    manager: StagingBackend = backend(config.kv_args(tp, rank), role=role, attn_tp_size=tp)
+    manager: StagingBackend = backend(
+        config.kv_args(tp, rank), role=role, attn_tp_size=tp, host=config.host
+    )
     return manager
+
+
+def _confine_ucx(host: str) -> None:
+    """Let UCX listen only on the interface holding ``host``, through this process's
+    environment (read when the agent starts); variables already set are kept."""
+    from ..engines.nixl import ucx_confinement  # noqa: PLC0415 - the NIXL backend loaded it
+
+    for name, value in ucx_confinement(host).items():
+        os.environ.setdefault(f"UCX_{name}", value)
 
 
 def _ring_bytes(config: TransferConfig) -> int:
@@ -152,7 +174,7 @@ def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) 
                 _key_text(common.curve_key),
             ),
         )
-        prefill = query_ranks(bootstrap, "prefill", config.prefill_tp)
+        prefill = query_ranks(bootstrap, "prefill", config.prefill_tp, RENDEZVOUS_TIMEOUT_S)
         _trust(common, prefill)
         transfers = DecodeTransfers(common, handler, [info.endpoint for info in prefill])
         _freeze_heap()
@@ -164,6 +186,7 @@ def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) 
             receiver.send_metadata()
             receivers[plan.index] = receiver
         arrive(bootstrap, "rooms", f"decode-{rank}")
+        start = time.monotonic()
         outcome = _wait_all(receivers, report)
         end = time.monotonic()
         arrive(bootstrap, "done", f"decode-{rank}")
@@ -174,6 +197,7 @@ def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) 
             receiver.release()
         stats = manager.staging_stats()
         return {
+            "start": start,
             "end": end,
             "verified": not problems,
             "problems": problems[:10],
@@ -206,7 +230,7 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
         transfers = PrefillTransfers(common, writer)
         common.start()
         engine = manager.engine
-        decode = query_ranks(bootstrap, "decode", config.decode_tp)
+        decode = query_ranks(bootstrap, "decode", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
         _trust(common, decode)
         for info in decode:
             engine.add_peer(info.session_id, info.metadata)
@@ -229,7 +253,7 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
         report("ready")
         # Start once decode has registered every room, as a serving decode does before
         # prefill computes: the clock then measures the transfer, not the bootstrap.
-        wait_barrier(bootstrap, "rooms", config.decode_tp)
+        wait_barrier(bootstrap, "rooms", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
         start = time.monotonic()
         senders: dict[int, KVSender] = {}
         for plan in request_plans(config):

@@ -5,6 +5,11 @@
 reports into a :class:`ClusterResult`. The demo, the transfer benchmark and the multi-process
 tests all go through it.
 
+**Across hosts.** The ranks bind and advertise ``config.host``. A run may also be split:
+``run_cluster(config, ranks="prefill", bootstrap=...)`` on one machine and ``ranks="decode"``
+on another, both against the same bootstrap server; each driver starts and follows its own
+side's ranks only (its inbox stays on loopback), and the ranks meet through the bootstrap.
+
 **Faults.** When a rank dies (its process ends without its final report, or it reports a
 failure), the driver records it as :attr:`ClusterResult.first_death`, tells every other
 rank still running to stop (``SIGTERM``: the rank reports what it had and exits), keeps
@@ -21,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import zmq
 
@@ -36,6 +41,7 @@ __all__ = [
     "ClusterResult",
     "RankExit",
     "RankReport",
+    "RankSet",
     "run_cluster",
 ]
 
@@ -53,6 +59,8 @@ _POLL_MS: Final = 50
 """Longest wait for a rank's message before the driver looks at the processes again."""
 RankKey = tuple[str, int]
 """``(role, rank)`` of a rank."""
+RankSet = Literal["all", "prefill", "decode"]
+"""Which ranks a driver runs: every rank, or one side's (the other side runs elsewhere)."""
 
 
 def _signal_name(exitcode: int | None) -> str | None:
@@ -125,8 +133,11 @@ class ClusterResult:
 
     config: TransferConfig
     reports: tuple[RankReport, ...]
+    """The reports of the ranks this driver ran (one side's only, in a split run)."""
     elapsed_s: float
-    """From the first prefill rank starting its requests to the last decode rank finishing."""
+    """From the first prefill rank starting its requests to the last decode rank finishing
+    (in a split run, on this side's clock: from its first rank starting its requests to its
+    last rank finishing them)."""
     failed_requests: frozenset[int] = field(default_factory=frozenset)
     """Request indexes some rank reported failed."""
     first_death: RankExit | None = None
@@ -140,6 +151,8 @@ class ClusterResult:
     ``STOP_GRACE_S`` after being told to stop."""
     timed_out: bool = False
     """The run's ``timeout_s`` passed before every rank ended."""
+    side: RankSet = "all"
+    """Which ranks this driver ran: all, or one side's in a split run."""
 
     def ranks(self, role: str) -> list[RankReport]:
         """The reports of one side, by rank."""
@@ -152,7 +165,9 @@ class ClusterResult:
 
     @property
     def verified(self) -> bool:
-        """Every request succeeded and every decode page holds exactly the expected heads."""
+        """Every request succeeded and every decode page holds exactly the expected heads
+        (a prefill-only run: every request succeeded as prefill saw it; its decode side
+        verifies the pages)."""
         return (
             self.all_ok
             and not self.failed_requests
@@ -183,6 +198,8 @@ def run_cluster(
     *,
     progress: ProgressCallback | None = None,
     timeout_s: float = 300.0,
+    ranks: RankSet = "all",
+    bootstrap: str | None = None,
 ) -> ClusterResult:
     """Run every request of ``config`` through P + D rank processes and gather the reports.
 
@@ -190,31 +207,46 @@ def run_cluster(
     collected (see the module docstring); the result names the rank that died first and
     how. Each event a rank sends carries its ``pid``.
 
+    Args:
+        config: the run; its ``host`` is where the ranks bind and advertise.
+        progress: called with each event of a rank.
+        timeout_s: when to tell the ranks still running to stop.
+        ranks: ``"all"``, or only one side's ranks (``"prefill"``, ``"decode"``) when the
+            other side runs elsewhere against the same ``bootstrap``.
+        bootstrap: the bootstrap server to join (``tcp://host:port``); ``None`` starts one
+            for the run on ``config.host`` (only with ``ranks="all"``: the other side of a
+            split run could not find it).
+
     **Blocking:** until every rank reported and exited, at most ``timeout_s`` plus
     ``STOP_GRACE_S`` (and ``STOP_GRACE_S`` after a death).
 
     Raises:
         ImportError: the configured backend's engine cannot be imported.
+        ValueError: a split run without a ``bootstrap``.
+        SecurityError: no cluster secret, and ``config.host`` is not loopback.
     """
     from ..backends import load_backend  # noqa: PLC0415 - fail fast, before spawning
 
+    if ranks != "all" and bootstrap is None:
+        raise ValueError(f"a run of the {ranks} ranks only needs the bootstrap both sides use")
     load_backend(config.backend)
+    server = None
+    if bootstrap is None:
+        server = BootstrapServer(config.host)
+        server.start()
+        bootstrap = server.endpoint
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     inbox = ctx.socket(zmq.PULL)
     inbox.setsockopt(zmq.LINGER, 0)
     inbox.bind("tcp://127.0.0.1:*")
     raw_endpoint = inbox.getsockopt(zmq.LAST_ENDPOINT)
     report_to = raw_endpoint.decode() if isinstance(raw_endpoint, bytes) else str(raw_endpoint)
-    server = BootstrapServer()
-    server.start()
     spawn = multiprocessing.get_context("spawn")
-    roles = [("decode", d) for d in range(config.decode_tp)] + [
-        ("prefill", p) for p in range(config.prefill_tp)
-    ]
+    roles = _roles(config, ranks)
     processes = {
         key: spawn.Process(
             target=rank_main,
-            args=(key[0], key[1], config, server.endpoint, report_to),
+            args=(key[0], key[1], config, bootstrap, report_to),
             name=f"staging-{key[0]}-{key[1]}",
             daemon=True,
         )
@@ -227,9 +259,17 @@ def run_cluster(
         watch.follow(inbox, timeout_s)
     finally:
         watch.end()
-        server.stop()
+        if server is not None:
+            server.stop()
         inbox.close(linger=0)
-    return _result(config, roles, watch)
+    return _result(config, roles, watch, ranks)
+
+
+def _roles(config: TransferConfig, ranks: RankSet) -> list[RankKey]:
+    """The ranks a driver runs, decode first (they register the rooms prefill waits for)."""
+    decode = [("decode", d) for d in range(config.decode_tp)] if ranks != "prefill" else []
+    prefill = [("prefill", p) for p in range(config.prefill_tp)] if ranks != "decode" else []
+    return decode + prefill
 
 
 class _Watch:
@@ -361,7 +401,9 @@ class _Watch:
             self._receive(inbox.recv())
 
 
-def _result(config: TransferConfig, roles: list[RankKey], watch: _Watch) -> ClusterResult:
+def _result(
+    config: TransferConfig, roles: list[RankKey], watch: _Watch, ranks: RankSet
+) -> ClusterResult:
     out: list[RankReport] = []
     failed: set[int] = set()
     for key in roles:
@@ -373,8 +415,12 @@ def _result(config: TransferConfig, roles: list[RankKey], watch: _Watch) -> Clus
         exitcode = watch.processes[key].exitcode
         out.append(RankReport(key[0], key[1], bool(fields.get("ok")), fields, exitcode))
         failed.update(int(i) for i in fields.get("failed", {}))
-    starts = [float(r.fields["start"]) for r in out if r.role == "prefill" and "start" in r.fields]
-    ends = [float(r.fields["end"]) for r in out if r.role == "decode" and "end" in r.fields]
+    # The transfer starts with prefill's requests and ends with decode's last room; a split
+    # run's driver sees one side only, and measures that side on its own clock.
+    first = "prefill" if ranks != "decode" else "decode"
+    last = "decode" if ranks != "prefill" else "prefill"
+    starts = [float(r.fields["start"]) for r in out if r.role == first and "start" in r.fields]
+    ends = [float(r.fields["end"]) for r in out if r.role == last and "end" in r.fields]
     elapsed = max(ends) - min(starts) if starts and ends else 0.0
     return ClusterResult(
         config,
@@ -385,6 +431,7 @@ def _result(config: TransferConfig, roles: list[RankKey], watch: _Watch) -> Clus
         stopped=tuple(watch.stopped),
         killed=tuple(watch.killed),
         timed_out=watch.timed_out,
+        side=ranks,
     )
 
 

@@ -45,7 +45,7 @@ class TransferConfig:
     """One run of the staged transfer: model geometry, TP sizes, requests.
 
     Raises:
-        ValueError: a size is not positive or the dtype is unknown.
+        ValueError: a size is not positive, the dtype is unknown or ``host`` is empty.
     """
 
     backend: str = "nixl"
@@ -70,6 +70,10 @@ class TransferConfig:
     """Allocate each layer's K and V pool on its own (as SGLang does) instead of as views of
     one KV cache allocation (as vLLM and TensorRT-LLM do); the kernels then go layer by
     layer instead of moving every layer at once."""
+    host: str = "127.0.0.1"
+    """Address the ranks bind and advertise: their control listeners and transfer engines
+    (and a bootstrap server started for the run). Loopback for one machine; a non-loopback
+    address needs the cluster secret (``STAGING_CONTRACTS_SECRET``)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -86,6 +90,8 @@ class TransferConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1")
+        if not self.host.strip("[]"):
+            raise ValueError("host must name an address")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
 
