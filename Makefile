@@ -4,8 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 EXTRAS := dev,mooncake,nixl
-# Debian libraries the Mooncake wheel links against (installed when missing and we are root).
-SYSLIBS := libibverbs1 librdmacm1 libnuma1
+# Debian packages (installed when missing and we are root): the libraries the Mooncake wheel
+# links against, and iproute2, whose `ip netns` the cross-namespace transfer test needs.
+SYSLIBS := libibverbs1 librdmacm1 libnuma1 iproute2
 
 .PHONY: demo test lint typecheck unit bench mutation setup sysdeps clean
 
@@ -50,7 +51,7 @@ sysdeps:
 		echo "installing$$missing"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	else \
-		echo "note:$$missing missing and not root: the Mooncake engine will be skipped"; \
+		echo "note:$$missing missing and not root: the tests that need them will be skipped"; \
 	fi
 
 clean:
