@@ -592,12 +592,6 @@ MALFORMED: list[tuple[list[object], str, int | None, str | None]] = [
         "session_id",
     ),
     (
-        with_frame(WM, 3, b""),
-        r"^WATERMARK frame 3 \('session_id'\): must be 1-256 characters",
-        3,
-        "session_id",
-    ),
-    (
         with_frame(CR, 5, "café".encode()),
         r"^CHUNK_READY frame 5 \('session_id'\): not ASCII: b'caf\\xc3\\xa9'$",
         5,
@@ -1169,3 +1163,99 @@ def test_notification_refuses_a_record_other_than_chunk_ready(
         "type",
     )
     assert info.value.message_type is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The empty WATERMARK session frame of the reference's decode (issue 17)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [bytes, *BYTES_LIKE], ids=lambda f: f.__name__)
+def test_watermark_with_an_empty_session_frame_is_one_without_a_session(
+    make: Callable[[bytes], object],
+) -> None:
+    """The reference's decode sends WATERMARK with an empty session frame; it decodes as
+    "no session", the same record as the three-frame message, and re-encodes as that."""
+    frames = [b"WATERMARK", b"3", b"4096", make(b"")]
+    message = decode_message(frames)
+    assert message == WatermarkUpdate(3, 4096)
+    assert message == decode_message([b"WATERMARK", b"3", b"4096"])
+    assert isinstance(message, WatermarkUpdate)
+    assert message.session_id == ""
+    assert message.to_frames() == [b"WATERMARK", b"3", b"4096"]
+    assert WatermarkUpdate.from_frames(frames) == message
+
+
+def test_watermark_with_an_empty_session_frame_crosses_a_real_zmq_socket() -> None:
+    """Over a PUSH -> PULL pair, the empty frame arrives as sent and decodes."""
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    push = context.socket(zmq.PUSH)
+    try:
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push.connect(f"tcp://127.0.0.1:{port}")
+        push.send_multipart([b"WATERMARK", b"3", b"4096", b""])
+        assert pull.poll(5000)
+        received = pull.recv_multipart()
+        assert received == [b"WATERMARK", b"3", b"4096", b""]
+        assert decode_message(received) == WatermarkUpdate(3, 4096)
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        context.term()
+
+
+EMPTY_SESSION_ELSEWHERE = [
+    (with_frame(REQ, 4, b""), "STAGING_REQ", 4),
+    (with_frame(RSP, 6, b""), "STAGING_RSP", 6),
+    (with_frame(CR, 5, b""), "CHUNK_READY", 5),
+    (with_frame(CR, 5, b"")[:6], "CHUNK_READY", 5),
+]
+
+
+@pytest.mark.parametrize(("frames", "kind", "index"), EMPTY_SESSION_ELSEWHERE)
+def test_an_empty_session_is_still_refused_in_every_other_message(
+    frames: list[object], kind: str, index: int
+) -> None:
+    """Only WATERMARK's session is optional; in the other three an empty one is malformed."""
+    with pytest.raises(MalformedMessage) as info:
+        decode_message(frames)
+    assert str(info.value) == (
+        f"{kind} frame {index} ('session_id'): must be 1-256 characters of printable ASCII, got ''"
+    )
+    assert (info.value.frame_index, info.value.field) == (index, "session_id")
+
+
+def test_an_empty_session_is_still_refused_in_a_notification() -> None:
+    """The NIXL arrival notification names its session too."""
+    with pytest.raises(MalformedMessage, match=r"^CHUNK_READY frame 5 \('session_id'\): must be"):
+        decode_notification(b"CHUNK_READY\x007\x000\x008\x004\x00\x003")
+
+
+@pytest.mark.parametrize(
+    ("session", "match"),
+    [
+        (b" ", None),  # printable: a session of one space is a session
+        (b"a\x00b", r"must be 1-256 characters of printable ASCII, got 'a\\x00b'$"),
+        (b"\x7f", r"must be 1-256 characters of printable ASCII"),
+        (b"\t", r"must be 1-256 characters of printable ASCII"),
+        (b"s" * 257, r"must be 1-256 characters of printable ASCII, got 'sss.*\(257 long\)$"),
+        ("café".encode(), r"not ASCII: b'caf\\xc3\\xa9'$"),
+    ],
+)
+def test_every_other_malformed_watermark_session_is_still_refused(
+    session: bytes, match: str | None
+) -> None:
+    """Accepting the empty frame did not loosen the rule for any non-empty session."""
+    frames = [b"WATERMARK", b"3", b"4096", session]
+    if match is None:
+        assert decode_message(frames) == WatermarkUpdate(3, 4096, session.decode())
+        return
+    with pytest.raises(MalformedMessage, match=r"^WATERMARK frame 3 \('session_id'\): " + match):
+        decode_message(frames)
+
+
+def test_an_empty_watermark_session_frame_is_no_extra_frame_allowance() -> None:
+    """The empty frame takes the session's place; a fifth frame after it is still extra."""
+    with pytest.raises(MalformedMessage, match=r"^WATERMARK frame 4: unexpected extra frame"):
+        decode_message([b"WATERMARK", b"3", b"4096", b"", b""])

@@ -4,7 +4,10 @@ Four messages cross between prefill and decode on ZMQ PUSH → PULL sockets. Eac
 record whose constructor validates every field, so an invalid message can be neither built
 locally nor decoded from the wire. The frames are byte-identical to what the reference staging
 path (sglang's PD disaggregation) sends: frame 0 is the type name, integers are ASCII decimal,
-session ids are ASCII, optional frames come last and only when set.
+session ids are ASCII, optional frames come last and only when set. One leniency: the
+reference's decode sends ``WATERMARK`` with an empty session frame
+(``[b"WATERMARK", b"3", b"4096", b""]``), which decodes as "no session", the same as an absent
+frame; an empty session is refused in every other message.
 
 ``decode_message`` turns received frames into one of the records and raises
 ``MalformedMessage`` (and nothing else) for any other input, so a bad peer costs a log line
@@ -318,7 +321,8 @@ class WatermarkUpdate(_Record):
 
     **Side:** broadcast by decode after a region is freed (and sent at once to a new
     subscriber), received by prefill's bootstrap thread. Frames: ``WATERMARK``, round, tail
-    and, when ``session_id`` is not empty, session_id.
+    and, when ``session_id`` is not empty, session_id. Decoding also accepts an empty session
+    frame (the reference's decode sends one) as "no session": ``session_id == ""``.
 
     Raises:
         ValueError: a field is out of range or of the wrong type (the message names it).
@@ -427,7 +431,17 @@ MESSAGE_TYPES: Final = frozenset(
 class _Codec:
     """How one message type lays out its frames, derived from its record's fields."""
 
-    __slots__ = ("build", "counts", "fields", "index", "is_int", "max_frames", "min_frames", "name")
+    __slots__ = (
+        "build",
+        "counts",
+        "empty_session",
+        "fields",
+        "index",
+        "is_int",
+        "max_frames",
+        "min_frames",
+        "name",
+    )
 
     def __init__(self, cls: type[Message]) -> None:
         fields = dataclasses.fields(cls)
@@ -441,6 +455,10 @@ class _Codec:
         self.min_frames = self.max_frames - optional
         alternative = f"{self.min_frames} or " if optional else ""
         self.counts = f"{self.name} takes {alternative}{self.max_frames} frames"
+        # Only an optional session may be empty on the wire (WATERMARK): "" is its "absent".
+        self.empty_session = any(
+            field.name == "session_id" and field.default == "" for field in fields
+        )
 
 
 _CODECS: Final = {
@@ -516,8 +534,8 @@ def _decode_body(codec: _Codec, frames: Sequence[object], count: int, size: int)
             if not (raw.isdigit() and len(raw) <= 20) and _INT_RE.fullmatch(raw) is None:
                 raise MalformedMessage(_bad_int(raw), index, field, name)
             values.append(int(raw))
-        else:  # the record checks length and printability; "" would mean absent there
-            if not raw:
+        else:  # the record checks length and printability of a non-empty session
+            if not raw and not codec.empty_session:
                 raise MalformedMessage(f"{_SESSION_RULE}, got ''", index, field, name)
             try:
                 values.append(raw.decode("ascii"))
@@ -534,9 +552,10 @@ def decode_message(frames: Sequence[object]) -> Message:
 
     **Called by:** a listener thread, once per received message (hot path). **Blocking:** no.
     **Thread-safety:** pure function. Integers may carry leading zeros (``b"007"`` is 7, as
-    the reference's ``int()`` reads it); everything else follows SPEC §1 byte for byte. Each
-    frame's syntax is checked in order, then the values, so a message with several faults
-    reports the first syntax fault, else the first value fault.
+    the reference's ``int()`` reads it), and a ``WATERMARK`` whose session frame is empty is
+    one without a session (the reference's decode sends it so); everything else follows
+    SPEC §1 byte for byte. Each frame's syntax is checked in order, then the values, so a
+    message with several faults reports the first syntax fault, else the first value fault.
 
     Args:
         frames: the frames, each ``bytes``, ``bytearray``, ``memoryview`` or an object with a
