@@ -331,3 +331,39 @@ def test_an_anonymous_arrival_of_a_single_writer_counts_once() -> None:
         ]
         assert outcomes == [ArrivalOutcome.COMPLETE, ArrivalOutcome.DUPLICATE]
         assert handler.poll_room(131) is RoomStatus.SUCCESS
+
+
+def test_a_room_registered_after_its_writer_died_fails_at_once() -> None:
+    """Found by the soak: liveness declares a dead writer once; a room registered later with
+    that writer used to wait forever (no region, so no stall clock either)."""
+    with sides(Geometry(1, 1, 2), timeouts=FAST) as s:
+        c = s.cluster
+        c.decode[0].liveness.timeout_s = 1.0
+        handler = c.handlers[0]
+        first = c.add_request(140, num_pages=2, chunk_pages=1)
+        second = c.add_request(141, num_pages=2, chunk_pages=1, seed=1)
+        c.prefill[0].close()  # the only writer dies
+        assert wait_for(lambda: handler.poll_room(140) is RoomStatus.FAILED, timeout=10)
+        for request in (first, second):
+            handler.release_room(request.room)
+        receiver = KVReceiver(s.decode[0], second.room)
+        receiver.init(second.decode_pages, chunk_pages=1)
+        assert receiver.poll() is KVPoll.Failed
+        assert "is dead" in (receiver.failure() or "")
+
+
+def test_a_decode_that_dies_before_room_meta_fails_the_room_within_the_liveness_bound() -> None:
+    """Found by the soak: prefill watched a decode rank only once ROOM_META came, so a decode
+    that died before sending it failed the room only at the ROOM_META timeout (30 s)."""
+    with sides(Geometry(1, 1, 2), timeouts=FAST, meta_timeout_s=30.0) as s:
+        c = s.cluster
+        c.prefill[0].liveness.timeout_s = 1.0
+        request = c.add_request(142, num_pages=2, chunk_pages=2)
+        sender = KVSender(s.prefill[0], request.room)
+        sender.init(2, c.targets)
+        sender.send(request.prefill_pages, last=True)
+        start = time.monotonic()
+        c.decode[0].close()
+        assert sender.wait(10.0) is KVPoll.Failed
+        assert time.monotonic() - start < 5.0
+        assert "dead" in (sender.failure() or "") or "gone" in (sender.failure() or "")

@@ -84,7 +84,6 @@ class _Job:
 
     room: int
     chunk: ChunkSpec
-    last: bool
     queued: float
     """When it was queued (its ``ROOM_META`` wait starts then)."""
     deadline: float | None = None
@@ -168,6 +167,9 @@ class PrefillTransfers:
             self._check_meta(state)
             prefetch = self._take_prefetch(state)
             self._cond.notify_all()
+        # Watch the decode ranks from now on: one that dies before its ROOM_META fails the
+        # room within the liveness bound, not at the ROOM_META timeout.
+        self._writer.track_room(room, self._writer.targets_of(targets))
         self._prefetch(room, prefetch)
 
     def submit(self, room: int, pages: Sequence[int], last: bool) -> None:
@@ -185,7 +187,7 @@ class PrefillTransfers:
             state.last_submitted = last
             if state.status in (KVPoll.Bootstrapping, KVPoll.WaitingForInput):
                 state.status = KVPoll.Transferring
-        self._jobs.put(_Job(room, chunk, last, time.monotonic()))
+        self._jobs.put(_Job(room, chunk, time.monotonic()))
         self._wakeup.set()
 
     def status(self, room: int) -> tuple[KVPoll, str | None]:
@@ -381,7 +383,7 @@ class PrefillTransfers:
         return None
 
     def _stage(self, job: _Job) -> None:
-        room, chunk, last = job.room, job.chunk, job.last
+        room, chunk = job.room, job.chunk
         with self._cond:
             state = self._rooms.get(room)
             if state is None or state.status is KVPoll.Failed:
@@ -408,7 +410,9 @@ class PrefillTransfers:
             if state is None:
                 return
             state.pending -= 1
-            if last and state.status is KVPoll.Transferring and state.pending == 0:
+            # The last chunk submitted may be written before an earlier one (the worker
+            # takes whichever is writable first): the room is done when none is pending.
+            if state.last_submitted and state.status is KVPoll.Transferring and not state.pending:
                 state.status = KVPoll.Success
             self._cond.notify_all()
 

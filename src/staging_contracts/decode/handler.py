@@ -257,8 +257,13 @@ class DecodeStagingHandler:
                 prefill_ranks_for_decode(plan.prefill_tp, self._decode_tp, self._decode_rank)
             )
             unanswered = sorted(state.writer_ranks - {peer.tp_rank for peer in plan.peers})
+            dead = [peer for peer in plan.peers if self._is_dead(peer.endpoint)]
             if unanswered:
                 self._fail(state, f"no endpoint registered for prefill writer ranks {unanswered}")
+            elif dead:  # declared dead already: liveness will not say it again
+                self._fail(
+                    state, f"prefill writer rank {dead[0].tp_rank} ({dead[0].endpoint}) is dead"
+                )
             return state.status
 
     def _plan_problem(self, plan: RoomPlan) -> str | None:

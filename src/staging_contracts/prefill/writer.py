@@ -249,7 +249,7 @@ class StagingWriter:
         """
         sent = 0
         targets = [t for t in self.targets_of(decode) if not self.fenced(room, t.session_id)]
-        self._track(room, targets)
+        self.track_room(room, targets)
         for chunk_idx, num_pages in chunks:
             for target in targets:
                 key = (room, chunk_idx, target.session_id)
@@ -261,8 +261,12 @@ class StagingWriter:
                 sent += 1
         return sent
 
-    def _track(self, room: int, targets: Sequence[DecodeTarget]) -> None:
-        """Remember (and watch) the decode ranks a room is requested from."""
+    def track_room(self, room: int, targets: Sequence[DecodeTarget]) -> None:
+        """Remember (and watch, until :meth:`forget_room`) the decode ranks a room goes to.
+
+        **Called by:** :meth:`prefetch`, and the per-request layer when a room opens, so that
+        a decode rank that dies before it answers anything is noticed. **Blocking:** no.
+        """
         new = []
         with self._requested_lock:
             known = self._room_targets.setdefault(room, {})
