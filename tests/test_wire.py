@@ -92,6 +92,84 @@ def slug(pattern: object) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Frame layout (first in the file: mutmut credits code run at import to the first test, so this
+# one is what re-checks the codec tables built at import in a fresh process)
+# ---------------------------------------------------------------------------------------------
+
+LAYOUTS: list[tuple[list[bytes], Message, int, tuple[str, ...], str]] = [
+    (
+        [b"STAGING_REQ", b"7", b"1", b"4", b"sess", b"2"],
+        StagingReq(7, 1, 4, "sess", pp_rank=2),
+        5,
+        ("room", "chunk_idx", "num_pages", "session_id", "pp_rank"),
+        "STAGING_REQ takes 5 or 6 frames",
+    ),
+    (
+        [b"STAGING_RSP", b"7", b"1", b"128", b"3", b"640", b"sess"],
+        StagingRsp(7, 1, 128, 3, 640, "sess"),
+        7,
+        ("room", "chunk_idx", "offset", "round", "end", "session_id"),
+        "STAGING_RSP takes 7 frames",
+    ),
+    (
+        [b"WATERMARK", b"3", b"64", b"sess"],
+        WatermarkUpdate(3, 64, "sess"),
+        3,
+        ("round", "tail", "session_id"),
+        "WATERMARK takes 3 or 4 frames",
+    ),
+    (
+        [b"CHUNK_READY", b"7", b"1", b"8", b"4", b"sess", b"3"],
+        ChunkReady(7, 1, 8, 4, "sess", 3),
+        6,
+        ("room", "chunk_idx", "page_start", "num_pages", "session_id", "writer_rank"),
+        "CHUNK_READY takes 6 or 7 frames",
+    ),
+]
+"""Per message: all its frames, the record, the fewest frames, the field of each frame from 1
+on, and how the errors state the frame count."""
+
+
+WITHOUT_OPTIONAL: dict[str, Message] = {
+    "STAGING_REQ": StagingReq(7, 1, 4, "sess"),
+    "WATERMARK": WatermarkUpdate(3, 64),
+    "CHUNK_READY": ChunkReady(7, 1, 8, 4, "sess"),
+}
+"""The records of LAYOUTS' frames with the optional last frame left out."""
+
+
+def test_every_message_type_has_its_frame_layout() -> None:
+    """Decodes each type's frames in field order, counts them, and names each frame's field."""
+    for frames, record, fewest, fields, counts in LAYOUTS:
+        name = frames[0].decode()
+        assert decode_message(frames) == record
+        assert len(frames) == len(fields) + 1
+        if fewest < len(frames):
+            assert decode_message(frames[:fewest]) == WITHOUT_OPTIONAL[name]
+        with pytest.raises(MalformedMessage) as info:
+            decode_message(frames[: fewest - 1])
+        assert str(info.value) == (
+            f"{name} frame {fewest - 1} ({fields[fewest - 2]!r}): missing "
+            f"({counts}, got {fewest - 1})"
+        )
+        with pytest.raises(MalformedMessage) as info:
+            decode_message([*frames, b"1"])
+        assert str(info.value) == (
+            f"{name} frame {len(frames)}: unexpected extra frame ({counts}, got {len(frames) + 1})"
+        )
+        assert (info.value.frame_index, info.value.field) == (len(frames), None)
+        for index, field in enumerate(fields, start=1):
+            bad = b"\x7f" if field == "session_id" else b"-5"
+            with pytest.raises(MalformedMessage) as info:
+                decode_message([*frames[:index], bad, *frames[index + 1 :]])
+            assert (info.value.message_type, info.value.frame_index, info.value.field) == (
+                name,
+                index,
+                field,
+            )
+
+
+# ---------------------------------------------------------------------------------------------
 # Byte-exact frames
 # ---------------------------------------------------------------------------------------------
 
@@ -1132,6 +1210,11 @@ def test_int_subclasses_are_checked_at_both_bounds() -> None:
         ValueError, match=r"^invalid StagingReq: 'room' must fit a signed 64-bit integer, got "
     ):
         StagingReq(Wide(I64_MAX + 1), 0, 1, "s")
+    with pytest.raises(
+        ValueError,
+        match=r"^invalid StagingRsp: 'offset' must be >= 0 or -2, got -9223372036854775808$",
+    ):
+        StagingRsp(0, 0, Wide(-(2**63)), 0, 1, "s")
 
 
 def test_malformed_message_args_hold_every_field() -> None:
