@@ -1,14 +1,23 @@
 """``NixlKVManager``: staging over a NIXL agent with the UCX backend.
 
-Arrival is signalled by the bulk write's notification (it carries the ``CHUNK_READY``
-fields), polled by the listener's idle loop, which also drives the agent's progress: NIXL
-runs without its progress thread here. Requires the ``nixl`` extra.
+**Arrival.** A prefill writer signals that its write landed in one of two ways, chosen per
+manager with ``arrival=``: ``"notification"`` (the default), the bulk write's NIXL
+notification carrying the ``CHUNK_READY`` fields; or ``"zmq"``, a ``CHUNK_READY`` message to
+decode's control listener once the write completed, as the reference's NIXL path does (its
+decode never reads NIXL notifications). A decode manager accepts both, whatever its own
+``arrival`` says: notifications are polled by the listener's idle loop, which also drives the
+agent's progress (NIXL runs without its progress thread here), and ``CHUNK_READY`` messages
+arrive on the listener like every other staging message. Requires the ``nixl`` extra.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Final, get_args
+
 from ..engines import load_engine_class
 from ..mixin import StagingManagerMixin
+from ..prefill.writer import ArrivalMode
 from ..protocols import (
     DecodeStagingContext,
     KVArgs,
@@ -19,7 +28,13 @@ from ..protocols import (
 from .common import CommonKVManager, Role
 from .staging_setup import staging_idle
 
-__all__ = ["NixlKVManager"]
+__all__ = ["DEFAULT_ARRIVAL", "NixlKVManager"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ARRIVAL: Final[ArrivalMode] = "notification"
+"""The arrival mode of a manager created without ``arrival=``: the notification travels in the
+same NIXL request as the bytes, so it cannot overtake them and costs no message of its own."""
 
 DECODE_POLL_S = 0.002
 """Decode: longest wait of the listener before it polls the agent for arrivals again. An
@@ -41,9 +56,14 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         agent_name: the NIXL agent's name (its session id); unique by default.
         load_ib_modules: let UCX load its InfiniBand modules (only where there is an RDMA
             NIC; on hosts without one they can crash the process at exit).
+        arrival: how this manager's prefill writers signal arrival: ``"notification"``
+            (default) or ``"zmq"``, ``CHUNK_READY`` over ZMQ after each write, for a decode
+            that reads no NIXL notifications (the reference's). It changes nothing on
+            decode, which accepts both.
 
     Raises:
         ImportError: NIXL is not installed (names the extra to install).
+        ValueError: ``arrival`` is not one of the two modes.
     """
 
     _staging_handler: StagingHandler | None = None
@@ -60,7 +80,11 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         host: str = "127.0.0.1",
         agent_name: str | None = None,
         load_ib_modules: bool = False,
+        arrival: ArrivalMode = DEFAULT_ARRIVAL,
     ) -> None:
+        if arrival not in get_args(ArrivalMode):
+            raise ValueError(f"arrival={arrival!r} must be one of {get_args(ArrivalMode)}")
+        self._arrival: ArrivalMode = arrival
         engine_class = load_engine_class("nixl")
         on_gpu = kv_args.device.startswith("cuda")
         device_id = int(kv_args.device.partition(":")[2] or 0) if on_gpu else 0
@@ -69,6 +93,8 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             mem_type="VRAM" if on_gpu else "DRAM",
             device_id=device_id,
             load_ib_modules=load_ib_modules,
+            # decode keeps notifications on: it accepts both arrivals and polls the agent
+            notifications=role is Role.DECODE or arrival == "notification",
         )
         super().__init__(
             kv_args,
@@ -79,6 +105,13 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             host=host,
             poll_interval_s=DECODE_POLL_S if role is Role.DECODE else PREFILL_POLL_S,
         )
+        self._nixl = engine
+        logger.debug("NIXL %s manager %s: arrival by %s", role.value, engine.session_id, arrival)
+
+    @property
+    def arrival(self) -> ArrivalMode:
+        """How this manager's prefill writers signal arrival (decode accepts both)."""
+        return self._arrival
 
     def _on_message(self, frames: list[bytes]) -> None:
         if not self._dispatch_staging(frames):
@@ -86,3 +119,5 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
 
     def _on_idle(self) -> None:
         staging_idle(self)
+        if not self._nixl.supports_notifications:
+            self._nixl.progress()  # what polling notifications does in the other mode

@@ -199,6 +199,11 @@ class NixlEngine:
             described in the module docstring. Only the process's first agent decides.
         write_timeout_s: How long ``write`` waits for completion before it gives up.
         close_timeout_s: How long ``close`` waits for running writes.
+        notifications: ``False``: writes carry no notification (``supports_notifications``
+            is ``False`` and ``write`` refuses a ``notify``), so a staging writer signals
+            arrival with ``CHUNK_READY`` over ZMQ after the write, as the reference's NIXL
+            path does. The agent still receives what peers attach to their writes
+            (``poll_notifications``).
 
     Raises:
         TransferError: the UCX plugin is missing, the agent could not be created, or no
@@ -217,6 +222,7 @@ class NixlEngine:
         load_ib_modules: bool = True,
         write_timeout_s: float = 30.0,
         close_timeout_s: float = 30.0,
+        notifications: bool = True,
     ) -> None:
         session_id = name or f"nixl-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         if not load_ib_modules:
@@ -246,6 +252,7 @@ class NixlEngine:
         self._device_id = device_id
         self._write_timeout_s = write_timeout_s
         self._close_timeout_s = close_timeout_s
+        self._notifications = notifications
         self._lock = threading.Lock()
         self._regions = RegionTable()
         self._reg_lists: dict[int, nixl_bindings.nixlRegDList] = {}
@@ -290,8 +297,9 @@ class NixlEngine:
 
     @property
     def supports_notifications(self) -> bool:
-        """Always ``True``: the payload travels with the write and arrives after the data."""
-        return True
+        """``True`` (unless created with ``notifications=False``): the payload travels with
+        the write and arrives after the data."""
+        return self._notifications
 
     def metadata(self) -> bytes:
         """The agent's metadata (with its registrations) behind a small header.
@@ -372,10 +380,16 @@ class NixlEngine:
         source memory may be reused then. At most ``write_timeout_s``.
 
         Raises:
+            ValueError: ``notify`` given to an engine created with ``notifications=False``.
             TransferError: ``peer`` was not added, a range lies outside registered memory,
                 NIXL reported an error, the write timed out (the request is cancelled if
                 NIXL can; nothing is known about the bytes), or the engine is closed.
         """
+        if notify is not None and not self._notifications:
+            raise ValueError(
+                f"NIXL engine {self._session_id!r} was created with notifications=False;"
+                " signal arrival another way (CHUNK_READY over ZMQ)"
+            )
         with self._gate.entered():
             target = self._peers.get(peer)
             if target is None:

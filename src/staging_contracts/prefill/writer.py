@@ -4,8 +4,9 @@ Per chunk and per decode rank it feeds: make sure a ``STAGING_REQ`` was sent (pr
 deduplicated), wait for decode's region (bounded; re-request on timeout, which recovers a lost
 ``STAGING_RSP``), wait until the watermark says the region is free (bounded; re-request,
 which makes decode re-send its watermark), gather this rank's heads into a private staging
-buffer, write it with the engine in one bulk write, and signal arrival (``CHUNK_READY`` over
-ZMQ, or the write's notification where the engine has them).
+buffer, write it with the engine in one bulk write, and signal arrival: the write's
+notification where the engine has them, else ``CHUNK_READY`` over ZMQ once the write completed
+(``arrival="zmq"`` chooses the latter with any engine: the reference's NIXL decode reads only it).
 
 Every failure of a chunk (decode refused it, no answer before the deadline, an engine error)
 raises :class:`StagingFailed` for that room; the worker thread that called lives on.
@@ -23,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Literal, TypeAlias
 
 import torch
 
@@ -50,15 +51,40 @@ from ..staging.layout import (
 from ..staging.ordering import DeviceOrdering, ordering_for
 from .books import RegionAnswerTable, WatermarkTracker
 
-__all__ = ["ChunkSpec", "DecodeTarget", "PrefillTimeouts", "StagingFailed", "StagingWriter"]
+__all__ = [
+    "ArrivalMode",
+    "ChunkSpec",
+    "DecodeTarget",
+    "PrefillTimeouts",
+    "StagingFailed",
+    "StagingWriter",
+]
 
 logger = logging.getLogger(__name__)
 
 _SESSION_FRAME: Final = {b"STAGING_RSP": 6, b"WATERMARK": 3, RoomFence.KIND: 2}
 """The frame that names the decode session, per message the writer authorises."""
 
+ArrivalMode: TypeAlias = Literal["notification", "zmq"]
+"""How a writer tells decode that its write landed: ``"notification"``, the ``CHUNK_READY``
+fields as the bulk write's notification payload (the engine must support notifications);
+``"zmq"``, a ``CHUNK_READY`` message to decode's listener after the write completed."""
+
 WAIT_SLICE_S: Final = 0.05
 """Longest a wait for a region or the watermark goes without checking fences and liveness."""
+
+
+def _arrival_mode(engine: TransferEngine, arrival: ArrivalMode | None) -> ArrivalMode:
+    """The writer's arrival mode: ``arrival``, or the engine's natural one when ``None``."""
+    if arrival is None:
+        return "notification" if engine.supports_notifications else "zmq"
+    if arrival not in ("notification", "zmq"):
+        raise ValueError(f"arrival={arrival!r} must be 'notification', 'zmq' or None")
+    if arrival == "notification" and not engine.supports_notifications:
+        raise ValueError(
+            f"arrival='notification' needs an engine with notifications; {engine!r} has none"
+        )
+    return arrival
 
 
 class StagingFailed(RuntimeError):
@@ -142,6 +168,12 @@ class StagingWriter:
         ordering: when a gather has completed, so that the engine never reads the staging
             buffer before (default: the device's; see
             :mod:`~staging_contracts.staging.ordering`).
+        arrival: how arrivals are signalled (see :data:`ArrivalMode`); ``None`` (default):
+            by notification where ``engine.supports_notifications``, else over ZMQ.
+
+    Raises:
+        ValueError: ``arrival="notification"`` with an engine without notifications, or an
+            unknown ``arrival``.
     """
 
     def __init__(
@@ -161,7 +193,9 @@ class StagingWriter:
         stream: torch.cuda.Stream | None = None,
         liveness: PeerLiveness | None = None,
         ordering: DeviceOrdering | None = None,
+        arrival: ArrivalMode | None = None,
     ) -> None:
+        self._arrival = _arrival_mode(engine, arrival)
         self._pools = PagedKVPools(kv_buffers.k_buffers, kv_buffers.v_buffers, kv_buffers.page_size)
         self._geometry = self._pools.geometry
         if max_chunk_pages < 1:
@@ -217,6 +251,11 @@ class StagingWriter:
     def timeouts(self) -> PrefillTimeouts:
         """The bounds of the waits of one chunk."""
         return self._timeouts
+
+    @property
+    def arrival(self) -> ArrivalMode:
+        """How this writer signals that a write landed (fixed at construction)."""
+        return self._arrival
 
     @property
     def buffer_bytes(self) -> int:
@@ -529,7 +568,7 @@ class StagingWriter:
             target.session_id,
             self._prefill_rank,
         )
-        notify = arrival.to_notification() if self._engine.supports_notifications else None
+        notify = arrival.to_notification() if self._arrival == "notification" else None
         remote = target.ring_base + answer.offset + offset_in_region
         key = (room, target.session_id)
         with self._fence_lock:
