@@ -12,6 +12,7 @@ from staging_contracts.contract.declarations import (
     Declaration,
     DeclarationKind,
     find_declaration,
+    init_assignment_sites,
     init_assignments,
     provided_methods,
 )
@@ -497,6 +498,80 @@ def test_init_without_positional_parameters_has_no_assignments() -> None:
             args[0].member = 1
 
     assert init_assignments(Host) == {}
+
+
+# --------------------------------------------------------------------------- methods __init__ calls
+
+
+class CallsHelpers:
+    """Sets its members through helpers, as the reference stack's _init_staging_decode_ctx."""
+
+    def __init__(self, flag: bool) -> None:
+        self.direct = 1
+        self._init_ctx(flag)
+        if flag:
+            self._second()
+
+    def _init_ctx(self, flag: bool) -> None:
+        self.ctx: int | None = None
+        self._nested()
+
+    def _nested(self) -> None:
+        self.nested = "n"
+        self._init_ctx(True)  # a cycle: read once
+
+    def _second(this) -> None:
+        this.other_self_name = 2.0
+
+    def _never_called(self) -> None:
+        self.later = 0
+
+    @staticmethod
+    def _static(host: Any) -> None:
+        host.static = 1
+
+
+class CallsInheritedHelper(CallsHelpers):
+    """Calls a helper its base defines: not read (only the class's own methods are)."""
+
+    def __init__(self) -> None:
+        super().__init__(True)
+        self._never_called()
+        self._static(self)
+
+
+def test_methods_init_calls_on_self_declare_what_they_assign() -> None:
+    """Assignments in methods of the class that __init__ calls (transitively) declare."""
+    assert init_assignment_sites(CallsHelpers) == {
+        "direct": (None, "__init__"),
+        "ctx": ("int | None", "_init_ctx"),
+        "nested": (None, "_nested"),
+        "other_self_name": (None, "_second"),
+    }
+    assert init_assignments(CallsHelpers) == {
+        "direct": None,
+        "ctx": "int | None",
+        "nested": None,
+        "other_self_name": None,
+    }
+
+
+def test_declaration_in_a_called_method_names_it() -> None:
+    """find_declaration reports the method as ``via``; ``how`` says it for explain."""
+    decl = _found(CallsHelpers, "ctx")
+    assert decl == Declaration(CallsHelpers, DeclarationKind.INIT, int | None, True, "_init_ctx")
+    assert decl.how == "assigned in _init_ctx, which __init__ calls"
+    direct = _found(CallsHelpers, "direct")
+    assert direct.via is None
+    assert direct.how == "assigned in __init__"
+
+
+def test_methods_not_called_by_init_and_inherited_methods_do_not_declare() -> None:
+    """A method __init__ never calls, a base's method and a static method are not read."""
+    assert find_declaration(CallsHelpers, "later", NOTHING) is None
+    assert init_assignments(CallsInheritedHelper) == {}
+    assert find_declaration(CallsInheritedHelper, "static", NOTHING) is None
+    assert _found(CallsInheritedHelper, "ctx").owner is CallsHelpers
 
 
 # --------------------------------------------------------------------------- provided methods

@@ -17,6 +17,7 @@ __all__ = [
     "Declaration",
     "DeclarationKind",
     "find_declaration",
+    "init_assignment_sites",
     "init_assignments",
     "provided_methods",
 ]
@@ -33,6 +34,8 @@ class DeclarationKind(enum.Enum):
     DESCRIPTOR = "descriptor"
     SLOT = "__slots__"
     INIT = "assigned in __init__"
+    """``self.<name> = ...`` in ``__init__``, or in a method of the same class that ``__init__``
+    calls on ``self`` (then :attr:`Declaration.via` names it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,16 @@ class Declaration:
     """The declared type (resolved when ``resolved``), or ``None`` when none is stated."""
     resolved: bool
     """False for a string or forward reference that cannot be evaluated at class creation."""
+    via: str | None = None
+    """For an ``INIT`` declaration made in a method ``__init__`` calls: that method's name."""
+
+    @property
+    def how(self) -> str:
+        """How it is declared, as text: the kind, and for ``INIT`` the method if not ``__init__``
+        (``assigned in _init_ctx, which __init__ calls``)."""
+        if self.kind is DeclarationKind.INIT and self.via is not None:
+            return f"assigned in {self.via}, which __init__ calls"
+        return self.kind.value
 
     @property
     def declared_name(self) -> str:
@@ -61,8 +74,10 @@ def find_declaration(cls: type, name: str, excluded: frozenset[type]) -> Declara
 
     A member counts as declared by a class annotation, a class attribute, a property or other
     descriptor, a ``__slots__`` entry, or an assignment ``self.<name> = ...`` in the class's
-    own ``__init__`` (found by reading its source; ``self.<name>: T = ...`` declares ``T``).
-    Returns ``None`` when no class declares it.
+    own ``__init__`` or in a method of the same class that ``__init__`` calls on ``self``
+    (``self._init_ctx()``), directly or through another such method (found by reading their
+    source; ``self.<name>: T = ...`` declares ``T``). Returns ``None`` when no class declares
+    it.
     """
     for owner in cls.__mro__:
         if owner in excluded:
@@ -76,47 +91,89 @@ def find_declaration(cls: type, name: str, excluded: frozenset[type]) -> Declara
             return _declaration_from_attribute(owner, name, namespace[name])
         if name in _slot_names(owner):
             return Declaration(owner, DeclarationKind.SLOT, None, True)
-        assigned = init_assignments(owner)
-        if name in assigned:
-            raw = assigned[name]
+        sites = init_assignment_sites(owner)
+        if name in sites:
+            raw, method = sites[name]
+            via = None if method == "__init__" else method
             if raw is None:
-                return Declaration(owner, DeclarationKind.INIT, None, True)
+                return Declaration(owner, DeclarationKind.INIT, None, True, via)
             declared, resolved = resolve_annotation(raw, owner)
-            return Declaration(owner, DeclarationKind.INIT, declared, resolved)
+            return Declaration(owner, DeclarationKind.INIT, declared, resolved, via)
     return None
 
 
 def init_assignments(owner: type) -> dict[str, str | None]:
-    """Attributes that ``owner``'s own ``__init__`` assigns on ``self``.
+    """Attributes that ``owner``'s own ``__init__`` assigns on ``self``, itself or through the
+    methods of ``owner`` it calls on ``self`` (see :func:`init_assignment_sites`).
 
     Returns:
         Attribute name -> its annotation's source text (``self.x: int = ...``), or ``None``
         when unannotated. Empty when the class defines no ``__init__`` or its source cannot
         be read (built-in, generated, or defined interactively).
     """
-    init = owner.__dict__.get("__init__")
-    if init is None:
-        return {}
-    func = inspect.unwrap(init)
+    return {name: raw for name, (raw, _) in init_assignment_sites(owner).items()}
+
+
+def init_assignment_sites(owner: type) -> dict[str, tuple[str | None, str]]:
+    """Where ``owner``'s own ``__init__`` assigns attributes on ``self``.
+
+    Reads ``__init__``, then every method defined in ``owner`` itself (a plain function of
+    its ``__dict__``) that ``__init__`` calls as ``self.<method>(...)``, and the methods of
+    ``owner`` those call on ``self`` in turn. Methods of other classes, and methods called
+    any other way, are not read.
+
+    Returns:
+        Attribute name -> (its annotation's source text or ``None``, the name of the method
+        that assigns it: ``"__init__"`` when ``__init__`` does). ``__init__``'s own
+        assignments come first; an annotation found anywhere wins over a plain assignment.
+    """
+    found: dict[str, tuple[str | None, str]] = {}
+    pending = ["__init__"]
+    seen: set[str] = set()
+    while pending:
+        method = pending.pop(0)
+        if method in seen:
+            continue
+        seen.add(method)
+        code = _own_code(owner, method)
+        if code is None:
+            continue
+        assigned, called = _assignments_in(code)
+        for name, raw in assigned:
+            known = found.get(name)
+            if known is None or (known[0] is None and raw is not None):
+                found[name] = (raw, method)
+        pending.extend(called)
+    return found
+
+
+def _own_code(owner: type, method: str) -> types.CodeType | None:
+    """The code of a plain function ``owner`` itself defines as ``method``, else ``None``."""
+    value = owner.__dict__.get(method)
+    if value is None or isinstance(value, staticmethod | classmethod | property | type):
+        return None
+    func = inspect.unwrap(value) if callable(value) else value
     code = getattr(func, "__code__", None)
-    if not isinstance(code, types.CodeType):
-        return {}
-    return dict(_assignments_in(code))
+    return code if isinstance(code, types.CodeType) else None
 
 
 @functools.lru_cache(maxsize=512)
-def _assignments_in(code: types.CodeType) -> tuple[tuple[str, str | None], ...]:
+def _assignments_in(
+    code: types.CodeType,
+) -> tuple[tuple[tuple[str, str | None], ...], tuple[str, ...]]:
+    """The ``self`` attributes a function assigns, and the methods it calls on ``self``."""
     try:
         source = textwrap.dedent(inspect.getsource(code))
         tree = ast.parse(source)
     except (OSError, TypeError, SyntaxError):
-        return ()
+        return (), ()
     function = tree.body[0] if tree.body else None
     if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef) or not function.args.args:
-        return ()
+        return (), ()
     self_name = function.args.args[0].arg
     found: dict[str, str | None] = {}
-    pending: list[ast.AST] = list(function.body)
+    called: dict[str, None] = {}
+    pending: list[ast.AST] = list(reversed(function.body))
     while pending:
         node = pending.pop()
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
@@ -133,8 +190,12 @@ def _assignments_in(code: types.CodeType) -> tuple[tuple[str, str | None], ...]:
                 name = _self_attribute(target, self_name)
                 if name is not None:
                     found.setdefault(name, None)
-        pending.extend(ast.iter_child_nodes(node))
-    return tuple(found.items())
+        elif isinstance(node, ast.Call):
+            method = _self_attribute(node.func, self_name)
+            if method is not None:
+                called.setdefault(method, None)
+        pending.extend(reversed(list(ast.iter_child_nodes(node))))
+    return tuple(found.items()), tuple(called)
 
 
 def _flatten(targets: list[ast.expr]) -> list[ast.expr]:

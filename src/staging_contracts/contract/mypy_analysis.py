@@ -8,9 +8,10 @@ the same members, the same notion of *declared*, the same problems, computed on 
 imports it at runtime.
 
 A member counts as declared by a class-level annotation, a class attribute, a property or other
-descriptor, a ``__slots__`` entry, or an assignment to ``self.<name>`` in ``__init__``, in any
-class of the host's MRO except the enforcing mixin's own MRO (the mixin, ``ContractMixin`` and
-``object``). The most derived declaration wins, as at runtime.
+descriptor, a ``__slots__`` entry, or an assignment to ``self.<name>`` in ``__init__`` or in a
+method of the same class that ``__init__`` calls on ``self`` (directly or through another such
+method), in any class of the host's MRO except the enforcing mixin's own MRO (the mixin,
+``ContractMixin`` and ``object``). The most derived declaration wins, as at runtime.
 """
 
 from __future__ import annotations
@@ -24,12 +25,17 @@ from mypy.expandtype import expand_type_by_instance
 from mypy.maptype import map_instance_to_supertype
 from mypy.nodes import (
     AssignmentStmt,
+    CallExpr,
+    ClassDef,
     Decorator,
     Expression,
     FuncBase,
     FuncDef,
+    LambdaExpr,
     ListExpr,
+    MemberExpr,
     NameExpr,
+    Node,
     OverloadedFuncDef,
     SetExpr,
     StrExpr,
@@ -223,20 +229,114 @@ def _implicit_attributes(info: TypeInfo) -> Iterator[tuple[str, Var]]:
             yield name, sym.node
 
 
+_CHILDREN: Final = (
+    "body",
+    "else_body",
+    "finally_body",
+    "handlers",
+    "expr",
+    "exprs",
+    "callee",
+    "args",
+    "rvalue",
+    "lvalues",
+    "index",
+    "target",
+    "items",
+    "left",
+    "right",
+    "operands",
+    "cond",
+    "if_expr",
+    "else_expr",
+    "value",
+    "base",
+)
+"""Attributes of mypy's statement and expression nodes that hold child nodes."""
+
+
+def _self_calls(func: FuncDef) -> list[str]:
+    """Names of the methods ``func`` calls as ``<self>.<name>(...)`` (nested scopes skipped).
+
+    mypy's visitor classes are compiled and cannot be subclassed here, so the walk follows
+    the child attributes of the nodes it meets (:data:`_CHILDREN`).
+    """
+    if not func.arguments:
+        return []
+    self_name = func.arguments[0].variable.name
+    called: list[str] = []
+    pending: list[object] = [func.body]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, list | tuple):
+            pending.extend(reversed(node))
+            continue
+        if not isinstance(node, Node) or isinstance(
+            node, FuncBase | Decorator | ClassDef | LambdaExpr
+        ):
+            continue  # not a node, or another scope: its ``self`` is not ours
+        if (
+            isinstance(node, CallExpr)
+            and isinstance(node.callee, MemberExpr)
+            and isinstance(node.callee.expr, NameExpr)
+            and node.callee.expr.name == self_name
+        ):
+            called.append(node.callee.name)
+        children = [getattr(node, attribute, None) for attribute in _CHILDREN]
+        pending.extend(reversed([child for child in children if child is not None]))
+    return called
+
+
+def _function(node: SymbolNode | None) -> FuncDef | None:
+    if isinstance(node, OverloadedFuncDef):
+        node = node.impl
+    if isinstance(node, Decorator):
+        if node.func.is_static or node.func.is_class or node.func.is_property:
+            return None
+        node = node.func
+    return node if isinstance(node, FuncDef) and not node.is_static else None
+
+
+def _init_spans(info: TypeInfo) -> list[tuple[int, int]] | None:
+    """Line spans of ``__init__`` and of the methods of ``info`` it calls on ``self``
+    (transitively); ``None`` when a span is unknown (a class from mypy's cache)."""
+    spans: list[tuple[int, int]] = []
+    pending = ["__init__"]
+    seen: set[str] = set()
+    while pending:
+        name = pending.pop(0)
+        if name in seen:
+            continue
+        seen.add(name)
+        sym = info.names.get(name)
+        func = _function(sym.node if sym is not None else None)
+        if func is None:
+            continue
+        span = _line_span(func)
+        if span is None:
+            return None
+        spans.append(span)
+        pending.extend(_self_calls(func))
+    return spans
+
+
 def init_attributes(info: TypeInfo) -> frozenset[str] | None:
-    """Names ``info``'s own ``__init__`` assigns as ``self.<name>``; ``None`` when unknown.
+    """Names ``info``'s own ``__init__`` assigns as ``self.<name>``, itself or in the methods
+    of ``info`` it calls on ``self`` (transitively); ``None`` when unknown.
 
     Computed from source lines when the class was analysed in this run; for a class loaded
     from mypy's cache, read from the facts the plugin stored in its metadata then.
     """
-    init = info.names.get("__init__")
-    if init is None:
+    if info.names.get("__init__") is None:
         return frozenset()
-    span = _line_span(init.node)
+    spans = _init_spans(info)
     implicit = list(_implicit_attributes(info))
-    if span is not None and all(var.line > 0 for _, var in implicit):
-        first, last = span
-        return frozenset(name for name, var in implicit if first <= var.line <= last)
+    if spans is not None and all(var.line > 0 for _, var in implicit):
+        return frozenset(
+            name
+            for name, var in implicit
+            if any(first <= var.line <= last for first, last in spans)
+        )
     stored = stored_names(info, "init_attributes")
     return None if stored is None else frozenset(stored)
 
