@@ -202,7 +202,7 @@ class Contract:
                         spec.name,
                         spec.expected_name,
                         actual=decl.declared_name,
-                        where=class_label(decl.owner),
+                        where=self._label(decl.owner, cls),
                     )
                 )
         problems.extend(self._shadowing_problems(cls))
@@ -212,17 +212,46 @@ class Contract:
         """Raise :class:`ContractError` listing every problem of ``cls``; return if none."""
         report = self.inspect_class(cls)
         if report.problems:
-            raise ContractError(
-                cls, report.problems, contract_name=self.name, mixin_name=self._mixin_name()
-            )
+            raise self.class_error(report)
+
+    def class_error(self, report: ClassReport) -> ContractError:
+        """The :class:`ContractError` that reports ``report``'s problems (not raised).
+
+        Class names are qualified with their module wherever two named in the message share
+        a short name (a base named like the mixin, say).
+        """
+        return ContractError(
+            report.cls,
+            report.problems,
+            contract_name=self.name,
+            mixin_name=self._mixin_name(report.problems),
+        )
 
     def _excluded_classes(self) -> frozenset[type]:
         if self._mixin is None:
             return frozenset({object})
         return frozenset(self._mixin.__mro__)
 
-    def _mixin_name(self) -> str | None:
-        return class_label(self._mixin) if self._mixin is not None else None
+    def _mixin_name(self, problems: Iterable[ContractProblem] = ()) -> str | None:
+        """The mixin's name; with its module when a class a problem names shares its name."""
+        mixin = self._mixin
+        if mixin is None:
+            return None
+        short = class_label(mixin)
+        others = {p.actual for p in problems if p.kind is ProblemKind.SHADOWED}
+        others |= {p.where for p in problems if p.where}
+        if any(name.rpartition(".")[2] == short for name in others):
+            return _qualified(mixin)
+        return short
+
+    def _label(self, owner: type, cls: type) -> str:
+        """``owner``'s name in a message about ``cls``: with its module when it shares its
+        short name with ``cls`` or the mixin without being that class."""
+        short = class_label(owner)
+        namesakes = [k for k in (cls, self._mixin) if k is not None and k is not owner]
+        if any(class_label(k) == short for k in namesakes):
+            return _qualified(owner)
+        return short
 
     def _shadowing_problems(self, cls: type) -> Iterator[ContractProblem]:
         mixin = self._mixin
@@ -231,7 +260,9 @@ class Contract:
         for method in provided_methods(mixin):
             owner = next(k for k in cls.__mro__ if method in k.__dict__)
             if owner not in mixin.__mro__ and not issubclass(owner, mixin):
-                yield ContractProblem(ProblemKind.SHADOWED, method, "", actual=class_label(owner))
+                yield ContractProblem(
+                    ProblemKind.SHADOWED, method, "", actual=self._label(owner, cls)
+                )
 
     # ----------------------------------------------------------------- per instance
 
@@ -243,8 +274,12 @@ class Contract:
                 value = getattr(obj, spec.name)
             except AttributeError:
                 if not spec.optional:
+                    decl = find_declaration(type(obj), spec.name, self._excluded_classes())
+                    where = "" if decl is None else self._label(decl.owner, type(obj))
                     problems.append(
-                        ContractProblem(ProblemKind.MISSING, spec.name, spec.expected_name)
+                        ContractProblem(
+                            ProblemKind.MISSING, spec.name, spec.expected_name, where=where
+                        )
                     )
                 continue
             try:
@@ -273,7 +308,7 @@ class Contract:
                 type(obj),
                 problems,
                 contract_name=self.name,
-                mixin_name=self._mixin_name(),
+                mixin_name=self._mixin_name(problems),
                 instance=True,
             )
 
@@ -324,15 +359,15 @@ class Contract:
                 (
                     row.spec.name + (" (optional)" if row.spec.optional else ""),
                     row.spec.expected_name,
-                    f"{class_label(decl.owner)} ({decl.kind.value})" if decl else "-",
+                    f"{self._label(decl.owner, cls)} ({decl.how})" if decl else "-",
                     decl.declared_name if decl else "-",
-                    row.status.value,
+                    self._status_text(row.status, cls, abstract=report.abstract),
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = [
             f"{cls.__module__}.{class_label(cls)} against the {self.name} contract"
-            + (f" of {self._mixin_name()}" if self._mixin else "")
+            + (f" of {self._mixin_name(report.problems)}" if self._mixin else "")
         ]
         for index, row_text in enumerate(rows):
             lines.append(
@@ -351,6 +386,28 @@ class Contract:
             verdict = "conforms"
         lines.append(f"verdict: {verdict}")
         return "\n".join(lines)
+
+    def _status_text(self, status: MemberStatus, cls: type, *, abstract: bool) -> str:
+        """The status as the table shows it; for a member left to the per-instance check,
+        when that check runs on ``cls``, if ever."""
+        text = str(status.value)
+        if status not in (MemberStatus.UNRESOLVED, MemberStatus.UNTYPED):
+            return text
+        reason = text.removesuffix(", checked per instance")
+        mixin = self._mixin
+        if mixin is None:
+            return text  # a standalone contract: checked when its user calls check_instance
+        if mixin not in cls.__mro__:
+            return (
+                f"{reason}, never checked: {class_label(cls)} does not mix in {_qualified(mixin)}"
+            )
+        if abstract:
+            return f"{reason}, checked per instance of its subclasses (abstract=True)"
+        return text
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{class_label(cls)}"
 
 
 def _typeguard_detail(exc: TypeCheckError) -> str:

@@ -35,7 +35,8 @@ class ContractProblem:
     actual: str = ""
     """The declared type, the value's type, or the shadowing base's name."""
     where: str = ""
-    """The class that declares the member, when known."""
+    """The class that declares the member, when known (for an unset member of an instance:
+    the class whose declaration, e.g. an ``__init__`` assignment, should have set it)."""
     detail: str = ""
     """Extra detail from typeguard about where inside the value the mismatch is."""
 
@@ -110,6 +111,22 @@ class ContractError(TypeError):
         hints: list[str] = []
         if self.instance:
             hints.append("Assign each member a value of its expected type before __init__ returns.")
+            label = class_label(self.cls)
+            declaring = dict.fromkeys(
+                p.where
+                for p in self.problems
+                if p.kind is ProblemKind.MISSING and p.where and p.where != label
+            )
+            if declaring:
+                unset = [
+                    repr(p.member)
+                    for p in self.problems
+                    if p.kind is ProblemKind.MISSING and p.where in declaring
+                ]
+                hints.append(
+                    f"{', '.join(unset)} {'is' if len(unset) == 1 else 'are'} declared by "
+                    f"{', '.join(declaring)}: did {label}.__init__ call super().__init__()?"
+                )
         else:
             if self.missing:
                 first = next(p for p in self.problems if p.kind is ProblemKind.MISSING)

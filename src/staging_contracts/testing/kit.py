@@ -204,14 +204,7 @@ class StagingBackendContract:
             )
         report = contract.inspect_class(cls)
         if report.problems:
-            mixin = contract.mixin
-            error = ContractError(
-                cls,
-                report.problems,
-                contract_name=contract.name,
-                mixin_name=class_label(mixin) if mixin is not None else None,
-            )
-            kit_fail(f"{error}\n\n{explanation}")
+            kit_fail(f"{contract.class_error(report)}\n\n{explanation}")
 
     def test_explanation_covers_every_member(self, request: pytest.FixtureRequest) -> None:
         """The contract's explanation lists every member and its verdict is 'conforms'."""
