@@ -13,6 +13,7 @@ import threading
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ from staging_contracts.decode.handler import (
 from staging_contracts.decode.rooms import ChunkRegion
 from staging_contracts.protocols import Allocation
 from staging_contracts.staging.allocator import StagingAllocator
+from staging_contracts.staging.ordering import HostOrdering
 from tests.local_cluster import Geometry
 
 _INHERITED_CONTEXTS: list[object] = []
@@ -344,6 +346,17 @@ def test_registering_twice_keeps_the_first_registration() -> None:
             "no endpoint registered for prefill writer ranks [0, 2, 3]",
         ),
     ],
+    ids=[
+        "prefix-3",
+        "prefix-2",
+        "chunk-pages-0",
+        "no-pages",
+        "page-past-pool",
+        "negative-page",
+        "pipeline",
+        "missing-writer",
+        "missing-writers",
+    ],
 )
 def test_a_bad_plan_fails_its_room_with_the_reason(room_plan: RoomPlan, reason: str) -> None:
     """Every kind of bad plan fails the room at registration and says why."""
@@ -625,6 +638,7 @@ def test_arrival_for_another_session_fails_the_room() -> None:
         (0, 2, "arrival covers pages [0, 2), the region holds [2, 4)"),
         (2, 1, "arrival covers pages [2, 3), the region holds [2, 4)"),
     ],
+    ids=["other-start", "fewer-pages"],
 )
 def test_arrival_with_other_pages_fails_the_room(page_start: int, pages: int, reason: str) -> None:
     """An arrival's page range must be the region's."""
@@ -1557,3 +1571,173 @@ def test_wait_room_with_no_time_left_does_not_wait(monkeypatch: pytest.MonkeyPat
     clock = fake_waits(r, monkeypatch)
     assert r.handler.wait_room(1, 0.0) is RoomStatus.REGISTERED
     assert clock.waits == []
+
+
+# --------------------------------------------------------------------------- defaults and seams
+
+
+def bare_handler(clock: Clock, sender: RecordingSockets) -> DecodeStagingHandler:
+    """A handler built with every optional argument left at its default (but the clock)."""
+    geometry = Geometry(1, 1, 2)
+    return DecodeStagingHandler(
+        allocator=StagingAllocator(1 << 16),
+        kv_buffers=geometry.empty_pool(1, 0),
+        decode_tp=1,
+        decode_rank=0,
+        total_kv_heads=2,
+        session_id=SID,
+        sender=sender,
+        clock=clock,
+    )
+
+
+def test_the_default_stall_timeout_is_a_minute() -> None:
+    """Without stall_timeout_s, a writable region stalls after 60 s, not before."""
+    clock, sender = Clock(), RecordingSockets()
+    handler = bare_handler(clock, sender)
+    handler.register_room(plan(1))
+    handler.handle_staging_req(1, 0, num_pages=2, session_id=SID, pp_rank=None)
+    clock.now += 60.0
+    assert handler.poll_room(1) is RoomStatus.TRANSFERRING
+    clock.now += 0.001
+    assert handler.poll_room(1) is RoomStatus.FAILED
+    assert handler.room_failure(1) == "no progress for 60.0s while holding a writable region"
+
+
+def test_by_default_fences_carry_no_reply_address_and_the_ring_has_no_quota() -> None:
+    """Without endpoint, ROOM_FENCE names an empty reply address; without ring_share every
+    request is answered."""
+    clock, sender = Clock(), RecordingSockets()
+    handler = bare_handler(clock, sender)
+    handler.register_room(plan(1, pages=8))
+    outcomes = [
+        handler.handle_staging_req(1, c, num_pages=2, session_id=SID, pp_rank=None)
+        for c in range(4)
+    ]
+    assert outcomes == [StagingReqOutcome.ALLOCATED] * 4
+    sender.take()
+    handler.fail_room(1, "x")
+    assert sender.take()[0] == (P0, RoomFence(1, SID, "", "x").to_frames())
+
+
+def test_the_first_progress_pass_runs_even_at_time_zero() -> None:
+    """A clock that starts at 0 does not make the first pass look too recent."""
+    r = rig(stall_timeout_s=0.25)
+    r.clock.now = 0.0
+    r.handler.register_room(plan(1))
+    r.req(1, 0)
+    r.clock.now = 0.5
+    assert r.handler.poll_room(1) is RoomStatus.FAILED
+
+
+class EventOrdering(HostOrdering):
+    """An ordering whose scatters complete only when their event says so."""
+
+    def __init__(self) -> None:
+        self.events: list[FakeEvent] = []
+
+    def scattered(self) -> object | None:
+        event = FakeEvent()
+        self.events.append(event)
+        return event
+
+
+class FakeStream:
+    """Stands in for a CUDA stream (never used on CPU: the scatter is redirected)."""
+
+
+def test_scatters_run_on_the_given_stream_and_complete_by_the_given_ordering(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """scatter_stream reaches the kernel; the ordering's token holds the region until done."""
+    geometry = Geometry(1, 1, 2)
+    sender, ordering, stream = RecordingSockets(), EventOrdering(), FakeStream()
+    handler = DecodeStagingHandler(
+        allocator=StagingAllocator(1 << 16),
+        kv_buffers=geometry.empty_pool(1, 0),
+        decode_tp=1,
+        decode_rank=0,
+        total_kv_heads=2,
+        session_id=SID,
+        sender=sender,
+        scatter_stream=cast(torch.cuda.Stream, stream),
+        ordering=ordering,
+        clock=Clock(),
+    )
+    pools = handler._scatterer._pools
+    scatter = pools.scatter
+    streams: list[object] = []
+
+    def on_cpu(*args: object, stream: object = None, **kwargs: object) -> None:
+        streams.append(stream)
+        scatter(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pools, "scatter", on_cpu)
+    handler.register_room(plan(1, pages=2))
+    handler.handle_staging_req(1, 0, num_pages=2, session_id=SID, pp_rank=None)
+    arrival = handler.handle_chunk_arrival(
+        1, 0, page_start=0, num_pages=2, session_id=SID, writer_rank=0
+    )
+    assert arrival is ArrivalOutcome.COMPLETE
+    assert streams == [stream]
+    assert handler.poll_room(1) is RoomStatus.TRANSFERRING
+    assert handler.allocator.live_count == 1
+    ordering.events[0].done = True
+    assert handler.poll_room(1) is RoomStatus.SUCCESS
+    assert handler.allocator.live_count == 0
+
+
+def test_a_pass_that_frees_one_room_broadcasts_even_if_a_later_room_frees_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """progress broadcasts the watermark when any room's scatter completed."""
+    r = rig()
+    r.handler.register_room(plan(1, pages=2))
+    r.handler.register_room(plan(2, pages=2))
+    events = [FakeEvent(), FakeEvent()]
+    pending = iter(events)
+    monkeypatch.setattr(r.handler._scatterer, "scatter", lambda *args: next(pending))
+    for room in (1, 2):
+        r.req(room, 0)
+        r.arrive(room, 0, 0)
+    r.sender.take()
+    events[0].done = True
+    r.handler.progress()
+    assert r.sender.take() == [(P0, r.watermark())]
+    assert r.allocator.live_count == 1
+
+
+def test_a_room_does_not_succeed_while_another_of_its_scatters_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two scatters of one room at once: the room succeeds only when both have ended."""
+    r = rig()
+    r.handler.register_room(plan(1, pages=4))
+    r.req(1, 0)
+    r.req(1, 1)
+    scatter = r.handler._scatterer.scatter
+    seen: list[RoomStatus] = []
+
+    def first_scatter_lets_the_second_run(*args: object) -> object | None:
+        if not seen:
+            seen.append(raw_status(r, 1))
+            assert r.arrive(1, 1, 0) is ArrivalOutcome.COMPLETE
+            seen.append(raw_status(r, 1))
+        return scatter(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(r.handler._scatterer, "scatter", first_scatter_lets_the_second_run)
+    assert r.arrive(1, 0, 0) is ArrivalOutcome.COMPLETE
+    assert seen == [RoomStatus.TRANSFERRING, RoomStatus.TRANSFERRING]
+    assert raw_status(r, 1) is RoomStatus.SUCCESS
+    assert r.handler._rooms[1].scattering == 0
+
+
+def test_after_an_anonymous_arrival_every_writer_is_fenced_even_those_that_landed() -> None:
+    """With an anonymous arrival in a region, writers that arrived by rank are fenced too."""
+    r = rig(4, 1, 4, accept_anonymous=True)
+    r.handler.register_room(plan(1, prefill_tp=4, endpoints=(P0, P1, P2, P3)))
+    r.req(1, 0)
+    assert r.arrive(1, 0, 0) is ArrivalOutcome.WAITING
+    assert r.arrive(1, 0, None) is ArrivalOutcome.WAITING
+    r.handler.fail_room(1, "x")
+    assert r.handler.fenced_rooms == {1: frozenset({0, 1, 2, 3})}
