@@ -24,6 +24,14 @@ worded like :class:`~staging_contracts.contract.problems.ContractError`, one err
 members and their types come from the Protocols as mypy sees them; ``kv_buffer_tensors``
 (in ``StagingHost`` but not in ``StagingHostCore``) is checked only when declared.
 
+An intermediate base created with ``abstract=True`` declares only some of the members; the
+plugin declares the others on it, with the Protocol's types, for type checking only, so that
+the mixin's methods (whose ``self`` is the Protocol) can be called on it: ``class
+AcmeBase(StagingManagerMixin, CommonKVManager, abstract=True)`` may call
+``self._dispatch_staging(frames)`` and ``staging_idle(self)``. Those declarations do not count
+for its subclasses: a concrete subclass must still declare each member itself (or assign it
+in ``__init__``), or mypy reports it as missing, as at runtime.
+
 How: mypy type-checks the implicit ``__init_subclass__`` call of every class statement, after
 the class body (so attributes assigned in ``__init__`` are known). The plugin's method hook
 sees that call, finds the class being defined, and judges it. Classes whose metaclass is not
@@ -42,13 +50,24 @@ from typing import Any, Final
 from mypy.checker import TypeChecker
 from mypy.errorcodes import ErrorCode
 from mypy.messages import format_type
-from mypy.nodes import CallExpr, ClassDef, MemberExpr, NameExpr, SymbolTable, TypeInfo
+from mypy.nodes import (
+    MDEF,
+    CallExpr,
+    ClassDef,
+    MemberExpr,
+    NameExpr,
+    SymbolTable,
+    SymbolTableNode,
+    TypeInfo,
+    Var,
+)
 from mypy.options import Options
 from mypy.plugin import ClassDefContext, MethodContext, Plugin, ReportConfigContext
 from mypy.types import Type
 
 from .contract import mypy_analysis
 from .contract.mypy_analysis import (
+    ABSTRACT_MEMBERS,
     METADATA_KEY,
     ContractInfos,
     HostReport,
@@ -56,8 +75,11 @@ from .contract.mypy_analysis import (
     check_host,
     has_implicit_attributes,
     init_attributes,
+    init_self_assignments,
     protocol_attributes,
+    self_assigned_in_methods,
     slot_names,
+    stored_names,
 )
 from .contract.problems import ProblemKind
 
@@ -69,7 +91,7 @@ __all__ = [
     "plugin",
 ]
 
-PLUGIN_VERSION: Final = "1"
+PLUGIN_VERSION: Final = "2"
 """Bumped whenever what the plugin reports or stores changes (invalidates mypy's cache)."""
 
 _CATEGORY: Final = "staging-contracts"
@@ -151,12 +173,25 @@ class StagingContractsPlugin(Plugin):
         return self._config
 
     def get_base_class_hook(self, fullname: str) -> Callable[[ClassDefContext], None] | None:
-        """Keep the member order of the Protocols in every class's MRO (any base will do).
+        """Keep the member order of the Protocols in every class's MRO (any base will do), and
+        declare the missing members of an ``abstract=True`` base for type checking.
 
         Semantic-analysis hooks also run for modules whose errors mypy silences (installed
         packages), where the type-checking hook below does not.
         """
-        return _remember_protocol_order
+        return self._on_class_def
+
+    def _on_class_def(self, ctx: ClassDefContext) -> None:
+        _remember_protocol_order(ctx)
+        info = ctx.cls.info
+        if not _is_abstract(ctx.cls) or info.is_protocol:
+            return
+        for names in _CONTRACTS:
+            if not info.has_base(names.mixin) or info.fullname == names.mixin:
+                continue
+            mixin, required = self._typeinfo(names.mixin), self._typeinfo(names.required)
+            if mixin is not None and required is not None:
+                _declare_for_type_checking(ctx, info, mixin, required)
 
     def get_method_hook(self, fullname: str) -> Callable[[MethodContext], Type] | None:
         """Hook the implicit ``Base.__init_subclass__(**keywords)`` call of class statements."""
@@ -170,6 +205,9 @@ class StagingContractsPlugin(Plugin):
             # Facts mypy's cache would lose, kept for when this class comes from the cache.
             if has_implicit_attributes(info):
                 _store(info, "init_attributes", sorted(init_attributes(info) or ()))
+            assigned = init_self_assignments(info)
+            if assigned:
+                _store(info, "init_assigned", sorted(assigned))
             slots = slot_names(info)
             if slots:
                 _store(info, "slots", sorted(slots))
@@ -193,6 +231,38 @@ class StagingContractsPlugin(Plugin):
     def _typeinfo(self, fullname: str) -> TypeInfo | None:
         sym = self.lookup_fully_qualified(fullname)
         return sym.node if sym is not None and isinstance(sym.node, TypeInfo) else None
+
+
+def _declare_for_type_checking(
+    ctx: ClassDefContext, info: TypeInfo, mixin: TypeInfo, required: TypeInfo
+) -> None:
+    """Declare on an ``abstract=True`` base each required member no class of its MRO declares,
+    with the Protocol's type, and note them (:data:`ABSTRACT_MEMBERS`) so that the contract
+    check of its subclasses passes over them. Runs again, harmlessly, when mypy defers."""
+    excluded = frozenset(k.fullname for k in mixin.mro)
+    added = stored_names(info, ABSTRACT_MEMBERS) or []
+    assigned = self_assigned_in_methods(info)  # mypy declares those once it reads the methods
+    for klass in required.mro:
+        if not klass.is_protocol:
+            continue
+        for name, sym in klass.names.items():
+            node = sym.node
+            if not isinstance(node, Var) or node.is_classvar or name in added or name in assigned:
+                continue
+            owner = next((k for k in info.mro if name in k.names), None)
+            if owner is not None and owner.fullname not in excluded:
+                continue  # declared (or assigned somewhere) by a class of the host
+            if node.type is None:
+                if not ctx.api.final_iteration:
+                    ctx.api.defer()
+                return
+            var = Var(name, node.type)
+            var.info = info
+            var._fullname = f"{info.fullname}.{name}"
+            info.names[name] = SymbolTableNode(MDEF, var, plugin_generated=True)
+            added.append(name)
+    if added:
+        _store(info, ABSTRACT_MEMBERS, added)
 
 
 def _remember_protocol_order(ctx: ClassDefContext) -> None:
@@ -289,9 +359,11 @@ def _check(info: TypeInfo, contract: ContractInfos, ctx: MethodContext) -> None:
     _store(info, "contract", _facts(report, contract, abstract=abstract))
     if abstract:
         return
+    mixin = contract.mixin
+    namesake = any(p.where.rpartition(".")[2] == mixin.name for p in report.problems)
     header = (
         f"{info.name} does not satisfy the {contract.protocol.name} contract "
-        f"of {contract.mixin.name}: "
+        f"of {mixin.fullname if namesake else mixin.name}: "
     )
     for problem in report.problems:
         text = header + _describe(problem, ctx.api.options)

@@ -52,6 +52,7 @@ from mypy.typevars import fill_typevars
 from .problems import ProblemKind
 
 __all__ = [
+    "ABSTRACT_MEMBERS",
     "METADATA_KEY",
     "ContractInfos",
     "HostReport",
@@ -60,13 +61,21 @@ __all__ = [
     "StaticProblem",
     "check_host",
     "init_attributes",
+    "init_self_assignments",
+    "label",
     "protocol_attributes",
+    "self_assigned_in_methods",
     "slot_names",
     "stored_names",
 ]
 
 METADATA_KEY: Final = "staging_contracts"
 """Key of this plugin's per-class facts in ``TypeInfo.metadata`` (kept in mypy's cache)."""
+
+ABSTRACT_MEMBERS: Final = "abstract_members"
+"""Facts key: the members the plugin declared on an ``abstract=True`` base for type checking
+(so that the mixin's methods accept it as ``self``). They are not declarations of the host:
+the search for a member's declaration passes over them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,36 +264,41 @@ _CHILDREN: Final = (
 """Attributes of mypy's statement and expression nodes that hold child nodes."""
 
 
-def _self_calls(func: FuncDef) -> list[str]:
-    """Names of the methods ``func`` calls as ``<self>.<name>(...)`` (nested scopes skipped).
+def _walk(root: Node) -> Iterator[Node]:
+    """Every node under ``root`` in source order, nested scopes (functions, classes, lambdas)
+    not entered.
 
     mypy's visitor classes are compiled and cannot be subclassed here, so the walk follows
     the child attributes of the nodes it meets (:data:`_CHILDREN`).
     """
-    if not func.arguments:
-        return []
-    self_name = func.arguments[0].variable.name
-    called: list[str] = []
-    pending: list[object] = [func.body]
+    pending: list[object] = [root]
     while pending:
         node = pending.pop()
         if isinstance(node, list | tuple):
             pending.extend(reversed(node))
             continue
-        if not isinstance(node, Node) or isinstance(
-            node, FuncBase | Decorator | ClassDef | LambdaExpr
-        ):
-            continue  # not a node, or another scope: its ``self`` is not ours
-        if (
-            isinstance(node, CallExpr)
-            and isinstance(node.callee, MemberExpr)
-            and isinstance(node.callee.expr, NameExpr)
-            and node.callee.expr.name == self_name
-        ):
-            called.append(node.callee.name)
+        if not isinstance(node, Node):
+            continue
+        if node is not root and isinstance(node, FuncBase | Decorator | ClassDef | LambdaExpr):
+            continue  # another scope: its ``self`` is not ours
+        yield node
         children = [getattr(node, attribute, None) for attribute in _CHILDREN]
         pending.extend(reversed([child for child in children if child is not None]))
-    return called
+
+
+def _self_calls(func: FuncDef) -> list[str]:
+    """Names of the methods ``func`` calls as ``<self>.<name>(...)`` (nested scopes skipped)."""
+    if not func.arguments:
+        return []
+    self_name = func.arguments[0].variable.name
+    return [
+        node.callee.name
+        for node in _walk(func.body)
+        if isinstance(node, CallExpr)
+        and isinstance(node.callee, MemberExpr)
+        and isinstance(node.callee.expr, NameExpr)
+        and node.callee.expr.name == self_name
+    ]
 
 
 def _function(node: SymbolNode | None) -> FuncDef | None:
@@ -297,10 +311,11 @@ def _function(node: SymbolNode | None) -> FuncDef | None:
     return node if isinstance(node, FuncDef) and not node.is_static else None
 
 
-def _init_spans(info: TypeInfo) -> list[tuple[int, int]] | None:
-    """Line spans of ``__init__`` and of the methods of ``info`` it calls on ``self``
-    (transitively); ``None`` when a span is unknown (a class from mypy's cache)."""
-    spans: list[tuple[int, int]] = []
+def _init_functions(info: TypeInfo) -> list[FuncDef] | None:
+    """``__init__`` and the methods of ``info`` it calls on ``self`` (transitively); ``None``
+    when one has no source here: a class from mypy's cache, or of a module mypy has finished
+    checking (it frees function bodies then; a function always has a statement)."""
+    functions: list[FuncDef] = []
     pending = ["__init__"]
     seen: set[str] = set()
     while pending:
@@ -312,12 +327,19 @@ def _init_spans(info: TypeInfo) -> list[tuple[int, int]] | None:
         func = _function(sym.node if sym is not None else None)
         if func is None:
             continue
-        span = _line_span(func)
-        if span is None:
-            return None
-        spans.append(span)
+        if _line_span(func) is None or not func.body.body:
+            return None  # from the cache, or its body freed once its module was checked
+        functions.append(func)
         pending.extend(_self_calls(func))
-    return spans
+    return functions
+
+
+def _init_spans(info: TypeInfo) -> list[tuple[int, int]] | None:
+    """Line spans of ``__init__`` and of the methods of ``info`` it calls on ``self``."""
+    functions = _init_functions(info)
+    if functions is None:
+        return None
+    return [span for span in map(_line_span, functions) if span is not None]
 
 
 def init_attributes(info: TypeInfo) -> frozenset[str] | None:
@@ -435,6 +457,11 @@ def find_declaration(
 ) -> StaticDeclaration | None:
     """The most derived declaration of ``name`` in ``host``'s MRO, skipping ``excluded``.
 
+    A member the plugin declared on an ``abstract=True`` base (:data:`ABSTRACT_MEMBERS`) is no
+    declaration; an assignment to it in the ``__init__`` of that base or of a more derived
+    class is (mypy binds such an assignment to the plugin's member, so it leaves no symbol of
+    its own).
+
     Args:
         host: the class being checked.
         name: the member.
@@ -445,6 +472,11 @@ def find_declaration(
             continue
         sym = owner.names.get(name)
         if sym is not None and sym.node is not None:
+            if name in (stored_names(owner, ABSTRACT_MEMBERS) or ()):
+                assigner = _init_assigner(host, owner, name, excluded)
+                if assigner is not None:
+                    return StaticDeclaration(assigner, "assigned in __init__", None)
+                continue
             if _is_self_assigned(sym):
                 assigned = init_attributes(owner)
                 if assigned is not None and name not in assigned:
@@ -457,6 +489,77 @@ def find_declaration(
     return None
 
 
+def _init_assigner(
+    host: TypeInfo, base: TypeInfo, name: str, excluded: frozenset[str]
+) -> TypeInfo | None:
+    """The most derived class from ``host`` down to ``base`` (included) whose ``__init__``
+    assigns ``self.<name>``, or ``None``."""
+    for owner in host.mro:
+        if owner.fullname not in excluded and name in (init_self_assignments(owner) or ()):
+            return owner
+        if owner is base:
+            return None
+    return None
+
+
+def init_self_assignments(info: TypeInfo) -> frozenset[str] | None:
+    """Every ``self.<name>`` that ``info``'s ``__init__`` (or a method of ``info`` it calls
+    on ``self``) assigns, whether or not mypy made it a symbol of ``info``; ``None`` when
+    unknown (a class from mypy's cache without the plugin's facts)."""
+    if info.names.get("__init__") is None:
+        return frozenset()
+    functions = _init_functions(info)
+    if functions is None:
+        stored = stored_names(info, "init_assigned")
+        return None if stored is None else frozenset(stored)
+    found: set[str] = set()
+    for func in functions:
+        if not func.arguments:
+            continue
+        self_name = func.arguments[0].variable.name
+        for node in _walk(func.body):
+            if isinstance(node, AssignmentStmt):
+                for target in _flat_targets(node.lvalues):
+                    if (
+                        isinstance(target, MemberExpr)
+                        and isinstance(target.expr, NameExpr)
+                        and target.expr.name == self_name
+                    ):
+                        found.add(target.name)
+    return frozenset(found)
+
+
+def self_assigned_in_methods(info: TypeInfo) -> frozenset[str]:
+    """Every ``self.<name>`` some method in ``info``'s class body assigns, read from the syntax
+    tree (so also during semantic analysis, before mypy analysed the methods' bodies)."""
+    found: set[str] = set()
+    for stmt in info.defn.defs.body:
+        func = _function(stmt) if isinstance(stmt, SymbolNode) else None
+        if func is None or not func.arguments:
+            continue
+        self_name = func.arguments[0].variable.name
+        for node in _walk(func.body):
+            if isinstance(node, AssignmentStmt):
+                for target in _flat_targets(node.lvalues):
+                    if (
+                        isinstance(target, MemberExpr)
+                        and isinstance(target.expr, NameExpr)
+                        and target.expr.name == self_name
+                    ):
+                        found.add(target.name)
+    return frozenset(found)
+
+
+def _flat_targets(targets: list[Expression]) -> list[Expression]:
+    flat: list[Expression] = []
+    for target in targets:
+        if isinstance(target, TupleExpr | ListExpr):
+            flat.extend(_flat_targets(list(target.items)))
+        else:
+            flat.append(target)
+    return flat
+
+
 # --------------------------------------------------------------------------- the check
 
 
@@ -466,13 +569,20 @@ def _compatible(declared: Type, expected: Type) -> bool:
     return is_subtype(declared, expected)
 
 
+def label(owner: TypeInfo, host: TypeInfo, mixin: TypeInfo) -> str:
+    """``owner``'s name in a message about ``host``: its full name when it shares its short
+    name with ``host`` or the mixin without being that class (as at runtime)."""
+    namesakes = [k for k in (host, mixin) if k.fullname != owner.fullname]
+    return owner.fullname if any(k.name == owner.name for k in namesakes) else owner.name
+
+
 def _shadowing(host: TypeInfo, mixin: TypeInfo) -> Iterator[StaticProblem]:
     mixin_mro = frozenset(k.fullname for k in mixin.mro)
     for method in provided_methods(mixin):
         owner = next((k for k in host.mro if method in k.names), None)
         if owner is None or owner.fullname in mixin_mro or owner.has_base(mixin.fullname):
             continue
-        yield StaticProblem(ProblemKind.SHADOWED, method, where=owner.name)
+        yield StaticProblem(ProblemKind.SHADOWED, method, where=label(owner, host, mixin))
 
 
 def check_host(host: TypeInfo, contract: ContractInfos) -> HostReport:
@@ -500,7 +610,7 @@ def check_host(host: TypeInfo, contract: ContractInfos) -> HostReport:
                     member.name,
                     member.expected,
                     actual=decl.declared,
-                    where=decl.owner.name,
+                    where=label(decl.owner, host, contract.mixin),
                 )
             )
     problems.extend(_shadowing(host, contract.mixin))
