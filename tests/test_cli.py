@@ -58,6 +58,94 @@ def test_check_unimportable_name_exits_two(
     assert message in capsys.readouterr().err
 
 
+def test_check_exception_while_importing_exits_two(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A module whose import raises (not ImportError): exit 2, with the error and its trace."""
+    (tmp_path / "exploding_backend.py").write_text(
+        "def boom():\n    raise RuntimeError('no accelerator here')\n\n\nboom()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["check", "exploding_backend:Backend"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "\n"
+    err = captured.err.splitlines()
+    assert err[0] == (
+        "exploding_backend:Backend: importing 'exploding_backend' raised RuntimeError: "
+        "no accelerator here"
+    )
+    assert err[1] == "Traceback (most recent call last):"
+    assert 'exploding_backend.py", line 5, in <module>' in captured.err
+    assert err[-1] == "RuntimeError: no accelerator here"
+
+
+CACHE_MODULE = """
+from typing import Protocol
+
+from staging_contracts import Contract, ContractMixin
+
+
+class CacheHost(Protocol):
+    cache_dir: str
+
+
+class CacheMixin(ContractMixin, contract=Contract(CacheHost)):
+    def cache_path(self: CacheHost, key: str) -> str:
+        return f"{self.cache_dir}/{key}"
+
+
+class Good:
+    cache_dir: str = "/tmp"
+
+
+class Bad:
+    cache_dir: int = 3
+
+
+class NotAMixin:
+    pass
+"""
+
+
+@pytest.fixture
+def cache_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A module with a second ContractMixin and classes to check against it."""
+    (tmp_path / "cache_contract.py").write_text(CACHE_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "cache_contract"
+
+
+def test_check_against_another_mixin(cache_module: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--mixin checks classes against that mixin's contract, not StagingHost."""
+    assert main(["check", "--mixin", f"{cache_module}:CacheMixin", f"{cache_module}:Good"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == (
+        "cache_contract.Good against the CacheHost contract of CacheMixin"
+    )
+    assert "verdict: conforms" in out
+    assert "_staging_ctx" not in out
+    assert main(["check", "--mixin", f"{cache_module}:CacheMixin", f"{cache_module}:Bad"]) == 1
+    out = capsys.readouterr().out
+    assert "Bad does not satisfy the CacheHost contract of CacheMixin:" in out
+    assert "  - declares 'cache_dir' as int in Bad (expected str)" in out
+
+
+@pytest.mark.parametrize(
+    ("mixin", "message"),
+    [
+        ("cache_contract:NotAMixin", "NotAMixin is not an enforcing mixin (a ContractMixin"),
+        ("cache_contract:Missing", "'cache_contract' has no attribute 'Missing'"),
+        ("nowhere_mod:Mixin", "cannot import 'nowhere_mod'"),
+    ],
+)
+def test_check_with_a_mixin_that_is_none_exits_two(
+    cache_module: str, mixin: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--mixin must name an enforcing mixin; otherwise exit 2, saying why."""
+    assert main(["check", "--mixin", mixin, f"{cache_module}:Good"]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_check_worst_status_wins(capsys: pytest.CaptureFixture[str]) -> None:
     """With several targets the exit status is the worst of them."""
     targets = ["examples.hosts:ExampleKVManager", "examples.hosts:MoriStyleKVManager"]

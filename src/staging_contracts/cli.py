@@ -9,6 +9,7 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 from .contract.contract import Contract, is_abstract
@@ -44,11 +45,17 @@ def _parser() -> argparse.ArgumentParser:
         help="explain how classes satisfy the staging host contract",
         description=(
             "Import each MODULE:CLASS and print how it satisfies the contract of every "
-            "enforcing mixin it uses (the StagingHost contract when it uses none). "
-            "Exit 0 if all conform, 1 if any does not, 2 if a name cannot be imported."
+            "enforcing mixin it uses (the StagingHost contract when it uses none), or of the "
+            "mixin named by --mixin. Exit 0 if all conform, 1 if any does not, 2 if a name "
+            "cannot be imported (importing it raised, or it is not a class)."
         ),
     )
     check.add_argument("targets", nargs="+", metavar="MODULE:CLASS")
+    check.add_argument(
+        "--mixin",
+        metavar="MODULE:MIXIN",
+        help="check against the contract of this ContractMixin instead (any enforcing mixin)",
+    )
     check.set_defaults(run=_run_check)
 
     demo = commands.add_parser(
@@ -101,14 +108,28 @@ def _parser() -> argparse.ArgumentParser:
 def _run_check(args: argparse.Namespace) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` does: local modules are importable
+    forced: Contract | None = None
+    if args.mixin is not None:
+        mixin = _load_class(args.mixin)
+        if isinstance(mixin, int):
+            return mixin
+        if mixin not in contract_roots(mixin):
+            print(
+                f"{args.mixin}: {class_label(mixin)} is not an enforcing mixin (a ContractMixin "
+                "subclass defined with contract=...)",
+                file=sys.stderr,
+            )
+            return EXIT_UNIMPORTABLE
+        forced = mixin.__dict__["contract"]
     status = EXIT_OK
     for target in args.targets:
-        status = max(status, _check_one(target))
+        status = max(status, _check_one(target, forced))
         print()
     return status
 
 
-def _check_one(target: str) -> int:
+def _load_class(target: str) -> type | int:
+    """Import ``MODULE:CLASS``; the class, or the exit status after saying why not."""
     module_name, sep, qualname = target.partition(":")
     if not sep or not module_name or not qualname:
         print(f"{target}: expected MODULE:CLASS", file=sys.stderr)
@@ -122,6 +143,13 @@ def _check_one(target: str) -> int:
     except ImportError as exc:
         print(f"{target}: cannot import {module_name!r}: {exc}", file=sys.stderr)
         return EXIT_UNIMPORTABLE
+    except Exception as exc:  # noqa: BLE001 - any error of the imported module: exit 2, say it
+        trace = "".join(traceback.format_exception(exc)).rstrip()
+        print(
+            f"{target}: importing {module_name!r} raised {type(exc).__name__}: {exc}\n{trace}",
+            file=sys.stderr,
+        )
+        return EXIT_UNIMPORTABLE
     obj: object = module
     for part in qualname.split("."):
         try:
@@ -132,7 +160,17 @@ def _check_one(target: str) -> int:
     if not isinstance(obj, type):
         print(f"{target}: {qualname!r} is not a class", file=sys.stderr)
         return EXIT_UNIMPORTABLE
-    contracts: list[Contract] = [root.__dict__["contract"] for root in contract_roots(obj)]
+    return obj
+
+
+def _check_one(target: str, forced: Contract | None = None) -> int:
+    obj = _load_class(target)
+    if isinstance(obj, int):
+        return obj
+    if forced is not None:
+        contracts = [forced]
+    else:
+        contracts = [root.__dict__["contract"] for root in contract_roots(obj)]
     if not contracts:
         print(f"{target} does not use an enforcing mixin; against the StagingHost contract:")
         contracts = [STAGING_CONTRACT]
@@ -141,14 +179,7 @@ def _check_one(target: str) -> int:
         print(contract.explain(obj))
         report = contract.inspect_class(obj, abstract=is_abstract(obj))
         if not report.conforms:
-            print(
-                ContractError(
-                    obj,
-                    report.problems,
-                    contract_name=contract.name,
-                    mixin_name=class_label(contract.mixin) if contract.mixin else None,
-                )
-            )
+            print(contract.class_error(report))
             status = EXIT_NONCONFORMING
     return status
 
