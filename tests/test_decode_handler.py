@@ -35,7 +35,7 @@ from staging_contracts.decode.handler import (
     peers_for,
 )
 from staging_contracts.decode.rooms import ChunkRegion
-from staging_contracts.protocols import Allocation
+from staging_contracts.protocols import Allocation, KVBufferTensors
 from staging_contracts.staging.allocator import StagingAllocator
 from staging_contracts.staging.ordering import HostOrdering
 from tests.local_cluster import Geometry
@@ -1741,3 +1741,25 @@ def test_after_an_anonymous_arrival_every_writer_is_fenced_even_those_that_lande
     assert r.arrive(1, 0, None) is ArrivalOutcome.WAITING
     r.handler.fail_room(1, "x")
     assert r.handler.fenced_rooms == {1: frozenset({0, 1, 2, 3})}
+
+
+def test_a_room_s_pages_live_on_the_pool_s_device() -> None:
+    """register_room puts the plan's page indices, as int64, on the pool's device (here the
+    meta device, which tells it from the CPU default)."""
+    shape = (64 * 4, 2, 8)
+
+    def pool() -> tuple[torch.Tensor, ...]:
+        return tuple(torch.zeros(shape, dtype=torch.bfloat16, device="meta") for _ in range(2))
+
+    handler = DecodeStagingHandler(
+        allocator=StagingAllocator(1 << 16),
+        kv_buffers=KVBufferTensors(pool(), pool(), 4),
+        decode_tp=1,
+        decode_rank=0,
+        total_kv_heads=2,
+        session_id=SID,
+        sender=RecordingSockets(),
+    )
+    handler.register_room(plan(1))
+    pages = handler._rooms[1].pages
+    assert (pages.device.type, pages.dtype, tuple(pages.shape)) == ("meta", torch.int64, (4,))
