@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 
@@ -549,3 +553,84 @@ def test_factory_of_another_class_fails(kit_dir: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(
         ["*make_decode_manager returned a LocalKVManager, not an instance of Deaf"]
     )
+
+
+# --------------------------------------------------------------------------- a test module's import
+
+
+def test_test_module_rejected_by_the_contract_is_one_short_collection_error(
+    kit_dir: pytest.Pytester,
+) -> None:
+    """A test module importing a backend the contract rejects: the message and explanation,
+    without the library's frames."""
+    kit_dir.makepyfile(
+        test_mine="""
+        from broken_backend import BrokenKVManager
+        from staging_contracts.testing import StagingBackendContract
+
+
+        class TestMine(StagingBackendContract):
+            backend_class = BrokenKVManager
+        """
+    )
+    result = kit_dir.runpytest()
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "importing test_mine.py failed: the contract rejected a class statement:",
+            "BrokenKVManager does not satisfy the StagingHost contract of StagingManagerMixin:",
+            "  - has no declaration of '_staging_ctx' *",
+            "Fix: *",
+            "",
+            "broken_backend.BrokenKVManager against the StagingHost contract *",
+        ]
+    )
+    output = result.stdout.str()
+    assert "enforcement.py" not in output
+    assert "Traceback" not in output
+
+
+@pytest.mark.parametrize(
+    ("folder", "entry", "cwd_hint"),
+    [("src", "src", ""), (".", ".", " run 'python -m pytest' (it adds the current directory), or")],
+)
+def test_project_module_not_found_gets_a_sys_path_hint(
+    pytester: pytest.Pytester, folder: str, entry: str, cwd_hint: str
+) -> None:
+    """A test module importing a package of the project that pytest cannot find (run as
+    ``pytest``): the hint says where it is and how to make it importable."""
+    package = pytester.path / folder / "acme_backend"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    tests = pytester.path / "tests"
+    tests.mkdir()
+    (tests / "test_acme.py").write_text("import acme_backend\n")
+    script = Path(sys.executable).with_name("pytest")  # not `python -m pytest`: no cwd on path
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+    done = subprocess.run(
+        [str(script), "-p", "no:cacheprovider"],
+        cwd=pytester.path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == pytest.ExitCode.INTERRUPTED, done.stdout + done.stderr
+    where = package.parent
+    pytest.LineMatcher(done.stdout.splitlines()).fnmatch_lines(
+        [
+            "E   ModuleNotFoundError: No module named 'acme_backend'",
+            f"Hint: 'acme_backend' is in {where}, which is not on sys.path:{cwd_hint} set "
+            f'pythonpath = [[]"{entry}"[]] under [[]tool.pytest.ini_options[]], or install '
+            "the package (pip install -e .)",
+        ]
+    )
+
+
+def test_missing_dependency_gets_no_sys_path_hint(pytester: pytest.Pytester) -> None:
+    """A module that is not in the project (a missing dependency) gets no hint."""
+    pytester.makepyfile(test_dep="import no_such_dependency_xyz\n")
+    result = pytester.runpytest()
+    result.assert_outcomes(errors=1)
+    assert "is not on sys.path" not in result.stdout.str()

@@ -105,6 +105,25 @@ def standard_factory(cls: type) -> ManagerFactory:
     except TypeError as exc:
         raise FactoryUnavailable(
             f"its standard constructor {factory.describe()} does not fit "
-            f"{class_label(cls)}{signature}: {exc}"
+            f"{class_label(cls)}({_parameters(signature)}): {exc}"
         ) from None
     return factory
+
+
+def _parameters(signature: inspect.Signature) -> str:
+    """The parameters as a reader writes them: names, ``*``, ``=...`` for defaults."""
+    out: list[str] = []
+    star = False
+    for param in signature.parameters.values():
+        if param.kind is param.KEYWORD_ONLY and not star:
+            out.append("*")
+            star = True
+        prefix = ""
+        if param.kind is param.VAR_POSITIONAL:
+            prefix = "*"
+        elif param.kind is param.VAR_KEYWORD:
+            prefix = "**"
+        star = star or param.kind is param.VAR_POSITIONAL
+        default = "=..." if param.default is not param.empty else ""
+        out.append(f"{prefix}{param.name}{default}")
+    return ", ".join(out)

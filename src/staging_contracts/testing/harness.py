@@ -252,7 +252,8 @@ class TransferReport:
     decode_tp: int
     """Decode ranks."""
     notifications: bool
-    """The prefill engines signal arrival by notification (else by ``CHUNK_READY``)."""
+    """The prefill writers signal arrival by the engine's notification (else by a
+    ``CHUNK_READY`` message)."""
     rooms: tuple[RoomReport, ...]
     """One report per room, in room order."""
     decode_stats: tuple[StagingStats, ...]
@@ -502,7 +503,7 @@ class _Run:
             self.tally.tap(handler)
             self.handlers.append(handler)
         timeouts = PrefillTimeouts(deadline_s=timeout_s)
-        writers = [
+        self.writers = writers = [
             enable_prefill_staging(
                 manager, kv_buffers=pool, max_chunk_pages=g.chunk_pages, timeouts=timeouts
             )
@@ -616,7 +617,7 @@ class _Run:
             room.decode_states = tuple(r.poll() for r in room.receivers)
             room.prefill_states = tuple(s.poll() for s in room.senders)
             room.reason = self._reason(room)
-        self.notifications = all(m.engine.supports_notifications for m in self.prefill)
+        self.notifications = all(w.arrival == "notification" for w in self.writers)
         self._fail_unfinished()
 
     def report(self, name: str) -> TransferReport:

@@ -20,6 +20,12 @@ each backend the plugin adds a test class generated from
 collected: if that fails (the module does not import, or the contract rejects a ``class``
 statement), the class is one collection error that says why, and none of its tests run.
 
+It also shortens two collection errors a backend author meets in a test module of their own:
+a ``class`` statement the contract rejects while the module is imported is reported with the
+contract's message and the class's explanation (no frames of the library), and a module that
+is not found although it lies in the project (next to the tests or under ``src/``) gets a hint
+on ``sys.path``.
+
 Loaded through the ``pytest11`` entry point of the installed package, or with
 ``-p staging_contracts.testing.plugin`` from a source tree.
 """
@@ -28,12 +34,14 @@ from __future__ import annotations
 
 import types
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any, Final
 
 import pytest
 
+from ..contract.problems import ContractError
 from .kit import StagingBackendContract
-from .targets import BackendLoadError, BackendTarget
+from .targets import BackendLoadError, BackendTarget, contract_of
 
 __all__ = [
     "INI_KEY",
@@ -42,6 +50,7 @@ __all__ = [
     "pytest_addoption",
     "pytest_collection_modifyitems",
     "pytest_configure",
+    "pytest_exception_interact",
 ]
 
 INI_KEY: Final = "staging_backend"
@@ -104,6 +113,49 @@ def pytest_collection_modifyitems(
         return
     module = _KitModule.from_parent(session, path=config.rootpath / NODE_NAME, targets=targets)
     items.extend(session.genitems(module))
+
+
+def pytest_exception_interact(
+    node: pytest.Item | pytest.Collector,
+    call: pytest.CallInfo[Any],
+    report: pytest.CollectReport | pytest.TestReport,
+) -> None:
+    """Reword the collection error of a test module whose import the contract rejected, or
+    that imports a project module pytest cannot find (see the module's docstring)."""
+    if not isinstance(node, pytest.Collector) or not isinstance(report, pytest.CollectReport):
+        return
+    if call.excinfo is None:
+        return
+    error = call.excinfo.value
+    cause = error.__cause__ if isinstance(error, node.CollectError) else error
+    if isinstance(cause, ContractError) and not cause.instance:
+        explanation = contract_of(cause.cls).explain(cause.cls)
+        report.longrepr = (
+            f"importing {report.nodeid} failed: the contract rejected a class statement:\n"
+            f"{cause}\n\n{explanation}"
+        )
+    elif isinstance(cause, ModuleNotFoundError) and report.longrepr is not None:
+        hint = _path_hint(cause, node.config.rootpath)
+        if hint is not None:
+            report.longrepr = f"{report.longrepr}\n{hint}"
+
+
+def _path_hint(error: ModuleNotFoundError, root: Path) -> str | None:
+    """Why a module of the project is not found, when it lies at ``root`` or in ``root/src``."""
+    missing = (error.name or "").split(".")[0]
+    for folder, entry in ((root, "."), (root / "src", "src")):
+        if missing and ((folder / missing).is_dir() or (folder / f"{missing}.py").is_file()):
+            cwd = (
+                " run 'python -m pytest' (it adds the current directory), or"
+                if entry == "."
+                else ""
+            )
+            return (
+                f"Hint: {missing!r} is in {folder}, which is not on sys.path:{cwd} set "
+                f'pythonpath = ["{entry}"] under [tool.pytest.ini_options], or install the '
+                "package (pip install -e .)"
+            )
+    return None
 
 
 def kit_class(target: BackendTarget, name: str | None = None) -> type[StagingBackendContract]:
