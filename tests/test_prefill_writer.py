@@ -27,6 +27,7 @@ from staging_contracts.prefill import writer as writer_module
 from staging_contracts.prefill.books import RegionAnswerTable, WatermarkTracker
 from staging_contracts.prefill.writer import (
     WAIT_SLICE_S,
+    ArrivalMode,
     ChunkSpec,
     DecodeTarget,
     PrefillTimeouts,
@@ -34,6 +35,7 @@ from staging_contracts.prefill.writer import (
     StagingWriter,
 )
 from staging_contracts.protocols import (
+    KVBufferTensors,
     Notification,
     RegionAnswer,
     Transfer,
@@ -121,6 +123,9 @@ class FakeEngine:
         self.payloads: list[bytes] = []
         self.error: TransferError | None = None
         self.during: Callable[[], None] | None = None
+
+    def __repr__(self) -> str:
+        return "FakeEngine()"
 
     def metadata(self) -> bytes:
         return b""
@@ -259,6 +264,7 @@ def make_rig(
     pp_rank: int | None = None,
     ring_size: int = 1 << 16,
     stream: torch.cuda.Stream | None = None,
+    arrival: ArrivalMode | None = None,
 ) -> Rig:
     """A writer of the geometry with a random KV pool and its fakes."""
     geometry = Geometry(prefill_tp, decode_tp, heads)
@@ -289,6 +295,7 @@ def make_rig(
         timeouts=timeouts,
         stream=stream,
         liveness=liveness,
+        arrival=arrival,
     )
     rig = Rig(
         writer,
@@ -1092,3 +1099,149 @@ def test_authorisation_follows_a_session_s_latest_endpoint(r: Rig) -> None:
     r.writer.prefetch(2, [(0, 2)], [moved])
     assert r.writer.authorize(rsp, "tcp://moved:0")
     assert not r.writer.authorize(rsp, "tcp://decode:0")
+
+
+# --------------------------------------------------------------------------- arrival modes
+
+
+def test_the_arrival_mode_follows_the_engine_by_default(clock: Clock) -> None:
+    """No arrival given: notifications where the engine has them, ZMQ otherwise."""
+    assert make_rig(clock).writer.arrival == "zmq"
+    assert make_rig(clock, notifications=True).writer.arrival == "notification"
+    assert make_rig(clock, notifications=True, arrival="notification").writer.arrival == (
+        "notification"
+    )
+
+
+def test_zmq_arrivals_can_be_chosen_with_a_notifying_engine(clock: Clock) -> None:
+    """arrival='zmq': CHUNK_READY goes over ZMQ and the write carries no notification."""
+    rig = make_rig(clock, notifications=True, arrival="zmq")
+    assert rig.writer.arrival == "zmq"
+    rig.answer(1, 0, 0, 1024)
+    rig.writer.send_chunk(1, ChunkSpec(0, 0, (1, 2)), rig.targets)
+    assert rig.engine.writes[0][2] is None
+    assert rig.sender.sent[-1] == (
+        "tcp://decode:0",
+        ChunkReady(1, 0, 0, 2, "decode-0", 0).to_frames(),
+    )
+
+
+def test_notification_arrivals_need_an_engine_that_has_them(clock: Clock) -> None:
+    """arrival='notification' with an engine without notifications is refused."""
+    with pytest.raises(
+        ValueError,
+        match=r"^arrival='notification' needs an engine with notifications; FakeEngine\(\) "
+        r"has none$",
+    ):
+        make_rig(clock, arrival="notification")
+
+
+@pytest.mark.parametrize("mode", ["bogus", "ZMQ", "Notification", ""])
+def test_an_unknown_arrival_mode_is_refused(clock: Clock, mode: str) -> None:
+    """Only 'notification', 'zmq' or None are arrival modes."""
+    with pytest.raises(
+        ValueError, match=rf"^arrival={mode!r} must be 'notification', 'zmq' or None$"
+    ):
+        make_rig(clock, notifications=True, arrival=cast(ArrivalMode, mode))
+
+
+# --------------------------------------------------------------------------- more edges
+
+
+def meta_pool() -> KVBufferTensors:
+    """A pool of Geometry(1, 1, 2) on the meta device (tells a device from the CPU default)."""
+    shape = (64 * 4, 2, 8)
+
+    def layers() -> tuple[torch.Tensor, ...]:
+        return tuple(torch.zeros(shape, dtype=torch.bfloat16, device="meta") for _ in range(2))
+
+    return KVBufferTensors(layers(), layers(), 4)
+
+
+def test_buffer_and_pages_live_on_the_pool_s_device(
+    clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staging buffer and each chunk's page indices (int64) are on the pool's device."""
+    engine, regions = FakeEngine(), FakeRegions(clock)
+    writer = StagingWriter(
+        kv_buffers=meta_pool(),
+        engine=engine,
+        sender=RecordingSockets(),
+        watermarks=FakeWatermarks(clock),
+        regions=regions,
+        prefill_tp=1,
+        prefill_rank=0,
+        total_kv_heads=2,
+        max_chunk_pages=2,
+    )
+    assert writer._buffer.device.type == "meta"
+    pages: list[torch.Tensor] = []
+
+    def record(page_indices: torch.Tensor, *args: object, **kwargs: object) -> int:
+        pages.append(page_indices)
+        raise TransferError("stop here")
+
+    monkeypatch.setattr(writer._pools, "gather", record)
+    regions.record(1, 0, "decode-0", RegionAnswer(0, 0, 1024))
+    with pytest.raises(TransferError, match=r"^stop here$"):
+        writer.send_chunk(1, ChunkSpec(0, 0, (3, 5)), [target(0)])
+    (sent,) = pages
+    assert (sent.device.type, sent.dtype, tuple(sent.shape)) == ("meta", torch.int64, (2,))
+
+
+def test_a_head_count_that_prefill_cannot_split_fails_before_asking(clock: Clock) -> None:
+    """send_chunk checks the prefill/decode pair against the model's head count."""
+    g = Geometry(2, 1, 3)
+    writer = StagingWriter(
+        kv_buffers=g.empty_pool(2, 0),
+        engine=FakeEngine(),
+        sender=RecordingSockets(),
+        watermarks=FakeWatermarks(clock),
+        regions=FakeRegions(clock),
+        prefill_tp=2,
+        prefill_rank=0,
+        total_kv_heads=3,
+        max_chunk_pages=2,
+    )
+    with pytest.raises(ValueError, match=r"^total_kv_heads=3 and prefill_tp=2 must divide one"):
+        writer.send_chunk(1, ChunkSpec(0, 0, (1,)), [target(0)])
+    assert writer.requests_sent == 0
+
+
+def test_prefetch_asks_the_ranks_not_yet_asked_after_one_that_was(clock: Clock) -> None:
+    """A chunk already requested from one rank is still requested from the next."""
+    rig = make_rig(clock, 1, 2, 4)
+    assert rig.writer.prefetch(1, [(0, 2)], rig.targets[:1]) == 1
+    assert rig.writer.prefetch(1, [(0, 2)], rig.targets) == 1
+    assert rig.sender.take() == [
+        ("tcp://decode:0", req(1, 0, 2)),
+        ("tcp://decode:1", req(1, 0, 2, 1)),
+    ]
+
+
+def test_rerequest_goes_on_past_a_fenced_rank(clock: Clock) -> None:
+    """A fenced first rank does not stop the re-request to the next one."""
+    rig = make_rig(clock, 1, 2, 4)
+    rig.fence(1, "x", d=0)
+    rig.sender.take()
+    rig.writer.rerequest(1, 0, 2, rig.targets)
+    assert rig.sender.take() == [("tcp://decode:1", req(1, 0, 2, 1))]
+
+
+def test_rerequest_reads_each_rank_s_own_watermark(clock: Clock) -> None:
+    """A region made writable by its own rank's watermark is not asked again."""
+    rig = make_rig(clock, 1, 2, 4)
+    rig.answer(1, 0, 0, 1024, rnd=1, d=0)
+    rig.answer(1, 0, 0, 1024, rnd=1, d=1)
+    rig.watermarks.observe("decode-1", Watermark(1, 0))
+    rig.writer.rerequest(1, 0, 2, rig.targets)
+    assert rig.sender.take() == [("tcp://decode:0", req(1, 0, 2))]
+
+
+def test_a_watermark_seen_before_the_wait_is_not_a_move(r: Rig) -> None:
+    """The watermark at the start of the wait is the reference: no move, no extension."""
+    r.watermarks.observe("decode-0", Watermark(0, 5))
+    r.answer(1, 0, 0, 1024, rnd=2)
+    with pytest.raises(StagingFailed, match=r"\(watermark \(0, 5\)\)$"):
+        r.writer.send_chunk(1, ChunkSpec(0, 0, (1, 2)), r.targets)
+    assert r.clock.now == 4 * TICK
