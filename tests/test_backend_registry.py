@@ -65,7 +65,7 @@ def test_entry_point_that_is_not_a_class_is_refused(registered: Path) -> None:
 
 def test_unknown_name_lists_the_known_ones() -> None:
     """An unknown name raises ValueError naming every known backend."""
-    with pytest.raises(ValueError, match=r"unknown backend 'nope'; known: local, mooncake"):
+    with pytest.raises(ValueError, match=r"unknown backend 'nope'; known: ascend, local, mooncake"):
         backend_ref("nope")
-    with pytest.raises(ValueError, match=r"unknown backend 'nope'; known: local, mooncake"):
+    with pytest.raises(ValueError, match=r"unknown backend 'nope'; known: ascend, local, mooncake"):
         load_backend("nope")

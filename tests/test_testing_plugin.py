@@ -220,7 +220,7 @@ def test_unknown_backend_name_is_a_usage_error_listing_the_known_ones(
         [
             "*--staging-backend expects NAME, MODULE:CLASS or MODULE:CLASS=MODULE:FACTORY "
             "(e.g. nixl or mypkg.backend:MyKVManager): unknown backend 'acme_nowhere'; "
-            "known: local, mooncake, nixl, ascend, mori*"
+            "known: ascend, local, mooncake, mori, nixl*"
         ]
     )
 

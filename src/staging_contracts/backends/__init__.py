@@ -90,6 +90,10 @@ def _entry_points() -> dict[str, EntryPoint]:
     return {entry.name: entry for entry in entry_points(group=ENTRY_POINT_GROUP)}
 
 
+def _unknown(name: str) -> ValueError:
+    return ValueError(f"unknown backend {name!r}; known: {', '.join(sorted(backend_names()))}")
+
+
 def backend_names() -> tuple[str, ...]:
     """Every backend name: the in-tree ones, then the registered entry points (sorted).
 
@@ -112,7 +116,7 @@ def backend_ref(name: str) -> str:
         return f"{spec.module}:{spec.class_name}"
     entry = _entry_points().get(name)
     if entry is None:
-        raise ValueError(f"unknown backend {name!r}; known: {', '.join(backend_names())}")
+        raise _unknown(name)
     return entry.value
 
 
@@ -129,7 +133,7 @@ def load_backend(name: str) -> type:
     if spec is None:
         entry = _entry_points().get(name)
         if entry is None:
-            raise ValueError(f"unknown backend {name!r}; known: {', '.join(backend_names())}")
+            raise _unknown(name)
         logger.debug("loading backend %r from entry point %s", name, entry.value)
         loaded: object = entry.load()
         if not isinstance(loaded, type):
