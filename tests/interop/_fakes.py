@@ -98,6 +98,7 @@ class TransferInfo:
     staging: Any = None
     agent_name: str = ""
     mooncake_session_id: str = ""
+    room: int = 0
 
 
 class ChunkReadySender:

@@ -39,7 +39,7 @@ import sys
 import threading
 import types
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -60,7 +60,6 @@ __all__ = [
     "install_dir",
     "is_installed",
     "load_reference",
-    "silenced",
 ]
 
 logger = logging.getLogger(__name__)
@@ -463,8 +462,9 @@ class CpuStream:
 
 
 class CpuStagingBuffer:
-    """What the reference's torch gather asks of its staging buffer, on the CPU: the bytes,
-    a device module and streams (trivial, as CPU work is synchronous).
+    """What the reference's prefill asks of its staging buffer (``StagingBuffer``, which
+    refuses the CPU), on the CPU: the bytes, their address and size, a device module and
+    streams (trivial, as CPU work is synchronous).
 
     Args:
         size: bytes of the buffer.
@@ -475,6 +475,18 @@ class CpuStagingBuffer:
         self.device = torch.device("cpu")
         self.device_module = types.SimpleNamespace(set_device=_ignore)
         self._stream = CpuStream()
+
+    def get_ptr(self) -> int:
+        """Address of the buffer."""
+        return int(self.buffer.data_ptr())
+
+    def get_size(self) -> int:
+        """Bytes of the buffer."""
+        return int(self.buffer.numel())
+
+    def fits(self, required_bytes: int) -> bool:
+        """Whether ``required_bytes`` fit."""
+        return required_bytes <= self.get_size()
 
     def get_gather_stream(self) -> CpuStream:
         """The stream the gather runs on."""
@@ -487,15 +499,3 @@ class CpuStagingBuffer:
 
 def _ignore(*args: object) -> None:
     del args
-
-
-def silenced(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function`` with warnings ignored while it runs (the reference's kernels warn about
-    read-only NumPy arrays turned into tensors, which this suite's settings make errors)."""
-
-    def call(*args: object, **kwargs: object) -> Any:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return function(*args, **kwargs)
-
-    return call
