@@ -158,6 +158,14 @@ def test_every_message_type_has_its_frame_layout() -> None:
             f"{name} frame {len(frames)}: unexpected extra frame ({counts}, got {len(frames) + 1})"
         )
         assert (info.value.frame_index, info.value.field) == (len(frames), None)
+        at = fields.index("session_id") + 1
+        empty_session = [*frames[:at], b"", *frames[at + 1 :]]
+        if name == "WATERMARK":  # its session is optional: an empty frame is "no session"
+            assert decode_message(empty_session) == WatermarkUpdate(3, 64)
+        else:
+            with pytest.raises(MalformedMessage) as info:
+                decode_message(empty_session)
+            assert (info.value.frame_index, info.value.field) == (at, "session_id")
         for index, field in enumerate(fields, start=1):
             bad = b"\x7f" if field == "session_id" else b"-5"
             with pytest.raises(MalformedMessage) as info:
@@ -1325,6 +1333,7 @@ def test_an_empty_session_is_still_refused_in_a_notification() -> None:
         (b"s" * 257, r"must be 1-256 characters of printable ASCII, got 'sss.*\(257 long\)$"),
         ("café".encode(), r"not ASCII: b'caf\\xc3\\xa9'$"),
     ],
+    ids=["space", "nul", "del", "tab", "too-long", "not-ascii"],
 )
 def test_every_other_malformed_watermark_session_is_still_refused(
     session: bytes, match: str | None
