@@ -272,3 +272,49 @@ def test_mooncake_warns_about_every_listener_beyond_its_host() -> None:
     assert "read and write the registered memory" in seen.warnings[0]
     for item in beyond:
         assert str(item) in seen.warnings[0]
+
+
+def manager_child(env: dict[str, str], report: Connection) -> None:
+    """Start a NIXL decode manager on loopback, report once it listens, wait, close it."""
+    os.environ.update(env)
+    from staging_contracts.backends.common import Role
+    from staging_contracts.backends.nixl import NixlKVManager
+    from tests.local_cluster import Geometry
+
+    try:
+        manager = NixlKVManager(
+            Geometry(1, 1, 2).kv_args(1, 0), role=Role.DECODE, attn_tp_size=1, host="127.0.0.1"
+        )
+        manager.start()
+        report.send(("ok", ()))
+        report.poll(CHILD_TIMEOUT_S)
+        manager.close()
+    except Exception as exc:  # reported to the test, which fails with it
+        report.send(("error", repr(exc)))
+        raise
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)
+def test_a_nixl_manager_listens_only_on_its_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NixlKVManager(host=...) passes host to its engine: the control listener and every UCX
+    listener of the process are on 127.0.0.1."""
+    _without_net_devices(monkeypatch)
+    context = multiprocessing.get_context("spawn")
+    here, there = context.Pipe()
+    child = context.Process(target=manager_child, args=(dict(NIXL_ENV), there))
+    child.start()
+    try:
+        assert here.poll(CHILD_TIMEOUT_S), "the NIXL manager did not start"
+        status, value = here.recv()
+        assert status == "ok", value
+        assert child.pid is not None
+        process = listening_sockets(child.pid)
+        here.send("close")
+        child.join(CHILD_TIMEOUT_S)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+    assert len(process) >= 2, process  # the ZMQ listener and at least one UCX listener
+    assert {item.address for item in process} == {"127.0.0.1"}

@@ -52,7 +52,7 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         role: prefill or decode.
         attn_tp_size: attention TP size of this side.
         pp_size: pipeline-parallel size of this side.
-        host: address the control listener binds (loopback by default).
+        host: address the control listener binds and UCX listens on (loopback by default).
         agent_name: the NIXL agent's name (its session id); unique by default.
         load_ib_modules: let UCX load its InfiniBand modules (only where there is an RDMA
             NIC; on hosts without one they can crash the process at exit).
@@ -93,6 +93,7 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             mem_type="VRAM" if on_gpu else "DRAM",
             device_id=device_id,
             load_ib_modules=load_ib_modules,
+            host=host,  # UCX listens on the interface holding host only
             # decode keeps notifications on: it accepts both arrivals and polls the agent
             notifications=role is Role.DECODE or arrival == "notification",
         )

@@ -7,9 +7,8 @@ API, verifies (decode) and reports to the driver as JSON over ZMQ: ``ready``, on
 event per finished request, and a final ``report``; every event carries the rank's ``pid``.
 
 The rank binds and advertises ``config.host``: its control listener and its transfer
-engine. NIXL's agent is built by the backend, so the rank confines UCX through its own
-environment (``UCX_NET_DEVICES`` and ``UCX_TCP_AF_PRIO``, unless already set); Mooncake
-listens on every interface whatever it is told, and says so at start-up (see
+engine (the NIXL backend confines UCX to the interface holding it); Mooncake listens on
+every interface whatever it is told, and says so at start-up (see
 :mod:`staging_contracts.engines.mooncake`).
 
 ``SIGTERM`` (the driver's "stop": another rank died, or the run timed out) raises
@@ -118,22 +117,11 @@ def rank_main(role: str, rank: int, config: TransferConfig, bootstrap: str, repo
 def _make_manager(config: TransferConfig, role: Role, rank: int) -> StagingBackend:
     backend = load_backend(config.backend)
     logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL installs an INFO handler
-    if config.backend == "nixl":
-        _confine_ucx(config.host)
     tp = config.prefill_tp if role is Role.PREFILL else config.decode_tp
     manager: StagingBackend = backend(
         config.kv_args(tp, rank), role=role, attn_tp_size=tp, host=config.host
     )
     return manager
-
-
-def _confine_ucx(host: str) -> None:
-    """Let UCX listen only on the interface holding ``host``, through this process's
-    environment (read when the agent starts); variables already set are kept."""
-    from ..engines.nixl import ucx_confinement  # noqa: PLC0415 - the NIXL backend loaded it
-
-    for name, value in ucx_confinement(host).items():
-        os.environ.setdefault(f"UCX_{name}", value)
 
 
 def _ring_bytes(config: TransferConfig) -> int:
