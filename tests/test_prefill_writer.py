@@ -1245,3 +1245,21 @@ def test_a_watermark_seen_before_the_wait_is_not_a_move(r: Rig) -> None:
     with pytest.raises(StagingFailed, match=r"\(watermark \(0, 5\)\)$"):
         r.writer.send_chunk(1, ChunkSpec(0, 0, (1, 2)), r.targets)
     assert r.clock.now == 4 * TICK
+
+
+def test_the_default_ordering_is_the_device_s_for_the_writer_s_stream(
+    clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without an ordering, the writer asks ordering_for(pool device, its stream)."""
+    asked: list[tuple[torch.device, object]] = []
+    ordering = HostOrdering()
+
+    def ordering_for(device: torch.device, stream: object) -> HostOrdering:
+        asked.append((device, stream))
+        return ordering
+
+    monkeypatch.setattr(writer_module, "ordering_for", ordering_for)
+    stream = FakeStream()
+    rig = make_rig(clock, stream=cast(torch.cuda.Stream, stream))
+    assert asked == [(torch.device("cpu"), stream)]
+    assert rig.writer._ordering is ordering
