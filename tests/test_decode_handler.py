@@ -148,14 +148,15 @@ class Rig:
         assert self.liveness is not None
         return dict(self.liveness._watchers)
 
-    def kill(self, endpoint: str) -> None:
-        """Declare ``endpoint`` dead in the liveness (it must be watched)."""
+    def kill(self, *endpoints: str) -> None:
+        """Declare ``endpoints`` dead in the liveness (they must be watched); the other
+        watched peers are heard from."""
         assert self.liveness is not None
         self.live_clock.now += self.liveness.timeout_s + 1
-        for other in self.liveness.watched - {endpoint}:
+        for other in self.liveness.watched - set(endpoints):
             self.liveness.heard(other)
         self.liveness.tick()
-        assert self.liveness.is_dead(endpoint)
+        assert all(self.liveness.is_dead(endpoint) for endpoint in endpoints)
 
 
 def rig(
@@ -1763,3 +1764,20 @@ def test_a_room_s_pages_live_on_the_pool_s_device() -> None:
     handler.register_room(plan(1))
     pages = handler._rooms[1].pages
     assert (pages.device.type, pages.dtype, tuple(pages.shape)) == ("meta", torch.int64, (4,))
+
+
+def test_a_room_of_a_writer_already_dead_fails_at_registration() -> None:
+    """A writer declared dead before the room is registered fails it at once (liveness will
+    not declare it again); a missing writer is reported first."""
+    r = rig(4, 1, 4)
+    assert r.liveness is not None
+    for endpoint in (P2, P3):
+        r.liveness.watch(endpoint)
+    r.kill(P2, P3)
+    status = r.handler.register_room(plan(1, prefill_tp=4, endpoints=(P0, P1, P2, P3)))
+    assert status is RoomStatus.FAILED
+    assert r.handler.room_failure(1) == f"prefill writer rank 2 ({P2}) is dead"
+    r.handler.register_room(RoomPlan(2, (10, 11), 2, 4, (PrefillPeer(0, P0), PrefillPeer(2, P2))))
+    assert r.handler.room_failure(2) == "no endpoint registered for prefill writer ranks [1, 3]"
+    r.handler.register_room(plan(3, prefill_tp=4, endpoints=(P0, P1, P0, P1)))
+    assert r.handler.poll_room(3) is RoomStatus.REGISTERED
