@@ -1,6 +1,9 @@
 """Command line: ``staging-contracts check | demo | soak | bench``.
 
-The CLI is the only place in the package that prints.
+The CLI is the only place in the package that prints. Bad input is answered at once, in one
+line that names the option and the rule, with exit status 2; an error inside a command is one
+line too (exit 1), and its traceback is shown only with ``--debug`` (or
+``STAGING_CONTRACTS_DEBUG=1``), for bug reports.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from .contract.contract import Contract, is_abstract
 from .contract.enforcement import contract_roots
@@ -23,22 +27,68 @@ __all__ = ["main"]
 EXIT_OK = 0
 EXIT_NONCONFORMING = 1
 EXIT_UNIMPORTABLE = 2
+EXIT_USAGE = 2
+DEBUG_ENV = "STAGING_CONTRACTS_DEBUG"
+"""Set to 1 to show tracebacks, as ``--debug`` does."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line: ``PROG: MESSAGE (see PROG --help)``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    status: int = args.run(args)
+    words = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser(next((w for w in words if w in _COMMANDS), None))
+    args = parser.parse_args(words)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"  # seen by _debug() and by rank processes
+    debug = _debug()
+    try:
+        status: int = args.run(args)
+    except KeyboardInterrupt:
+        print(f"staging-contracts {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line for the user; --debug shows the rest
+        if debug:
+            traceback.print_exc()
+        print(
+            f"staging-contracts {args.command}: {type(exc).__name__}: {exc}"
+            + ("" if debug else " (run with --debug for the traceback)"),
+            file=sys.stderr,
+        )
+        return EXIT_NONCONFORMING
     return status
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def _debug() -> bool:
+    """Whether tracebacks are shown (``--debug`` or ``STAGING_CONTRACTS_DEBUG``)."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def _examples(*lines: str) -> str:
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+_COMMANDS = ("check", "demo", "soak", "bench")
+
+
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s options are built (the others' imports are heavy), all
+    of them when ``command`` is ``None``."""
+    parser = _Parser(
         prog="staging-contracts",
         description="Typed staging path for PD-disaggregated LLM serving.",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help=f"show the traceback of an error (or set {DEBUG_ENV}=1)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     check = commands.add_parser(
         "check",
@@ -49,6 +99,12 @@ def _parser() -> argparse.ArgumentParser:
             "mixin named by --mixin. Exit 0 if all conform, 1 if any does not, 2 if a name "
             "cannot be imported (importing it raised, or it is not a class)."
         ),
+        epilog=_examples(
+            "staging-contracts check staging_contracts.backends.nixl:NixlKVManager",
+            "staging-contracts check mypkg.backends:AcmeKVManager mypkg.backends:OtherKVManager",
+            "staging-contracts check mypkg.hosts:CacheHost --mixin mypkg.mixins:CacheMixin",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     check.add_argument("targets", nargs="+", metavar="MODULE:CLASS")
     check.add_argument(
@@ -64,15 +120,19 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Fill each prefill rank's KV pool with seeded data, stage R requests into the "
             "decode ranks through the chosen engine, and verify every decode page. "
-            "Exit 0 only when every page verified."
+            "Exit 0 only when every page verified. Options the layout, the engine or this "
+            "machine's memory cannot serve are refused before any process starts."
         ),
+        epilog=_examples(
+            "staging-contracts demo",
+            "staging-contracts demo --backend mooncake --prefill-tp 2 --decode-tp 4",
+            "staging-contracts demo --tokens 8192 --requests 8 --chunk-tokens 1024",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from .cluster.demo import add_demo_arguments  # noqa: PLC0415 - keeps `check` light
-
-    add_demo_arguments(demo)
+    if command in (None, "demo"):
+        _add_demo(demo)
     demo.set_defaults(run=_run_demo)
-
-    from .cluster.soak_report import SOAK_EPILOG, add_soak_arguments  # noqa: PLC0415 - as demo
 
     soak = commands.add_parser(
         "soak",
@@ -83,10 +143,13 @@ def _parser() -> argparse.ArgumentParser:
             "rooms succeeded and failed by reason, corrupt and hung rooms, time to detect "
             "each kill, ring use at the end, listener restarts."
         ),
-        epilog=SOAK_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_soak_arguments(soak)
+    if command in (None, "soak"):
+        from .cluster.soak_report import SOAK_EPILOG, add_soak_arguments  # noqa: PLC0415
+
+        soak.epilog = SOAK_EPILOG
+        add_soak_arguments(soak)
     soak.set_defaults(run=_run_soak)
 
     from .bench import GROUPS  # noqa: PLC0415 - keeps `check` free of benchmark imports
@@ -95,14 +158,31 @@ def _parser() -> argparse.ArgumentParser:
         "bench",
         help="run benchmarks against anchors measured in the same run",
         description=f"Groups: {', '.join(GROUPS)} (default: all).",
+        epilog=_examples(
+            "staging-contracts bench",
+            "staging-contracts bench contract staging --json rows.json",
+            "staging-contracts bench control --quick",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("groups", nargs="*", metavar="GROUP", choices=[[], *GROUPS])
+    bench.add_argument("groups", nargs="*", metavar="GROUP", help=", ".join(GROUPS))
     bench.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list")
     bench.add_argument(
         "--quick", action="store_true", help="fewer repetitions (for smoke tests, not figures)"
     )
     bench.set_defaults(run=_run_bench)
     return parser
+
+
+def _add_demo(demo: argparse.ArgumentParser) -> None:
+    from .cluster.demo import add_demo_arguments  # noqa: PLC0415 - torch: only for `demo`
+
+    add_demo_arguments(demo)
+    demo.add_argument(
+        "--ignore-memory",
+        action="store_true",
+        help="start even when the pools, rings and buffers exceed the memory available",
+    )
 
 
 def _run_check(args: argparse.Namespace) -> int:
@@ -144,9 +224,10 @@ def _load_class(target: str) -> type | int:
         print(f"{target}: cannot import {module_name!r}: {exc}", file=sys.stderr)
         return EXIT_UNIMPORTABLE
     except Exception as exc:  # noqa: BLE001 - any error of the imported module: exit 2, say it
-        trace = "".join(traceback.format_exception(exc)).rstrip()
+        trace = "".join(traceback.format_exception(exc)).rstrip() if _debug() else ""
+        hint = f"\n{trace}" if trace else " (run with --debug for the traceback)"
         print(
-            f"{target}: importing {module_name!r} raised {type(exc).__name__}: {exc}\n{trace}",
+            f"{target}: importing {module_name!r} raised {type(exc).__name__}: {exc}{hint}",
             file=sys.stderr,
         )
         return EXIT_UNIMPORTABLE
@@ -190,13 +271,15 @@ def _run_demo(args: argparse.Namespace) -> int:
         placement_from_args,
         run_demo,
     )
+    from .cluster.preflight import preflight  # noqa: PLC0415 - heavy imports
 
     try:
         config = config_from_args(args)
         placement = placement_from_args(args)
+        preflight(config, ignore_memory=args.ignore_memory)
     except ValueError as exc:
         print(f"staging-contracts demo: {exc}", file=sys.stderr)
-        return EXIT_UNIMPORTABLE
+        return EXIT_USAGE
     return run_demo(config, placement=placement)
 
 
@@ -230,7 +313,16 @@ def _run_soak(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from .bench import format_table, run_groups, write_json  # noqa: PLC0415 - heavy imports
+    from .bench import GROUPS, format_table, run_groups, write_json  # noqa: PLC0415 - heavy
+
+    unknown = [group for group in args.groups if group not in GROUPS]
+    if unknown:
+        print(
+            f"staging-contracts bench: unknown group {unknown[0]!r}: choose from "
+            f"{', '.join(GROUPS)}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
 
     rows = run_groups(args.groups or None, quick=args.quick, progress=_progress)
     print(format_table(rows))

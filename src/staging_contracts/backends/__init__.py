@@ -145,11 +145,10 @@ def load_backend(name: str) -> type:
     if spec.engine is not None:
         available, reason = engine_available(spec.engine)
         if not available:
-            raise ImportError(
-                f"backend {name!r} needs the {spec.engine!r} engine, which cannot be imported "
-                f"({reason}); install it with pip install 'staging-contracts[{spec.extra}]'",
-                name=spec.module,
-            )
+            command = f"pip install 'staging-contracts[{spec.extra}]'"
+            if command not in reason:  # name the command once, whoever said why
+                reason = f"{reason}; install it with {command}"
+            raise ImportError(f"backend {name!r}: {reason}", name=spec.module)
     module = importlib.import_module(spec.module)
     backend: type = getattr(module, spec.class_name)
     return backend

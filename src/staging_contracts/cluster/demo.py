@@ -261,7 +261,11 @@ def format_summary(result: ClusterResult) -> str:
         ("verification", verdict),
     ]
     width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+    table = "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+    death = result.first_death
+    if death is None:
+        return table
+    return f"first failure: {death.role} rank {death.rank} {death.reason}\n{table}"
 
 
 def run_demo(

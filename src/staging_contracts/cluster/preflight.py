@@ -1,0 +1,130 @@
+"""What a multi-process run needs, checked before any process starts.
+
+A run that the layout, the engines or the machine cannot serve used to start every rank
+process and fail a minute later (a bootstrap timeout, or each rank failing to allocate its
+pool). :func:`preflight` refuses it at once instead, with one line that names the options and
+the rule: the TP pair and the head count (the same validation the ranks run), the engine's
+extra, and the memory the pools, rings and staging buffers of every rank will take against the
+memory available (``MemAvailable``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from ..backends import load_backend
+from ..staging.layout import compute_staging_layout, validate_tp_pair
+from .workload import TransferConfig
+
+__all__ = ["PROCESS_OVERHEAD_BYTES", "MemoryNeed", "available_memory", "memory_need", "preflight"]
+
+PROCESS_OVERHEAD_BYTES: Final = 300 << 20
+"""Memory a rank process takes before its first tensor (Python, torch, ZMQ, an engine), about
+what one takes here."""
+
+_GIB: Final = float(1 << 30)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryNeed:
+    """What the ranks of a run will allocate, in bytes."""
+
+    prefill_rank: int
+    """One prefill rank: its KV pool and its staging buffer."""
+    decode_rank: int
+    """One decode rank: its KV pool and its staging ring."""
+    processes: int
+    """Rank processes, each with :data:`PROCESS_OVERHEAD_BYTES` on top."""
+    total: int
+    """Everything, on this machine."""
+
+
+def memory_need(config: TransferConfig) -> MemoryNeed:
+    """The memory the run's ranks allocate (pools, rings, staging buffers, processes)."""
+    per_head_token = config.head_dim * config.element_size
+    pool_tokens = config.pool_pages * config.page_size
+    chunk_tokens = config.chunk_pages * config.page_size
+
+    def heads(tp: int) -> int:
+        return max(1, config.kv_heads // tp)
+
+    prefill_pool = pool_tokens * heads(config.prefill_tp) * per_head_token * 2 * config.layers
+    staging_buffer = chunk_tokens * heads(config.prefill_tp) * per_head_token * 2 * config.layers
+    decode_pool = pool_tokens * heads(config.decode_tp) * per_head_token * 2 * config.layers
+    region = max(
+        compute_staging_layout(
+            config.prefill_tp,
+            config.decode_tp,
+            rank,
+            config.kv_heads,
+            chunk_tokens,
+            per_head_token,
+            config.layers,
+        ).total_bytes
+        for rank in range(config.decode_tp)
+    )
+    prefill_rank = prefill_pool + staging_buffer
+    decode_rank = decode_pool + region * config.ring_chunks
+    processes = config.prefill_tp + config.decode_tp
+    total = (
+        config.prefill_tp * prefill_rank
+        + config.decode_tp * decode_rank
+        + processes * PROCESS_OVERHEAD_BYTES
+    )
+    return MemoryNeed(prefill_rank, decode_rank, processes, total)
+
+
+def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """``MemAvailable`` of this machine in bytes (``None`` where the kernel does not say)."""
+    try:
+        text = meminfo.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name == "MemAvailable":
+            fields = value.split()
+            if fields and fields[0].isdigit():
+                return int(fields[0]) * 1024
+    return None
+
+
+def preflight(
+    config: TransferConfig, *, ignore_memory: bool = False, available: int | None = None
+) -> None:
+    """Refuse a run that cannot work, before any process starts.
+
+    Args:
+        config: the run.
+        ignore_memory: skip the memory check (for those who know better).
+        available: the memory to compare with (default: :func:`available_memory`).
+
+    Raises:
+        ValueError: one line naming the options and the rule: TP sizes that do not divide
+            one another or the head count, an engine that cannot be imported (with the pip
+            command that installs it), or more memory than is available.
+    """
+    try:
+        validate_tp_pair(config.prefill_tp, config.decode_tp, config.kv_heads)
+    except ValueError as exc:
+        raise ValueError(
+            f"--prefill-tp {config.prefill_tp} --decode-tp {config.decode_tp} "
+            f"--kv-heads {config.kv_heads}: {exc}"
+        ) from None
+    have = available_memory() if available is None else available
+    need = memory_need(config)
+    if not ignore_memory and have is not None and need.total > have:
+        raise ValueError(
+            f"--tokens {config.tokens} --requests {config.requests} --layers {config.layers} "
+            f"--kv-heads {config.kv_heads} --head-dim {config.head_dim} --dtype {config.dtype}: "
+            f"the {need.processes} rank processes need {need.total / _GIB:.1f} GiB "
+            f"({need.prefill_rank / _GIB:.2f} GiB per prefill rank, "
+            f"{need.decode_rank / _GIB:.2f} GiB per decode rank), and {have / _GIB:.1f} GiB "
+            "is available; use smaller options, or --ignore-memory to run anyway"
+        )
+    try:
+        load_backend(config.backend)
+    except ImportError as exc:
+        raise ValueError(f"--backend {config.backend}: {exc}") from None

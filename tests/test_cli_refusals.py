@@ -1,0 +1,150 @@
+"""The command line refuses what cannot run at once, in one line, without a traceback: each
+case runs the installed console script in a subprocess, as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+
+from staging_contracts.cluster.demo import format_summary
+from staging_contracts.cluster.preflight import memory_need, preflight
+from staging_contracts.cluster.runner import run_cluster
+from staging_contracts.engines import engine_available
+from tests.test_cluster_faults import tiny_config
+
+SCRIPT = Path(sys.executable).with_name("staging-contracts")
+NIXL_OK, NIXL_WHY = engine_available("nixl")
+
+
+class Ran(NamedTuple):
+    status: int
+    out: str
+    err: str
+    seconds: float
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> Ran:
+    """The console script with ``args``; its exit status, output and wall time."""
+    start = time.monotonic()
+    done = subprocess.run(
+        [str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "STAGING_CONTRACTS_DEBUG": "0", **(env or {})},
+        check=False,
+    )
+    return Ran(done.returncode, done.stdout, done.stderr, time.monotonic() - start)
+
+
+def assert_refused(ran: Ran, *names: str) -> str:
+    """Exit 2, one line on stderr naming every one of ``names``, no traceback, under 5 s."""
+    assert ran.status == 2, ran
+    lines = ran.err.strip().splitlines()
+    assert len(lines) == 1, ran.err
+    assert "Traceback" not in ran.err + ran.out
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    assert ran.seconds < 5.0, ran.seconds
+    return lines[0]
+
+
+def test_a_missing_engine_extra_is_one_line_with_the_install_command(tmp_path: Path) -> None:
+    """demo --backend mooncake without the mooncake extra: one line, the pip command once."""
+    shadow = tmp_path / "mooncake"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'mooncake'\")\n")
+    line = assert_refused(
+        run("demo", "--backend", "mooncake", env={"PYTHONPATH": str(tmp_path)}),
+        "--backend mooncake",
+    )
+    assert line.count("pip install 'staging-contracts[mooncake]'") == 1
+
+
+def test_tp_sizes_that_do_not_divide_are_refused() -> None:
+    """demo --prefill-tp 3 --decode-tp 2: refused before any process starts."""
+    assert_refused(
+        run("demo", "--prefill-tp", "3", "--decode-tp", "2"),
+        "--prefill-tp 3",
+        "--decode-tp 2",
+        "must divide one another",
+    )
+
+
+def test_heads_that_do_not_divide_the_tp_size_are_refused() -> None:
+    """demo --kv-heads 6 --prefill-tp 4: refused, naming both."""
+    assert_refused(
+        run("demo", "--kv-heads", "6", "--prefill-tp", "4"),
+        "--kv-heads 6",
+        "--prefill-tp 4",
+        "total_kv_heads=6 and prefill_tp=4",
+    )
+
+
+def test_a_run_larger_than_memory_is_refused_with_the_figures() -> None:
+    """demo --tokens 100000000 --requests 1: how much is needed and how much there is."""
+    line = assert_refused(
+        run("demo", "--tokens", "100000000", "--requests", "1"),
+        "--tokens 100000000",
+        "--requests 1",
+        "GiB",
+        "--ignore-memory",
+    )
+    assert "is available" in line
+
+
+def test_an_unknown_bench_group_lists_the_groups_without_a_stray_list() -> None:
+    """bench nope: one line naming the groups; no '[]' among them."""
+    line = assert_refused(run("bench", "nope"), "'nope'", "contract", "transfer")
+    assert "[]" not in line
+
+
+def test_an_argument_error_is_one_line_too() -> None:
+    """argparse's own errors (an invalid choice) are one line with a pointer to --help."""
+    assert_refused(run("demo", "--backend", "nope"), "--backend", "--help")
+
+
+@pytest.mark.parametrize("command", ["check", "demo", "soak", "bench"])
+def test_every_subcommand_help_ends_with_examples(command: str) -> None:
+    """--help ends with two or three example invocations."""
+    ran = run(command, "--help")
+    assert ran.status == 0
+    tail = ran.out.rstrip().splitlines()[-4:]
+    examples = [line for line in tail if line.strip().startswith("staging-contracts ")]
+    assert len(examples) >= 2, ran.out
+
+
+def test_memory_need_counts_every_rank() -> None:
+    """The estimate grows with the ranks' pools and is refused against a small machine."""
+    small = tiny_config()
+    need = memory_need(small)
+    assert need.processes == 2
+    assert need.total > 2 * need.prefill_rank
+    preflight(small, available=need.total)
+    with pytest.raises(ValueError, match=r"the 2 rank processes need"):
+        preflight(small, available=need.total - 1)
+    preflight(small, available=1, ignore_memory=True)
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)
+def test_a_rank_failing_mid_run_is_named_first_and_the_others_stop() -> None:
+    """A rank dies mid-run: the others stop within seconds and the summary's first line
+    names that rank and why, before the table."""
+    killed: list[float] = []
+
+    def kill_decode(kind: str, event: dict[str, Any]) -> None:
+        if kind == "ready" and event["role"] == "decode" and not killed:
+            os.kill(int(event["pid"]), 9)
+            killed.append(time.monotonic())
+
+    result = run_cluster(tiny_config(), progress=kill_decode, timeout_s=60)
+    assert time.monotonic() - killed[0] < 10.0
+    first = format_summary(result).splitlines()[0]
+    assert first == "first failure: decode rank 0 killed by SIGKILL without a report"
