@@ -11,8 +11,11 @@ takes seconds to minutes rather than the whole suite per mutant. Then:
 2. survivors listed in ``tests/mutation-equivalents/<module>.txt`` (one ``NAME  reason`` a
    line) count as killed: each is a mutant that no test can tell from the original, with
    the reason;
-3. a table (killed / total, score, goal) is printed and written to
-   ``docs/mutation-summary.md`` with the survivors left, so that the figures are committed.
+3. a table (killed / total, score, goal) is printed; each module's outcome is kept in
+   ``.mutation/<module>/outcome.json``, and once every module has one (from this run or an
+   earlier one, e.g. ``make mutation MODULES=wire`` after a change to the wire tests), the
+   table is written to ``docs/mutation-summary.md`` with the survivors left, so that the
+   figures are committed.
 
 Usage: ``python scripts/mutation.py [MODULE ...] [--jobs N] [--summary PATH]``, where MODULE
 is a key of :data:`TARGETS` (``contract``, ``layout``, ...); all of them by default. It is too
@@ -22,6 +25,7 @@ slow for ``make test`` (minutes per module on two cores) and is not part of it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -287,6 +291,33 @@ def write_summary(outcomes: list[Outcome], path: Path) -> None:
     path.write_text("\n".join(lines))
 
 
+def save_outcome(outcome: Outcome) -> None:
+    """Keep a module's outcome beside its scratch copy, for a summary of every module."""
+    doc = {
+        "statuses": outcome.statuses,
+        "fresh_killed": sorted(outcome.fresh_killed),
+        "equivalent": sorted(outcome.equivalent),
+        "seconds": outcome.seconds,
+    }
+    (SCRATCH / outcome.name / "outcome.json").write_text(json.dumps(doc, indent=1))
+
+
+def load_outcome(name: str) -> Outcome | None:
+    """The latest saved outcome of a module (``None`` if it was never run)."""
+    path = SCRATCH / name / "outcome.json"
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    return Outcome(
+        name,
+        TARGETS[name],
+        statuses=dict(doc["statuses"]),
+        fresh_killed=set(doc["fresh_killed"]),
+        equivalent=set(doc["equivalent"]),
+        seconds=float(doc["seconds"]),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("modules", nargs="*", metavar="MODULE", help=", ".join(TARGETS))
@@ -304,12 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         print(f"mutating {name} ({TARGETS[name].path}) ...", flush=True)
         outcomes.append(run_target(name, TARGETS[name], args.jobs, equivalents))
+        save_outcome(outcomes[-1])
         print(format_table(outcomes[-1:]).splitlines()[-1], flush=True)
     print()
     print(format_table(outcomes))
-    if set(names) == set(TARGETS):
-        write_summary(outcomes, args.summary)
-        print(f"\nsummary written to {args.summary.relative_to(REPO)}")
+    every = [load_outcome(name) for name in TARGETS]
+    if all(outcome is not None for outcome in every):
+        write_summary([o for o in every if o is not None], args.summary)
+        print(f"\nsummary of every module written to {args.summary.relative_to(REPO)}")
     return 0 if all(o.score >= o.target.goal for o in outcomes) else 1
 
 
