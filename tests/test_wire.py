@@ -162,9 +162,12 @@ def test_every_message_type_has_its_frame_layout() -> None:
         empty_session = [*frames[:at], b"", *frames[at + 1 :]]
         if name == "WATERMARK":  # its session is optional: an empty frame is "no session"
             assert decode_message(empty_session) == WatermarkUpdate(3, 64)
-        else:
+        else:  # a syntax fault: reported before the value fault of an earlier frame
             with pytest.raises(MalformedMessage) as info:
                 decode_message(empty_session)
+            assert (info.value.frame_index, info.value.field) == (at, "session_id")
+            with pytest.raises(MalformedMessage) as info:
+                decode_message([frames[0], b"-1", *empty_session[2:]])
             assert (info.value.frame_index, info.value.field) == (at, "session_id")
         for index, field in enumerate(fields, start=1):
             bad = b"\x7f" if field == "session_id" else b"-5"
