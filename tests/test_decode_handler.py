@@ -388,12 +388,14 @@ def test_plans_at_the_edges_are_accepted() -> None:
     assert [r.handler.register_room(p) for p in good] == [RoomStatus.REGISTERED] * 4
 
 
-def test_registration_stamps_progress_with_the_clock() -> None:
-    """A room's stall timer starts at registration time (the fake clock's now)."""
+def test_the_stall_timer_starts_when_the_first_region_is_allocated() -> None:
+    """Time before the room's first region does not count towards a stall."""
     r = rig(stall_timeout_s=5.0)
     r.handler.register_room(plan(1))
-    r.clock.now += 3
-    r.req(1, 0)  # the region's allocation stamps progress again
+    r.clock.now += 30
+    r.handler.progress()
+    assert r.handler.poll_room(1) is RoomStatus.REGISTERED
+    r.req(1, 0)
     r.clock.now += 5
     r.handler.progress()
     assert r.handler.poll_room(1) is RoomStatus.TRANSFERRING
