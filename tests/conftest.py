@@ -1,0 +1,38 @@
+"""Suite-wide hooks.
+
+The transfer engines' native libraries (UCX under NIXL, Mooncake) start threads of their own in
+the processes that load them, and several tests load them in this process. Once, a full run
+crashed with SIGSEGV in such a native thread (no Python frame) while the interpreter was
+tearing down, after every test had passed and the summary was printed: ``make test`` then
+failed with status 139 for nothing a test had found. The outermost pytest process therefore
+ends with ``os._exit`` and the session's own exit status once its summary is written and every
+other plugin has unconfigured; an inner session (pytester) is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+_outer: list[pytest.Config] = []
+_status: list[int] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not _outer:
+        _outer.append(config)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _outer and session.config is _outer[0]:
+        _status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _outer and config is _outer[0] and _status:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_status[-1])
