@@ -38,10 +38,13 @@ def registered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def test_in_tree_names_come_first_and_resolve_without_imports() -> None:
+def test_in_tree_names_come_first_and_resolve_without_imports(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """backend_ref turns an in-tree name into MODULE:CLASS without importing the module."""
     assert backend_names()[: len(BACKENDS)] == tuple(BACKENDS)
-    sys.modules.pop("staging_contracts.backends.mori", None)
+    # Restored afterwards: later tests compare the module's classes by identity.
+    monkeypatch.delitem(sys.modules, "staging_contracts.backends.mori", raising=False)
     assert backend_ref("mori") == "staging_contracts.backends.mori:MoriKVManager"
     assert "staging_contracts.backends.mori" not in sys.modules
     assert load_backend("local") is LocalKVManager
