@@ -6,13 +6,15 @@ crashed with SIGSEGV in such a native thread (no Python frame) while the interpr
 tearing down, after every test had passed and the summary was printed: ``make test`` then
 failed with status 139 for nothing a test had found. The outermost pytest process therefore
 ends with ``os._exit`` and the session's own exit status once its summary is written and every
-other plugin has unconfigured; an inner session (pytester) is left alone.
+other plugin has unconfigured; an inner session (pytester), and pytest run inside another
+program (mutmut calls ``pytest.main``), are left alone.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,8 +22,14 @@ _outer: list[pytest.Config] = []
 _status: list[int] = []
 
 
+def _pytest_is_the_program() -> bool:
+    """``pytest ...`` or ``python -m pytest ...``, not ``pytest.main`` inside another tool."""
+    program = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    return program.name in {"pytest", "py.test"} or program.parent.name == "pytest"
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    if not _outer:
+    if not _outer and _pytest_is_the_program():
         _outer.append(config)
 
 
