@@ -165,8 +165,11 @@ def test_example_without_its_idle_hook_fails_the_transfer_checks(tmp_path: Path)
         "StagingBackendContract.transfer_timeout_s = 2.0\n",
         encoding="utf-8",
     )
+    # -rN: no short summary, which repeats each message in full where CI is set.
     done = _run(
-        ["-m", "pytest", "-p", "no:cacheprovider", "-q"], cwd=source, python_path=source / "src"
+        ["-m", "pytest", "-p", "no:cacheprovider", "-q", "-rN"],
+        cwd=source,
+        python_path=source / "src",
     )
     output = done.stdout + done.stderr
     assert done.returncode == 1, output
