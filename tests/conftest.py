@@ -1,4 +1,4 @@
-"""Suite-wide hooks.
+"""Suite-wide hooks: the exit guard, and fork safety under mutmut.
 
 The transfer engines' native libraries (UCX under NIXL, Mooncake) start threads of their own in
 the processes that load them, and several tests load them in this process. Once, a full run
@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import zmq
 
 _outer: list[pytest.Config] = []
 _status: list[int] = []
@@ -44,3 +46,26 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_status[-1])
+
+
+_INHERITED_CONTEXTS: list[object] = []
+
+
+def _fork_safe_under_mutmut() -> None:
+    """Make the suite survive mutmut's workers, which it forks from a process that already
+    ran the tests: torch's OpenMP pool does not survive a fork (a parallel op then waits
+    forever on the parent's threads) and pyzmq replaces its process-wide context in the
+    child, whose destruction of the inherited one warns (an error under
+    ``filterwarnings = error``). So: one intra-op thread, and the inherited context is kept."""
+
+    def keep_inherited_context() -> None:
+        inherited = getattr(zmq.Context, "_instance", None)
+        if inherited is not None:
+            _INHERITED_CONTEXTS.append(inherited)
+
+    torch.set_num_threads(1)
+    os.register_at_fork(after_in_child=keep_inherited_context)
+
+
+if "MUTANT_UNDER_TEST" in os.environ:
+    _fork_safe_under_mutmut()

@@ -8,7 +8,6 @@ to each prefill peer.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import types
 from collections.abc import Sequence
@@ -17,7 +16,6 @@ from typing import cast
 
 import pytest
 import torch
-import zmq
 
 from staging_contracts import ArrivalOutcome, StagingReqOutcome
 from staging_contracts.control.liveness import PeerLiveness
@@ -39,29 +37,6 @@ from staging_contracts.protocols import Allocation, KVBufferTensors
 from staging_contracts.staging.allocator import StagingAllocator
 from staging_contracts.staging.ordering import HostOrdering
 from tests.local_cluster import Geometry
-
-_INHERITED_CONTEXTS: list[object] = []
-
-
-def _fork_safe_under_mutmut() -> None:
-    """Make the suite survive mutmut's workers, which it forks from a process that already
-    ran the tests: torch's OpenMP pool does not survive a fork (a parallel op then waits
-    forever on the parent's threads) and pyzmq replaces its process-wide context in the
-    child, whose destruction of the inherited one warns (an error under
-    ``filterwarnings = error``). So: one intra-op thread, and the inherited context is kept."""
-
-    def keep_inherited_context() -> None:
-        inherited = getattr(zmq.Context, "_instance", None)
-        if inherited is not None:
-            _INHERITED_CONTEXTS.append(inherited)
-
-    torch.set_num_threads(1)
-    os.register_at_fork(after_in_child=keep_inherited_context)
-
-
-if "MUTANT_UNDER_TEST" in os.environ:
-    _fork_safe_under_mutmut()
-
 
 SID = "decode-0"
 """The handler's session id."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +16,6 @@ from typing import cast
 
 import pytest
 import torch
-import zmq
 
 from staging_contracts.control.liveness import PeerLiveness
 from staging_contracts.control.room_messages import RoomFence, RoomFenced
@@ -49,29 +47,6 @@ from staging_contracts.staging.layout import (
 )
 from staging_contracts.staging.ordering import HostOrdering
 from tests.local_cluster import Geometry
-
-_INHERITED_CONTEXTS: list[object] = []
-
-
-def _fork_safe_under_mutmut() -> None:
-    """Make the suite survive mutmut's workers, which it forks from a process that already
-    ran the tests: torch's OpenMP pool does not survive a fork (a parallel op then waits
-    forever on the parent's threads) and pyzmq replaces its process-wide context in the
-    child, whose destruction of the inherited one warns (an error under
-    ``filterwarnings = error``). So: one intra-op thread, and the inherited context is kept."""
-
-    def keep_inherited_context() -> None:
-        inherited = getattr(zmq.Context, "_instance", None)
-        if inherited is not None:
-            _INHERITED_CONTEXTS.append(inherited)
-
-    torch.set_num_threads(1)
-    os.register_at_fork(after_in_child=keep_inherited_context)
-
-
-if "MUTANT_UNDER_TEST" in os.environ:
-    _fork_safe_under_mutmut()
-
 
 PAGE_BYTES = 512
 """Bytes of one page of all heads of Geometry(1, 1, 2): 4 tokens · 2 heads · 16 B · 2 · 2."""
