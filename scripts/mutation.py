@@ -217,8 +217,15 @@ def _fresh_run(work: Path, mutant: str | None, tests: list[str]) -> int:
 
 
 def _tests_for(work: Path, mutant: str) -> list[str]:
-    lines = _mutmut(work, "tests-for-mutant", mutant).stdout.split()
-    return [line for line in lines if "::" in line]
+    """The test ids mutmut recorded for a mutant, one per line (ids may contain spaces)."""
+    lines = _mutmut(work, "tests-for-mutant", mutant).stdout.splitlines()
+    return [line.strip() for line in lines if "::" in line]
+
+
+KILLING_EXITS: Final = frozenset({1, 2})
+"""pytest exit codes that kill a mutant in a fresh process: tests failed (1), or collection
+or import failed (2); a process killed by a signal (negative) kills it too. Not 3 (internal
+error), 4 (usage: e.g. a test id not found) or 5 (no tests), which say nothing of it."""
 
 
 def run_target(name: str, target: Target, jobs: int, equivalents: dict[str, str]) -> Outcome:
@@ -238,7 +245,8 @@ def run_target(name: str, target: Target, jobs: int, equivalents: dict[str, str]
             raise SystemExit(f"{name}: the unmutated tests fail in a fresh process")
         for mutant in fresh_candidates:
             tests = _tests_for(work, mutant)
-            if tests and _fresh_run(work, mutant, tests) not in (0, 5):
+            status = _fresh_run(work, mutant, tests) if tests else 0
+            if status in KILLING_EXITS or status < 0:
                 outcome.fresh_killed.add(mutant)
     outcome.equivalent = {m for m in survivors if m in equivalents}
     outcome.seconds = time.monotonic() - start
