@@ -130,8 +130,8 @@ def test_nothing_refers_outside_the_repository() -> None:
 @pytest.mark.parametrize(
     "line",
     [
-        'VECTORS = ROOT / ".." / "shared"',
-        "cp ../shared/vectors/x.json tests/data",
+        'VECTORS = ROOT / ".." / "neighbour"',
+        "cp ../neighbour/vectors/x.json tests/data",
         "path = 'data/../../outside'",
         "open('..')",
     ],
@@ -158,7 +158,7 @@ def test_a_script_may_climb_to_the_root_from_its_own_folder() -> None:
 @pytest.mark.parametrize(
     ("source", "depth", "expected"),
     [
-        ("Path(__file__).resolve().parents[2] / 'shared'", 1, 1),
+        ("Path(__file__).resolve().parents[2] / 'outside'", 1, 1),
         ("Path(__file__).parent.parent.parent", 1, 1),
         ("os.path.dirname(os.path.dirname(os.path.dirname(__file__)))", 1, 1),
         ("Path(__file__).resolve().parents[1] / 'examples'", 1, 0),

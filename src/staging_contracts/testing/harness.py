@@ -6,7 +6,8 @@ harness runs the real thing, in one process, over the backend's own engine and l
     from staging_contracts.testing import run_transfer
 
     report = run_transfer(MyKVManager, prefill_tp=2, decode_tp=1, rooms=3)
-    assert report.ok, report.summary()
+    if not report.ok:
+        pytest.fail(report.summary())
 
 It builds ``prefill_tp`` prefill and ``decode_tp`` decode managers with the backend (a class is
 called with the standard constructor ``Class(kv_args, role=..., attn_tp_size=...)``; any
