@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from staging_contracts.bench import BenchRow, format_table
+from staging_contracts.bench import BenchOptions, BenchRow, format_table
 from staging_contracts.cli import main
 
 
@@ -77,7 +77,7 @@ def test_transfer_group_builds_its_rows_from_the_three_measurements(
     config = transfer_bench.staged_config("nixl")
     monkeypatch.setattr(transfer_bench, "raw_write_seconds", lambda *a, **k: 0.125)
     monkeypatch.setattr(transfer_bench, "per_token_seconds", lambda *a, **k: (1.0, 10**8))
-    rows = {row.name: row for row in transfer_bench.run()}
+    rows = {row.name: row for row in transfer_bench.run(BenchOptions())}
     assert sorted(rows) == [
         "transfer.mooncake.vs-per-token",
         "transfer.mooncake.vs-raw",

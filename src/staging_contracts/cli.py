@@ -170,6 +170,19 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     bench.add_argument(
         "--quick", action="store_true", help="fewer repetitions (for smoke tests, not figures)"
     )
+    bench.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where KV pools and staging buffers live (cuda needs a GPU; default cpu)",
+    )
+    bench.add_argument(
+        "--backend",
+        action="append",
+        dest="backends",
+        metavar="BACKEND",
+        help="a backend of the transfer group (repeatable; default: every in-tree engine)",
+    )
     bench.set_defaults(run=_run_bench)
     return parser
 
@@ -313,7 +326,13 @@ def _run_soak(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from .bench import GROUPS, format_table, run_groups, write_json  # noqa: PLC0415 - heavy
+    from .bench import (  # noqa: PLC0415 - heavy
+        GROUPS,
+        BenchOptions,
+        format_table,
+        run_groups,
+        write_json,
+    )
 
     unknown = [group for group in args.groups if group not in GROUPS]
     if unknown:
@@ -324,12 +343,23 @@ def _run_bench(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
 
-    rows = run_groups(args.groups or None, quick=args.quick, progress=_progress)
+    if args.device == "cuda" and not _cuda_available():
+        print("staging-contracts bench: --device cuda: no CUDA device here", file=sys.stderr)
+        return EXIT_USAGE
+    backends = tuple(args.backends) if args.backends else None
+    options = BenchOptions(quick=args.quick, device=args.device, backends=backends)
+    rows = run_groups(args.groups or None, options, progress=_progress)
     print(format_table(rows))
     if args.json:
         write_json(rows, args.json)
         print(f"wrote {len(rows)} rows to {args.json}")
     return EXIT_OK
+
+
+def _cuda_available() -> bool:
+    import torch  # noqa: PLC0415 - heavy, and only for --device cuda
+
+    return bool(torch.cuda.is_available())
 
 
 def _progress(message: str) -> None:

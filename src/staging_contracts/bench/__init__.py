@@ -1,8 +1,9 @@
 """Benchmarks: our figure against an anchor measured in the same run, as a ratio.
 
-Each group is a module of this package with a ``run(quick: bool) -> list[BenchRow]``
-function, loaded lazily by name. Figures are medians of repeated measurements. Benchmarks are
-never timed tests: they report, and the goals are for people to read.
+Each group is a module of this package with a ``run(options: BenchOptions) ->
+list[BenchRow]`` function, loaded lazily by name. Figures are medians of repeated
+measurements. Benchmarks are never timed tests: they report, and the goals are for people to
+read.
 
 May import: ``cluster``, ``backends`` and everything below them; never ``testing`` or
 ``cli``.
@@ -19,7 +20,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final, Literal
 
-__all__ = ["GROUPS", "BenchRow", "format_table", "run_groups", "write_json"]
+__all__ = [
+    "DEVICES",
+    "GROUPS",
+    "BenchOptions",
+    "BenchRow",
+    "format_table",
+    "run_groups",
+    "write_json",
+]
 
 GROUPS: Final[dict[str, str]] = {
     "contract": "staging_contracts.bench.contract_bench",
@@ -28,6 +37,32 @@ GROUPS: Final[dict[str, str]] = {
     "transfer": "staging_contracts.bench.transfer_bench",
 }
 """Group name -> module that implements it."""
+
+DEVICES: Final = ("cpu", "cuda")
+"""Devices the KV pools and staging buffers of a benchmark can live on."""
+
+
+@dataclass(frozen=True, slots=True)
+class BenchOptions:
+    """What every group's ``run`` is given: size, device and backends of the run.
+
+    Raises:
+        ValueError: an unknown device, or an empty backend name.
+    """
+
+    quick: bool = False
+    """Small sizes and few repetitions: for smoke tests, not for figures."""
+    device: str = "cpu"
+    """Where KV pools and staging buffers live (:data:`DEVICES`); ``"cuda"`` needs a GPU."""
+    backends: tuple[str, ...] | None = None
+    """Backends of the ``transfer`` group, as registry names or ``MODULE:CLASS[=MODULE:FACTORY]``
+    specs (``None``: every in-tree engine that can be imported)."""
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r} is not one of {', '.join(DEVICES)}")
+        if self.backends is not None and not all(self.backends):
+            raise ValueError("a backend name must not be empty")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,21 +111,24 @@ def ratio_row(
 
 def run_groups(
     groups: Sequence[str] | None,
+    options: BenchOptions | None = None,
     *,
-    quick: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> list[BenchRow]:
-    """Run the named groups (all when ``None``), in the order given.
+    """Run the named groups (all when ``None``), in the order given, with ``options``.
+
+    **Blocking:** until every group ran (minutes for the whole set; seconds when quick).
 
     Raises:
         KeyError: an unknown group name.
     """
+    chosen = options if options is not None else BenchOptions()
     rows: list[BenchRow] = []
     for group in groups or list(GROUPS):
         module = importlib.import_module(GROUPS[group])
         if progress is not None:
             progress(f"bench {group} ...")
-        rows.extend(module.run(quick=quick))
+        rows.extend(module.run(chosen))
     return rows
 
 

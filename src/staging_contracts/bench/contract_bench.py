@@ -30,7 +30,7 @@ from ..protocols import (
     StagingReqOutcome,
     Watermark,
 )
-from . import BenchRow, ratio_row
+from . import BenchOptions, BenchRow, ratio_row
 from .timing import interleaved_ns_per_call, median_seconds
 
 __all__ = ["run"]
@@ -192,7 +192,8 @@ def _class_check(quick: bool) -> BenchRow:
     )
 
 
-def run(quick: bool = False) -> list[BenchRow]:
-    """Run the group; ``quick`` trades precision for time (smoke tests)."""
+def run(options: BenchOptions) -> list[BenchRow]:
+    """Run the group; ``options.quick`` trades precision for time (smoke tests)."""
+    quick = options.quick
     typing.get_type_hints(StagingHost)  # resolve outside the timed region
     return [_per_call(quick), _instance_check(quick), _class_check(quick)]

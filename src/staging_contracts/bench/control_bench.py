@@ -31,7 +31,7 @@ from ..control.wire import StagingReq, StagingRsp
 from ..decode.handler import RoomPlan
 from ..decode.rooms import PrefillPeer
 from ..protocols import KVArgsRecord, KVBufferTensors
-from . import BenchRow, ratio_row
+from . import BenchOptions, BenchRow, ratio_row
 
 __all__ = ["run"]
 
@@ -156,8 +156,9 @@ def _echo_rate(count: int) -> float:
         answers.close(linger=0)
 
 
-def run(quick: bool = False) -> list[BenchRow]:
-    """Run the group; ``quick`` trades precision for time (smoke tests)."""
+def run(options: BenchOptions) -> list[BenchRow]:
+    """Run the group; ``options.quick`` trades precision for time (smoke tests)."""
+    quick = options.quick
     count = 2_000 if quick else 20_000
     repeats = 1 if quick else 5
     ours: list[float] = []

@@ -24,7 +24,7 @@ from ..protocols import Allocation, Watermark
 from ..staging.allocator import StagingAllocator
 from ..staging.kernels import gather_chunk, scatter_chunk
 from ..staging.layout import WriterPlacement
-from . import BenchRow, ratio_row
+from . import BenchOptions, BenchRow, ratio_row
 from .timing import interleaved_ns_per_call
 
 __all__ = ["run"]
@@ -174,6 +174,7 @@ def _alloc_scaling(quick: bool) -> list[BenchRow]:
     ]
 
 
-def run(quick: bool = False) -> list[BenchRow]:
-    """Run the group; ``quick`` trades size and precision for time (smoke tests)."""
+def run(options: BenchOptions) -> list[BenchRow]:
+    """Run the group; ``options.quick`` trades size and precision for time (smoke tests)."""
+    quick = options.quick
     return [*_bandwidths(quick), *_alloc_scaling(quick)]

@@ -26,7 +26,7 @@ import statistics
 from ..cluster.runner import run_cluster
 from ..cluster.workload import TransferConfig
 from ..engines import engine_available
-from . import BenchRow, ratio_row
+from . import BenchOptions, BenchRow, ratio_row
 from .anchor_geometry import BENCH_GEOMETRY, AnchorGeometry
 from .engine_anchors import per_token_seconds, raw_write_seconds
 
@@ -78,8 +78,9 @@ def _geometry(config: TransferConfig) -> AnchorGeometry:
     )
 
 
-def run(quick: bool = False) -> list[BenchRow]:
-    """Run the group for every importable engine; ``quick`` uses a small request."""
+def run(options: BenchOptions) -> list[BenchRow]:
+    """Run the group for every importable engine; ``options.quick`` uses a small request."""
+    quick = options.quick
     rows: list[BenchRow] = []
     for engine in ENGINES:
         available, reason = engine_available(engine)
