@@ -24,7 +24,7 @@ def test_bench_contract_writes_json_rows(
         "contract.class-check",
     ]
     for row in rows:
-        assert set(row) == {"name", "ours", "anchor", "unit", "ratio", "goal"}
+        assert set(row) == {"name", "ours", "anchor", "unit", "ratio", "goal", "note"}
         assert row["ours"] > 0
         assert row["anchor"] > 0
     assert [r["goal"] for r in rows] == ["<= 1.02", "<= 0.3", ""]
@@ -59,6 +59,18 @@ def test_goal_met(goal: str, ratio: float, met: bool | None) -> None:
     assert row.goal_met is met
     last_column = format_table([row]).splitlines()[2].split()[-1]
     assert last_column == {True: "yes", False: "NO", None: "-"}[met]
+
+
+def test_notes_are_marked_and_printed_as_footnotes() -> None:
+    """A row's note is printed under the table, numbered, with the mark after its name."""
+    rows = [
+        BenchRow("a", 1.0, 1.0, "u", 1.0, "", "four writers on both sides"),
+        BenchRow("b", 1.0, 1.0, "u", 1.0, ""),
+        BenchRow("c", 1.0, 1.0, "u", 1.0, "", "warmed up"),
+    ]
+    lines = format_table(rows).splitlines()
+    assert [line.split()[0:2] for line in lines[2:5]] == [["a", "[1]"], ["b", "1"], ["c", "[2]"]]
+    assert lines[5:] == ["[1] four writers on both sides", "[2] warmed up"]
 
 
 def test_transfer_group_builds_its_rows_from_the_three_measurements(

@@ -81,6 +81,8 @@ class BenchRow:
     """As each benchmark defines it (usually ours / anchor)."""
     goal: str
     """The goal on ``ratio``, e.g. ``<= 1.02`` or ``>= 0.5``; empty when informative only."""
+    note: str = ""
+    """What a reader needs to judge the comparison (writer counts, sizes, warm-up), if any."""
 
     @property
     def goal_met(self) -> bool | None:
@@ -100,13 +102,14 @@ def ratio_row(
     goal: str = "",
     *,
     kind: Literal["ours/anchor", "anchor/ours"] = "ours/anchor",
+    note: str = "",
 ) -> BenchRow:
     """Build a row whose ratio is ``ours / anchor`` (or the inverse)."""
     if kind == "ours/anchor":
         ratio = ours / anchor if anchor else math.inf
     else:
         ratio = anchor / ours if ours else math.inf
-    return BenchRow(name, ours, anchor, unit, ratio, goal)
+    return BenchRow(name, ours, anchor, unit, ratio, goal, note)
 
 
 def run_groups(
@@ -133,14 +136,22 @@ def run_groups(
 
 
 def format_table(rows: Iterable[BenchRow]) -> str:
-    """Rows as an aligned text table: name, ours, anchor, unit, ratio, goal, met."""
+    """Rows as an aligned text table (name, ours, anchor, unit, ratio, goal, met), then notes.
+
+    A row with a note gets a mark ``[n]`` after its name and the note as footnote ``n``.
+    """
     header = ("name", "ours", "anchor", "unit", "ratio", "goal", "met")
     table = [header]
+    notes: list[str] = []
     for row in rows:
+        name = row.name
+        if row.note:
+            notes.append(row.note)
+            name = f"{row.name} [{len(notes)}]"
         met = {None: "", True: "yes", False: "NO"}[row.goal_met]
         table.append(
             (
-                row.name,
+                name,
                 _fmt(row.ours),
                 _fmt(row.anchor),
                 row.unit,
@@ -152,6 +163,7 @@ def format_table(rows: Iterable[BenchRow]) -> str:
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.extend(f"[{number}] {note}" for number, note in enumerate(notes, 1))
     return "\n".join(lines)
 
 
@@ -162,5 +174,5 @@ def _fmt(value: float) -> str:
 
 
 def write_json(rows: Iterable[BenchRow], path: str | Path) -> None:
-    """Write rows as a JSON list of objects with keys name, ours, anchor, unit, ratio, goal."""
+    """Write rows as a JSON list of objects: name, ours, anchor, unit, ratio, goal, note."""
     Path(path).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
