@@ -1,14 +1,26 @@
-"""Peer liveness: PING to watched peers, PONG back, silence declared dead once."""
+"""Peer liveness: PING to watched peers, PONG back, silence declared dead once; and the
+prefill writer's per-target switch that leaves a rank unwatched (issue 17)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import pytest
 
 from staging_contracts.control.liveness import PeerLiveness
 from staging_contracts.control.room_messages import Ping, Pong
 from staging_contracts.control.transport import PeerSockets
+from staging_contracts.prefill.books import RegionAnswerTable, WatermarkTracker
+from staging_contracts.prefill.writer import (
+    ChunkSpec,
+    DecodeTarget,
+    PrefillTimeouts,
+    StagingFailed,
+    StagingWriter,
+)
+from staging_contracts.protocols import Notification, Transfer
+from tests.local_cluster import Geometry
 
 
 class RecordingSender(PeerSockets):
@@ -118,3 +130,153 @@ def test_bad_bounds_are_refused() -> None:
     """The timeout must exceed the interval."""
     with pytest.raises(ValueError, match=r"^interval_s=1.0 must be > 0 and timeout_s=1.0"):
         PeerLiveness(RecordingSender(), "e", interval_s=1.0, timeout_s=1.0)
+
+
+# --------------------------------------------------------------------------- the per-peer switch
+# A decode rank given as DecodeTarget(..., liveness=False) (the reference's decode, which never
+# answers PING) is never watched by the prefill writer: never pinged, never declared dead, and
+# no room of it fails for its silence; the chunk deadline still bounds every wait on it.
+
+
+class SilentEngine:
+    """A transfer engine that writes nothing (the switch never reaches the engine)."""
+
+    session_id = "prefill-engine"
+    supports_notifications = False
+
+    def metadata(self) -> bytes:
+        return b""
+
+    def add_peer(self, session_id: str, metadata: bytes) -> None:
+        del session_id, metadata
+
+    def register(self, ptr: int, length: int) -> None:
+        del ptr, length
+
+    def deregister(self, ptr: int) -> None:
+        del ptr
+
+    def write(self, peer: str, transfers: Sequence[Transfer], notify: bytes | None = None) -> None:
+        del peer, transfers, notify
+
+    def poll_notifications(self) -> list[Notification]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+GEOMETRY = Geometry(1, 1, 2)
+OURS = DecodeTarget(0, "decode-ours", "tcp://ours:1", 1_000_000, 1 << 16)
+THEIRS = DecodeTarget(0, "decode-theirs", "tcp://theirs:1", 1_000_000, 1 << 16, liveness=False)
+
+
+@dataclass
+class WriterSide:
+    writer: StagingWriter
+    liveness: PeerLiveness
+    sender: RecordingSender
+    clock: Clock
+    lost: list[tuple[int, str]]
+
+    def pings_to(self, endpoint: str) -> int:
+        return sum(1 for e, frames in self.sender.sent if e == endpoint and frames[0] == b"PING")
+
+    def tick_past_timeout(self) -> list[str]:
+        """Advance the fake clock past the timeout an interval at a time, ticking each time."""
+        dead: list[str] = []
+        for _ in range(int(self.liveness.timeout_s / self.liveness.interval_s) + 2):
+            self.clock.now += self.liveness.interval_s
+            dead += self.liveness.tick()
+        return dead
+
+
+def writer_side(*, deadline_s: float = 30.0) -> WriterSide:
+    """A 1 -> 1 writer wired to a liveness on a fake clock, as enable_prefill_staging does."""
+    liveness, sender, clock, _ = make()
+    writer = StagingWriter(
+        kv_buffers=GEOMETRY.empty_pool(1, 0),
+        engine=SilentEngine(),
+        sender=sender,
+        watermarks=WatermarkTracker(),
+        regions=RegionAnswerTable(),
+        prefill_tp=1,
+        prefill_rank=0,
+        total_kv_heads=GEOMETRY.total_heads,
+        max_chunk_pages=4,
+        timeouts=PrefillTimeouts(answer_s=0.05, ready_s=0.05, deadline_s=deadline_s),
+        liveness=liveness,
+    )
+    liveness.subscribe(writer.peer_dead)
+    lost: list[tuple[int, str]] = []
+    writer.on_room_lost(lambda room, reason: lost.append((room, reason)))
+    return WriterSide(writer, liveness, sender, clock, lost)
+
+
+def test_liveness_is_on_by_default_for_a_decode_target() -> None:
+    """A target made without the switch is watched: pinged, declared dead when silent, and
+    its room is lost with the reason; a chunk of it then fails at once."""
+    assert DecodeTarget(0, "s", "tcp://e:1", 0, 1).liveness is True
+    side = writer_side()
+    side.writer.prefetch(7, [(0, 2)], [OURS])
+    assert side.liveness.watched == frozenset({OURS.endpoint})
+    assert side.tick_past_timeout() == [OURS.endpoint]
+    assert side.pings_to(OURS.endpoint) >= 2
+    assert side.lost == [(7, f"decode rank at {OURS.endpoint} is dead")]
+    assert side.writer.chunk_ready(7, 0, [OURS])  # it would fail at once, not wait
+    with pytest.raises(StagingFailed, match=r"chunk 0: decode rank 0 at tcp://ours:1 is dead"):
+        side.writer.send_chunk(7, ChunkSpec(0, 0, (1, 2)), [OURS])
+
+
+def test_a_target_without_liveness_is_never_pinged_nor_declared_dead() -> None:
+    """liveness=False: the room is tracked (its session authorised) but the rank is not
+    watched, so however long the room lasts it gets no PING, is never dead and the room is
+    never lost for its silence."""
+    side = writer_side()
+    side.writer.prefetch(7, [(0, 2)], [THEIRS])
+    assert side.liveness.watched == frozenset()
+    assert side.tick_past_timeout() == []
+    assert side.tick_past_timeout() == []
+    assert side.pings_to(THEIRS.endpoint) == 0
+    assert not side.liveness.is_dead(THEIRS.endpoint)
+    assert side.lost == []
+    assert not side.writer.chunk_ready(7, 0, [THEIRS])  # still waits for its region
+    assert side.writer.authorize(
+        [b"STAGING_RSP", b"7", b"0", b"0", b"0", b"1", b"decode-theirs"], THEIRS.endpoint
+    )
+
+
+def test_the_switch_is_per_target_and_a_dead_verdict_does_not_reach_an_unwatched_room() -> None:
+    """Room 7 watches a rank, room 8 reaches the same rank without liveness: when the rank is
+    declared dead only room 7 is lost, and a chunk of room 8 does not fail for it."""
+    side = writer_side()
+    watched = DecodeTarget(0, "decode-x", "tcp://x:1", 1_000_000, 1 << 16)
+    unwatched = DecodeTarget(0, "decode-x", "tcp://x:1", 1_000_000, 1 << 16, liveness=False)
+    side.writer.prefetch(7, [(0, 2)], [watched])
+    side.writer.prefetch(8, [(0, 2)], [unwatched])
+    assert side.tick_past_timeout() == ["tcp://x:1"]
+    assert side.lost == [(7, "decode rank at tcp://x:1 is dead")]
+    assert side.writer.chunk_ready(7, 0, [watched])
+    assert not side.writer.chunk_ready(8, 0, [unwatched])
+
+
+def test_forgetting_rooms_unwatches_only_what_was_watched() -> None:
+    """Forgetting a room without liveness drops no other room's watch of the same rank."""
+    side = writer_side()
+    side.writer.prefetch(7, [(0, 2)], [OURS])
+    side.writer.prefetch(8, [(0, 2)], [replace(OURS, liveness=False)])
+    side.writer.forget_room(8)
+    assert side.liveness.watched == frozenset({OURS.endpoint})
+    side.writer.forget_room(7)
+    assert side.liveness.watched == frozenset()
+
+
+def test_without_liveness_a_chunk_still_fails_at_its_deadline() -> None:
+    """Turning liveness off removes no bound: a chunk whose region is never answered fails at
+    deadline_s, having asked again meanwhile."""
+    side = writer_side(deadline_s=0.2)
+    with pytest.raises(StagingFailed, match=r"no STAGING_RSP for chunk 0 before the deadline"):
+        side.writer.send_chunk(7, ChunkSpec(0, 0, (1, 2)), [THEIRS])
+    requests = [f for e, f in side.sender.sent if e == THEIRS.endpoint and f[0] == b"STAGING_REQ"]
+    assert len(requests) >= 2
+    assert side.pings_to(THEIRS.endpoint) == 0

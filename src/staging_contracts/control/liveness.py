@@ -3,9 +3,15 @@
 A rank watches the peers its rooms depend on (decode: the prefill writers of its rooms;
 prefill: the decode ranks it writes to). Every ``interval_s`` it sends each watched peer a
 ``PING`` carrying its own endpoint; the peer answers ``PONG`` at once, whether or not it
-watches back. Any message from a peer counts as a sign of life. A watched peer not heard from
-for ``timeout_s`` is declared dead once, and every subscriber is told (the rooms that depend
-on it then fail together, within seconds rather than at a per-chunk deadline).
+watches back. A ``PING`` or ``PONG`` from a peer is its sign of life (no other message
+counts). A watched peer not heard from for ``timeout_s`` is declared dead once, and every
+subscriber is told (the rooms that depend on it then fail together, within seconds rather
+than at a per-chunk deadline).
+
+A peer that never answers ``PING`` (the reference's ranks) must not be watched, or it dies
+``timeout_s`` after the first watch: the prefill writer leaves out every decode rank given
+as ``DecodeTarget(..., liveness=False)``, so it is never pinged and its rooms never fail for
+its silence (their chunk deadlines still bound every wait).
 
 A peer heard from again after being declared dead is alive again (a new process on the same
 endpoint); the rooms already failed stay failed.

@@ -115,6 +115,14 @@ class DecodeTarget:
     """Address of its staging ring."""
     ring_size: int
     """Bytes of its staging ring."""
+    liveness: bool = True
+    """Whether peer liveness watches this rank while a room needs it (the default): it is sent
+    ``PING`` every ``PeerLiveness.interval_s`` and, silent for ``PeerLiveness.timeout_s``,
+    declared dead, which fails its rooms at once. ``False`` for a rank that never answers
+    ``PING``, such as the reference's decode (README, "Differences from the reference"): it is
+    never pinged and no room fails for its silence; the chunk's ``PrefillTimeouts.deadline_s``
+    still bounds every wait on it, and a ``ROOM_FENCE`` from it still fails the room. Give
+    every target naming one rank the same value (a rank that any room watches is pinged)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +172,8 @@ class StagingWriter:
         timeouts: bounds of the waits.
         stream: CUDA only: the stream gathers run on.
         liveness: peer liveness of the host; the writer watches the decode ranks of its rooms
-            until it forgets them, and stops waiting on a rank declared dead.
+            (those whose :attr:`DecodeTarget.liveness` is true) until it forgets them, and
+            stops waiting on such a rank declared dead.
         ordering: when a gather has completed, so that the engine never reads the staging
             buffer before (default: the device's; see
             :mod:`~staging_contracts.staging.ordering`).
@@ -230,8 +239,9 @@ class StagingWriter:
         self._requested: set[tuple[int, int, str]] = set()
         self._requested_lock = threading.Lock()
         self._liveness = liveness
-        self._room_targets: dict[int, dict[str, str]] = {}
-        """Room -> the decode sessions it was requested from -> their endpoints (watched)."""
+        self._room_targets: dict[int, dict[str, DecodeTarget]] = {}
+        """Room -> the decode sessions it was requested from -> their targets (those with
+        ``liveness`` watched)."""
         self._session_endpoints: dict[str, str] = {}
         """Every decode session this writer requested from -> its endpoint (latest)."""
         self._fence_lock = threading.Lock()
@@ -301,7 +311,8 @@ class StagingWriter:
         return sent
 
     def track_room(self, room: int, targets: Sequence[DecodeTarget]) -> None:
-        """Remember (and watch, until :meth:`forget_room`) the decode ranks a room goes to.
+        """Remember (and watch, until :meth:`forget_room`) the decode ranks a room goes to;
+        a target with ``liveness=False`` is remembered, never watched.
 
         **Called by:** :meth:`prefetch`, and the per-request layer when a room opens, so that
         a decode rank that dies before it answers anything is noticed. **Blocking:** no.
@@ -312,8 +323,9 @@ class StagingWriter:
             for target in targets:
                 self._session_endpoints[target.session_id] = target.endpoint
                 if target.session_id not in known:
-                    known[target.session_id] = target.endpoint
-                    new.append(target.endpoint)
+                    known[target.session_id] = target
+                    if target.liveness:
+                        new.append(target.endpoint)
         if self._liveness is not None:
             for endpoint in new:
                 self._liveness.watch(endpoint)
@@ -327,7 +339,9 @@ class StagingWriter:
         """Drop a finished or failed room's requests, answers, fences and watches."""
         with self._requested_lock:
             self._requested = {key for key in self._requested if key[0] != room}
-            endpoints = list(self._room_targets.pop(room, {}).values())
+            endpoints = [
+                t.endpoint for t in self._room_targets.pop(room, {}).values() if t.liveness
+            ]
         with self._fence_lock:
             for key in [k for k in self._fenced if k[0] == room and k != self._in_flight]:
                 del self._fenced[key]
@@ -382,13 +396,16 @@ class StagingWriter:
             self._tell_room_lost(fence.room, f"decode fenced the room: {fence.reason}")
 
     def peer_dead(self, endpoint: str) -> None:
-        """A decode rank was declared dead: every room requested from it is lost.
+        """A decode rank was declared dead: every room that watches it is lost (a room whose
+        target for it has ``liveness=False`` is not).
 
         **Called by:** the listener thread (peer liveness). **Blocking:** no.
         """
         with self._requested_lock:
             rooms = [
-                room for room, targets in self._room_targets.items() if endpoint in targets.values()
+                room
+                for room, targets in self._room_targets.items()
+                if any(t.liveness and t.endpoint == endpoint for t in targets.values())
             ]
         for room in rooms:
             self._tell_room_lost(room, f"decode rank at {endpoint} is dead")
@@ -430,7 +447,11 @@ class StagingWriter:
             reason = self._fenced.get((room, target.session_id))
         if reason is not None:
             return f"decode fenced the room: {reason}"
-        if self._liveness is not None and self._liveness.is_dead(target.endpoint):
+        if (
+            target.liveness
+            and self._liveness is not None
+            and self._liveness.is_dead(target.endpoint)
+        ):
             return f"decode rank {target.tp_rank} at {target.endpoint} is dead"
         return None
 
