@@ -19,7 +19,12 @@ import torch
 
 from staging_contracts import KVBufferTensors
 from staging_contracts.backends.common import Role
-from staging_contracts.backends.staging_setup import enable_decode_staging, enable_prefill_staging
+from staging_contracts.backends.local import LocalKVManager
+from staging_contracts.backends.staging_setup import (
+    StagingBackend,
+    enable_decode_staging,
+    enable_prefill_staging,
+)
 from staging_contracts.control.transport import PeerSockets
 from staging_contracts.control.wire import ChunkReady
 from staging_contracts.decode.handler import DecodeStagingHandler, RoomPlan, RoomStatus, peers_for
@@ -235,8 +240,14 @@ class NixlSides:
 
 
 @contextmanager
-def nixl_sides(geometry: Geometry, modes: Sequence[ArrivalMode]) -> Iterator[NixlSides]:
-    """One prefill manager per mode, ``geometry.decode_tp`` decode managers."""
+def nixl_sides(
+    geometry: Geometry,
+    modes: Sequence[ArrivalMode],
+    setup: Sequence[ArrivalMode | None] | None = None,
+) -> Iterator[NixlSides]:
+    """One prefill manager per mode, ``geometry.decode_tp`` decode managers; ``setup``: the
+    ``arrival=`` given to ``enable_prefill_staging`` per prefill rank (``None`` each by
+    default: the manager's own mode)."""
     from staging_contracts.backends.nixl import NixlKVManager
 
     g = geometry
@@ -284,9 +295,10 @@ def nixl_sides(geometry: Geometry, modes: Sequence[ArrivalMode]) -> Iterator[Nix
             enable_decode_staging(m, kv_buffers=pool, ring_bytes=1 << 18)
             for m, pool in zip(decode, decode_pools, strict=True)
         ]
+        chosen = list(setup) if setup is not None else [None] * len(prefill)
         writers = [
-            enable_prefill_staging(m, kv_buffers=pool, max_chunk_pages=4)
-            for m, pool in zip(prefill, prefill_pools, strict=True)
+            enable_prefill_staging(m, kv_buffers=pool, max_chunk_pages=4, arrival=arrival)
+            for m, pool, arrival in zip(prefill, prefill_pools, chosen, strict=True)
         ]
         for manager in made:
             manager.start()
@@ -413,3 +425,146 @@ def test_zmq_arrival_fans_out_to_two_decode_ranks() -> None:
         assert decode.engine.supports_notifications  # decode accepts both
     finally:
         decode.close()
+
+
+# --------------------------------------------------------------------------- enable_prefill_staging
+
+
+@pytest.mark.parametrize(
+    ("arrival", "expected"),
+    [(None, "notification"), ("notification", "notification"), ("zmq", "zmq")],
+)
+def test_setup_arrival_where_the_engine_has_notifications(
+    arrival: ArrivalMode | None, expected: str
+) -> None:
+    """A backend whose engine has notifications (LocalKVManager): without arrival= the writer
+    takes the manager's mode (notification); either mode may be chosen."""
+    g = GEOMETRY
+    manager = LocalKVManager(g.kv_args(1, 0), role=Role.PREFILL, attn_tp_size=1)
+    try:
+        writer = enable_prefill_staging(
+            manager, kv_buffers=g.empty_pool(1, 0), max_chunk_pages=4, arrival=arrival
+        )
+        assert writer.arrival == expected
+    finally:
+        manager.close()
+
+
+def test_setup_refuses_an_unknown_arrival_and_leaves_the_backend_without_staging() -> None:
+    """Only the two modes (or None); a refusal leaves no staging context or pool behind."""
+    g = GEOMETRY
+    manager = LocalKVManager(g.kv_args(1, 0), role=Role.PREFILL, attn_tp_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"^arrival='rdma' must be 'notification', 'zmq' or"):
+            enable_prefill_staging(
+                manager,
+                kv_buffers=g.empty_pool(1, 0),
+                max_chunk_pages=4,
+                arrival="rdma",  # type: ignore[arg-type]  # the mistake under test
+            )
+        assert manager._staging_ctx is None
+        assert manager.kv_buffer_tensors is None
+    finally:
+        manager.close()
+
+
+def refused_then_accepted(backend: StagingBackend, g: Geometry) -> StagingWriter:
+    """Asking for "notification" is refused with the engine named, nothing of staging is left on the
+    backend, and the manager's own mode is then accepted."""
+    with pytest.raises(
+        ValueError, match=r"^arrival='notification' needs an engine with notifications; "
+    ) as caught:
+        enable_prefill_staging(
+            backend, kv_buffers=g.empty_pool(1, 0), max_chunk_pages=4, arrival="notification"
+        )
+    assert repr(backend.engine) in str(caught.value)
+    assert backend._staging_ctx is None
+    assert getattr(backend, "kv_buffer_tensors", None) is None
+    return enable_prefill_staging(backend, kv_buffers=g.empty_pool(1, 0), max_chunk_pages=4)
+
+
+@pytest.mark.mooncake
+def test_setup_arrival_on_a_backend_without_notifications() -> None:
+    """Mooncake has no notifications: the writer signals over ZMQ by default or when asked,
+    and "notification" is refused with a ValueError naming the engine."""
+    ok, why = engine_available("mooncake")
+    if not ok:
+        pytest.skip(why)
+    from staging_contracts.backends.mooncake import MooncakeKVManager
+
+    g = GEOMETRY
+    manager = MooncakeKVManager(g.kv_args(1, 0), role=Role.PREFILL, attn_tp_size=1)
+    try:
+        assert refused_then_accepted(manager, g).arrival == "zmq"
+    finally:
+        manager.close()
+    manager = MooncakeKVManager(g.kv_args(1, 0), role=Role.PREFILL, attn_tp_size=1)
+    try:
+        writer = enable_prefill_staging(
+            manager, kv_buffers=g.empty_pool(1, 0), max_chunk_pages=4, arrival="zmq"
+        )
+        assert writer.arrival == "zmq"
+    finally:
+        manager.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)
+@pytest.mark.parametrize(
+    ("manager_mode", "setup", "expected"),
+    [
+        ("notification", None, "notification"),
+        ("notification", "notification", "notification"),
+        ("notification", "zmq", "zmq"),
+        ("zmq", None, "zmq"),
+        ("zmq", "zmq", "zmq"),
+    ],
+)
+def test_setup_arrival_on_a_nixl_manager(
+    manager_mode: ArrivalMode, setup: ArrivalMode | None, expected: str
+) -> None:
+    """Without arrival= the writer takes the manager's mode; a manager with notifications
+    (its default) lets the set-up choose either; the manager's own mode is unchanged."""
+    from staging_contracts.backends.nixl import NixlKVManager
+
+    g = GEOMETRY
+    manager = NixlKVManager(
+        g.kv_args(1, 0), role=Role.PREFILL, attn_tp_size=1, arrival=manager_mode
+    )
+    try:
+        writer = enable_prefill_staging(
+            manager, kv_buffers=g.empty_pool(1, 0), max_chunk_pages=4, arrival=setup
+        )
+        assert writer.arrival == expected
+        assert manager.arrival == manager_mode
+    finally:
+        manager.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)
+def test_setup_refuses_notification_arrival_on_a_nixl_manager_made_for_zmq() -> None:
+    """NixlKVManager(arrival="zmq") creates its agent without notifications: the set-up
+    cannot ask for them, and says which engine has none."""
+    from staging_contracts.backends.nixl import NixlKVManager
+
+    g = GEOMETRY
+    manager = NixlKVManager(g.kv_args(1, 0), role=Role.PREFILL, attn_tp_size=1, arrival="zmq")
+    try:
+        assert refused_then_accepted(manager, g).arrival == "zmq"
+    finally:
+        manager.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)
+def test_setup_arrival_zmq_on_default_nixl_managers_is_what_decode_receives() -> None:
+    """P=2 -> D=1, both prefill managers in their default mode (notification); the set-up
+    turns rank 0 to ZMQ: decode receives rank 0's arrivals as CHUNK_READY and rank 1's as
+    notifications, and its pool is bit-exact."""
+    g = Geometry(2, 1, 4)
+    with nixl_sides(g, ["notification", "notification"], setup=["zmq", None]) as sides:
+        assert [m.arrival for m in sides.prefill] == ["notification", "notification"]
+        assert [w.arrival for w in sides.writers] == ["zmq", "notification"]
+        run_room(sides, g)
+        assert sorted(sides.arrivals) == [(0, "notification")] * 2 + [(0, "zmq")] * 2

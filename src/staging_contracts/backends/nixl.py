@@ -4,7 +4,10 @@
 manager with ``arrival=``: ``"notification"`` (the default), the bulk write's NIXL
 notification carrying the ``CHUNK_READY`` fields; or ``"zmq"``, a ``CHUNK_READY`` message to
 decode's control listener once the write completed, as the reference's NIXL path does (its
-decode never reads NIXL notifications). A decode manager accepts both, whatever its own
+decode never reads NIXL notifications). ``enable_prefill_staging(manager, ...,
+arrival=...)`` may override it for the manager's writer: ``"zmq"`` always, ``"notification"``
+only where the manager's agent has notifications (it was not created with ``"zmq"``); the
+manager's mode is its writer's default. A decode manager accepts both, whatever its own
 ``arrival`` says: notifications are polled by the listener's idle loop, which also drives the
 agent's progress (NIXL runs without its progress thread here), and ``CHUNK_READY`` messages
 arrive on the listener like every other staging message. Requires the ``nixl`` extra.
@@ -58,7 +61,9 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             NIC; on hosts without one they can crash the process at exit).
         arrival: how this manager's prefill writers signal arrival: ``"notification"``
             (default) or ``"zmq"``, ``CHUNK_READY`` over ZMQ after each write, for a decode
-            that reads no NIXL notifications (the reference's). It changes nothing on
+            that reads no NIXL notifications (the reference's). ``"zmq"`` creates the agent
+            without notifications, so ``enable_prefill_staging(..., arrival="notification")``
+            is then refused; ``"notification"`` lets it choose either. It changes nothing on
             decode, which accepts both.
 
     Raises:
@@ -111,7 +116,8 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
 
     @property
     def arrival(self) -> ArrivalMode:
-        """How this manager's prefill writers signal arrival (decode accepts both)."""
+        """How this manager's prefill writers signal arrival unless
+        ``enable_prefill_staging(..., arrival=...)`` chose otherwise (decode accepts both)."""
         return self._arrival
 
     def _on_message(self, frames: list[bytes]) -> None:

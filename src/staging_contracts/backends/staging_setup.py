@@ -19,7 +19,7 @@ from ..control.transport import PeerSockets
 from ..control.wire import MalformedMessage
 from ..decode.handler import DecodeStagingHandler
 from ..prefill.books import RegionAnswerTable, WatermarkTracker
-from ..prefill.writer import PrefillTimeouts, StagingWriter
+from ..prefill.writer import ArrivalMode, PrefillTimeouts, StagingWriter
 from ..protocols import (
     ArrivalOutcome,
     DecodeStagingContext,
@@ -138,10 +138,29 @@ def enable_prefill_staging(
     max_chunk_pages: int,
     timeouts: PrefillTimeouts | None = None,
     stream: torch.cuda.Stream | None = None,
+    arrival: ArrivalMode | None = None,
 ) -> StagingWriter:
     """Give a prefill backend its staging context and writer.
 
-    **Side:** prefill. **Called by:** the backend's constructor or the scheduler.
+    **Side:** prefill. **Called by:** the backend's constructor or the scheduler, on its own
+    thread, once per rank before the first room (the writer's mode is fixed from then on).
+
+    Args:
+        backend: the prefill manager.
+        kv_buffers: this rank's paged KV pool (read in place by the writer's gathers).
+        max_chunk_pages: the largest chunk, in pages (sizes the staging buffer).
+        timeouts: bounds of each chunk's waits (defaults of :class:`PrefillTimeouts`).
+        stream: CUDA only: the stream gathers run on.
+        arrival: how the writer tells decode that a write landed (see
+            :data:`~staging_contracts.prefill.writer.ArrivalMode`): ``"notification"``, in
+            the bulk write's own notification (the engine must have notifications); ``"zmq"``,
+            a ``CHUNK_READY`` message to decode's listener, sent by the prefill transfer
+            worker's thread once the write returned (what the reference's NIXL decode reads;
+            any engine can). ``None`` (default): the manager's own mode, which is its
+            engine's: ``"notification"`` where ``backend.engine.supports_notifications``
+            (``NixlKVManager`` by default, ``LocalKVManager``), else ``"zmq"`` (Mooncake,
+            Ascend, ``NixlKVManager(arrival="zmq")``, whose agent has no notifications). Our
+            decode accepts both.
 
     Returns:
         The writer (one per rank; its staging buffer is registered with the engine).
@@ -149,6 +168,9 @@ def enable_prefill_staging(
     Raises:
         NotImplementedError: ``pp_size > 1`` (writers split by pipeline stage are not
             staged yet).
+        ValueError: ``arrival="notification"`` on a backend whose engine has no
+            notifications, or an unknown ``arrival`` (checked by the writer; the backend is
+            left without staging).
     """
     if backend.pp_size != 1:
         raise NotImplementedError(
@@ -158,8 +180,6 @@ def enable_prefill_staging(
     kv_args = backend.kv_args
     watermarks = WatermarkTracker()
     regions = RegionAnswerTable()
-    _give_pool(backend, kv_buffers)
-    backend._staging_ctx = PrefillStagingContext(watermarks, regions)
     writer = StagingWriter(
         kv_buffers=kv_buffers,
         engine=backend.engine,
@@ -174,7 +194,11 @@ def enable_prefill_staging(
         timeouts=timeouts,
         stream=stream,
         liveness=backend.liveness,
+        arrival=arrival,
     )
+    # only once the writer exists: a refused arrival leaves the backend as it was
+    _give_pool(backend, kv_buffers)
+    backend._staging_ctx = PrefillStagingContext(watermarks, regions)
     backend.register_control(
         RoomFence.KIND, lambda frames: writer.handle_room_fence(RoomFence.from_frames(frames))
     )
