@@ -7,6 +7,8 @@ of their own); the bytes travel over NIXL into its ring. Reverse: the reference'
 ranks (:class:`ReferencePrefillRank`: its prefetch, readiness, gather and ``CHUNK_READY``)
 stage rooms into our decode managers. Both for P=2 -> D=1 and P=1 -> D=2, with a ring small
 enough that regions wrap and wait for ``WATERMARK``; every decode pool must be bit-exact.
+And one room to its decode that outlasts our liveness timeout, with and without the per-target
+liveness switch (its decode never answers ``PING``).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import threading
 import types
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
 
 import pytest
 import torch
+import zmq
 
 from staging_contracts import KVBufferTensors
 from staging_contracts.backends.common import Role
@@ -28,7 +31,7 @@ from staging_contracts.backends.staging_setup import enable_decode_staging, enab
 from staging_contracts.decode.handler import RoomPlan, RoomStatus, peers_for
 from staging_contracts.engines import engine_available
 from staging_contracts.engines.local import LocalEngine
-from staging_contracts.prefill.writer import ChunkSpec, DecodeTarget, StagingWriter
+from staging_contracts.prefill.writer import ChunkSpec, DecodeTarget, StagingFailed, StagingWriter
 from staging_contracts.protocols import TransferEngine
 from staging_contracts.staging.layout import compute_staging_layout, prefill_ranks_for_decode
 from tests.interop._reference import Reference
@@ -144,12 +147,21 @@ class Forward:
 
 
 @contextmanager
-def forward_sides(reference: Reference, g: Geometry, rooms: list[Data]) -> Iterator[Forward]:
-    """Our prefill (arrival over ZMQ) and its decode ranks, the rooms registered on decode."""
+def forward_sides(
+    reference: Reference,
+    g: Geometry,
+    rooms: list[Data],
+    *,
+    zmq_chosen_by: Literal["manager", "setup"] = "manager",
+) -> Iterator[Forward]:
+    """Our prefill (arrival over ZMQ) and its decode ranks, the rooms registered on decode.
+    ``zmq_chosen_by``: ``"manager"``, ``NixlKVManager(arrival="zmq")``; ``"setup"``, a manager
+    in its default mode and ``enable_prefill_staging(..., arrival="zmq")``."""
     from staging_contracts.backends.nixl import NixlKVManager
     from staging_contracts.engines.nixl import NixlEngine
 
     ring = ring_for(g)
+    by_manager = zmq_chosen_by == "manager"
     with ExitStack() as stack:
         prefill = []
         for p in range(g.prefill_tp):
@@ -157,13 +169,18 @@ def forward_sides(reference: Reference, g: Geometry, rooms: list[Data]) -> Itera
                 g.kv_args(g.prefill_tp, p),
                 role=Role.PREFILL,
                 attn_tp_size=g.prefill_tp,
-                arrival="zmq",
+                arrival="zmq" if by_manager else "notification",
             )
             stack.callback(manager.close)
             prefill.append(manager)
         pools = prefill_pools(g, rooms)
         writers = [
-            enable_prefill_staging(m, kv_buffers=pool, max_chunk_pages=CHUNK_PAGES)
+            enable_prefill_staging(
+                m,
+                kv_buffers=pool,
+                max_chunk_pages=CHUNK_PAGES,
+                arrival=None if by_manager else "zmq",
+            )
             for m, pool in zip(prefill, pools, strict=True)
         ]
         for manager in prefill:
@@ -256,22 +273,64 @@ def test_our_prefill_stages_into_its_decode(reference: Reference, g: Geometry) -
 
 @pytest.mark.nixl
 @pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)
-def test_our_prefill_declares_its_decode_dead_as_it_answers_no_ping(reference: Reference) -> None:
-    """A difference that remains: its decode takes our PING for foreign traffic and never
-    answers PONG, so our peer liveness declares it dead after PeerLiveness.timeout_s (5 s by
-    default, shortened here) and fails the rooms that depend on it."""
+@pytest.mark.parametrize("liveness", [True, False], ids=["liveness-on", "liveness-off"])
+def test_a_room_outlasting_the_liveness_timeout_needs_the_switch(
+    reference: Reference, liveness: bool
+) -> None:
+    """Its decode takes our PING for foreign traffic and never answers PONG. A room to it that
+    lasts longer than PeerLiveness.timeout_s (5 s by default, 0.3 s here): with liveness on
+    (the default) our prefill declares its decode dead and fails the room; with the switch
+    (DecodeTarget(..., liveness=False)) its decode is never pinged, the room survives the
+    pause and its pool is bit-exact. The pause is measured by the liveness itself: a
+    sentinel peer, watched after the first chunk and never answering, is declared dead only
+    once the room has been silent for longer than the timeout. The prefill manager is in its
+    default mode and chooses ZMQ arrival at set-up (enable_prefill_staging(arrival="zmq"))."""
     g = Geometry(1, 1, 4, pool_pages=64)
     rooms = make_rooms(g, finite=False)[:1]
-    with forward_sides(reference, g, rooms) as sides:
+    (data,) = rooms
+    chunks = data.chunks()
+    with forward_sides(reference, g, rooms, zmq_chosen_by="setup") as sides:
         (manager,), (writer,), (rank,) = sides.prefill, sides.writers, sides.decode
+        assert manager.arrival == "notification"
+        assert writer.arrival == "zmq"
+        targets = [replace(t, liveness=liveness) for t in sides.targets]
         lost: list[tuple[int, str]] = []
         writer.on_room_lost(lambda room, reason: lost.append((room, reason)))
         manager.liveness.interval_s, manager.liveness.timeout_s = 0.05, 0.3
-        writer.prefetch(rooms[0].room, [(0, CHUNK_PAGES)], sides.targets)
-        assert wait_for(lambda: bool(lost), 10)
-        assert lost == [(rooms[0].room, f"decode rank at {rank.endpoint} is dead")]
-        assert wait_for(lambda: any(f[0] == b"PING" for f in rank.ignored), 5)
-        assert manager.liveness.is_dead(rank.endpoint)
+        sentinel_context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        sentinel = sentinel_context.socket(zmq.PULL)
+        sentinel.setsockopt(zmq.LINGER, 0)
+        sentinel_endpoint = f"tcp://127.0.0.1:{sentinel.bind_to_random_port('tcp://127.0.0.1')}"
+        try:
+            writer.prefetch(data.room, [(c.chunk_idx, len(c.pages)) for c in chunks], targets)
+            writer.send_chunk(data.room, chunks[0], targets)
+            manager.liveness.watch(sentinel_endpoint)
+            assert wait_for(lambda: manager.liveness.is_dead(sentinel_endpoint), 10)
+            assert sentinel.poll(1000)
+            assert sentinel.recv_multipart()[0] == b"PING"
+            if liveness:
+                # dead in the sentinel's tick or before; subscribers hear it after the verdict
+                reason = f"decode rank at {rank.endpoint} is dead"
+                assert wait_for(lambda: lost == [(data.room, reason)], 5), lost
+                assert manager.liveness.is_dead(rank.endpoint)
+                with pytest.raises(StagingFailed, match=r"chunk 1: decode rank 0 at .* is dead"):
+                    writer.send_chunk(data.room, chunks[1], targets)
+                assert wait_for(lambda: any(f[0] == b"PING" for f in rank.ignored), 5)
+                return
+            for chunk in chunks[1:]:
+                writer.send_chunk(data.room, chunk, targets)
+            rank.finish_room(data.room)
+            assert rank.wait_done(data.room)
+            assert lost == []
+            assert not manager.liveness.is_dead(rank.endpoint)
+            assert rank.errors == []
+            assert rank.ignored == []  # not one PING reached it
+            assert rank.received.count(b"CHUNK_READY") == len(chunks)
+            assert pools_equal(sides.decode_pools[0], expected_decode(g, 0, rooms))
+        finally:
+            manager.liveness.unwatch(sentinel_endpoint)
+            sentinel.close()
+            sentinel_context.term()
 
 
 # --------------------------------------------------------------------------- reverse
