@@ -6,6 +6,15 @@ request of the :class:`~staging_contracts.cluster.workload.TransferConfig` throu
 API, verifies (decode) and reports to the driver as JSON over ZMQ: ``ready``, one ``room``
 event per finished request, and a final ``report``; every event carries the rank's ``pid``.
 
+**Per-request clocks.** Every final report of a rank that ran to the end carries
+``peak_rss_bytes``, the peak resident set size of the rank's process
+(``resource.getrusage``), and per request index (``str(index)`` keys) ``time.monotonic()``
+stamps: a prefill rank's ``room_first_request_s`` (when its first ``STAGING_REQ`` of the room
+left, stamped as it was handed to the control socket) and a decode rank's ``room_done_s``
+(when the room reached SUCCESS or FAILED, stamped by one waiter thread per room as the
+decode handler's completion wakes it, whatever order the rooms end in). ``CLOCK_MONOTONIC``
+is system-wide on Linux, so stamps of different processes of one host compare.
+
 The rank binds and advertises ``config.host``: its control listener and its transfer
 engine (the NIXL backend confines UCX to the interface holding it); Mooncake listens on
 every interface whatever it is told, and says so at start-up (see
@@ -22,26 +31,33 @@ import gc
 import json
 import logging
 import os
+import queue
+import resource
 import signal
+import sys
+import threading
 import time
 import traceback
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import zmq
 
-from ..backends import load_backend
+from ..backends import resolve_backend
 from ..backends.common import CommonKVManager, Role
 from ..backends.kv_requests import DecodeTransfers, KVPoll, KVReceiver, KVSender, PrefillTransfers
 from ..backends.staging_setup import StagingBackend, enable_decode_staging, enable_prefill_staging
+from ..control.transport import PeerSockets
+from ..control.wire import StagingReq
 from ..prefill.writer import DecodeTarget, PrefillTimeouts
 from ..staging.layout import compute_staging_layout
 from .bootstrap import RankInfo, arrive, query_ranks, register_rank, wait_barrier
 from .workload import TransferConfig, fill_prefill_pool, request_plans, verify_decode_pool
 
-__all__ = ["RankStopped", "rank_main"]
+__all__ = ["FirstRequestClock", "RankStopped", "peak_rss_bytes", "rank_main"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +116,7 @@ def rank_main(role: str, rank: int, config: TransferConfig, bootstrap: str, repo
             else _run_prefill(rank, config, bootstrap, report)
         )
         seen["phase"] = "done"
-        report("report", ok=True, **summary)
+        report("report", ok=True, peak_rss_bytes=peak_rss_bytes(), **summary)
     except BaseException as exc:  # noqa: BLE001 - a rank reports every failure, then exits
         report(
             "report",
@@ -115,13 +131,12 @@ def rank_main(role: str, rank: int, config: TransferConfig, bootstrap: str, repo
 
 
 def _make_manager(config: TransferConfig, role: Role, rank: int) -> StagingBackend:
-    backend = load_backend(config.backend)
+    # config.backend is a spec string (a name or MODULE:CLASS[=MODULE:FACTORY]), resolved
+    # here again; host reaches the manager only when its class or factory takes ``host``.
+    factory = resolve_backend(config.backend)
     logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL installs an INFO handler
     tp = config.prefill_tp if role is Role.PREFILL else config.decode_tp
-    manager: StagingBackend = backend(
-        config.kv_args(tp, rank), role=role, attn_tp_size=tp, host=config.host
-    )
-    return manager
+    return factory(config.kv_args(tp, rank), role=role, attn_tp_size=tp, host=config.host)
 
 
 def _ring_bytes(config: TransferConfig) -> int:
@@ -175,7 +190,7 @@ def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) 
             receivers[plan.index] = receiver
         arrive(bootstrap, "rooms", f"decode-{rank}")
         start = time.monotonic()
-        outcome = _wait_all(receivers, report)
+        outcome, done_at = _wait_all(receivers, report)
         end = time.monotonic()
         arrive(bootstrap, "done", f"decode-{rank}")
         succeeded = {i for i, state in outcome.items() if state is KVPoll.Success}
@@ -191,6 +206,7 @@ def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) 
             "problems": problems[:10],
             "succeeded": sorted(succeeded),
             "failed": {str(i): reason for i, reason in failures.items()},
+            "room_done_s": {str(i): at for i, at in sorted(done_at.items())},
             "ring_peak": allocator.peak_bytes,
             "ring_size": allocator.total_size,
             "ring_live_after": allocator.live_count,
@@ -216,6 +232,7 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
             timeouts=PrefillTimeouts(answer_s=0.5, ready_s=0.5, deadline_s=60.0),
         )
         transfers = PrefillTransfers(common, writer)
+        clock = FirstRequestClock(manager.peers)
         common.start()
         engine = manager.engine
         decode = query_ranks(bootstrap, "decode", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
@@ -260,7 +277,7 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
                     last=number == len(chunks) - 1,
                 )
             senders[plan.index] = sender
-        outcome = _wait_all(senders, report)
+        outcome, _ = _wait_all(senders, report)
         end = time.monotonic()
         # Stay up until every decode rank is done, as a serving prefill does: tearing four
         # processes down would take the CPU from the decode ranks' last scatters.
@@ -282,6 +299,11 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
             "requests_sent": writer.requests_sent,
             "succeeded": sorted(i for i, s in outcome.items() if s is KVPoll.Success),
             "failed": failures,
+            "room_first_request_s": {
+                str(plan.index): clock.first[plan.room]
+                for plan in request_plans(config)
+                if plan.room in clock.first
+            },
             "control_messages": stats.received + writer.requests_sent,
             "registered_after": _registered(manager),
         }
@@ -312,24 +334,95 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
-def _wait_all(
-    requests: dict[int, KVSender] | dict[int, KVReceiver], report: Any
-) -> dict[int, KVPoll]:
-    """Wait for every request in turn, reporting each as it ends.
+class _Waitable(Protocol):
+    """A request a driver can wait for (``KVSender``, ``KVReceiver``)."""
 
-    Blocking waits, not polls: six rank processes share two cores here, and polling main
-    threads took CPU from the copying ones; the decode clock also stops when the last room
-    ends, not at the next poll.
+    def wait(self, timeout_s: float) -> KVPoll: ...
+
+
+def _wait_all(
+    requests: Mapping[int, _Waitable], report: Any, timeout_s: float = ROOM_TIMEOUT_S
+) -> tuple[dict[int, KVPoll], dict[int, float]]:
+    """Wait for every request at once; report each as it ends, in the order they end.
+
+    One waiter thread per request blocks in its ``wait`` (no polling: six rank processes
+    share two cores here, and polling main threads took CPU from the copying ones) and
+    stamps ``time.monotonic()`` the moment it is woken by the request's end, so each stamp
+    is that request's own, not the time the main thread got round to it. The main thread
+    (the only one that touches the report socket) sends a ``room`` event per request as its
+    waiter hands it over.
+
+    **Blocking:** until every request ended, at most ``timeout_s``.
+
+    Returns:
+        The state of each request (Success or Failed) and when it ended.
+
+    Raises:
+        TimeoutError: a request had not ended after ``timeout_s`` (its waiter is a daemon
+            thread, left to end with its own bound).
     """
-    done: dict[int, KVPoll] = {}
-    deadline = time.monotonic() + ROOM_TIMEOUT_S
-    for index, request in requests.items():
+    ended: queue.SimpleQueue[tuple[int, KVPoll, float]] = queue.SimpleQueue()
+    deadline = time.monotonic() + timeout_s
+
+    def wait_one(index: int, request: _Waitable) -> None:
         state = request.wait(max(0.0, deadline - time.monotonic()))
+        ended.put((index, state, time.monotonic()))
+
+    for index, request in requests.items():
+        threading.Thread(
+            target=wait_one, args=(index, request), name=f"wait-request-{index}", daemon=True
+        ).start()
+    done: dict[int, KVPoll] = {}
+    at: dict[int, float] = {}
+    while len(done) < len(requests):
+        try:
+            index, state, when = ended.get(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+        except queue.Empty:
+            raise TimeoutError(
+                f"requests {sorted(set(requests) - set(done))} did not finish"
+            ) from None
         if state not in (KVPoll.Success, KVPoll.Failed):
             raise TimeoutError(f"requests {sorted(set(requests) - set(done))} did not finish")
         done[index] = state
+        at[index] = when
         report("room", index=index, ok=state is KVPoll.Success)
-    return done
+    return done, at
+
+
+class FirstRequestClock:
+    """When this prefill rank sent its first ``STAGING_REQ`` of each room.
+
+    Wraps ``peers.send`` (the sockets the staging writer sends its requests through) and
+    stamps ``time.monotonic()`` on the first ``STAGING_REQ`` of each room, just before handing
+    it to the socket; every message is passed on unchanged. Install it before the first room
+    opens.
+
+    **Side:** prefill. **Thread-safety:** the wrapped ``send`` may be called from any thread
+    (the listener's prefetch on ``ROOM_META``, the transfer worker's re-requests, the main
+    thread's ``KVSender.init``); :attr:`first` is read once the rooms ended.
+    """
+
+    def __init__(self, peers: PeerSockets) -> None:
+        self._send = peers.send
+        self._lock = threading.Lock()
+        self.first: dict[int, float] = {}
+        """Room -> ``time.monotonic()`` of its first ``STAGING_REQ``."""
+        peers.send = self.send  # type: ignore[method-assign]  # stamp, then pass on
+
+    def send(self, endpoint: str, frames: Sequence[bytes]) -> bool:
+        """Stamp a room's first ``STAGING_REQ``, then send ``frames`` as ``peers.send`` does."""
+        if len(frames) > 1 and frames[0] == StagingReq.WIRE_TYPE and frames[1].isdigit():
+            now = time.monotonic()
+            with self._lock:
+                self.first.setdefault(int(frames[1]), now)
+        return self._send(endpoint, frames)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far, in bytes (``getrusage``'s
+    ``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
 def _release_staging(manager: StagingBackend, ring_base: int) -> int:

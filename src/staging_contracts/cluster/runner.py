@@ -188,6 +188,58 @@ class ClusterResult:
         """Sum of an integer field over one side's reports."""
         return sum(int(r.fields.get(key, 0)) for r in self.ranks(role))
 
+    def request_latencies_s(self) -> dict[int, float]:
+        """Seconds each request took, by request index: from the earliest first
+        ``STAGING_REQ`` of it that a prefill rank sent to the latest moment a decode rank
+        saw it end (``room_first_request_s``, ``room_done_s``; see
+        :mod:`~staging_contracts.cluster.rank`).
+
+        The stamps are ``time.monotonic()`` of different processes: ``CLOCK_MONOTONIC`` is
+        system-wide on Linux, so they compare on one host (a split run's driver sees one side
+        only: empty). Only requests that no rank reported failed and that every rank of both
+        sides stamped are given.
+        """
+        first = _stamps(self.ranks("prefill"), "room_first_request_s", min)
+        done = _stamps(self.ranks("decode"), "room_done_s", max)
+        return {
+            index: done[index] - first[index]
+            for index in sorted(first.keys() & done.keys())
+            if index not in self.failed_requests
+        }
+
+    def peak_rss_bytes(self, role: str) -> dict[int, int]:
+        """Peak resident set size of each rank process of one side, by rank, in bytes
+        (``resource.getrusage`` in the rank; ranks that did not report it are left out)."""
+        return {
+            r.rank: int(r.fields["peak_rss_bytes"])
+            for r in self.ranks(role)
+            if "peak_rss_bytes" in r.fields
+        }
+
+    def ring_peaks(self) -> dict[int, tuple[int, int]]:
+        """``(peak bytes assigned at once, ring bytes)`` of each decode rank's staging ring,
+        by rank (the peak may exceed the ring: later rounds wait for the watermark)."""
+        return {
+            r.rank: (int(r.fields["ring_peak"]), int(r.fields["ring_size"]))
+            for r in self.ranks("decode")
+            if "ring_peak" in r.fields and "ring_size" in r.fields
+        }
+
+
+def _stamps(
+    reports: list[RankReport], key: str, pick: Callable[[list[float]], float]
+) -> dict[int, float]:
+    """One stamp per request index over a side's reports (``min`` or ``max`` of the ranks'),
+    for the requests that every one of those ranks stamped."""
+    per_rank = [r.fields.get(key) for r in reports]
+    if not per_rank or not all(isinstance(stamps, dict) for stamps in per_rank):
+        return {}
+    maps = [{int(i): float(t) for i, t in stamps.items()} for stamps in per_rank if stamps]
+    if len(maps) != len(per_rank):
+        return {}
+    common = set.intersection(*(set(m) for m in maps))
+    return {index: pick([m[index] for m in maps]) for index in common}
+
 
 ProgressCallback = Callable[[str, dict[str, Any]], None]
 """Called on the driver's thread with each event kind (``ready``, ``room``) and its fields."""
