@@ -181,7 +181,8 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         action="append",
         dest="backends",
         metavar="BACKEND",
-        help="a backend of the transfer group (repeatable; default: every in-tree engine)",
+        help="a backend of the transfer group: a name, MODULE:CLASS or "
+        "MODULE:CLASS=MODULE:FACTORY (repeatable; default: every in-tree engine)",
     )
     bench.set_defaults(run=_run_bench)
     return parser
@@ -198,9 +199,16 @@ def _add_demo(demo: argparse.ArgumentParser) -> None:
     )
 
 
-def _run_check(args: argparse.Namespace) -> int:
+def _local_modules_importable() -> None:
+    """Put the working directory first on ``sys.path``, as ``python -m`` does, so that a
+    ``MODULE:CLASS`` given on the command line may name a local module (rank processes
+    started by spawn inherit the path)."""
     if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m` does: local modules are importable
+        sys.path.insert(0, os.getcwd())
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    _local_modules_importable()
     forced: Contract | None = None
     if args.mixin is not None:
         mixin = _load_class(args.mixin)
@@ -286,6 +294,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     )
     from .cluster.preflight import preflight  # noqa: PLC0415 - heavy imports
 
+    _local_modules_importable()
     try:
         config = config_from_args(args)
         placement = placement_from_args(args)
@@ -297,12 +306,15 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_soak(args: argparse.Namespace) -> int:
+    from .cluster.preflight import check_backend  # noqa: PLC0415
     from .cluster.soak import run_soak  # noqa: PLC0415 - heavy imports
     from .cluster.soak_report import config_from_args, format_summary  # noqa: PLC0415
     from .control.security import SecurityError  # noqa: PLC0415
 
+    _local_modules_importable()
     try:
         config = config_from_args(args)
+        check_backend(config.backend)
     except ValueError as exc:
         print(f"staging-contracts soak: {exc}", file=sys.stderr)
         return EXIT_UNIMPORTABLE
@@ -347,6 +359,16 @@ def _run_bench(args: argparse.Namespace) -> int:
         print("staging-contracts bench: --device cuda: no CUDA device here", file=sys.stderr)
         return EXIT_USAGE
     backends = tuple(args.backends) if args.backends else None
+    if backends:
+        from .cluster.preflight import check_backend  # noqa: PLC0415 - heavy imports
+
+        _local_modules_importable()
+        try:
+            for spec in backends:
+                check_backend(spec)
+        except ValueError as exc:
+            print(f"staging-contracts bench: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     options = BenchOptions(quick=args.quick, device=args.device, backends=backends)
     rows = run_groups(args.groups or None, options, progress=_progress)
     print(format_table(rows))

@@ -25,6 +25,18 @@ backend, in their ``pyproject.toml``::
 ``MODULE:CLASS`` without importing anything, and :func:`load_backend` loads either kind (an
 in-tree name wins over an entry point of the same name).
 
+**Backend specs.** Wherever a backend is chosen by text (``staging-contracts demo --backend``,
+``bench transfer --backend``, ``soak --backend``, ``TransferConfig.backend``), the text is a
+*spec*: a registry name (``nixl``, ``acme``), ``MODULE:CLASS``, or
+``MODULE:CLASS=MODULE:FACTORY`` (the class part may also be a name). :func:`resolve_backend`
+turns a spec into a :class:`BackendFactory` that builds one manager per call; a spec is a
+plain string, so it travels to spawned rank processes, which resolve it again. Without a
+factory the class is called with its standard constructor, ``Class(kv_args, role=...,
+attn_tp_size=...)``; with one, the factory is called the same way and must return an
+instance of the class. ``host`` (the address a rank binds and advertises) is passed as
+``host=...`` only when the class or factory has a parameter named ``host``; one without it
+builds managers that keep their own defaults (loopback for the in-tree backends).
+
 May import: ``decode``, ``prefill``, ``mixin``, ``engines`` and everything below them;
 never ``testing``, ``cluster``, ``bench`` or ``cli``.
 Imported by: ``testing``, ``cluster``, ``bench``, ``cli`` and backends outside the package.
@@ -33,21 +45,31 @@ Imported by: ``testing``, ``cluster``, ``bench``, ``cli`` and backends outside t
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from types import MappingProxyType
-from typing import Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from ..engines import engine_available
+
+if TYPE_CHECKING:
+    from ..protocols import KVArgs
+    from .common import Role
+    from .staging_setup import StagingBackend
 
 __all__ = [
     "BACKENDS",
     "ENTRY_POINT_GROUP",
+    "SPEC_FORMS",
+    "BackendFactory",
     "BackendSpec",
     "backend_names",
     "backend_ref",
     "load_backend",
+    "resolve_backend",
 ]
 
 logger = logging.getLogger(__name__)
@@ -121,14 +143,19 @@ def backend_ref(name: str) -> str:
 
 
 def load_backend(name: str) -> type:
-    """Import and return the backend class called ``name`` (in-tree, else an entry point).
+    """Import and return the backend class called ``name`` (in-tree, else an entry point),
+    or the class of a spec (``MODULE:CLASS[=MODULE:FACTORY]``, see :func:`resolve_backend`).
+
+    **Thread:** any; imports modules.
 
     Raises:
-        ValueError: unknown name (the message lists the known ones), or an entry point that
-            does not name a class.
+        ValueError: unknown name (the message lists the known ones), an entry point that
+            does not name a class, or a spec :func:`resolve_backend` refuses.
         ImportError: its engine cannot be imported; the message names the extra to install.
             For an entry point, whatever importing its module raises.
     """
+    if ":" in name or "=" in name:
+        return resolve_backend(name).backend_class
     spec = BACKENDS.get(name)
     if spec is None:
         entry = _entry_points().get(name)
@@ -152,3 +179,157 @@ def load_backend(name: str) -> type:
     module = importlib.import_module(spec.module)
     backend: type = getattr(module, spec.class_name)
     return backend
+
+
+SPEC_FORMS: Final = "NAME, MODULE:CLASS or MODULE:CLASS=MODULE:FACTORY"
+"""The forms of a backend spec, for messages."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackendFactory:
+    """A backend spec resolved: the class, and the callable that builds its managers.
+
+    Built by :func:`resolve_backend`. Not picklable by design: pass the :attr:`spec` string
+    to another process and resolve it there.
+    """
+
+    spec: str
+    """The spec it was resolved from."""
+    backend_class: type
+    """The backend class (a non-abstract ``StagingManagerMixin`` subclass)."""
+    build: Callable[..., object]
+    """The class itself, or the spec's factory."""
+    takes_host: bool
+    """``build`` has a parameter named ``host``: it is given the rank's address."""
+    process_local: bool
+    """The backend's engine moves bytes within one process only (the in-tree ``local``): its
+    ranks cannot live in separate processes."""
+
+    def __call__(
+        self, kv_args: KVArgs, *, role: Role, attn_tp_size: int, host: str | None = None
+    ) -> StagingBackend:
+        """Build one unstarted manager for rank ``kv_args.engine_rank`` of side ``role``.
+
+        **Thread:** any (the rank's main thread in the cluster). ``host`` is passed on only
+        when :attr:`takes_host`; otherwise the manager keeps its own default address.
+
+        Raises:
+            TypeError: the factory returned something that is not a :attr:`backend_class`.
+            Exception: whatever the constructor or factory raised.
+        """
+        options: dict[str, Any] = {}
+        if host is not None and self.takes_host:
+            options["host"] = host
+        made = self.build(kv_args, role=role, attn_tp_size=attn_tp_size, **options)
+        if not isinstance(made, self.backend_class):
+            raise TypeError(
+                f"backend {self.spec}: the factory returned a {type(made).__name__}, not a "
+                f"{self.backend_class.__name__}"
+            )
+        return cast("StagingBackend", made)  # a staging host: its class passed the contract
+
+
+def resolve_backend(spec: str) -> BackendFactory:
+    """Resolve a backend spec (:data:`SPEC_FORMS`) to the factory of its managers.
+
+    Checks everything that can be checked without building a manager: the modules import,
+    the class exists, is a non-abstract ``StagingManagerMixin`` subclass that satisfies the
+    ``StagingHost`` contract, the factory (if any) is callable, and the class or factory
+    takes the standard arguments ``(kv_args, *, role, attn_tp_size)``.
+
+    **Thread:** any. Imports the spec's modules (and an in-tree backend's engine).
+
+    Raises:
+        ValueError: one line saying what is wrong with the spec: an unknown name, a module
+            that cannot be imported (or raised while importing), a missing attribute, a class
+            that is not a conforming staging backend, a factory that is not callable, or a
+            signature that does not take the standard arguments.
+        ImportError: an in-tree backend's engine cannot be imported (names the extra).
+    """
+    class_part, eq, factory_part = spec.partition("=")
+    if not class_part or (eq and not factory_part):
+        raise ValueError(f"backend spec {spec!r} is not one of {SPEC_FORMS}")
+    if ":" in class_part:
+        cls_obj = _import_ref(class_part)
+        if not isinstance(cls_obj, type):
+            raise ValueError(f"{class_part} is a {type(cls_obj).__name__}, not a class")
+        cls = cls_obj
+    else:
+        cls = load_backend(class_part)
+    _check_backend_class(cls, class_part)
+    build: Callable[..., object] = cls
+    where = class_part
+    if eq:
+        if ":" not in factory_part:
+            raise ValueError(f"factory {factory_part!r} of {spec!r} is not MODULE:FACTORY")
+        factory = _import_ref(factory_part)
+        if not callable(factory):
+            raise ValueError(f"factory {factory_part} is a {type(factory).__name__}, not callable")
+        build = factory
+        where = factory_part
+    try:
+        signature = inspect.signature(build)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the signature of {where} cannot be read ({exc})") from None
+    try:
+        signature.bind(None, role=None, attn_tp_size=1)
+    except TypeError as exc:
+        raise ValueError(
+            f"{where} cannot be called as (kv_args, *, role=..., attn_tp_size=...): {exc}"
+        ) from None
+    host = signature.parameters.get("host")
+    takes_host = host is not None and host.kind in (host.POSITIONAL_OR_KEYWORD, host.KEYWORD_ONLY)
+    in_tree = BACKENDS.get(class_part)
+    process_local = in_tree is not None and in_tree.engine == "local"
+    return BackendFactory(spec, cls, build, takes_host, process_local)
+
+
+def _import_ref(ref: str) -> object:
+    """The object ``MODULE:QUALNAME`` names; one-line ``ValueError`` when it cannot be had."""
+    module_name, _, qualname = ref.partition(":")
+    if not module_name or not qualname:
+        raise ValueError(f"{ref!r} is not MODULE:NAME")
+    from ..contract.problems import ContractError  # noqa: PLC0415 - only for specs
+
+    try:
+        module = importlib.import_module(module_name)
+    except ContractError as exc:
+        problems = "; ".join(p.describe(instance=False) for p in exc.problems)
+        raise ValueError(
+            f"importing {module_name!r}: {exc.cls.__qualname__} does not satisfy the "
+            f"{exc.contract_name} contract: {problems} (staging-contracts check {ref} explains)"
+        ) from None
+    except ImportError as exc:
+        raise ValueError(f"cannot import {module_name!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - any error of the imported module, in one line
+        raise ValueError(f"importing {module_name!r} raised {type(exc).__name__}: {exc}") from None
+    obj: object = module
+    for part in qualname.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"module {module_name!r} has no attribute {qualname!r}") from None
+    return obj
+
+
+def _check_backend_class(cls: type, where: str) -> None:
+    """Refuse a class that is not a conforming, non-abstract staging backend."""
+    from ..contract.contract import is_abstract  # noqa: PLC0415 - only for specs
+    from ..mixin import STAGING_CONTRACT, StagingManagerMixin  # noqa: PLC0415
+
+    if not issubclass(cls, StagingManagerMixin):
+        raise ValueError(
+            f"{where}: {cls.__qualname__} is not a staging backend (StagingManagerMixin is not "
+            "among its bases)"
+        )
+    if is_abstract(cls):
+        raise ValueError(
+            f"{where}: {cls.__qualname__} is declared abstract=True (an intermediate base); "
+            "name a concrete subclass"
+        )
+    report = STAGING_CONTRACT.inspect_class(cls)
+    if not report.conforms:
+        problems = "; ".join(p.describe(instance=False) for p in report.problems)
+        raise ValueError(
+            f"{where}: {cls.__qualname__} does not satisfy the StagingHost contract: {problems}"
+        )

@@ -23,8 +23,11 @@ from __future__ import annotations
 import logging
 import statistics
 
+from ..backends import resolve_backend
+from ..backends.common import CommonKVManager, Role
 from ..cluster.runner import run_cluster
 from ..cluster.workload import TransferConfig
+from ..engines import ENGINES as ENGINE_SPECS
 from ..engines import engine_available
 from . import BenchOptions, BenchRow, ratio_row
 from .anchor_geometry import BENCH_GEOMETRY, AnchorGeometry
@@ -38,7 +41,8 @@ ENGINES = ("mooncake", "nixl")
 
 
 def staged_config(engine: str, *, quick: bool = False) -> TransferConfig:
-    """The benchmark's request for ``engine`` (a small one when ``quick``)."""
+    """The benchmark's request for ``engine`` (a backend name or spec; a small one when
+    ``quick``)."""
     return TransferConfig(
         backend=engine,
         prefill_tp=4,
@@ -78,16 +82,39 @@ def _geometry(config: TransferConfig) -> AnchorGeometry:
     )
 
 
+def _anchor_engine(backend: str) -> str | None:
+    """The in-tree engine a backend spec moves bytes with (its anchors' engine), or ``None``.
+
+    An in-tree engine name is itself; any other spec is resolved and one decode manager is
+    built (and closed) to see which engine it holds.
+    """
+    if backend in ENGINES:
+        return backend
+    factory = resolve_backend(backend)
+    config = staged_config(backend, quick=True)
+    manager = factory(config.kv_args(config.decode_tp, 0), role=Role.DECODE, attn_tp_size=1)
+    module = type(manager.engine).__module__
+    if isinstance(manager, CommonKVManager):  # every backend is one; close its listener
+        manager.close()
+    return next((name for name, spec in ENGINE_SPECS.items() if spec.module == module), None)
+
+
 def run(options: BenchOptions) -> list[BenchRow]:
-    """Run the group for every importable engine; ``options.quick`` uses a small request."""
+    """Run the group for each backend of ``options.backends`` (names or specs), else for
+    every importable in-tree engine; ``options.quick`` uses a small request."""
     quick = options.quick
     rows: list[BenchRow] = []
-    for engine in ENGINES:
-        available, reason = engine_available(engine)
-        if not available:
-            logger.warning("transfer bench: skipping %s (%s)", engine, reason)
+    for backend in options.backends or ENGINES:
+        if backend in ENGINES:
+            available, reason = engine_available(backend)
+            if not available:
+                logger.warning("transfer bench: skipping %s (%s)", backend, reason)
+                continue
+        engine = _anchor_engine(backend)
+        if engine is None or engine == "local":
+            logger.warning("transfer bench: skipping %s (no cross-process engine)", backend)
             continue
-        config = staged_config(engine, quick=quick)
+        config = staged_config(backend, quick=quick)
         staged = _staged_gbps(config, 1 if quick else 3)
         raw_s = raw_write_seconds(engine, config.request_bytes, repeats=2 if quick else 5)
         raw = config.request_bytes / raw_s / 1e9
@@ -95,6 +122,8 @@ def run(options: BenchOptions) -> list[BenchRow]:
             engine, _geometry(config), tokens=64 if quick else None, repeats=1 if quick else 3
         )
         per_token = per_token_bytes / per_token_s / 1e9
-        rows.append(ratio_row(f"transfer.{engine}.vs-raw", staged, raw, "GB/s", ">= 0.5"))
-        rows.append(ratio_row(f"transfer.{engine}.vs-per-token", staged, per_token, "GB/s", ">= 8"))
+        rows.append(ratio_row(f"transfer.{backend}.vs-raw", staged, raw, "GB/s", ">= 0.5"))
+        rows.append(
+            ratio_row(f"transfer.{backend}.vs-per-token", staged, per_token, "GB/s", ">= 8")
+        )
     return rows

@@ -61,9 +61,11 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     default = TransferConfig()
     parser.add_argument(
         "--backend",
-        choices=["nixl", "mooncake"],
         default=default.backend,
-        help="transfer engine (default: nixl, which needs no system libraries)",
+        metavar="SPEC",
+        help="the backend: a name (nixl, mooncake, or one registered under the entry-point "
+        "group staging_contracts.backends), MODULE:CLASS, or MODULE:CLASS=MODULE:FACTORY "
+        "(default: nixl, which needs no system libraries)",
     )
     parser.add_argument("--prefill-tp", type=int, default=default.prefill_tp, metavar="P")
     parser.add_argument("--decode-tp", type=int, default=default.decode_tp, metavar="D")

@@ -3,9 +3,11 @@
 A run that the layout, the engines or the machine cannot serve used to start every rank
 process and fail a minute later (a bootstrap timeout, or each rank failing to allocate its
 pool). :func:`preflight` refuses it at once instead, with one line that names the options and
-the rule: the TP pair and the head count (the same validation the ranks run), the engine's
-extra, and the memory the pools, rings and staging buffers of every rank will take against the
-memory available (``MemAvailable``).
+the rule: the TP pair and the head count (the same validation the ranks run), the backend
+spec (a name, ``MODULE:CLASS`` or ``MODULE:CLASS=MODULE:FACTORY``: it resolves, its class
+satisfies the contract, its engine's extra is installed, and its engine crosses processes as
+far as can be known without building one), and the memory the pools, rings and staging
+buffers of every rank will take against the memory available (``MemAvailable``).
 """
 
 from __future__ import annotations
@@ -14,11 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from ..backends import load_backend
+from ..backends import resolve_backend
 from ..staging.layout import compute_staging_layout, validate_tp_pair
 from .workload import TransferConfig
 
-__all__ = ["PROCESS_OVERHEAD_BYTES", "MemoryNeed", "available_memory", "memory_need", "preflight"]
+__all__ = [
+    "PROCESS_OVERHEAD_BYTES",
+    "MemoryNeed",
+    "available_memory",
+    "check_backend",
+    "memory_need",
+    "preflight",
+]
 
 PROCESS_OVERHEAD_BYTES: Final = 300 << 20
 """Memory a rank process takes before its first tensor (Python, torch, ZMQ, an engine), about
@@ -103,8 +112,11 @@ def preflight(
 
     Raises:
         ValueError: one line naming the options and the rule: TP sizes that do not divide
-            one another or the head count, an engine that cannot be imported (with the pip
-            command that installs it), or more memory than is available.
+            one another or the head count, a backend spec that does not resolve (an unknown
+            name, a module that cannot be imported, a missing class, a class that fails its
+            contract, a factory that is not callable), an engine that cannot be imported (with
+            the pip command that installs it) or that works within one process only, or more
+            memory than is available.
     """
     try:
         validate_tp_pair(config.prefill_tp, config.decode_tp, config.kv_heads)
@@ -124,7 +136,28 @@ def preflight(
             f"{need.decode_rank / _GIB:.2f} GiB per decode rank), and {have / _GIB:.1f} GiB "
             "is available; use smaller options, or --ignore-memory to run anyway"
         )
+    check_backend(config.backend)
+
+
+def check_backend(spec: str, option: str = "--backend") -> None:
+    """Refuse a backend spec the rank processes cannot build, in one line.
+
+    **Thread:** any; imports the spec's modules.
+
+    Raises:
+        ValueError: ``OPTION SPEC: why``, on one line (see :func:`preflight`).
+    """
     try:
-        load_backend(config.backend)
-    except ImportError as exc:
-        raise ValueError(f"--backend {config.backend}: {exc}") from None
+        factory = resolve_backend(spec)
+    except (ImportError, ValueError) as exc:
+        raise ValueError(f"{option} {spec}: {_one_line(str(exc))}") from None
+    if factory.process_local:
+        raise ValueError(
+            f"{option} {spec}: {factory.backend_class.__name__} moves bytes within one process "
+            "only, and every rank runs in a process of its own; choose an engine that crosses "
+            "processes (nixl, mooncake)"
+        )
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

@@ -115,14 +115,16 @@ def run_soak(config: SoakConfig, *, progress: ProgressCallback | None = None) ->
 
     Raises:
         ImportError: the configured backend's engine cannot be imported.
+        ValueError: the backend spec does not resolve, or its engine works within one
+            process only (:func:`~staging_contracts.cluster.preflight.check_backend`).
         SecurityError: ``host`` is not loopback and no cluster secret is set, or the secret
             in the environment is unusable (checked before any process starts).
         RuntimeError: a rank process did not start (not ready in ``STARTUP_S``, or it
             exited first), or ranks died by themselves more than ``MAX_REVIVALS`` times.
     """
-    from ..backends import load_backend  # noqa: PLC0415 - fail fast, before spawning
+    from .preflight import check_backend  # noqa: PLC0415 - fail fast, before spawning
 
-    load_backend(config.backend)
+    check_backend(config.backend)
     if load_cluster_secret() is None:
         check_insecure_bind(config.host, allow_insecure=False)
     driver = _Driver(config, progress)

@@ -52,7 +52,7 @@ from typing import Any, Final
 import torch
 import zmq
 
-from ..backends import load_backend
+from ..backends import resolve_backend
 from ..backends.common import CommonKVManager, Role
 from ..backends.kv_requests import DecodeTransfers, KVPoll, KVReceiver, KVSender, PrefillTransfers
 from ..backends.staging_setup import StagingBackend, enable_decode_staging, enable_prefill_staging
@@ -240,15 +240,18 @@ class _RankServer:
         tp = self.config.prefill_tp if self.role is Role.PREFILL else self.config.decode_tp
         self.tp = tp
         self.pool: KVBufferTensors = self.config.empty_pool(tp, rank)
-        backend = load_backend(self.config.backend)
+        # A spec string (a name or MODULE:CLASS[=MODULE:FACTORY]), resolved in this process;
+        # host reaches the manager only when its class or factory takes ``host``.
+        factory = resolve_backend(self.config.backend)
         logging.getLogger("nixl").setLevel(max(logging.WARNING, settings.log_level))
-        manager = backend(
+        manager = factory(
             self.config.kv_args(tp, rank), role=self.role, attn_tp_size=tp, host=settings.host
         )
         self.manager: StagingBackend = manager
         """The backend as the staging set-up sees it."""
-        self.common: CommonKVManager = manager
-        """The same object as a ``CommonKVManager`` (every backend is one)."""
+        self.common: CommonKVManager = manager  # type: ignore[assignment]
+        """The same object as a ``CommonKVManager`` (every backend is one: the contract's
+        members and the control plane come from it)."""
         self.manager.liveness.timeout_s = settings.liveness_timeout_s
         self.drops = DropCounter()
         if settings.drop_share > 0:

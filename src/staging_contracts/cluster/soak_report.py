@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final
 
+from ..backends import BACKENDS
 from .soak_rank import RankSettings, ring_bytes
 from .workload import TransferConfig
 
@@ -121,9 +122,11 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
     default = SoakConfig()
     parser.add_argument(
         "--backend",
-        choices=["nixl", "mooncake"],
         default=default.backend,
-        help="transfer engine (default: nixl, which needs no system libraries)",
+        metavar="SPEC",
+        help="the backend: a name (nixl, mooncake, or one registered under the entry-point "
+        "group staging_contracts.backends), MODULE:CLASS, or MODULE:CLASS=MODULE:FACTORY "
+        "(default: nixl, which needs no system libraries)",
     )
     parser.add_argument(
         "--duration",
@@ -233,7 +236,9 @@ class SoakConfig:
     """
 
     backend: str = "nixl"
-    """Transfer engine: ``nixl`` or ``mooncake`` (engines that work across processes)."""
+    """The backend spec: a name (``nixl``, ``mooncake``, a registered one), ``MODULE:CLASS``
+    or ``MODULE:CLASS=MODULE:FACTORY``, whose engine works across processes (resolved by
+    :func:`~staging_contracts.backends.resolve_backend` in each rank process)."""
     duration_s: float = 60.0
     """How long rooms are issued; the soak runs longer if a listed fault is still due."""
     faults: tuple[str, ...] = FAULT_ORDER
@@ -273,8 +278,12 @@ class SoakConfig:
     """Level of the rank processes' log lines (stderr)."""
 
     def __post_init__(self) -> None:
-        if self.backend not in ("nixl", "mooncake"):
-            raise ValueError(f"backend {self.backend!r} is not one of nixl, mooncake")
+        in_tree = BACKENDS.get(self.backend)
+        if not self.backend or (in_tree is not None and in_tree.engine in (None, "local")):
+            raise ValueError(
+                f"backend {self.backend!r} cannot stage across processes; use nixl, mooncake "
+                "or a spec whose engine crosses processes"
+            )
         unknown = [name for name in self.faults if name not in FAULTS]
         if unknown:
             raise ValueError(f"unknown faults {unknown}; valid: {', '.join(FAULT_ORDER)}")
