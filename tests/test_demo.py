@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,8 @@ def test_demo_command_verifies_and_exits_zero() -> None:
     assert "] 6/6 rooms done" in out
     assert "verification             PASS: every page of 3 requests on 2 decode ranks" in out
     assert "prefill TP -> decode TP  4 -> 2" in out
+    assert re.search(r"peak RSS +prefill \d+, \d+, \d+, \d+ MiB; decode \d+, \d+ MiB", out)
+    assert re.search(r"ring peak use +decode 0: [\d.]+ of [\d.]+ MiB.*; decode 1: ", out)
 
 
 def test_demo_rejects_impossible_sizes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -70,19 +73,32 @@ def test_summary_reports_failures_and_peak_use() -> None:
             "ring_size": 4 << 20,
             "control_messages": 10,
             "failed": {"1": "boom"},
+            "peak_rss_bytes": 300 << 20,
         },
         0,
+    )
+    wrapped = RankReport(
+        "decode", 1, True, {"ring_peak": 6 << 20, "ring_size": 4 << 20, "verified": True}, 0
     )
     prefill = RankReport(
         "prefill",
         0,
         True,
-        {"bytes_written": 1 << 20, "control_messages": 5, "failed": {"1": "engine write failed"}},
+        {
+            "bytes_written": 1 << 20,
+            "control_messages": 5,
+            "failed": {"1": "engine write failed"},
+            "peak_rss_bytes": 512 << 20,
+        },
         0,
     )
-    result = ClusterResult(config, (decode, prefill), 0.5, frozenset({1}))
+    result = ClusterResult(config, (decode, wrapped, prefill), 0.5, frozenset({1}))
     text = format_summary(result)
     assert "failed requests          1" in text
-    assert "ring peak use            2.0 MiB assigned at once, ring of 4.0 MiB" in text
+    assert (
+        "ring peak use            decode 0: 2.0 of 4.0 MiB; decode 1: 6.0 of 4.0 MiB"
+        " (1.5x: later rounds wait for the watermark)" in text
+    )
+    assert "peak RSS                 prefill 512, ?, ?, ? MiB; decode 300, ? MiB (by rank)" in text
     assert "verification             FAIL" in text
     assert "throughput               0.00 GB/s" in text

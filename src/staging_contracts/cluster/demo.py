@@ -199,11 +199,14 @@ class _ProgressBar:
 
 
 def format_summary(result: ClusterResult) -> str:
-    """The summary table of a run."""
+    """The summary table of a run.
+
+    Besides the run's figures it gives each rank's peak RSS (its process's peak resident set
+    size, ``ClusterResult.peak_rss_bytes``) and each decode rank's ring peak against its ring
+    size (``ClusterResult.ring_peaks``); a rank that reported neither (it died) shows ``?``.
+    """
     config = result.config
     decode = result.ranks("decode")
-    peaks = [(int(r.fields.get("ring_peak", 0)), int(r.fields.get("ring_size", 1))) for r in decode]
-    peak = max(peaks, default=(0, 1), key=lambda p: p[0] / p[1])
     problems = [line for r in decode for line in r.fields.get("problems", [])]
     errors = [f"{r.role} {r.rank}: {r.fields.get('error')}" for r in result.reports if not r.ok]
     prefill_here = result.side != "decode"
@@ -248,17 +251,8 @@ def format_summary(result: ClusterResult) -> str:
                 + result.total("prefill", "control_messages")
             ),
         ),
-        (
-            "ring peak use",
-            f"{peak[0] / 2**20:.1f} MiB assigned at once, ring of {peak[1] / 2**20:.1f} MiB"
-            + (
-                f" ({peak[0] / peak[1]:.1f}x: later rounds wait for the watermark)"
-                if peak[0] > peak[1]
-                else ""
-            )
-            if decode_here
-            else elsewhere,
-        ),
+        ("ring peak use", _ring_peaks(result) if decode_here else elsewhere),
+        ("peak RSS", _peak_rss(result)),
         ("failed requests", ", ".join(map(str, sorted(result.failed_requests))) or "none"),
         ("verification", verdict),
     ]
@@ -268,6 +262,32 @@ def format_summary(result: ClusterResult) -> str:
     if death is None:
         return table
     return f"first failure: {death.role} rank {death.rank} {death.reason}\n{table}"
+
+
+def _ring_peaks(result: ClusterResult) -> str:
+    """Each decode rank's ring peak against its ring size."""
+    peaks = result.ring_peaks()
+    parts = []
+    for rank in range(result.config.decode_tp):
+        if rank not in peaks:
+            parts.append(f"decode {rank}: ?")
+            continue
+        peak, size = peaks[rank]
+        over = f" ({peak / size:.1f}x: later rounds wait for the watermark)" if peak > size else ""
+        parts.append(f"decode {rank}: {peak / 2**20:.1f} of {size / 2**20:.1f} MiB{over}")
+    return "; ".join(parts)
+
+
+def _peak_rss(result: ClusterResult) -> str:
+    """Each rank's peak RSS, MiB, by side and rank (this side's ranks only in a split run)."""
+    sides = []
+    for role, tp in (("prefill", result.config.prefill_tp), ("decode", result.config.decode_tp)):
+        if result.side not in ("all", role):
+            continue
+        rss = result.peak_rss_bytes(role)
+        values = ", ".join(f"{rss[r] / 2**20:.0f}" if r in rss else "?" for r in range(tp))
+        sides.append(f"{role} {values} MiB")
+    return "; ".join(sides) + " (by rank)"
 
 
 def run_demo(
