@@ -52,9 +52,10 @@ __all__ = [
 ]
 
 _MAX_HOST_RUNS = 4
-"""CPU scatters into fused pools copy page by page when the pools form at most this many runs
-of evenly spaced pools (one strided NumPy copy per run and page: 5.6-5.9 GB/s on the bench's
-decode against 4.8 for row-indexed copies); with more runs the per-copy cost wins."""
+"""CPU scatters into fused pools copy run by run when the pools form at most this many runs
+of evenly spaced pools (:func:`~.host_rows.put_pages`, one indexed NumPy assignment per pool
+of a run; page by page it already made 5.6-5.9 GB/s on the transfer bench's decode against
+4.8 for row-indexed copies); with more runs the per-copy cost wins."""
 
 _WORDS: dict[int, torch.dtype] = {
     8: torch.int64,
@@ -383,7 +384,7 @@ class PagedKVPools:
         )
         # Ops: (pages [pools, rows, page_size, words], first pool, index of the chunk's rows).
         if fused is not None and on_host and len(fused.runs) <= _MAX_HOST_RUNS:
-            # Few runs of evenly spaced pools: one strided copy per (run, page).
+            # Few runs of evenly spaced pools: one indexed copy per pool of each run.
             ops = [(fused.run_pages(run), run.first_pool, page_indices) for run in fused.runs]
         elif fused is not None:  # every layer at once: layers and pages are one dimension
             ops = [(fused.rows[None], 0, fused.rows_of(page_indices))]
