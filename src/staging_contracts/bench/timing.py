@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-__all__ = ["interleaved_ns_per_call", "median_seconds"]
+__all__ = ["alternating_seconds", "interleaved_ns_per_call", "median_seconds"]
 
 
 def median_seconds(fn: Callable[[], object], *, repeats: int, warmup: int = 1) -> float:
@@ -46,3 +46,41 @@ def interleaved_ns_per_call(
             elapsed = (time.perf_counter_ns() - start) / loops
             (ours_samples if fn is ours else anchor_samples).append(elapsed)
     return statistics.median(ours_samples), statistics.median(anchor_samples)
+
+
+def alternating_seconds(
+    functions: Mapping[str, Callable[[], object]],
+    *,
+    repeats: int,
+    sync: Callable[[], object] | None = None,
+) -> dict[str, float]:
+    """Median wall time of each named function, all measured in turns.
+
+    After one warm-up call of each, every round calls each function once, the order reversed
+    every other round, so that none of them always runs first or after the same neighbour
+    and all share the machine's conditions (a loaded host, a warm cache). ``sync`` (e.g.
+    ``torch.cuda.synchronize`` when the work is asynchronous) runs before each clock reading,
+    so a time covers the work done, not only the work enqueued.
+
+    Returns:
+        Name -> median seconds of one call.
+    """
+    wait = sync if sync is not None else _no_wait
+    for fn in functions.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in functions}
+    for index in range(repeats):
+        order = list(functions.items())
+        if index % 2:
+            order.reverse()
+        for name, fn in order:
+            wait()
+            start = time.perf_counter()
+            fn()
+            wait()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def _no_wait() -> None:
+    """Nothing to wait for: the work is done when the call returns (CPU)."""
