@@ -157,16 +157,31 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="run benchmarks against anchors measured in the same run",
-        description=f"Groups: {', '.join(GROUPS)} (default: all).",
+        description=(
+            f"Groups: {', '.join(GROUPS)} (default: all). `bench scaling` (on its own) sweeps "
+            "request length, TP pairs, page size and concurrency per engine, writes "
+            "scaling.json and scaling.csv under --out, and charts under --plot."
+        ),
         epilog=_examples(
             "staging-contracts bench",
             "staging-contracts bench contract staging --json rows.json",
             "staging-contracts bench control --quick",
+            "staging-contracts bench scaling --out results --plot charts",
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("groups", nargs="*", metavar="GROUP", help=", ".join(GROUPS))
     bench.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list")
+    bench.add_argument(
+        "--out",
+        metavar="DIR",
+        help="bench scaling: where to write scaling.json and scaling.csv (default: .)",
+    )
+    bench.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="bench scaling: also draw PNG charts into DIR (needs the 'plot' extra)",
+    )
     bench.add_argument(
         "--quick", action="store_true", help="fewer repetitions (for smoke tests, not figures)"
     )
@@ -346,6 +361,11 @@ def _run_bench(args: argparse.Namespace) -> int:
         write_json,
     )
 
+    if "scaling" in args.groups:
+        return _run_scaling(args)
+    if args.out is not None or args.plot is not None:
+        print("staging-contracts bench: --out and --plot are for bench scaling", file=sys.stderr)
+        return EXIT_USAGE
     unknown = [group for group in args.groups if group not in GROUPS]
     if unknown:
         print(
@@ -376,6 +396,39 @@ def _run_bench(args: argparse.Namespace) -> int:
         write_json(rows, args.json)
         print(f"wrote {len(rows)} rows to {args.json}")
     return EXIT_OK
+
+
+def _run_scaling(args: argparse.Namespace) -> int:
+    """``bench scaling``: the sweep, its table and slopes, its files (not a row group)."""
+    from .bench import BenchOptions  # noqa: PLC0415 - heavy
+    from .bench.plots import matplotlib_missing, write_plots  # noqa: PLC0415
+    from .bench.scaling import run_scaling  # noqa: PLC0415
+
+    refusal = None
+    if args.groups != ["scaling"]:
+        refusal = "scaling runs on its own: give it alone, not with other groups"
+    elif args.json is not None:
+        refusal = "--json is for row groups; bench scaling writes scaling.json under --out"
+    elif args.plot is not None and (missing := matplotlib_missing()) is not None:
+        refusal = f"--plot: {missing}"
+    if refusal is not None:
+        print(f"staging-contracts bench: {refusal}", file=sys.stderr)
+        return EXIT_USAGE
+    backends = tuple(args.backends) if args.backends else None
+    try:
+        options = BenchOptions(quick=args.quick, device=args.device, backends=backends)
+        result = run_scaling(options, progress=_progress)
+    except ValueError as exc:
+        print(f"staging-contracts bench: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(result.format_text())
+    paths = result.write(args.out if args.out is not None else ".")
+    if args.plot is not None:
+        paths += write_plots(result, args.plot)
+    print("wrote " + ", ".join(str(path) for path in paths))
+    if not result.rows:
+        print("staging-contracts bench: no engine could be run", file=sys.stderr)
+    return EXIT_OK if result.ok else EXIT_NONCONFORMING
 
 
 def _cuda_available() -> bool:

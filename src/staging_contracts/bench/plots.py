@@ -1,0 +1,205 @@
+"""PNG charts of a :class:`~staging_contracts.bench.scaling.ScalingResult` (matplotlib).
+
+matplotlib is an optional extra (``pip install 'staging-contracts[plot]'``); it is imported
+only inside :func:`write_plots`, with the non-interactive Agg backend, so the package works
+without it. :func:`matplotlib_missing` says, before a long sweep starts, whether it is there.
+
+Four charts, each readable at a glance:
+
+* ``scaling-throughput.png`` — staged GB/s against request length, one colour per engine,
+  with the engine's raw write of the same bytes as a dashed line of the same colour;
+* ``scaling-latency.png`` — per-request latency p50 (solid) and p99 (dashed) against
+  concurrent requests, per engine;
+* ``scaling-tp.png`` — staged GB/s per TP pair, grouped bars per engine;
+* ``scaling-page-size.png`` — staged GB/s per page size, grouped bars per engine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from .scaling import ScalingResult, ScalingRow
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+__all__ = ["CHARTS", "DPI", "matplotlib_missing", "write_plots"]
+
+CHARTS: Final = (
+    "scaling-throughput.png",
+    "scaling-latency.png",
+    "scaling-tp.png",
+    "scaling-page-size.png",
+)
+"""The files :func:`write_plots` writes, in order."""
+
+DPI: Final = 100
+"""Resolution of the charts (small files: the README shows one)."""
+
+_COLOURS: Final = {"mooncake": "tab:blue", "nixl": "tab:orange"}
+
+
+def matplotlib_missing() -> str | None:
+    """Why the charts cannot be drawn (matplotlib is not installed), or ``None``."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return "matplotlib is not installed (pip install 'staging-contracts[plot]')"
+    return None
+
+
+def write_plots(result: ScalingResult, directory: str | Path) -> list[Path]:
+    """Draw the charts of ``result`` into ``directory`` (made if missing); their paths.
+
+    A chart whose series has no point that verified is still written, with its axes and a
+    note that it is empty, so the set of files is always :data:`CHARTS`.
+
+    Raises:
+        ImportError: matplotlib is not installed (see :func:`matplotlib_missing`).
+    """
+    import matplotlib  # noqa: PLC0415 - an optional extra, loaded only to draw
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [row for row in result.rows if row.ok]
+    engines = list(dict.fromkeys(row.engine for row in result.rows))
+    machine = _machine_note(result)
+    paths: list[Path] = []
+    for name, draw in zip(CHARTS, (_throughput, _latency, _tp_bars, _page_bars), strict=True):
+        figure, axes = plt.subplots(figsize=(7.0, 4.2))
+        try:
+            draw(axes, rows, engines)
+            figure.text(0.99, 0.01, machine, ha="right", va="bottom", fontsize=7, color="0.4")
+            figure.tight_layout(rect=(0, 0.03, 1, 1))
+            path = folder / name
+            figure.savefig(path, dpi=DPI)
+            paths.append(path)
+        finally:
+            plt.close(figure)
+    return paths
+
+
+def _machine_note(result: ScalingResult) -> str:
+    base = result.plan.base
+    cpus = result.machine.get("cpus")
+    where = f"{cpus} CPUs, " if cpus else ""
+    return (
+        f"{where}{base.layers} layers x {base.kv_heads} KV heads x {base.head_dim}, "
+        f"{base.dtype}; each point one run, every page verified"
+    )
+
+
+def _series(rows: Sequence[ScalingRow], engine: str, dimension: str) -> list[ScalingRow]:
+    return [row for row in rows if row.engine == engine and row.dimension == dimension]
+
+
+def _empty(axes: Axes, rows: Sequence[ScalingRow]) -> None:
+    if not rows:
+        axes.text(0.5, 0.5, "no point verified", ha="center", va="center", transform=axes.transAxes)
+
+
+def _throughput(axes: Axes, rows: Sequence[ScalingRow], engines: Sequence[str]) -> None:
+    drawn: list[ScalingRow] = []
+    for engine in engines:
+        series = sorted(_series(rows, engine, "tokens"), key=lambda row: row.tokens)
+        drawn += series
+        colour = _COLOURS.get(engine)
+        tokens = [row.tokens for row in series]
+        axes.plot(
+            tokens,
+            [row.staged_gbps for row in series],
+            "o-",
+            color=colour,
+            label=f"{engine} staged",
+        )
+        raw = [(row.tokens, row.raw_gbps) for row in series if not math.isnan(row.raw_gbps)]
+        axes.plot(
+            [t for t, _ in raw],
+            [g for _, g in raw],
+            "s--",
+            color=colour,
+            alpha=0.7,
+            label=f"{engine} raw write, same bytes",
+        )
+    _empty(axes, drawn)
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(sorted({row.tokens for row in drawn}) or [1])
+    axes.set_xticklabels([_tokens_label(t) for t in sorted({row.tokens for row in drawn})] or [""])
+    axes.set_xlabel("request length (tokens)")
+    axes.set_ylabel("throughput (GB/s)")
+    axes.set_ylim(bottom=0)
+    axes.set_title("Staged transfer throughput vs request length")
+    axes.grid(True, alpha=0.3)
+    if drawn:
+        axes.legend(fontsize=8)
+
+
+def _tokens_label(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens >= 1024 and tokens % 1024 == 0 else str(tokens)
+
+
+def _latency(axes: Axes, rows: Sequence[ScalingRow], engines: Sequence[str]) -> None:
+    drawn: list[ScalingRow] = []
+    for engine in engines:
+        series = sorted(_series(rows, engine, "concurrency"), key=lambda row: row.concurrency)
+        drawn += series
+        colour = _COLOURS.get(engine)
+        counts = [row.concurrency for row in series]
+        axes.plot(
+            counts, [r.latency_p50_s for r in series], "o-", color=colour, label=f"{engine} p50"
+        )
+        axes.plot(
+            counts, [r.latency_p99_s for r in series], "^--", color=colour, label=f"{engine} p99"
+        )
+    _empty(axes, drawn)
+    counts = sorted({row.concurrency for row in drawn})
+    if counts:
+        axes.set_xticks(counts)
+    axes.set_xlabel("concurrent requests")
+    axes.set_ylabel("latency per request (s)")
+    axes.set_ylim(bottom=0)
+    axes.set_title("Per-request latency (first STAGING_REQ to decode SUCCESS) vs concurrency")
+    axes.grid(True, alpha=0.3)
+    if drawn:
+        axes.legend(fontsize=8)
+
+
+def _bars(
+    axes: Axes,
+    rows: Sequence[ScalingRow],
+    engines: Sequence[str],
+    dimension: str,
+    title: str,
+    xlabel: str,
+) -> None:
+    values: list[Any] = list(dict.fromkeys(row.value for row in rows if row.dimension == dimension))
+    width = 0.8 / max(1, len(engines))
+    for slot, engine in enumerate(engines):
+        by_value = {row.value: row.staged_gbps for row in _series(rows, engine, dimension)}
+        xs = [i + (slot - (len(engines) - 1) / 2) * width for i in range(len(values))]
+        heights = [by_value.get(value, 0.0) for value in values]
+        bars = axes.bar(xs, heights, width, color=_COLOURS.get(engine), label=engine)
+        axes.bar_label(bars, fmt="%.3g", fontsize=7)
+    _empty(axes, [row for row in rows if row.dimension == dimension])
+    axes.set_xticks(range(len(values)))
+    axes.set_xticklabels([str(value) for value in values])
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel("staged throughput (GB/s)")
+    axes.set_title(title)
+    axes.grid(True, axis="y", alpha=0.3)
+    axes.margins(y=0.2)  # room above the bars for their labels and the legend
+    if values:
+        axes.legend(fontsize=8, loc="upper right", ncols=len(engines))
+
+
+def _tp_bars(axes: Axes, rows: Sequence[ScalingRow], engines: Sequence[str]) -> None:
+    _bars(axes, rows, engines, "tp", "Staged throughput per TP pair", "prefill TP -> decode TP")
+
+
+def _page_bars(axes: Axes, rows: Sequence[ScalingRow], engines: Sequence[str]) -> None:
+    _bars(axes, rows, engines, "page_size", "Staged throughput per page size", "page size (tokens)")

@@ -1,0 +1,653 @@
+"""``bench scaling``: how the staged transfer's throughput and latency grow, per engine.
+
+Not a row group of :data:`~staging_contracts.bench.GROUPS` (its result is a table of points
+and fitted slopes, not ours-against-anchor rows): the command line runs it on its own as
+``staging-contracts bench scaling``.
+
+**What is swept.** One dimension at a time around a base point, not a full grid (so a full
+run takes minutes, not hours); every point is a real :func:`~staging_contracts.cluster.runner.
+run_cluster` run, each rank its own process, every decode page verified:
+
+========================  =================================  ==========
+dimension                 values                             base
+========================  =================================  ==========
+``tokens``                1k, 2k, 4k, 8k, 16k, 32k            4k
+``tp`` (prefill->decode)  1->4, 2->4, 4->2, 8->2, 4->1        4->2
+``page_size``             1, 16, 64                          16
+``concurrency``           1, 2, 4, 8, 16 requests at once    1
+========================  =================================  ==========
+
+The geometry is fixed: 8 layers, 8 KV heads of 128, bf16 (32 KiB of KV per token over all
+heads and layers: a 4k-token request is 128 MiB, a 32k one 1 GiB), chunks of 1024 tokens, a
+ring of two chunks. The base point is run once per engine and shared by the
+four dimensions' series.
+
+**What is measured**, per point:
+
+* *staged GB/s* — the KV bytes of every request of the point over the transfer phase
+  (:attr:`ClusterResult.elapsed_s <staging_contracts.cluster.runner.ClusterResult.elapsed_s>`:
+  from the first prefill rank starting its requests to the last decode rank finishing);
+* *raw GB/s* — the engine's raw bulk write of the same number of bytes between two processes
+  (:func:`~staging_contracts.bench.engine_anchors.raw_write_seconds`, one writer, one
+  receiver, one ``write`` call: the ceiling the staged path is measured against);
+* *latency p50/p99* — per request, from the first ``STAGING_REQ`` any prefill rank sent for
+  it to the last decode rank seeing it succeed
+  (:meth:`ClusterResult.request_latencies_s
+  <staging_contracts.cluster.runner.ClusterResult.request_latencies_s>`); percentiles by
+  linear interpolation (:func:`percentile`);
+* the decode rings' peak use and the largest rank's peak RSS.
+
+**How the cost grows**: least-squares lines (:func:`fit_line`) of transfer time against
+tokens (seconds per 1k tokens, and the intercept) and of the latency percentiles against
+concurrency (seconds per extra concurrent request), per engine.
+
+``BenchOptions.quick`` runs tiny points (two values per swept dimension) for smoke tests;
+its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Final
+
+from ..cluster.preflight import preflight
+from ..cluster.runner import ClusterResult, run_cluster
+from ..cluster.workload import TransferConfig
+from ..engines import engine_available
+from . import BenchOptions
+from .engine_anchors import raw_write_seconds
+
+__all__ = [
+    "CSV_COLUMNS",
+    "DIMENSIONS",
+    "ENGINES",
+    "Fit",
+    "ScalingPlan",
+    "ScalingPoint",
+    "ScalingResult",
+    "ScalingRow",
+    "fit_line",
+    "fit_rows",
+    "percentile",
+    "run_scaling",
+]
+
+logger = logging.getLogger(__name__)
+
+ENGINES: Final = ("mooncake", "nixl")
+"""Engines the sweep runs (each needs its raw-write anchor)."""
+
+DIMENSIONS: Final = ("tokens", "tp", "page_size", "concurrency")
+"""The swept dimensions, in the order they are run and printed."""
+
+CSV_COLUMNS: Final = (
+    "engine",
+    "dimension",
+    "value",
+    "tokens",
+    "prefill_tp",
+    "decode_tp",
+    "page_size",
+    "concurrency",
+    "bytes",
+    "elapsed_s",
+    "staged_gbps",
+    "raw_gbps",
+    "latency_p50_s",
+    "latency_p99_s",
+    "peak_ring_bytes",
+    "peak_rss_bytes",
+    "ok",
+    "error",
+)
+"""Columns of the CSV file, in order: the fields of :class:`ScalingRow`."""
+
+PointValue = int | str
+"""The value of a point on its dimension: an int, or ``"P->D"`` for a TP pair."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingPoint:
+    """One planned point: where it sits and the run that measures it (any engine)."""
+
+    dimension: str
+    """One of :data:`DIMENSIONS`."""
+    value: PointValue
+    """Its value on that dimension (``"4->2"`` for a TP pair)."""
+    config: TransferConfig
+    """The run, with the base point's engine (replaced per engine)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingPlan:
+    """The base point and the values swept around it.
+
+    Raises:
+        ValueError: an empty sweep, a value below 1, or a repeat count below 1.
+    """
+
+    base: TransferConfig
+    """The base point; its ``requests`` is the base concurrency."""
+    tokens: tuple[int, ...]
+    tp_pairs: tuple[tuple[int, int], ...]
+    """``(prefill_tp, decode_tp)`` pairs."""
+    page_sizes: tuple[int, ...]
+    concurrency: tuple[int, ...]
+    """Requests staged at once (all issued together, through the same rings)."""
+    raw_repeats: int = 3
+    """Timed raw writes per byte count (the median is used; one untimed write first)."""
+    run_timeout_s: float = 300.0
+    """Bound on each cluster run and each raw-write measurement."""
+
+    def __post_init__(self) -> None:
+        sweeps = (self.tokens, self.tp_pairs, self.page_sizes, self.concurrency)
+        if not all(sweeps):
+            raise ValueError("every dimension needs at least one value")
+        flat = [*self.tokens, *self.page_sizes, *self.concurrency]
+        flat += [n for pair in self.tp_pairs for n in pair]
+        if min(flat) < 1 or self.raw_repeats < 1 or self.run_timeout_s <= 0:
+            raise ValueError("sizes, TP sizes, repeats and the timeout must be positive")
+
+    @classmethod
+    def full(cls) -> ScalingPlan:
+        """The documented sweep (module docstring): about 15 minutes on two loaded cores."""
+        return cls(
+            base=TransferConfig(
+                prefill_tp=4,
+                decode_tp=2,
+                kv_heads=8,
+                layers=8,
+                head_dim=128,
+                tokens=4096,
+                page_size=16,
+                requests=1,
+                dtype="bf16",
+                chunk_tokens=1024,
+                ring_chunks=2,
+            ),
+            tokens=(1024, 2048, 4096, 8192, 16384, 32768),
+            tp_pairs=((1, 4), (2, 4), (4, 2), (8, 2), (4, 1)),
+            page_sizes=(1, 16, 64),
+            concurrency=(1, 2, 4, 8, 16),
+        )
+
+    @classmethod
+    def quick(cls) -> ScalingPlan:
+        """Tiny points for smoke tests: four runs per engine, figures meaningless."""
+        return cls(
+            base=TransferConfig(
+                prefill_tp=2,
+                decode_tp=1,
+                kv_heads=8,
+                layers=2,
+                head_dim=64,
+                tokens=256,
+                page_size=16,
+                requests=1,
+                dtype="bf16",
+                chunk_tokens=128,
+                ring_chunks=2,
+            ),
+            tokens=(256, 512),
+            tp_pairs=((2, 1), (1, 2)),
+            page_sizes=(16,),
+            concurrency=(1, 2),
+            raw_repeats=1,
+            run_timeout_s=120.0,
+        )
+
+    def points(self) -> list[ScalingPoint]:
+        """Every point, dimension by dimension (the base point once in each)."""
+        base = self.base
+        points = [ScalingPoint("tokens", n, replace(base, tokens=n)) for n in self.tokens]
+        points += [
+            ScalingPoint("tp", f"{p}->{d}", replace(base, prefill_tp=p, decode_tp=d))
+            for p, d in self.tp_pairs
+        ]
+        points += [
+            ScalingPoint("page_size", n, replace(base, page_size=n)) for n in self.page_sizes
+        ]
+        points += [
+            ScalingPoint("concurrency", n, replace(base, requests=n)) for n in self.concurrency
+        ]
+        return points
+
+    def describe(self) -> dict[str, Any]:
+        """The plan as JSON-ready values: the base point's geometry and each sweep."""
+        base = self.base
+        return {
+            "base": {
+                "tokens": base.tokens,
+                "prefill_tp": base.prefill_tp,
+                "decode_tp": base.decode_tp,
+                "page_size": base.page_size,
+                "concurrency": base.requests,
+                "layers": base.layers,
+                "kv_heads": base.kv_heads,
+                "head_dim": base.head_dim,
+                "dtype": base.dtype,
+                "chunk_tokens": base.chunk_tokens,
+                "ring_chunks": base.ring_chunks,
+            },
+            "tokens": list(self.tokens),
+            "tp": [f"{p}->{d}" for p, d in self.tp_pairs],
+            "page_size": list(self.page_sizes),
+            "concurrency": list(self.concurrency),
+            "raw_repeats": self.raw_repeats,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingRow:
+    """One measured point of one engine (a CSV line; the base point is in each dimension)."""
+
+    engine: str
+    dimension: str
+    value: PointValue
+    tokens: int
+    prefill_tp: int
+    decode_tp: int
+    page_size: int
+    concurrency: int
+    bytes: int
+    """KV bytes of every request of the point (what both the staged run and the raw write
+    move)."""
+    elapsed_s: float
+    """The staged run's transfer phase (``nan`` when it failed)."""
+    staged_gbps: float
+    raw_gbps: float
+    """The engine's raw write of ``bytes`` (``nan`` when it could not be measured)."""
+    latency_p50_s: float
+    latency_p99_s: float
+    peak_ring_bytes: int
+    """Largest peak use of a decode rank's staging ring."""
+    peak_rss_bytes: int | None
+    """Largest peak RSS of a rank process (``None``: the ranks did not report it)."""
+    ok: bool = True
+    error: str = ""
+    """Why the point failed (empty when it verified)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row as a dict with the keys of :data:`CSV_COLUMNS`."""
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """A least-squares line ``y = slope * x + intercept`` over one engine's series."""
+
+    engine: str
+    name: str
+    """``time-vs-tokens``, ``latency-p50-vs-concurrency`` or ``latency-p99-vs-concurrency``."""
+    slope: float
+    intercept: float
+    r2: float
+    """Coefficient of determination (1.0: the points lie on the line)."""
+    points: int
+    slope_unit: str
+    """e.g. ``s per 1k tokens``."""
+
+    def describe(self) -> str:
+        """One line: ``ENGINE NAME: SLOPE UNIT, intercept I s (r2 R, N points)``."""
+        return (
+            f"{self.engine} {self.name}: {self.slope:.4g} {self.slope_unit}, intercept "
+            f"{self.intercept:.4g} s (r2 {self.r2:.3f}, {self.points} points)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingResult:
+    """Everything one sweep found."""
+
+    plan: ScalingPlan
+    rows: tuple[ScalingRow, ...]
+    fits: tuple[Fit, ...]
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Engine -> why it was not run (it does not import)."""
+    machine: dict[str, Any] = field(default_factory=dict)
+    """CPU count and load averages before and after the sweep."""
+
+    @property
+    def ok(self) -> bool:
+        """At least one engine ran, and every point verified."""
+        return bool(self.rows) and all(row.ok for row in self.rows)
+
+    def as_json(self) -> dict[str, Any]:
+        """The result as JSON-ready values: plan, machine, skipped engines, fits, rows."""
+        return {
+            "plan": self.plan.describe(),
+            "machine": self.machine,
+            "skipped": self.skipped,
+            "fits": [asdict(fit) for fit in self.fits],
+            "rows": [_json_row(row) for row in self.rows],
+        }
+
+    def write(self, directory: str | Path) -> list[Path]:
+        """Write ``scaling.json`` and ``scaling.csv`` into ``directory`` (made if missing);
+        returns their paths."""
+        folder = Path(directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        json_path = folder / "scaling.json"
+        json_path.write_text(json.dumps(self.as_json(), indent=2) + "\n")
+        csv_path = folder / "scaling.csv"
+        with csv_path.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
+            writer.writeheader()
+            for row in self.rows:
+                writer.writerow(row.as_dict())
+        return [json_path, csv_path]
+
+    def format_text(self) -> str:
+        """The points as an aligned table, then the skipped engines and the fitted slopes."""
+        header = (
+            "engine",
+            "dimension",
+            "value",
+            "MiB",
+            "staged GB/s",
+            "raw GB/s",
+            "p50 s",
+            "p99 s",
+            "ring MiB",
+            "RSS MiB",
+            "ok",
+        )
+        table = [header]
+        for row in self.rows:
+            rss = "-" if row.peak_rss_bytes is None else f"{row.peak_rss_bytes / 2**20:.0f}"
+            table.append(
+                (
+                    row.engine,
+                    row.dimension,
+                    str(row.value),
+                    f"{row.bytes / 2**20:.1f}",
+                    _num(row.staged_gbps),
+                    _num(row.raw_gbps),
+                    _num(row.latency_p50_s),
+                    _num(row.latency_p99_s),
+                    f"{row.peak_ring_bytes / 2**20:.1f}",
+                    rss,
+                    "yes" if row.ok else "NO",
+                )
+            )
+        widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+        lines = [
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table
+        ]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        base = self.plan.describe()["base"]
+        lines.insert(
+            0,
+            "base point: {tokens} tokens, TP {prefill_tp}->{decode_tp}, page size {page_size}, "
+            "{concurrency} request(s) at once; {layers} layers, {kv_heads} KV heads of "
+            "{head_dim}, {dtype}, chunks of {chunk_tokens} tokens, ring of {ring_chunks} "
+            "chunks".format(**base),
+        )
+        lines.extend(
+            f"{row.engine} {row.dimension}={row.value}: {row.error}"
+            for row in self.rows
+            if not row.ok
+        )
+        lines.extend(f"skipped {engine}: {why}" for engine, why in self.skipped.items())
+        lines.append("how the cost grows (least squares):")
+        lines.extend(f"  {fit.describe()}" for fit in self.fits)
+        if not self.fits:
+            lines.append("  (no series with two points to fit)")
+        return "\n".join(lines)
+
+
+def _num(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.4g}"
+
+
+def _json_row(row: ScalingRow) -> dict[str, Any]:
+    """A row for JSON: ``nan`` becomes ``null`` (JSON has no NaN)."""
+    return {
+        key: None if isinstance(value, float) and math.isnan(value) else value
+        for key, value in row.as_dict().items()
+    }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values`` by linear interpolation between the
+    closest ranks (NumPy's default); ``nan`` for no values.
+
+    Raises:
+        ValueError: ``q`` outside 0..100.
+    """
+    if not 0 <= q <= 100:
+        raise ValueError(f"q={q!r} must lie in 0..100")
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares line through ``(xs, ys)``: ``(slope, intercept, r2)``.
+
+    ``r2`` is 1.0 when every ``y`` is the same (the line explains all there is).
+
+    Raises:
+        ValueError: different lengths, or fewer than two distinct ``x``.
+    """
+    if len(xs) != len(ys):
+        raise ValueError(f"{len(xs)} x values but {len(ys)} y values")
+    if len(set(xs)) < 2:
+        raise ValueError("a line needs at least two distinct x values")
+    n = len(xs)
+    mean_x = sum(xs) / n
+    mean_y = sum(ys) / n
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+    slope = sxy / sxx
+    intercept = mean_y - slope * mean_x
+    ss_tot = sum((y - mean_y) ** 2 for y in ys)
+    ss_res = sum((y - (slope * x + intercept)) ** 2 for x, y in zip(xs, ys, strict=True))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    return slope, intercept, r2
+
+
+def fit_rows(rows: Iterable[ScalingRow]) -> list[Fit]:
+    """The slopes of each engine's series: transfer time against thousands of tokens, and
+    latency p50 and p99 against concurrency (points that failed are left out; a series with
+    fewer than two distinct values gets no fit)."""
+    rows = [row for row in rows if row.ok]
+    fits: list[Fit] = []
+    for engine in dict.fromkeys(row.engine for row in rows):
+        mine = [row for row in rows if row.engine == engine]
+        series: list[tuple[str, str, list[tuple[float, float]]]] = [
+            (
+                "time-vs-tokens",
+                "s per 1k tokens",
+                [(r.tokens / 1000, r.elapsed_s) for r in mine if r.dimension == "tokens"],
+            ),
+            (
+                "latency-p50-vs-concurrency",
+                "s per concurrent request",
+                [(r.concurrency, r.latency_p50_s) for r in mine if r.dimension == "concurrency"],
+            ),
+            (
+                "latency-p99-vs-concurrency",
+                "s per concurrent request",
+                [(r.concurrency, r.latency_p99_s) for r in mine if r.dimension == "concurrency"],
+            ),
+        ]
+        for name, unit, measured in series:
+            pairs = [(x, y) for x, y in measured if not math.isnan(y)]
+            if len({x for x, _ in pairs}) < 2:
+                continue
+            slope, intercept, r2 = fit_line([x for x, _ in pairs], [y for _, y in pairs])
+            fits.append(Fit(engine, name, slope, intercept, r2, len(pairs), unit))
+    return fits
+
+
+def run_scaling(
+    options: BenchOptions,
+    *,
+    plan: ScalingPlan | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ScalingResult:
+    """Run the sweep for every engine of ``options.backends`` (default :data:`ENGINES`) that
+    imports; an engine that does not is skipped, with the reason, in the result.
+
+    Args:
+        options: ``quick`` picks :meth:`ScalingPlan.quick` (unless ``plan`` is given);
+            ``backends`` restricts the engines.
+        plan: the sweep (default: :meth:`ScalingPlan.full` or :meth:`ScalingPlan.quick`).
+        progress: called with one line before each measurement.
+
+    **Blocking:** every point's cluster run and raw write, each bounded by
+    ``plan.run_timeout_s`` (about 15 minutes in all for the full plan on two loaded cores).
+
+    Raises:
+        ValueError: a backend that is not one of :data:`ENGINES`, or ``device="cuda"`` (the
+            cluster's rank processes keep their pools on the CPU).
+    """
+    chosen = (
+        plan if plan is not None else (ScalingPlan.quick() if options.quick else ScalingPlan.full())
+    )
+    if options.device != "cpu":
+        raise ValueError(
+            f"--device {options.device}: bench scaling runs its ranks' pools on the CPU only"
+        )
+    engines = options.backends if options.backends is not None else ENGINES
+    unknown = [name for name in engines if name not in ENGINES]
+    if unknown:
+        raise ValueError(
+            f"backend {unknown[0]!r} is not one of {', '.join(ENGINES)} (bench scaling "
+            "measures each engine's raw write alongside)"
+        )
+    say = progress if progress is not None else logger.info
+    machine: dict[str, Any] = {"cpus": os.cpu_count(), "load_before": _load()}
+    rows: list[ScalingRow] = []
+    skipped: dict[str, str] = {}
+    points = chosen.points()
+    for engine in dict.fromkeys(engines):
+        available, reason = engine_available(engine)
+        if not available:
+            skipped[engine] = reason
+            say(f"bench scaling: skipping {engine}: {reason}")
+            continue
+        rows.extend(_sweep(engine, points, chosen, say))
+    machine["load_after"] = _load()
+    return ScalingResult(chosen, tuple(rows), tuple(fit_rows(rows)), skipped, machine)
+
+
+def _load() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # not every platform has load averages
+        return []
+
+
+@dataclass(frozen=True, slots=True)
+class _Measured:
+    """What one cluster run of a point gave."""
+
+    elapsed_s: float = math.nan
+    latencies: tuple[float, ...] = ()
+    peak_ring_bytes: int = 0
+    peak_rss_bytes: int | None = None
+    error: str = ""
+
+
+def _sweep(
+    engine: str, points: list[ScalingPoint], plan: ScalingPlan, say: Callable[[str], None]
+) -> list[ScalingRow]:
+    runs: dict[TransferConfig, _Measured] = {}
+    raw: dict[int, float] = {}
+    distinct = len(dict.fromkeys(point.config for point in points))
+    rows: list[ScalingRow] = []
+    for point in points:
+        config = replace(point.config, backend=engine)
+        nbytes = config.request_bytes * config.requests
+        if config not in runs:
+            say(
+                f"bench scaling: {engine} {point.dimension}={point.value} "
+                f"({len(runs) + 1}/{distinct}, {nbytes / 2**20:.0f} MiB)"
+            )
+            runs[config] = _measure(config, plan)
+        if nbytes not in raw:
+            raw[nbytes] = _raw_gbps(engine, nbytes, plan)
+        found = runs[config]
+        elapsed = found.elapsed_s
+        rows.append(
+            ScalingRow(
+                engine=engine,
+                dimension=point.dimension,
+                value=point.value,
+                tokens=config.tokens,
+                prefill_tp=config.prefill_tp,
+                decode_tp=config.decode_tp,
+                page_size=config.page_size,
+                concurrency=config.requests,
+                bytes=nbytes,
+                elapsed_s=elapsed,
+                staged_gbps=nbytes / elapsed / 1e9 if elapsed > 0 else math.nan,
+                raw_gbps=raw[nbytes],
+                latency_p50_s=percentile(found.latencies, 50),
+                latency_p99_s=percentile(found.latencies, 99),
+                peak_ring_bytes=found.peak_ring_bytes,
+                peak_rss_bytes=found.peak_rss_bytes,
+                ok=not found.error,
+                error=found.error,
+            )
+        )
+    return rows
+
+
+def _measure(config: TransferConfig, plan: ScalingPlan) -> _Measured:
+    """One cluster run of a point; a point that cannot run or does not verify is an error,
+    and the sweep goes on."""
+    try:
+        preflight(config)
+    except ValueError as exc:
+        return _Measured(error=f"refused before starting: {exc}")
+    result = run_cluster(config, timeout_s=plan.run_timeout_s)
+    if not result.verified:
+        return _Measured(error=_failure(result))
+    latencies = result.request_latencies_s()
+    rss = [*result.peak_rss_bytes("prefill").values(), *result.peak_rss_bytes("decode").values()]
+    rings = [peak for peak, _ in result.ring_peaks().values()]
+    return _Measured(
+        elapsed_s=result.elapsed_s,
+        latencies=tuple(latencies.values()),
+        peak_ring_bytes=max(rings, default=0),
+        peak_rss_bytes=max(rss) if rss else None,
+        error="" if len(latencies) == config.requests else "some requests have no latency",
+    )
+
+
+def _failure(result: ClusterResult) -> str:
+    """Why a run did not verify, in one line."""
+    if result.timed_out:
+        return "the run timed out"
+    if result.first_death is not None:
+        death = result.first_death
+        return f"{death.role} {death.rank} {death.reason}"
+    if result.failed_requests:
+        return f"requests {sorted(result.failed_requests)} failed"
+    return "the decode pages did not verify"
+
+
+def _raw_gbps(engine: str, nbytes: int, plan: ScalingPlan) -> float:
+    """The engine's raw write of ``nbytes``, GB/s; ``nan`` (logged) when it failed."""
+    try:
+        seconds = raw_write_seconds(
+            engine, nbytes, repeats=plan.raw_repeats, timeout_s=plan.run_timeout_s
+        )
+    except RuntimeError as exc:
+        logger.warning("raw write of %d bytes over %s failed: %s", nbytes, engine, exc)
+        return math.nan
+    return nbytes / seconds / 1e9
