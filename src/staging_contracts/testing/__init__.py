@@ -20,8 +20,10 @@ or run it without a test module: ``pytest --staging-backend mypkg.backend:MyKVMa
 point). See ``docs/writing-a-backend.md``.
 
 The harness behind the kit's transfer checks is public too: :func:`run_transfer` stages
-several multi-chunk rooms from P prefill to D decode managers of any backend, in one process,
-verifies every decode page bit for bit and returns a :class:`TransferReport`::
+several multi-chunk rooms from P prefill to D decode managers of any backend, in one process
+(or, with ``processes=True``, each rank in a spawned process of its own, over an engine that
+crosses processes), verifies every decode page bit for bit and returns a
+:class:`TransferReport`::
 
     report = run_transfer(MyKVManager, prefill_tp=2, decode_tp=1, rooms=3)
     if not report.ok:
@@ -40,10 +42,13 @@ from .factories import FactoryUnavailable, standard_factory
 from .harness import (
     IDLE_HOOK_HINT,
     ManagerFactory,
+    ProcessesUnavailable,
+    RankFailed,
     RoomReport,
     TransferGeometry,
     TransferManager,
     TransferReport,
+    process_local_reason,
     run_transfer,
 )
 from .kit import NO_FACTORY_MESSAGE, NO_MANAGER_FACTORY_MESSAGE, StagingBackendContract
@@ -60,12 +65,15 @@ __all__ = [
     "LiveDecode",
     "LiveDecodeManager",
     "ManagerFactory",
+    "ProcessesUnavailable",
+    "RankFailed",
     "RoomReport",
     "StagingBackendContract",
     "StartableBackend",
     "TransferGeometry",
     "TransferManager",
     "TransferReport",
+    "process_local_reason",
     "run_transfer",
     "standard_factory",
 ]

@@ -29,22 +29,43 @@ Every wait is bounded by ``timeout_s``; a room still running then is failed and 
 timed out. The harness raises only for bad arguments or when a manager cannot be built or
 wired; everything that goes wrong during the transfer is in the report.
 
+**Across processes.** ``run_transfer(backend, ..., processes=True)`` runs the same rooms with
+every rank in a spawned process of its own (:mod:`~staging_contracts.testing.processes`): each
+builds its manager with the backend (which must be importable by reference: a class, a
+module-level function or a backend spec string), sends its endpoint, engine session and
+metadata (and, on decode, its ring's base) to the harness, which hands every rank the others';
+the ranks then trust and start, register their per-request handlers, and only when all have
+done so do decode ranks register the rooms and prefill ranks stage them. Each decode rank
+checks its own pages, counts its arrivals and stray pages after closing, and the harness joins
+it all into the same :class:`TransferReport` (``processes=True``). A backend whose engine stays
+within one process (``LocalEngine``, or an engine class with ``process_local = True``) raises
+:class:`ProcessesUnavailable` as soon as a rank has built its manager; a rank that fails to
+build or wire, dies, or outlives a step's bound raises
+:class:`~staging_contracts.testing.processes.RankFailed` naming the rank and its error. Every
+step is bounded; every rank process is gone when it returns.
+
 **Thread:** call it from any thread but a listener's; it blocks until the report is ready.
+Across processes, call it from the main module's ``if __name__ == "__main__":`` block or a
+test (ranks are spawned).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import pickle
 import threading
 import time
+import traceback
 from collections.abc import Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from multiprocessing.connection import Connection
+from typing import Final, Protocol, cast
 
 import torch
 
+from ..backends import resolve_backend
 from ..backends.common import Role
 from ..backends.kv_requests import (
     DecodeTransfers,
@@ -55,19 +76,24 @@ from ..backends.kv_requests import (
 )
 from ..backends.staging_setup import enable_decode_staging, enable_prefill_staging
 from ..decode.handler import DecodeStagingHandler
+from ..engines.local import LocalEngine
 from ..prefill.writer import DecodeTarget, PrefillTimeouts
 from ..protocols import ArrivalOutcome, KVArgs, KVArgsRecord, KVBufferTensors, StagingReqOutcome
 from ..staging.layout import validate_tp_pair
 from ..stats import StagingStats
 from .decode_setup import StartableBackend
+from .processes import ParentLink, RankFailed, RankGroup
 
 __all__ = [
     "IDLE_HOOK_HINT",
     "ManagerFactory",
+    "ProcessesUnavailable",
+    "RankFailed",
     "RoomReport",
     "TransferGeometry",
     "TransferManager",
     "TransferReport",
+    "process_local_reason",
     "run_transfer",
 ]
 
@@ -79,10 +105,18 @@ IDLE_HOOK_HINT: Final = (
 )
 """What the diagnosis asks when a notifying engine's arrivals never reached decode."""
 
-_POLL_S: Final = 0.005
 _TEARDOWN_S: Final = 5.0
 """Longest the teardown waits for prefill to hear that the unfinished rooms failed."""
 _ROOM_BASE: Final = 1000
+_START_S: Final = 120.0
+"""Across processes: longest a rank process may take to start and build its manager."""
+_STEP_S: Final = 60.0
+"""Across processes: longest any other step of a rank (wiring, arming rooms, closing) takes."""
+
+
+class ProcessesUnavailable(RuntimeError):
+    """``run_transfer(..., processes=True)`` cannot run this backend's ranks in separate
+    processes (its engine works within one process); the text says why."""
 
 
 class TransferManager(StartableBackend, Protocol):
@@ -267,6 +301,8 @@ class TransferReport:
     """Seconds from the first room to the last verdict (teardown excluded)."""
     timeout_s: float
     """The bound the run was given."""
+    processes: bool = False
+    """Every rank ran in a process of its own (``run_transfer(..., processes=True)``)."""
 
     @property
     def ok(self) -> bool:
@@ -339,8 +375,9 @@ class TransferReport:
     def summary(self) -> str:
         """A few lines for a test failure or a log: the run, each room, the diagnosis."""
         head = (
-            f"{self.backend}: prefill TP {self.prefill_tp} -> decode TP {self.decode_tp}, "
-            f"{len(self.rooms)} rooms, {'ok' if self.ok else 'FAILED'} in {self.elapsed_s:.2f}s"
+            f"{self.backend}: prefill TP {self.prefill_tp} -> decode TP {self.decode_tp}"
+            f"{' (a process per rank)' if self.processes else ''}, {len(self.rooms)} rooms, "
+            f"{'ok' if self.ok else 'FAILED'} in {self.elapsed_s:.2f}s"
         )
         lines = [head, *(f"  {room.line()}" for room in self.rooms)]
         diagnosis = self.diagnosis()
@@ -406,8 +443,10 @@ class _ArrivalTally:
             return self._counts.get(room, 0)
 
 
-def _backend_name(backend: ManagerFactory) -> str:
-    """``module.QualName`` of a class or function, else the factory's ``repr``."""
+def _backend_name(backend: ManagerFactory | str) -> str:
+    """``module.QualName`` of a class or function, the spec of a string, else ``repr``."""
+    if isinstance(backend, str):
+        return backend
     name = getattr(backend, "__qualname__", None)
     module = getattr(backend, "__module__", None)
     if isinstance(backend, type) or inspect.isfunction(backend) or inspect.ismethod(backend):
@@ -415,8 +454,31 @@ def _backend_name(backend: ManagerFactory) -> str:
     return repr(backend)
 
 
+def _factory(backend: ManagerFactory | str) -> ManagerFactory:
+    """The factory of ``backend``: a spec string resolved, anything else as it is."""
+    if isinstance(backend, str):
+        return cast(ManagerFactory, resolve_backend(backend))
+    return backend
+
+
+def process_local_reason(engine: object) -> str | None:
+    """Why ``engine`` cannot reach a peer in another process, or ``None`` if it can.
+
+    An engine is taken as in-process only when it is a
+    :class:`~staging_contracts.engines.local.LocalEngine` or its class sets
+    ``process_local = True``.
+    """
+    if isinstance(engine, LocalEngine) or getattr(type(engine), "process_local", False) is True:
+        return (
+            f"its engine {type(engine).__name__} moves bytes within one process only; give "
+            "the harness a factory over an engine that crosses processes (NIXL, Mooncake), or "
+            "run it with processes=False"
+        )
+    return None
+
+
 def run_transfer(
-    backend: ManagerFactory,
+    backend: ManagerFactory | str,
     *,
     prefill_tp: int = 2,
     decode_tp: int = 1,
@@ -424,28 +486,40 @@ def run_transfer(
     geometry: TransferGeometry | None = None,
     timeout_s: float = 30.0,
     seed: int = 0,
+    processes: bool = False,
 ) -> TransferReport:
     """Stage ``rooms`` multi-chunk requests from ``prefill_tp`` to ``decode_tp`` ranks.
 
     Args:
-        backend: a backend class with the standard constructor, or any
-            :class:`ManagerFactory`; called once per rank.
+        backend: a backend class with the standard constructor, any
+            :class:`ManagerFactory`, or a backend spec string (a registry name,
+            ``MODULE:CLASS`` or ``MODULE:CLASS=MODULE:FACTORY``, see
+            :func:`~staging_contracts.backends.resolve_backend`); called once per rank.
         prefill_tp: prefill ranks (attention TP size of prefill).
         decode_tp: decode ranks.
         rooms: requests, all in flight at once.
         geometry: sizes (default :class:`TransferGeometry`'s).
         timeout_s: bound on the whole transfer; rooms still running then fail as timed out.
         seed: seed of the KV data and page choice.
+        processes: run every rank in a process of its own (spawned), over the backend's
+            engine across processes: the same rooms, checks and report. ``backend`` must
+            then be importable by reference (a class, a module-level function or a spec
+            string), and its engine must cross processes.
 
     Returns:
         The per-room report (see :attr:`TransferReport.ok` and
         :meth:`TransferReport.diagnosis`).
 
     Raises:
-        ValueError: the TP pair does not fit the head count, or the rooms do not fit the
-            pools.
-        Exception: whatever the factory, the staging set-up or the engine wiring raised; every
-            manager built so far is closed first.
+        ValueError: the TP pair does not fit the head count, the rooms do not fit the
+            pools, a spec does not resolve, or (``processes=True``) ``backend`` cannot be
+            pickled.
+        ProcessesUnavailable: ``processes=True`` and the backend's engine works within one
+            process only (the text says so; a test may skip with it).
+        RankFailed: ``processes=True`` and a rank process failed to build or wire its
+            manager, died, or did not answer in time (the text names the rank and its error).
+        Exception: (in one process) whatever the factory, the staging set-up or the engine
+            wiring raised; every manager built so far is closed first.
     """
     g = geometry or TransferGeometry()
     validate_tp_pair(prefill_tp, decode_tp, g.total_kv_heads)
@@ -457,6 +531,13 @@ def run_transfer(
             f"(prefill and decode pages apart), the pools have {g.pool_pages}"
         )
     name = _backend_name(backend)
+    if processes:
+        report = _run_across_processes(
+            backend, name, prefill_tp, decode_tp, rooms, g, timeout_s, seed
+        )
+        logger.log(logging.DEBUG if report.ok else logging.WARNING, "%s", report.summary())
+        return report
+    factory = _factory(backend)
     stack = ExitStack()  # closes, last first: prefill workers, then decode and prefill managers
     try:
         prefill: list[TransferManager] = []
@@ -464,7 +545,7 @@ def run_transfer(
         sides = ((Role.PREFILL, prefill_tp, prefill), (Role.DECODE, decode_tp, decode))
         for role, tp, made in sides:
             for rank in range(tp):
-                manager = backend(g.kv_args(tp, rank), role=role, attn_tp_size=tp)
+                manager = factory(g.kv_args(tp, rank), role=role, attn_tp_size=tp)
                 stack.callback(manager.close)
                 made.append(manager)
         logger.debug("%s: %d prefill and %d decode managers built", name, prefill_tp, decode_tp)
@@ -475,6 +556,186 @@ def run_transfer(
     report = run.report(name)
     logger.log(logging.DEBUG if report.ok else logging.WARNING, "%s", report.summary())
     return report
+
+
+# --------------------------------------------------------------------------- shared by both modes
+
+
+def _make_rooms(g: TransferGeometry, count: int, seed: int) -> list[_Room]:
+    """The run's rooms: data and pages, the same in every process for the same seed."""
+    generator = torch.Generator().manual_seed(seed)
+    free = torch.randperm(g.pool_pages, generator=generator).tolist()
+    tokens = g.room_pages * g.page_size
+    shape = (tokens, g.total_kv_heads, g.head_dim)
+    bits = _INT_OF_SIZE[torch.empty((), dtype=g.dtype).element_size()]
+    low, high = (0, 255) if bits is torch.uint8 else (-(2**14), 2**14)
+
+    def data() -> torch.Tensor:
+        raw = torch.randint(low, high, shape, generator=generator)
+        return raw.to(bits).view(g.dtype)
+
+    rooms: list[_Room] = []
+    for index in range(count):
+        prefill_pages = tuple(free[: g.room_pages])
+        decode_pages = tuple(free[g.room_pages : 2 * g.room_pages])
+        del free[: 2 * g.room_pages]
+        rooms.append(
+            _Room(
+                _ROOM_BASE + index,
+                [data() for _ in range(g.num_layers)],
+                [data() for _ in range(g.num_layers)],
+                prefill_pages,
+                decode_pages,
+            )
+        )
+    return rooms
+
+
+def _place(pool: KVBufferTensors, room: _Room, pages: Sequence[int], heads: list[int]) -> None:
+    """Write the room's heads ``heads`` into ``pages`` of a prefill pool."""
+    ps = pool.page_size
+    index = torch.tensor([p * ps + t for p in pages for t in range(ps)], dtype=torch.int64)
+    for layer in range(len(pool.k_buffers)):
+        pool.k_buffers[layer][index] = room.k[layer][:, heads]
+        pool.v_buffers[layer][index] = room.v[layer][:, heads]
+
+
+def _chunk_ok(
+    g: TransferGeometry, pool: KVBufferTensors, heads: list[int], room: _Room, start: int
+) -> bool:
+    """The chunk of ``room`` starting at page ``start`` holds exactly its bytes in one decode
+    rank's pool (that rank holds ``heads``)."""
+    pages = room.decode_pages[start : start + g.chunk_pages]
+    tokens = torch.tensor(
+        [p * g.page_size + t for p in pages for t in range(g.page_size)], dtype=torch.int64
+    )
+    rows = slice(start * g.page_size, (start + len(pages)) * g.page_size)
+    for layer in range(g.num_layers):
+        for got, want in (
+            (pool.k_buffers[layer][tokens], room.k[layer][rows][:, heads]),
+            (pool.v_buffers[layer][tokens], room.v[layer][rows][:, heads]),
+        ):
+            if not torch.equal(_bits(got), _bits(want)):
+                return False
+    return True
+
+
+def _chunks_ok(
+    g: TransferGeometry, pool: KVBufferTensors, heads: list[int], room: _Room
+) -> list[bool]:
+    """Per chunk of ``room``: it landed bit for bit in this decode rank's pool."""
+    return [_chunk_ok(g, pool, heads, room, s) for s in range(0, g.room_pages, g.chunk_pages)]
+
+
+def _stray_pages(g: TransferGeometry, pool: KVBufferTensors, rooms: Sequence[_Room]) -> set[int]:
+    """Pages of one decode pool outside every room that hold anything but zeros."""
+    used = {page for room in rooms for page in room.decode_pages}
+    others = [p for p in range(g.pool_pages) if p not in used]
+    if not others:
+        return set()
+    ps = g.page_size
+    index = torch.tensor([p * ps + t for p in others for t in range(ps)], dtype=torch.int64)
+    stray: set[int] = set()
+    for tensor in (*pool.k_buffers, *pool.v_buffers):
+        rows = _bits(tensor[index]).reshape(len(others), -1)
+        stray.update(others[i] for i in torch.nonzero(rows.any(dim=1)).flatten().tolist())
+    return stray
+
+
+def _room_reason(
+    decode: Sequence[tuple[KVPoll, str | None]],
+    prefill: Sequence[tuple[KVPoll, str | None]],
+    timeout_s: float,
+) -> str | None:
+    """Why a room did not succeed on every rank (``None`` if it did), from each rank's final
+    state and failure text (decode ranks, then prefill ranks, by TP rank)."""
+    if all(state is KVPoll.Success for state, _ in (*decode, *prefill)):
+        return None
+    for d, (state, failure) in enumerate(decode):
+        if state is KVPoll.Failed:
+            return f"decode rank {d}: {failure or 'failed'}"
+    for p, (state, failure) in enumerate(prefill):
+        if state is KVPoll.Failed:
+            return f"prefill rank {p}: {failure or 'failed'}"
+    states = ", ".join(
+        [f"decode {d} {s.name}" for d, (s, _) in enumerate(decode)]
+        + [f"prefill {p} {s.name}" for p, (s, _) in enumerate(prefill)]
+    )
+    return f"timed out after {timeout_s:g}s ({states})"
+
+
+def _room_report(
+    g: TransferGeometry,
+    room: int,
+    reason: str | None,
+    decode_states: tuple[KVPoll, ...],
+    prefill_states: tuple[KVPoll, ...],
+    chunk_ok: Sequence[Sequence[bool]],
+    arrivals: int,
+) -> RoomReport:
+    """One room's report; ``chunk_ok[d][c]``: chunk ``c`` landed on decode rank ``d``."""
+    prefill_tp, decode_tp = len(prefill_states), len(decode_states)
+    verified = sum(all(rank[c] for rank in chunk_ok) for c in range(g.chunks_per_room))
+    writers = sum(len(_writers(prefill_tp, decode_tp, d)) for d in range(decode_tp))
+    if reason is None and verified < g.chunks_per_room:
+        reason = (
+            f"every rank reported success but {g.chunks_per_room - verified} chunk(s) do "
+            "not hold the staged bytes"
+        )
+    return RoomReport(
+        room=room,
+        succeeded=reason is None,
+        reason=reason,
+        decode_states=decode_states,
+        prefill_states=prefill_states,
+        chunks=g.chunks_per_room,
+        chunks_verified=verified,
+        arrivals=arrivals,
+        expected_arrivals=g.chunks_per_room * writers,
+    )
+
+
+def _start_receiver(g: TransferGeometry, transfers: DecodeTransfers, room: _Room) -> KVReceiver:
+    """One decode rank's receiver of ``room``, registered (its metadata not sent yet)."""
+    receiver = KVReceiver(transfers, room.room)
+    receiver.init(room.decode_pages, chunk_pages=g.chunk_pages)
+    return receiver
+
+
+def _start_senders(
+    g: TransferGeometry,
+    sides: Sequence[PrefillTransfers],
+    targets: list[DecodeTarget],
+    room: _Room,
+) -> list[KVSender]:
+    """Each prefill side's sender of ``room``, every chunk of it queued."""
+    senders = []
+    for side in sides:
+        sender = KVSender(side, room.room)
+        sender.init(g.room_pages, targets)
+        senders.append(sender)
+    for start in range(0, g.room_pages, g.chunk_pages):
+        pages = room.prefill_pages[start : start + g.chunk_pages]
+        last = start + g.chunk_pages >= g.room_pages
+        for sender in senders:
+            sender.send(pages, last=last)
+    return senders
+
+
+def _fail_unfinished_receivers(
+    handler: DecodeStagingHandler, room: int, receiver: KVReceiver
+) -> None:
+    """Fail a room still running on decode, telling its prefill ranks (ROOM_FAILED)."""
+    if receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
+        handler.fail_room(room, "the harness's time ran out")
+        receiver.poll()  # reports the failure to its prefill ranks
+
+
+def _unfinished(senders: Sequence[KVSender]) -> list[KVSender]:
+    return [s for s in senders if s.poll() not in (KVPoll.Success, KVPoll.Failed)]
+
+
+# --------------------------------------------------------------------------- one process
 
 
 class _Run:
@@ -540,74 +801,22 @@ class _Run:
         self.elapsed_s = 0.0
         self.notifications = False
 
-    # ------------------------------------------------------------------ the rooms
-
-    def _make_room(self, index: int, generator: torch.Generator, free: list[int]) -> _Room:
-        g = self.g
-        tokens = g.room_pages * g.page_size
-        shape = (tokens, g.total_kv_heads, g.head_dim)
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
-            torch.empty((), dtype=g.dtype).element_size()
-        ]
-        low, high = (0, 255) if bits is torch.uint8 else (-(2**14), 2**14)
-
-        def data() -> torch.Tensor:
-            raw = torch.randint(low, high, shape, generator=generator)
-            return raw.to(bits).view(g.dtype)
-
-        prefill_pages = tuple(free[: g.room_pages])
-        decode_pages = tuple(free[g.room_pages : 2 * g.room_pages])
-        del free[: 2 * g.room_pages]
-        return _Room(
-            _ROOM_BASE + index,
-            [data() for _ in range(g.num_layers)],
-            [data() for _ in range(g.num_layers)],
-            prefill_pages,
-            decode_pages,
-        )
-
-    def _place(
-        self, pool: KVBufferTensors, room: _Room, pages: Sequence[int], heads: list[int]
-    ) -> None:
-        ps = pool.page_size
-        index = torch.tensor([p * ps + t for p in pages for t in range(ps)], dtype=torch.int64)
-        for layer in range(len(pool.k_buffers)):
-            pool.k_buffers[layer][index] = room.k[layer][:, heads]
-            pool.v_buffers[layer][index] = room.v[layer][:, heads]
-
-    def _start_room(self, room: _Room) -> None:
-        g = self.g
-        for decode_side in self.decode_transfers:
-            receiver = KVReceiver(decode_side, room.room)
-            receiver.init(room.decode_pages, chunk_pages=g.chunk_pages)
-            room.receivers.append(receiver)
-        for receiver in room.receivers:
-            receiver.send_metadata()
-        for prefill_side in self.prefill_transfers:
-            sender = KVSender(prefill_side, room.room)
-            sender.init(g.room_pages, self.targets)
-            room.senders.append(sender)
-        starts = range(0, g.room_pages, g.chunk_pages)
-        for start in starts:
-            pages = room.prefill_pages[start : start + g.chunk_pages]
-            last = start + g.chunk_pages >= g.room_pages
-            for sender in room.senders:
-                sender.send(pages, last=last)
-
     def execute(self, count: int, seed: int) -> None:
         """Run ``count`` rooms to the end or the deadline; note each rank's verdict, then fail
         the rooms still running (the managers are still open)."""
         g = self.g
-        generator = torch.Generator().manual_seed(seed)
-        free = torch.randperm(g.pool_pages, generator=generator).tolist()
-        self.rooms = [self._make_room(i, generator, free) for i in range(count)]
+        self.rooms = _make_rooms(g, count, seed)
         for room in self.rooms:
             for p, pool in enumerate(self.prefill_pools):
-                self._place(pool, room, room.prefill_pages, g.heads(len(self.prefill), p))
+                _place(pool, room, room.prefill_pages, g.heads(len(self.prefill), p))
         started = time.monotonic()
         deadline = started + self.timeout_s
         for room in self.rooms:
-            self._start_room(room)
+            for decode_side in self.decode_transfers:
+                room.receivers.append(_start_receiver(g, decode_side, room))
+            for receiver in room.receivers:
+                receiver.send_metadata()
+            room.senders = _start_senders(g, self.prefill_transfers, self.targets, room)
         for room in self.rooms:
             for receiver in room.receivers:
                 receiver.wait(max(0.0, deadline - time.monotonic()))
@@ -617,101 +826,54 @@ class _Run:
         for room in self.rooms:
             room.decode_states = tuple(r.poll() for r in room.receivers)
             room.prefill_states = tuple(s.poll() for s in room.senders)
-            room.reason = self._reason(room)
+            room.reason = _room_reason(
+                [
+                    (st, r.failure())
+                    for st, r in zip(room.decode_states, room.receivers, strict=True)
+                ],
+                [
+                    (st, s.failure())
+                    for st, s in zip(room.prefill_states, room.senders, strict=True)
+                ],
+                self.timeout_s,
+            )
         self.notifications = all(w.arrival == "notification" for w in self.writers)
         self._fail_unfinished()
 
     def report(self, name: str) -> TransferReport:
         """The report, built once every manager is closed (no arrival or scatter is late)."""
+        g = self.g
+        decode_tp = len(self.decode)
+        heads = [g.heads(decode_tp, d) for d in range(decode_tp)]
+        stray: set[int] = set()
+        for pool in self.decode_pools:
+            stray |= _stray_pages(g, pool, self.rooms)
         return TransferReport(
             backend=name,
             prefill_tp=len(self.prefill),
-            decode_tp=len(self.decode),
+            decode_tp=decode_tp,
             notifications=self.notifications,
-            rooms=tuple(self._report(room) for room in self.rooms),
+            rooms=tuple(
+                _room_report(
+                    g,
+                    room.room,
+                    room.reason,
+                    room.decode_states,
+                    room.prefill_states,
+                    [
+                        _chunks_ok(g, pool, heads[d], room)
+                        for d, pool in enumerate(self.decode_pools)
+                    ],
+                    self.tally.count(room.room),
+                )
+                for room in self.rooms
+            ),
             decode_stats=tuple(m.staging_stats() for m in self.decode),
             prefill_stats=tuple(m.staging_stats() for m in self.prefill),
-            stray_pages=self._stray_pages(),
+            stray_pages=len(stray),
             elapsed_s=self.elapsed_s,
             timeout_s=self.timeout_s,
         )
-
-    # ------------------------------------------------------------------ verdicts
-
-    def _chunk_ok(self, room: _Room, start: int) -> bool:
-        g = self.g
-        pages = room.decode_pages[start : start + g.chunk_pages]
-        tokens = torch.tensor(
-            [p * g.page_size + t for p in pages for t in range(g.page_size)], dtype=torch.int64
-        )
-        rows = slice(start * g.page_size, (start + len(pages)) * g.page_size)
-        for d, pool in enumerate(self.decode_pools):
-            heads = g.heads(len(self.decode), d)
-            for layer in range(g.num_layers):
-                for got, want in (
-                    (pool.k_buffers[layer][tokens], room.k[layer][rows][:, heads]),
-                    (pool.v_buffers[layer][tokens], room.v[layer][rows][:, heads]),
-                ):
-                    if not torch.equal(_bits(got), _bits(want)):
-                        return False
-        return True
-
-    def _report(self, room: _Room) -> RoomReport:
-        g = self.g
-        verified = sum(
-            self._chunk_ok(room, start) for start in range(0, g.room_pages, g.chunk_pages)
-        )
-        writers = sum(
-            len(_writers(len(self.prefill), len(self.decode), d)) for d in range(len(self.decode))
-        )
-        reason = room.reason
-        if reason is None and verified < g.chunks_per_room:
-            reason = (
-                f"every rank reported success but {g.chunks_per_room - verified} chunk(s) do "
-                "not hold the staged bytes"
-            )
-        return RoomReport(
-            room=room.room,
-            succeeded=reason is None,
-            reason=reason,
-            decode_states=room.decode_states,
-            prefill_states=room.prefill_states,
-            chunks=g.chunks_per_room,
-            chunks_verified=verified,
-            arrivals=self.tally.count(room.room),
-            expected_arrivals=g.chunks_per_room * writers,
-        )
-
-    def _reason(self, room: _Room) -> str | None:
-        """Why the room did not succeed on every rank (``None`` if it did)."""
-        decode_states, prefill_states = room.decode_states, room.prefill_states
-        if all(s is KVPoll.Success for s in (*decode_states, *prefill_states)):
-            return None
-        for d, receiver in enumerate(room.receivers):
-            if decode_states[d] is KVPoll.Failed:
-                return f"decode rank {d}: {receiver.failure() or 'failed'}"
-        for p, sender in enumerate(room.senders):
-            if prefill_states[p] is KVPoll.Failed:
-                return f"prefill rank {p}: {sender.failure() or 'failed'}"
-        states = ", ".join(
-            [f"decode {d} {s.name}" for d, s in enumerate(decode_states)]
-            + [f"prefill {p} {s.name}" for p, s in enumerate(prefill_states)]
-        )
-        return f"timed out after {self.timeout_s:g}s ({states})"
-
-    def _stray_pages(self) -> int:
-        used = {page for room in self.rooms for page in room.decode_pages}
-        others = [p for p in range(self.g.pool_pages) if p not in used]
-        if not others:
-            return 0
-        ps = self.g.page_size
-        index = torch.tensor([p * ps + t for p in others for t in range(ps)], dtype=torch.int64)
-        stray: set[int] = set()
-        for pool in self.decode_pools:
-            for tensor in (*pool.k_buffers, *pool.v_buffers):
-                rows = _bits(tensor[index]).reshape(len(others), -1)
-                stray.update(others[i] for i in torch.nonzero(rows.any(dim=1)).flatten().tolist())
-        return len(stray)
 
     def _fail_unfinished(self) -> None:
         """Fail every room still running, on decode and (through ROOM_FAILED) on prefill, so
@@ -719,15 +881,312 @@ class _Run:
         unfinished: list[KVSender] = []
         for room in self.rooms:
             for d, receiver in enumerate(room.receivers):
-                if receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
-                    self.handlers[d].fail_room(room.room, "the harness's time ran out")
-                    receiver.poll()  # reports the failure to its prefill ranks
-            unfinished.extend(
-                s for s in room.senders if s.poll() not in (KVPoll.Success, KVPoll.Failed)
-            )
+                _fail_unfinished_receivers(self.handlers[d], room.room, receiver)
+            unfinished.extend(_unfinished(room.senders))
         deadline = time.monotonic() + _TEARDOWN_S
         for sender in unfinished:
             sender.wait(max(0.0, deadline - time.monotonic()))
+
+
+# --------------------------------------------------------------------------- across processes
+
+
+@dataclass(frozen=True, slots=True)
+class _RankJob:
+    """What one rank process is given (pickled to it)."""
+
+    backend: ManagerFactory | str
+    role: Role
+    rank: int
+    prefill_tp: int
+    decode_tp: int
+    rooms: int
+    geometry: TransferGeometry
+    timeout_s: float
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class _RankInfo:
+    """What a rank tells the others once its manager is built (sent through the parent)."""
+
+    endpoint: str
+    curve_key: bytes | None
+    session_id: str
+    metadata: bytes
+    ring_base: int
+    """Decode: the staging ring's base address (0 on prefill)."""
+    notifications: bool
+    """Prefill: its writer signals arrival by notification."""
+
+
+def _run_across_processes(
+    backend: ManagerFactory | str,
+    name: str,
+    prefill_tp: int,
+    decode_tp: int,
+    rooms: int,
+    g: TransferGeometry,
+    timeout_s: float,
+    seed: int,
+) -> TransferReport:
+    """``run_transfer(..., processes=True)``: the parent's side (arguments checked)."""
+    try:
+        pickle.dumps(backend)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise ValueError(
+            f"processes=True needs a backend the rank processes can import: a class, a "
+            f"module-level function or a spec string; {name} cannot be pickled ({exc})"
+        ) from None
+    if isinstance(backend, str):
+        resolve_backend(backend)  # a bad spec is refused here, in one line, before spawning
+    jobs = [
+        _RankJob(backend, role, rank, prefill_tp, decode_tp, rooms, g, timeout_s, seed)
+        for role, tp in ((Role.PREFILL, prefill_tp), (Role.DECODE, decode_tp))
+        for rank in range(tp)
+    ]
+    labels = [f"{job.role.value} rank {job.rank}" for job in jobs]
+    everyone = list(range(len(jobs)))
+    prefill = everyone[:prefill_tp]
+    decode = everyone[prefill_tp:]
+    group = RankGroup(_rank_process, jobs, labels)
+    try:
+        try:
+            ready = group.gather(everyone, "ready", _START_S)
+        except RankFailed as exc:
+            if exc.sent == "process-local":
+                raise ProcessesUnavailable(
+                    f"{name} cannot run across processes: {exc.detail}"
+                ) from None
+            raise
+        infos = [cast(_RankInfo, payload[0]) for payload in ready]
+        group.send(everyone, "peers", infos)
+        group.gather(everyone, "wired", _STEP_S)
+        group.send(everyone, "arm")
+        group.gather(everyone, "armed", _STEP_S)
+        started = time.monotonic()
+        group.send(everyone, "go")
+        states = group.gather(everyone, "states", timeout_s + _STEP_S)
+        elapsed = time.monotonic() - started
+        group.send(everyone, "finish")
+        group.gather(everyone, "finished", _TEARDOWN_S + _STEP_S)
+        group.send(prefill, "close")  # prefill workers first, as in one process
+        prefill_reports = group.gather(prefill, "report", _TEARDOWN_S + _STEP_S)
+        group.send(decode, "close")
+        decode_reports = group.gather(decode, "report", _STEP_S)
+    finally:
+        group.close()
+    made = _make_rooms(g, rooms, seed)
+    outcomes = [cast(list[tuple[KVPoll, str | None]], payload[0]) for payload in states]
+    decode_out = [cast(_DecodeReport, payload[0]) for payload in decode_reports]
+    prefill_stats = [cast(StagingStats, payload[0]) for payload in prefill_reports]
+    stray: set[int] = set()
+    for out in decode_out:
+        stray |= out.stray
+    room_reports = []
+    for i, room in enumerate(made):
+        decode_side = [outcomes[r][i] for r in decode]
+        prefill_side = [outcomes[r][i] for r in prefill]
+        room_reports.append(
+            _room_report(
+                g,
+                room.room,
+                _room_reason(decode_side, prefill_side, timeout_s),
+                tuple(state for state, _ in decode_side),
+                tuple(state for state, _ in prefill_side),
+                [out.chunks_ok[i] for out in decode_out],
+                sum(out.arrivals[i] for out in decode_out),
+            )
+        )
+    return TransferReport(
+        backend=name,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        notifications=all(infos[r].notifications for r in prefill),
+        rooms=tuple(room_reports),
+        decode_stats=tuple(out.stats for out in decode_out),
+        prefill_stats=tuple(prefill_stats),
+        stray_pages=len(stray),
+        elapsed_s=elapsed,
+        timeout_s=timeout_s,
+        processes=True,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeReport:
+    """What a decode rank reports once its manager is closed."""
+
+    chunks_ok: list[list[bool]]
+    """Per room, per chunk: it landed bit for bit here."""
+    arrivals: list[int]
+    """Per room: writer arrivals this rank's handler accepted."""
+    stray: set[int]
+    """Pages outside every room written here."""
+    stats: StagingStats
+
+
+def _rank_process(job: object, conn: Connection) -> None:
+    """Entry point of one rank process (spawned): run the rank, report any failure."""
+    timeout_s = job.timeout_s if isinstance(job, _RankJob) else 0.0
+    link = ParentLink(conn, _START_S + 4 * _STEP_S + _TEARDOWN_S + timeout_s)
+    try:
+        if not isinstance(job, _RankJob):
+            raise TypeError(f"not a rank job: {job!r}")
+        torch.set_num_threads(1)
+        if job.role is Role.DECODE:
+            _decode_rank(job, link)
+        else:
+            _prefill_rank(job, link)
+    except (EOFError, BrokenPipeError):
+        logger.debug("the harness closed the pipe; rank process ends")
+    except BaseException as exc:  # noqa: BLE001 - the parent gets every failure, in words
+        with suppress(OSError, ValueError):
+            link.send("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    finally:
+        link.close()
+
+
+def _built(job: _RankJob, link: ParentLink, stack: ExitStack) -> TransferManager | None:
+    """Build this rank's manager (closed by ``stack``); ``None`` after telling the parent
+    that its engine stays within one process (the rank then ends)."""
+    tp = job.prefill_tp if job.role is Role.PREFILL else job.decode_tp
+    manager = _factory(job.backend)(
+        job.geometry.kv_args(tp, job.rank), role=job.role, attn_tp_size=tp
+    )
+    stack.callback(manager.close)
+    reason = process_local_reason(manager.engine)
+    if reason is not None:
+        link.send("process-local", reason)
+        return None
+    return manager
+
+
+def _wire(manager: TransferManager, link: ParentLink, info: _RankInfo) -> list[_RankInfo]:
+    """Send this rank's info; trust every peer the parent sends back; start the listener.
+
+    The rank then registers its per-request handlers and calls :func:`_wired`: no rank sends
+    a room's message before every rank can route it.
+    """
+    link.send("ready", info)
+    (peers,) = link.expect("peers")
+    infos = cast(list[_RankInfo], peers)
+    for peer in infos:
+        if peer.endpoint != info.endpoint:
+            manager.trust_peer(peer.endpoint, peer.curve_key)
+    manager.start()
+    return infos
+
+
+def _wired(link: ParentLink) -> None:
+    """Tell the parent this rank routes its messages; wait until every rank does."""
+    link.send("wired")
+    link.expect("arm")
+
+
+def _decode_rank(job: _RankJob, link: ParentLink) -> None:
+    g = job.geometry
+    heads = g.heads(job.decode_tp, job.rank)
+    with ExitStack() as stack:
+        manager = _built(job, link, stack)
+        if manager is None:
+            return
+        pool = g.empty_pool(job.decode_tp, job.rank)
+        handler = enable_decode_staging(
+            manager, kv_buffers=pool, ring_bytes=g.ring_bytes, stall_timeout_s=job.timeout_s
+        )
+        tally = _ArrivalTally()
+        tally.tap(handler)
+        engine = manager.engine
+        info = _RankInfo(
+            manager.endpoint,
+            manager.curve_key,
+            engine.session_id,
+            engine.metadata(),
+            handler.allocator.base_ptr,
+            False,
+        )
+        infos = _wire(manager, link, info)
+        prefill_endpoints = [peer.endpoint for peer in infos[: job.prefill_tp]]
+        transfers = DecodeTransfers(manager, handler, prefill_endpoints)
+        _wired(link)
+        rooms = _make_rooms(g, job.rooms, job.seed)
+        receivers = [_start_receiver(g, transfers, room) for room in rooms]
+        for receiver in receivers:
+            receiver.send_metadata()
+        link.send("armed")
+        link.expect("go")
+        deadline = time.monotonic() + job.timeout_s
+        for receiver in receivers:
+            receiver.wait(max(0.0, deadline - time.monotonic()))
+        link.send("states", [(r.poll(), r.failure()) for r in receivers])
+        link.expect("finish")
+        for room, receiver in zip(rooms, receivers, strict=True):
+            _fail_unfinished_receivers(handler, room.room, receiver)
+        link.send("finished")
+        link.expect("close")
+        stack.close()  # the manager: no arrival or scatter is late for the checks below
+        report = _DecodeReport(
+            chunks_ok=[_chunks_ok(g, pool, heads, room) for room in rooms],
+            arrivals=[tally.count(room.room) for room in rooms],
+            stray=_stray_pages(g, pool, rooms),
+            stats=manager.staging_stats(),
+        )
+        link.send("report", report)
+
+
+def _prefill_rank(job: _RankJob, link: ParentLink) -> None:
+    g = job.geometry
+    with ExitStack() as stack:
+        manager = _built(job, link, stack)
+        if manager is None:
+            return
+        pool = g.empty_pool(job.prefill_tp, job.rank)
+        writer = enable_prefill_staging(
+            manager,
+            kv_buffers=pool,
+            max_chunk_pages=g.chunk_pages,
+            timeouts=PrefillTimeouts(deadline_s=job.timeout_s),
+        )
+        engine = manager.engine
+        info = _RankInfo(
+            manager.endpoint,
+            manager.curve_key,
+            engine.session_id,
+            engine.metadata(),
+            0,
+            writer.arrival == "notification",
+        )
+        infos = _wire(manager, link, info)
+        decode_infos = infos[job.prefill_tp :]
+        for peer in decode_infos:
+            engine.add_peer(peer.session_id, peer.metadata)
+        targets = [
+            DecodeTarget(d, peer.session_id, peer.endpoint, peer.ring_base, g.ring_bytes)
+            for d, peer in enumerate(decode_infos)
+        ]
+        transfers = PrefillTransfers(manager, writer, meta_timeout_s=job.timeout_s)
+        stack.callback(transfers.close, _TEARDOWN_S)
+        _wired(link)
+        rooms = _make_rooms(g, job.rooms, job.seed)
+        heads = g.heads(job.prefill_tp, job.rank)
+        for room in rooms:
+            _place(pool, room, room.prefill_pages, heads)
+        link.send("armed")
+        link.expect("go")
+        deadline = time.monotonic() + job.timeout_s
+        senders = [_start_senders(g, [transfers], targets, room)[0] for room in rooms]
+        for sender in senders:
+            sender.wait(max(0.0, deadline - time.monotonic()))
+        link.send("states", [(s.poll(), s.failure()) for s in senders])
+        link.expect("finish")
+        teardown = time.monotonic() + _TEARDOWN_S
+        for sender in _unfinished(senders):
+            sender.wait(max(0.0, teardown - time.monotonic()))
+        link.send("finished")
+        link.expect("close")
+        stack.close()  # the workers, then the manager
+        link.send("report", manager.staging_stats())
 
 
 def _writers(prefill_tp: int, decode_tp: int, decode_rank: int) -> range:
@@ -740,8 +1199,8 @@ def _writers(prefill_tp: int, decode_tp: int, decode_rank: int) -> range:
     )
 
 
+_INT_OF_SIZE: Final = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    element = tensor.element_size()
-    return tensor.contiguous().view(
-        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[element]
-    )
+    return tensor.contiguous().view(_INT_OF_SIZE[tensor.element_size()])
