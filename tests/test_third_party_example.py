@@ -4,10 +4,13 @@
 a temporary directory (so that nothing is built inside the repository), installed there with
 pip (offline: no index, no build isolation, no dependencies), and its tests run in a child
 pytest exactly as its author would run them: the kit and a staged transfer through the
-harness. Installed, it registers itself under the ``staging_contracts.backends`` entry points,
-so ``--staging-backend acme`` finds it by name. Then one annotation is deleted from the
-backend, and ``staging-contracts check`` and the kit both fail with the contract's message;
-and with its idle hook emptied, the kit's transfer checks fail naming the idle hook.
+harness (in one process, and with a process per rank over NIXL). Installed, it registers itself
+under the ``staging_contracts.backends`` entry points, so ``--staging-backend acme`` finds it
+by name, and ``staging-contracts demo`` runs it across processes, by spec
+(``MODULE:CLASS=MODULE:FACTORY``) and by its registered cross-process name ``acme-nixl``. Then
+one annotation is deleted from the backend, and ``staging-contracts check`` and the kit both
+fail with the contract's message; and with its idle hook emptied, the kit's transfer checks
+fail naming the idle hook.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from staging_contracts.engines import engine_available
 from staging_contracts.testing import IDLE_HOOK_HINT
 from tests.test_testing_plugin import KIT_TESTS, PLUGIN_ARGS, TRANSFER_TESTS
 
@@ -29,8 +33,33 @@ CHILD_TIMEOUT_S = 120.0
 DELETED = "    _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None\n"
 IDLE_HOOK = "    def _on_idle(self) -> None:\n        staging_idle(self)\n"
 EMPTIED_IDLE_HOOK = "    def _on_idle(self) -> None:\n        pass\n"
+NIXL_OK, NIXL_WHY = engine_available("nixl")
 EXAMPLE_TRANSFER_TESTS = 3
-"""The harness tests of the example (tests/test_acme_transfer.py)."""
+"""The in-process harness tests of the example (tests/test_acme_transfer.py)."""
+EXAMPLE_PROCESS_TESTS = 1
+"""Its harness test with a process per rank (over NIXL: skipped without it)."""
+DEMO_TIMEOUT_S = 240.0
+DEMO_ARGS = (
+    "--prefill-tp",
+    "2",
+    "--decode-tp",
+    "1",
+    "--kv-heads",
+    "2",
+    "--layers",
+    "1",
+    "--head-dim",
+    "16",
+    "--tokens",
+    "64",
+    "--page-size",
+    "16",
+    "--requests",
+    "2",
+    "--chunk-tokens",
+    "32",
+)
+"""A small demo: two prefill ranks, one decode rank, two requests of two chunks."""
 CONTRACT_MESSAGE = (
     "AcmeKVManager does not satisfy the StagingHost contract of StagingManagerMixin:",
     "  - has no declaration of '_staging_ctx' "
@@ -45,7 +74,9 @@ def _copy_example(destination: Path) -> Path:
     return destination
 
 
-def _run(args: Sequence[str], *, cwd: Path, python_path: Path) -> subprocess.CompletedProcess[str]:
+def _run(
+    args: Sequence[str], *, cwd: Path, python_path: Path, timeout_s: float = CHILD_TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
     """Run ``python ARGS`` in ``cwd`` with ``python_path`` first on the module path."""
     inherited = os.environ.get("PYTHONPATH")
     paths = [str(python_path), *([inherited] if inherited else [])]
@@ -57,7 +88,7 @@ def _run(args: Sequence[str], *, cwd: Path, python_path: Path) -> subprocess.Com
         env=env,
         capture_output=True,
         text=True,
-        timeout=CHILD_TIMEOUT_S,
+        timeout=timeout_s,
         check=False,
     )
 
@@ -111,7 +142,10 @@ def test_installed_example_passes_its_kit_tests(installed_example: tuple[Path, P
     done = _run(["-m", "pytest", "-p", "no:cacheprovider", "-q"], cwd=source, python_path=site)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
-    assert f"{KIT_TESTS + EXAMPLE_TRANSFER_TESTS} passed" in output, output
+    passed = KIT_TESTS + EXAMPLE_TRANSFER_TESTS + (EXAMPLE_PROCESS_TESTS if NIXL_OK else 0)
+    assert f"{passed} passed" in output, output
+    if not NIXL_OK:
+        assert f"{EXAMPLE_PROCESS_TESTS} skipped" in output, output
     assert (
         str(site / "acme_kv")
         in _run(
@@ -147,8 +181,32 @@ def test_installed_example_is_registered_by_name(installed_example: tuple[Path, 
     done = _run(["-c", code], cwd=_neutral_dir(source.parent), python_path=site)
     assert done.returncode == 0, done.stdout + done.stderr
     names, loaded = done.stdout.splitlines()
-    assert names.endswith(", 'acme')"), names
+    assert names.endswith(", 'acme', 'acme-nixl')"), names
     assert loaded == "<class 'acme_kv.backend.AcmeKVManager'>"
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)
+@pytest.mark.parametrize(
+    "spec", ["acme_kv.backend:AcmeKVManager=acme_kv.backend:over_nixl", "acme-nixl"]
+)
+def test_installed_example_runs_through_the_demo_across_processes(
+    installed_example: tuple[Path, Path], spec: str
+) -> None:
+    """staging-contracts demo --backend SPEC: every rank in its own process builds Acme's
+    manager (by its factory, or by the registered name's class), and every page verifies."""
+    source, site = installed_example
+    done = _run(
+        ["-m", "staging_contracts.cli", "demo", "--backend", spec, *DEMO_ARGS],
+        cwd=_neutral_dir(source.parent),
+        python_path=site,
+        timeout_s=DEMO_TIMEOUT_S,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert f"over {spec}: 2 prefill ranks -> 1 decode ranks" in done.stdout, output
+    assert "] 2/2 rooms done" in done.stdout, output
+    assert "PASS: every page of 2 requests on 1 decode ranks" in done.stdout, output
 
 
 def test_example_without_its_idle_hook_fails_the_transfer_checks(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""``AcmeKVManager``: a staging backend over the in-process ``LocalEngine``.
+"""``AcmeKVManager``: a staging backend over the in-process ``LocalEngine``, or any engine.
 
 What a backend needs to satisfy the ``StagingHost`` contract of ``StagingManagerMixin``:
 
@@ -7,6 +7,12 @@ What a backend needs to satisfy the ``StagingHost`` contract of ``StagingManager
   from ``CommonKVManager``; ``kv_buffer_tensors`` is optional);
 * staging messages from the control listener handed to ``_dispatch_staging``, and the
   listener's idle work to ``staging_idle``.
+
+Its ranks live in one process over ``LocalEngine`` (the default: the kit and the harness) or in
+separate processes over an engine that crosses them: :func:`over_nixl` builds one over a NIXL
+agent (``staging-contracts demo --backend
+acme_kv.backend:AcmeKVManager=acme_kv.backend:over_nixl``), and :class:`AcmeNixlKVManager`
+does the same with the standard constructor (registered as ``acme-nixl``).
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ from staging_contracts import (
 )
 from staging_contracts.backends.common import CommonKVManager, Role
 from staging_contracts.backends.staging_setup import staging_idle
+from staging_contracts.engines import load_engine_class
 from staging_contracts.engines.local import LocalEngine
+from staging_contracts.protocols import TransferEngine
 
-__all__ = ["AcmeKVManager"]
+__all__ = ["AcmeKVManager", "AcmeNixlKVManager", "over_nixl"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,23 +43,42 @@ _engine_names = itertools.count(1)
 
 
 class AcmeKVManager(StagingManagerMixin, CommonKVManager):
-    """Acme's KV manager: staging over ``LocalEngine``, prefill and decode in one process.
+    """Acme's KV manager: staging over ``LocalEngine`` (prefill and decode in one process),
+    or over the engine it is given.
 
     Args:
         kv_args: this rank's KV arguments (``device`` must be a CPU device).
         role: prefill or decode.
         attn_tp_size: attention TP size of this side.
         pp_size: pipeline-parallel size of this side.
+        engine: the transfer engine; ``None`` (the default) makes an in-process
+            ``LocalEngine``, whose peers must live in this process.
+        host: address the control listener binds (loopback by default).
     """
 
     _staging_handler: StagingHandler | None = None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
     kv_buffer_tensors: KVBufferTensors | None = None
 
-    def __init__(self, kv_args: KVArgs, *, role: Role, attn_tp_size: int, pp_size: int = 1) -> None:
-        engine = LocalEngine(f"acme-{os.getpid()}-{next(_engine_names)}")
+    def __init__(
+        self,
+        kv_args: KVArgs,
+        *,
+        role: Role,
+        attn_tp_size: int,
+        pp_size: int = 1,
+        engine: TransferEngine | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
+        if engine is None:
+            engine = LocalEngine(f"acme-{os.getpid()}-{next(_engine_names)}")
         super().__init__(
-            kv_args, role=role, attn_tp_size=attn_tp_size, engine=engine, pp_size=pp_size
+            kv_args,
+            role=role,
+            attn_tp_size=attn_tp_size,
+            engine=engine,
+            pp_size=pp_size,
+            host=host,
         )
         logger.debug("acme %s manager for rank %d", role.value, kv_args.engine_rank)
 
@@ -61,3 +88,35 @@ class AcmeKVManager(StagingManagerMixin, CommonKVManager):
 
     def _on_idle(self) -> None:
         staging_idle(self)
+
+
+def over_nixl(
+    kv_args: KVArgs, *, role: Role, attn_tp_size: int, host: str = "127.0.0.1"
+) -> AcmeKVManager:
+    """An ``AcmeKVManager`` over a NIXL agent (UCX, CPU memory), so that its peers may live in
+    other processes: the factory of ``--backend
+    acme_kv.backend:AcmeKVManager=acme_kv.backend:over_nixl``. ``host`` is where the control
+    listener binds and UCX listens. Needs ``staging-contracts[nixl]``.
+    """
+    return AcmeKVManager(
+        kv_args, role=role, attn_tp_size=attn_tp_size, engine=_nixl_engine(host), host=host
+    )
+
+
+class AcmeNixlKVManager(AcmeKVManager):
+    """``AcmeKVManager`` over a NIXL agent with the standard constructor (registered as
+    ``acme-nixl``): what :func:`over_nixl` builds, for ``--backend acme-nixl``."""
+
+    def __init__(
+        self, kv_args: KVArgs, *, role: Role, attn_tp_size: int, host: str = "127.0.0.1"
+    ) -> None:
+        super().__init__(
+            kv_args, role=role, attn_tp_size=attn_tp_size, engine=_nixl_engine(host), host=host
+        )
+
+
+def _nixl_engine(host: str) -> TransferEngine:
+    """A NIXL agent on CPU memory that listens on ``host``'s interface, without InfiniBand."""
+    engine_class = load_engine_class("nixl")
+    engine: TransferEngine = engine_class(None, host=host, load_ib_modules=False)
+    return engine
