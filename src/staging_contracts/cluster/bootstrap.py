@@ -49,6 +49,7 @@ from ..control.transport import LOG_BURST, LOG_INTERVAL_S, LogThrottle, recv_fra
 __all__ = [
     "MAX_ANSWER_BYTES",
     "MAX_NAME_CHARS",
+    "MAX_POOL_POINTERS",
     "MAX_RANKS",
     "MAX_REQUEST_BYTES",
     "MAX_WAITERS",
@@ -83,6 +84,8 @@ MAX_RANKS: Final = 1 << 16
 MAX_NAME_CHARS: Final = 256
 """Longest role, barrier, party, endpoint or session id, in characters."""
 _MAX_ADDRESS: Final = 2**64 - 1
+MAX_POOL_POINTERS: Final = 4096
+"""Most KV pool addresses a rank may publish (2 per layer)."""
 _ROLES: Final = ("prefill", "decode")
 _OPS: Final = ("register", "query", "arrive", "count")
 BOOTSTRAP_SERVER_LABEL: Final = "bootstrap-server"
@@ -163,6 +166,10 @@ class RankInfo:
     curve_key: str = ""
     """The rank's CURVE public key (Z85 text) when the cluster secret is set, else empty:
     peers trust the rank's listener by it."""
+    pool_ptrs: tuple[int, ...] = ()
+    """Decode, per-token mode (``TransferConfig.mode``): the address of each of its KV pool
+    tensors, registered with its engine, K of layers ``0..L-1`` then V (at most
+    :data:`MAX_POOL_POINTERS`); empty otherwise."""
 
     def to_json(self) -> dict[str, Any]:
         """As a JSON-ready dict (metadata base64-encoded)."""
@@ -196,6 +203,7 @@ class RankInfo:
             session_id = _str_field(doc, "session_id")
             ring_base = _int_field(doc, "ring_base", 0, _MAX_ADDRESS, 0)
             ring_size = _int_field(doc, "ring_size", 0, _MAX_ADDRESS, 0)
+            pool_ptrs = _pointers(doc.get("pool_ptrs", []))
             curve_key = doc.get("curve_key", "")
             if not isinstance(curve_key, str) or not (
                 curve_key == "" or (len(curve_key) == _CURVE_KEY_CHARS and curve_key.isascii())
@@ -209,7 +217,26 @@ class RankInfo:
                 raise ValueError(f"metadata is not base64: {_show(metadata)}") from None
         except ValueError as exc:
             raise ValueError(f"bad rank info: {exc}") from None
-        return cls(str(role), tp_rank, endpoint, session_id, raw, ring_base, ring_size, curve_key)
+        return cls(
+            str(role),
+            tp_rank,
+            endpoint,
+            session_id,
+            raw,
+            ring_base,
+            ring_size,
+            curve_key,
+            pool_ptrs,
+        )
+
+
+def _pointers(value: object) -> tuple[int, ...]:
+    """A list of at most ``MAX_POOL_POINTERS`` addresses (integers in ``[0, 2**64)``)."""
+    if not isinstance(value, list | tuple) or len(value) > MAX_POOL_POINTERS:
+        raise ValueError(f"pool_ptrs must be a list of at most {MAX_POOL_POINTERS} addresses")
+    if not all(type(v) is int and 0 <= v <= _MAX_ADDRESS for v in value):
+        raise ValueError(f"pool_ptrs must hold integers in [0, {_MAX_ADDRESS}]")
+    return tuple(value)
 
 
 def _no_constant(name: str) -> float:

@@ -38,8 +38,9 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 from types import FrameType
 from typing import Any, Protocol
 
@@ -53,9 +54,36 @@ from ..backends.staging_setup import StagingBackend, enable_decode_staging, enab
 from ..control.transport import PeerSockets
 from ..control.wire import StagingReq
 from ..prefill.writer import DecodeTarget, PrefillTimeouts
-from ..staging.layout import compute_staging_layout
+from ..protocols import Transfer, TransferError
+from ..staging.layout import (
+    compute_staging_layout,
+    decode_ranks_for_prefill,
+    prefill_ranks_for_decode,
+)
 from .bootstrap import RankInfo, arrive, query_ranks, register_rank, wait_barrier
-from .workload import TransferConfig, fill_prefill_pool, request_plans, verify_decode_pool
+from .plain_paths import (
+    ArrivalBook,
+    PlainDone,
+    RoomWaiter,
+    engine_name,
+    per_token_batch,
+    per_token_writes,
+    pool_pointers,
+    pool_regions,
+    raw_offset,
+    raw_request_bytes,
+    raw_share,
+    verify_raw,
+)
+from .workload import (
+    RequestPlan,
+    TransferConfig,
+    fill_prefill_pool,
+    request_plans,
+    verify_decode_pool,
+    warmup_plans,
+    zero_pool,
+)
 
 __all__ = ["FirstRequestClock", "RankStopped", "peak_rss_bytes", "rank_main"]
 
@@ -110,11 +138,12 @@ def rank_main(role: str, rank: int, config: TransferConfig, bootstrap: str, repo
         reporter.send(json.dumps(event).encode())
 
     try:
-        summary = (
-            _run_decode(rank, config, bootstrap, report)
-            if role == "decode"
-            else _run_prefill(rank, config, bootstrap, report)
-        )
+        staged = config.mode == "staged"
+        if role == "decode":
+            run = _run_decode if staged else _run_plain_decode
+        else:
+            run = _run_prefill if staged else _run_plain_prefill
+        summary = run(rank, config, bootstrap, report)
         seen["phase"] = "done"
         report("report", ok=True, peak_rss_bytes=peak_rss_bytes(), **summary)
     except BaseException as exc:  # noqa: BLE001 - a rank reports every failure, then exits
@@ -182,6 +211,18 @@ def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) 
         transfers = DecodeTransfers(common, handler, [info.endpoint for info in prefill])
         _freeze_heap()
         report("ready")
+        if config.warmup_requests:
+            warm: dict[int, KVReceiver] = {}
+            for number, plan in enumerate(warmup_plans(config)):
+                warm[number] = KVReceiver(transfers, plan.room)
+                warm[number].init(plan.decode_pages, chunk_pages=config.chunk_pages)
+                warm[number].send_metadata()
+            arrive(bootstrap, "warm-rooms", f"decode-{rank}")
+            _warmed(_wait_all(warm, _quiet)[0], {i: r.failure for i, r in warm.items()})
+            for receiver in warm.values():
+                receiver.release()
+            zero_pool(pool)  # the timed requests must write every byte they are checked on
+        before = manager.staging_stats()
         receivers: dict[int, KVReceiver] = {}
         for plan in request_plans(config):
             receiver = KVReceiver(transfers, plan.room)
@@ -210,9 +251,9 @@ def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) 
             "ring_peak": allocator.peak_bytes,
             "ring_size": allocator.total_size,
             "ring_live_after": allocator.live_count,
-            "control_messages": stats.received,
+            "control_messages": stats.received - before.received,
             "malformed": stats.malformed,
-            "chunks": stats.allocated,
+            "chunks": stats.allocated - before.allocated,
             "registered_after": _release_staging(manager, allocator.base_ptr),
         }
     finally:
@@ -256,6 +297,23 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
         )
         _freeze_heap()
         report("ready")
+        if config.warmup_requests:
+            wait_barrier(bootstrap, "warm-rooms", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
+            warm: dict[int, KVSender] = {}
+            chunks = list(config.chunks())
+            for number, plan in enumerate(warmup_plans(config)):
+                warm[number] = KVSender(transfers, plan.room)
+                warm[number].init(config.num_pages, targets)
+                for chunk, (page_start, count) in enumerate(chunks):
+                    warm[number].send(
+                        plan.prefill_pages[page_start : page_start + count],
+                        last=chunk == len(chunks) - 1,
+                    )
+            _warmed(_wait_all(warm, _quiet)[0], {i: s.failure for i, s in warm.items()})
+            for sender in warm.values():
+                sender.release()
+        bytes_before, requests_before = writer.bytes_written, writer.requests_sent
+        before = manager.staging_stats()
         # Start once decode has registered every room, as a serving decode does before
         # prefill computes: the clock then measures the transfer, not the bootstrap.
         wait_barrier(bootstrap, "rooms", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
@@ -295,8 +353,8 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
         return {
             "start": start,
             "end": end,
-            "bytes_written": writer.bytes_written,
-            "requests_sent": writer.requests_sent,
+            "bytes_written": writer.bytes_written - bytes_before,
+            "requests_sent": writer.requests_sent - requests_before,
             "succeeded": sorted(i for i, s in outcome.items() if s is KVPoll.Success),
             "failed": failures,
             "room_first_request_s": {
@@ -304,11 +362,258 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
                 for plan in request_plans(config)
                 if plan.room in clock.first
             },
-            "control_messages": stats.received + writer.requests_sent,
+            "control_messages": stats.received
+            - before.received
+            + writer.requests_sent
+            - requests_before,
             "registered_after": _registered(manager),
         }
     finally:
         common.close()
+
+
+def _run_plain_decode(
+    rank: int, config: TransferConfig, bootstrap: str, report: Any
+) -> dict[str, Any]:
+    """A decode rank of the per-token or raw path (``config.mode``; see
+    :mod:`~staging_contracts.cluster.plain_paths`): its pool, or its raw buffer, registered
+    with the engine and published; a room ends when every writer's ``PLAIN_DONE`` arrived."""
+    raw = config.mode == "raw"
+    device = torch.device(config.device)
+    pool = None if raw else config.empty_pool(config.decode_tp, rank)
+    buffer = (
+        torch.zeros(
+            config.requests * raw_request_bytes(config, rank), dtype=torch.uint8, device=device
+        )
+        if raw
+        else None
+    )
+    regions = [(buffer.data_ptr(), buffer.numel())] if buffer is not None else []
+    if pool is not None:
+        regions = pool_regions(pool)
+    manager = _make_manager(config, Role.DECODE, rank)
+    common: CommonKVManager = manager  # type: ignore[assignment]  # every backend is one
+    book = ArrivalBook(prefill_ranks_for_decode(config.prefill_tp, config.decode_tp, rank))
+    try:
+        engine = manager.engine
+        for ptr, size in regions:
+            engine.register(ptr, size)
+        common.register_control(PlainDone.KIND, book.on_message)
+        common.add_authorizer(book.authorize)
+        common.start()
+        register_rank(
+            bootstrap,
+            RankInfo(
+                "decode",
+                rank,
+                common.endpoint,
+                engine.session_id,
+                engine.metadata(),
+                ring_base=regions[0][0] if raw else 0,
+                ring_size=regions[0][1] if raw else 0,
+                curve_key=_key_text(common.curve_key),
+                pool_ptrs=pool_pointers(pool) if pool is not None else (),
+            ),
+        )
+        prefill = query_ranks(bootstrap, "prefill", config.prefill_tp, RENDEZVOUS_TIMEOUT_S)
+        _trust(common, prefill)
+        book.set_endpoints({info.tp_rank: info.endpoint for info in prefill})
+        _freeze_heap()
+        report("ready")
+        if config.warmup_requests:
+            warm = warmup_plans(config)
+            book.expect(plan.room for plan in warm)
+            arrive(bootstrap, "warm-rooms", f"decode-{rank}")
+            waiters = {number: RoomWaiter(book, plan.room) for number, plan in enumerate(warm)}
+            failure = {n: partial(book.failure, plan.room) for n, plan in enumerate(warm)}
+            _warmed(_wait_all(waiters, _quiet)[0], failure)
+            if pool is not None:
+                zero_pool(pool)  # the timed requests must write every byte they are checked on
+            if buffer is not None:
+                buffer.zero_()
+        plans = request_plans(config)
+        book.expect(plan.room for plan in plans)
+        arrive(bootstrap, "rooms", f"decode-{rank}")
+        start = time.monotonic()
+        outcome, _ = _wait_all({p.index: RoomWaiter(book, p.room) for p in plans}, report)
+        end = time.monotonic()
+        arrive(bootstrap, "done", f"decode-{rank}")
+        succeeded = {i for i, state in outcome.items() if state is KVPoll.Success}
+        problems: list[str] = []
+        if buffer is not None:
+            problems = verify_raw(buffer, config, rank, sorted(succeeded))
+        elif pool is not None:
+            problems = verify_decode_pool(pool, config, rank, succeeded)
+        done_at = {p.index: book.done_at(p.room) for p in plans}
+        for ptr, _ in regions:
+            engine.deregister(ptr)
+        return {
+            "start": start,
+            "end": end,
+            "mode": config.mode,
+            "verified": not problems,
+            "problems": problems[:10],
+            "succeeded": sorted(succeeded),
+            "failed": {
+                str(p.index): book.failure(p.room) or "not every writer reported"
+                for p in plans
+                if p.index not in succeeded
+            },
+            "room_done_s": {str(i): at for i, at in sorted(done_at.items()) if at is not None},
+            "ring_live_after": 0,
+            "control_messages": len(plans) * len(book.writers),
+            "malformed": book.malformed,
+            "chunks": 0,
+            "registered_after": _registered(manager),
+        }
+    finally:
+        common.close()
+
+
+def _run_plain_prefill(
+    rank: int, config: TransferConfig, bootstrap: str, report: Any
+) -> dict[str, Any]:
+    """A prefill rank of the per-token or raw path: every write of a request to each decode
+    rank it feeds (planned before the clock starts), then ``PLAIN_DONE`` to that rank."""
+    raw = config.mode == "raw"
+    fed = list(decode_ranks_for_prefill(config.prefill_tp, config.decode_tp, rank))
+    plans = request_plans(config)
+    pool = None if raw else config.empty_pool(config.prefill_tp, rank)
+    if pool is not None:
+        fill_prefill_pool(pool, config, rank)
+    source, offsets = _raw_source(config, rank, fed) if raw else (None, {})
+    regions = pool_regions(pool) if pool is not None else []
+    if source is not None:
+        regions = [(source.data_ptr(), source.numel())]
+    manager = _make_manager(config, Role.PREFILL, rank)
+    common: CommonKVManager = manager  # type: ignore[assignment]  # every backend is one
+    try:
+        engine = manager.engine
+        for ptr, size in regions:
+            engine.register(ptr, size)
+        common.start()
+        decode = {
+            info.tp_rank: info
+            for info in query_ranks(bootstrap, "decode", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
+        }
+        _trust(common, list(decode.values()))
+        for d in fed:
+            engine.add_peer(decode[d].session_id, decode[d].metadata)
+        register_rank(
+            bootstrap,
+            RankInfo(
+                "prefill",
+                rank,
+                common.endpoint,
+                engine.session_id,
+                engine.metadata(),
+                curve_key=_key_text(common.curve_key),
+            ),
+        )
+        # Every write call of every request, planned before the clock starts (as the
+        # reference's per-token path could at best): the anchor is, if anything, favoured.
+        batch = per_token_batch(engine_name(engine), config.num_pages * config.page_size)
+        calls: dict[tuple[int, int], list[list[Transfer]]] = {}
+        for plan in plans:
+            for d in fed:
+                if source is not None:
+                    length = offsets[(plan.index, d)][1]
+                    local = source.data_ptr() + offsets[(plan.index, d)][0]
+                    remote = decode[d].ring_base + raw_offset(config, plan.index, rank, d)
+                    calls[(plan.index, d)] = [[Transfer(local, remote, length)]]
+                elif pool is not None:
+                    calls[(plan.index, d)] = per_token_writes(
+                        config, plan, rank, pool_pointers(pool), d, decode[d].pool_ptrs, batch
+                    )
+        _freeze_heap()
+        report("ready")
+
+        def send(plan: RequestPlan) -> str | None:
+            """Write one request to every decode rank fed, then tell each; the first error."""
+            error = None
+            for d in fed:
+                ok = True
+                try:
+                    for transfers in calls[(plan.index, d)]:
+                        engine.write(decode[d].session_id, transfers)
+                except TransferError as exc:
+                    ok, error = False, error or f"write to decode {d}: {exc}"
+                common.send(decode[d].endpoint, PlainDone(plan.room, rank, ok).to_frames())
+            return error
+
+        if config.warmup_requests:
+            wait_barrier(bootstrap, "warm-rooms", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
+            for plan in warmup_plans(config):
+                error = send(plan)
+                if error is not None:
+                    raise RuntimeError(f"a warm-up request failed: {error}")
+        wait_barrier(bootstrap, "rooms", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
+        start = time.monotonic()
+        first: dict[int, float] = {}
+        failures: dict[str, str] = {}
+        for plan in plans:
+            first[plan.index] = time.monotonic()
+            error = send(plan)
+            if error is not None:
+                failures[str(plan.index)] = error
+            report("room", index=plan.index, ok=error is None)
+        end = time.monotonic()
+        wait_barrier(bootstrap, "done", config.decode_tp, timeout=ROOM_TIMEOUT_S)
+        writes = [calls[(plan.index, d)] for plan in plans for d in fed]
+        for ptr, _ in regions:
+            engine.deregister(ptr)
+        return {
+            "start": start,
+            "end": end,
+            "mode": config.mode,
+            "bytes_written": sum(t.length for call in writes for ts in call for t in ts),
+            "write_calls": sum(len(call) for call in writes),
+            "transfers": sum(len(ts) for call in writes for ts in call),
+            "requests_sent": 0,
+            "succeeded": sorted(p.index for p in plans if str(p.index) not in failures),
+            "failed": failures,
+            "room_first_request_s": {str(i): at for i, at in sorted(first.items())},
+            "control_messages": len(plans) * len(fed),
+            "registered_after": _registered(manager),
+        }
+    finally:
+        common.close()
+
+
+def _raw_source(
+    config: TransferConfig, rank: int, fed: list[int]
+) -> tuple[torch.Tensor, dict[tuple[int, int], tuple[int, int]]]:
+    """A prefill rank's raw-mode source: its share of every request for every decode rank
+    it feeds, back to back in one buffer on ``config.device``; ``(offset, bytes)`` of each
+    ``(request, decode rank)``."""
+    shares = {
+        (index, d): raw_share(config, index, rank, d)
+        for index in range(config.requests)
+        for d in fed
+    }
+    offsets: dict[tuple[int, int], tuple[int, int]] = {}
+    position = 0
+    for key, share in shares.items():
+        offsets[key] = (position, share.numel())
+        position += share.numel()
+    source = torch.cat(list(shares.values())).to(config.device)
+    return source, offsets
+
+
+def _quiet(kind: str, **fields: Any) -> None:
+    """Report nothing (warm-up requests are not the run's)."""
+    del kind, fields
+
+
+def _warmed(outcome: Mapping[int, KVPoll], failure: Mapping[int, Callable[[], str | None]]) -> None:
+    """Check that every warm-up request succeeded.
+
+    Raises:
+        RuntimeError: one failed (the run would measure a broken set-up).
+    """
+    failed = {i: failure[i]() for i, state in outcome.items() if state is not KVPoll.Success}
+    if failed:
+        raise RuntimeError(f"warm-up requests failed: {failed}")
 
 
 def _key_text(key: bytes | None) -> str:

@@ -10,7 +10,7 @@ from first principles (which global heads a rank holds), not from the staging la
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final, Literal
 
 import torch
@@ -19,11 +19,18 @@ from ..protocols import KVArgsRecord, KVBufferTensors
 
 __all__ = [
     "DTYPES",
+    "MODES",
+    "Device",
+    "Mode",
     "RequestPlan",
     "TransferConfig",
     "fill_prefill_pool",
     "rank_heads",
+    "request_plans",
+    "token_rows",
     "verify_decode_pool",
+    "warmup_plans",
+    "zero_pool",
 ]
 
 DTYPES: Final[dict[str, torch.dtype]] = {
@@ -38,6 +45,11 @@ _BITS: Final[dict[int, torch.dtype]] = {
     8: torch.int64,
 }
 _MASK64: Final = (1 << 64) - 1
+
+Mode = Literal["staged", "per-token", "raw"]
+MODES: Final[tuple[Mode, ...]] = ("staged", "per-token", "raw")
+"""How the ranks move a request (see :attr:`TransferConfig.mode`)."""
+Device = Literal["cpu", "cuda"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +86,31 @@ class TransferConfig:
     """Address the ranks bind and advertise: their control listeners and transfer engines
     (and a bootstrap server started for the run). Loopback for one machine; a non-loopback
     address needs the cluster secret (``STAGING_CONTRACTS_SECRET``)."""
+    mode: Mode = "staged"
+    """How the same rank processes move each request (the benchmark's anchors run here so
+    that they use the same writers, receivers and bytes as the staged path):
+
+    * ``"staged"``: through the decode staging rings (the library's path);
+    * ``"per-token"``: the non-staging path staging replaces: each decode rank registers its
+      KV pool with the engine and publishes the pool tensors' addresses at bootstrap; each
+      prefill rank writes its heads straight into the decode pools, one transfer per (K/V,
+      layer, token) at the decode rank's head offset, in write calls batched as
+      :func:`~staging_contracts.cluster.plain_paths.per_token_batch` says; pages are
+      verified bit for bit as in ``"staged"``;
+    * ``"raw"``: each prefill rank writes the bytes of its share of a request (what it would
+      stage) as one bulk write per decode rank it feeds into a registered buffer of that
+      rank; decode checks every byte it received against the seeded data.
+
+    In the two plain modes a prefill rank tells each decode rank it fed that its writes of a
+    request landed with one ``PLAIN_DONE`` control message
+    (:mod:`~staging_contracts.cluster.plain_paths`)."""
+    warmup_requests: int = 0
+    """Untimed requests run first, in every mode, each a copy of a timed request (same size,
+    same pages, its own room); decode zeroes its pool (or raw buffer) after them, so the
+    timed requests are verified on their own bytes."""
+    device: Device = "cpu"
+    """Where every rank's KV pool, staging buffer and ring live (``"cuda"``: the current
+    CUDA device of each rank process); verification runs there too."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -94,6 +131,14 @@ class TransferConfig:
             raise ValueError("host must name an address")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is not one of {', '.join(MODES)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} is not 'cpu' or 'cuda'")
+        if self.warmup_requests < 0:
+            raise ValueError(f"warmup_requests={self.warmup_requests!r} must be >= 0")
+        if self.fail_rooms and self.mode != "staged":
+            raise ValueError("fail_rooms injects faults into staged writes only (mode='staged')")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -127,7 +172,7 @@ class TransferConfig:
         return tokens * self.kv_heads * self.head_dim * self.element_size * 2 * self.layers
 
     def room(self, index: int) -> int:
-        """The room id of request ``index``."""
+        """The room id of request ``index`` (warm-up request ``w`` is ``requests + w``)."""
         return 1000 + index
 
     def chunks(self) -> Iterator[tuple[int, int]]:
@@ -143,7 +188,7 @@ class TransferConfig:
             page_size=self.page_size,
             kv_item_lens=(item,) * (2 * self.layers),
             engine_rank=rank,
-            device="cpu",
+            device=self.device,
             total_kv_head_num=self.kv_heads,
             kv_head_num=heads,
             kv_layer_ids=tuple(range(self.layers)),
@@ -154,14 +199,14 @@ class TransferConfig:
         heads, head_dim]``, or one allocation per pool with ``separate_layers``."""
         heads = len(rank_heads(self.kv_heads, tp, rank))
         shape = (self.pool_pages * self.page_size, heads, self.head_dim)
-        dtype = self.torch_dtype
+        dtype, device = self.torch_dtype, self.device
         if self.separate_layers:
             return KVBufferTensors(
-                tuple(torch.zeros(shape, dtype=dtype) for _ in range(self.layers)),
-                tuple(torch.zeros(shape, dtype=dtype) for _ in range(self.layers)),
+                tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.layers)),
+                tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.layers)),
                 self.page_size,
             )
-        cache = torch.zeros((2, self.layers, *shape), dtype=dtype)
+        cache = torch.zeros((2, self.layers, *shape), dtype=dtype, device=device)
         return KVBufferTensors(tuple(cache[0].unbind()), tuple(cache[1].unbind()), self.page_size)
 
 
@@ -185,6 +230,22 @@ class RequestPlan:
     room: int
     prefill_pages: tuple[int, ...]
     decode_pages: tuple[int, ...]
+
+
+def warmup_plans(config: TransferConfig) -> list[RequestPlan]:
+    """The warm-up requests: warm-up ``w`` repeats request ``w % requests`` (its index, pages
+    and data) in room ``config.room(requests + w)``."""
+    timed = request_plans(config)
+    return [
+        replace(timed[w % config.requests], room=config.room(config.requests + w))
+        for w in range(config.warmup_requests)
+    ]
+
+
+def zero_pool(pool: KVBufferTensors) -> None:
+    """Zero every K and V tensor of a pool (decode, between the warm-up and timed requests)."""
+    for tensor in (*pool.k_buffers, *pool.v_buffers):
+        tensor.zero_()
 
 
 def request_plans(config: TransferConfig) -> list[RequestPlan]:
@@ -222,7 +283,8 @@ def head_data(
     return raw.to(bits).view(config.torch_dtype)
 
 
-def _token_rows(pages: tuple[int, ...], page_size: int) -> torch.Tensor:
+def token_rows(pages: tuple[int, ...], page_size: int) -> torch.Tensor:
+    """The pool row of each token of a request whose pages are ``pages`` (CPU ``int64``)."""
     base = torch.tensor(pages, dtype=torch.int64).unsqueeze(1) * page_size
     return (base + torch.arange(page_size)).reshape(-1)
 
@@ -231,11 +293,12 @@ def fill_prefill_pool(pool: KVBufferTensors, config: TransferConfig, rank: int) 
     """Write every request's data for this prefill rank's heads into its pages."""
     heads = rank_heads(config.kv_heads, config.prefill_tp, rank)
     for plan in request_plans(config):
-        rows = _token_rows(plan.prefill_pages, config.page_size)
+        rows = token_rows(plan.prefill_pages, config.page_size).to(pool.k_buffers[0].device)
         for layer in range(config.layers):
             for kind, buffers in enumerate((pool.k_buffers, pool.v_buffers)):
                 for local, head in enumerate(heads):
-                    buffers[layer][rows, local] = head_data(config, plan.index, layer, kind, head)
+                    data = head_data(config, plan.index, layer, kind, head)
+                    buffers[layer][rows, local] = data.to(buffers[layer].device)
 
 
 def verify_decode_pool(
@@ -258,12 +321,13 @@ def verify_decode_pool(
     for plan in request_plans(config):
         if requests is not None and plan.index not in requests:
             continue
-        rows = _token_rows(plan.decode_pages, config.page_size)
+        rows = token_rows(plan.decode_pages, config.page_size).to(pool.k_buffers[0].device)
         for layer in range(config.layers):
             for kind, buffers in enumerate((pool.k_buffers, pool.v_buffers)):
                 for local, head in enumerate(heads):
                     got = buffers[layer][rows, local].view(bits)
                     want = head_data(config, plan.index, layer, kind, head).view(bits)
+                    want = want.to(got.device)
                     if not torch.equal(got, want):
                         problems.append(
                             f"request {plan.index} layer {layer} {'KV'[kind]} head {head}: "
