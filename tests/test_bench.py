@@ -9,6 +9,7 @@ import pytest
 
 from staging_contracts.bench import BenchOptions, BenchRow, format_table
 from staging_contracts.cli import main
+from staging_contracts.cluster.workload import TransferConfig
 
 
 def test_bench_contract_writes_json_rows(
@@ -79,19 +80,27 @@ def test_notes_are_marked_and_printed_as_footnotes() -> None:
 def test_transfer_group_builds_its_rows_from_the_three_measurements(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Each engine gets a vs-raw and a vs-per-token row; ratios are staged / anchor."""
+    """Each engine gets a vs-raw and a vs-per-token row: the staged, raw and per-token runs
+    share the processes, request and warm-up (only the mode differs, and the per-token
+    tokens over Mooncake); ratios are staged / anchor GB/s; notes state the terms."""
     from staging_contracts.bench import transfer_bench
-    from staging_contracts.cluster.runner import ClusterResult
+    from staging_contracts.cluster.runner import ClusterResult, RankReport
 
-    def fake_cluster(config: object) -> ClusterResult:
-        return ClusterResult(config, (), 0.5)  # type: ignore[arg-type]  # a stand-in
+    seen: list[TransferConfig] = []
+    elapsed = {"staged": 0.5, "raw": 0.125, "per-token": 5.0}
+
+    def fake_cluster(config: TransferConfig) -> ClusterResult:
+        seen.append(config)
+        share = config.request_bytes // config.prefill_tp
+        prefill = tuple(
+            RankReport("prefill", p, True, {"bytes_written": share, "peak_rss_bytes": 3 << 20}, 0)
+            for p in range(config.prefill_tp)
+        )
+        return ClusterResult(config, prefill, elapsed[config.mode])
 
     monkeypatch.setattr(ClusterResult, "verified", property(lambda self: True))
     monkeypatch.setattr(transfer_bench, "engine_available", lambda name: (True, ""))
     monkeypatch.setattr(transfer_bench, "run_cluster", fake_cluster)
-    config = transfer_bench.staged_config("nixl")
-    monkeypatch.setattr(transfer_bench, "raw_write_seconds", lambda *a, **k: 0.125)
-    monkeypatch.setattr(transfer_bench, "per_token_seconds", lambda *a, **k: (1.0, 10**8))
     rows = {row.name: row for row in transfer_bench.run(BenchOptions())}
     assert sorted(rows) == [
         "transfer.mooncake.vs-per-token",
@@ -99,13 +108,32 @@ def test_transfer_group_builds_its_rows_from_the_three_measurements(
         "transfer.nixl.vs-per-token",
         "transfer.nixl.vs-raw",
     ]
+    config = transfer_bench.staged_config("nixl")
+    assert config.request_bytes == 32 * 2 * 4096 * 8 * 128 * 2
     staged = config.request_bytes / 0.5 / 1e9
     raw = rows["transfer.nixl.vs-raw"]
     assert raw.ours == pytest.approx(staged)
     assert raw.anchor == pytest.approx(config.request_bytes / 0.125 / 1e9)
     assert raw.ratio == pytest.approx(0.25)
-    assert rows["transfer.nixl.vs-per-token"].ratio == pytest.approx(staged / 0.1)
-    assert config.request_bytes == 32 * 2 * 4096 * 8 * 128 * 2
+    assert rows["transfer.nixl.vs-per-token"].ratio == pytest.approx(10.0)
+    # Mooncake's per-token run sends fewer tokens with the same writers: compared in GB/s.
+    moon = rows["transfer.mooncake.vs-per-token"]
+    assert moon.anchor == pytest.approx(config.request_bytes / 8 / 5.0 / 1e9)
+    assert "fewer tokens, same writers: compared in GB/s" in moon.note
+    assert "fewer tokens" not in rows["transfer.nixl.vs-per-token"].note
+    for row in rows.values():
+        assert "4 writer -> 2 receiver processes, 1 warm-up request first" in row.note
+        assert "peak RSS <= 3 MiB" in row.note
+    # Same processes, request and warm-up in every run; three repeats of each mode.
+    assert {(c.prefill_tp, c.decode_tp, c.layers, c.warmup_requests) for c in seen} == {
+        (4, 2, 32, 1)
+    }
+    modes = [(c.backend, c.mode, c.tokens) for c in seen]
+    for backend in ("mooncake", "nixl"):
+        assert modes.count((backend, "staged", 4096)) == 3
+        assert modes.count((backend, "raw", 4096)) == 3
+    assert modes.count(("nixl", "per-token", 4096)) == 3
+    assert modes.count(("mooncake", "per-token", 512)) == 3
 
 
 def test_bench_control_measures_plain_and_curve_rates(tmp_path: Path) -> None:

@@ -1,4 +1,10 @@
-"""Anchors for the transfer benchmark: what an engine does without staging, measured live.
+"""Engine anchors between two processes: what one writer does without staging, measured live.
+
+An informative standalone tool (and the engines' own micro-benchmark in the tests). The
+``transfer`` benchmark group does **not** use it: it measures its anchors with the same rank
+processes, bytes and warm-up as the staged path (``TransferConfig(mode="raw" | "per-token")``,
+see :mod:`staging_contracts.cluster.plain_paths`), because a single writer process sending a
+quarter of the bytes is not comparable with four staged writers.
 
 Two anchors, each measured over a real engine between two processes (a writer and a
 receiver, started with ``spawn``; the ``"local"`` engine runs in this process):
@@ -10,18 +16,12 @@ receiver, started with ``spawn``; the ``"local"`` engine runs in this process):
   per (K/V, layer, token) from the prefill pool row into the decode pool row at this rank's
   head offset.
 
-**Per-token batching** (:func:`per_token_batch`), as SGLang's non-staging
-heterogeneous-TP paths submit them:
-
-* Mooncake: one ``write`` call per layer's K or V buffer (``tokens`` transfers), as SGLang
-  calls ``batch_transfer_sync`` once per layer buffer; split at
-  :data:`MOONCAKE_MAX_TRANSFERS_PER_WRITE`, because Mooncake's TCP transport rejects a
-  batch of more than about 2048 transfers to one peer ("TCP lane queue-full"; not raised
-  by ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` or ``MC_TCP_LANES_PER_PEER``). Calls of 512
-  to 2048 transfers cost about the same per transfer; smaller ones cost more.
-* NIXL: every transfer of the pass in one ``write`` (one NIXL request), as SGLang's NIXL
-  path posts one transfer for all layers; this is also NIXL's fastest batching (about
-  twice the bandwidth of one request per layer buffer).
+**Per-token batching** (:func:`per_token_batch`, the rule the rank processes' per-token
+mode follows too, :func:`staging_contracts.cluster.plain_paths.per_token_batch`): Mooncake
+one ``write`` call per layer's K or V buffer, split at
+:data:`MOONCAKE_MAX_TRANSFERS_PER_WRITE`; NIXL every transfer of the pass in one ``write``
+(one NIXL request), which is also NIXL's fastest batching (about twice the bandwidth of one
+request per layer buffer).
 
 The transfer lists are built before the clock starts, so the anchor is if anything
 favoured; the engines' own per-transfer checks (under 1 µs a transfer) are timed, as they
@@ -40,6 +40,8 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Final, Literal, NamedTuple
 
+from ..cluster.plain_paths import MOONCAKE_MAX_TRANSFERS_PER_WRITE
+from ..cluster.plain_paths import per_token_batch as _batch_rule
 from ._anchor_peers import AnchorJob
 from ._anchor_runner import run_local, run_pair
 from .anchor_geometry import BENCH_GEOMETRY, AnchorGeometry
@@ -73,9 +75,6 @@ ENGINE_ENV: Final[Mapping[str, Mapping[str, str]]] = MappingProxyType(
     {"nixl": {"UCX_MODULES": "^ib"}, "mooncake": {"MC_LOG_LEVEL": "ERROR"}}
 )
 """Environment each child sets before loading the engine (NIXL: no InfiniBand modules)."""
-
-MOONCAKE_MAX_TRANSFERS_PER_WRITE: Final = 1024
-"""Largest Mooncake ``write`` of the per-token anchor (its TCP transport caps ~2048)."""
 
 PER_TOKEN_TOKENS: Final[Mapping[str, int]] = MappingProxyType({"mooncake": 512})
 """Default tokens of :func:`per_token_seconds` where the whole request takes too long.
@@ -164,11 +163,7 @@ def per_token_batch(engine: str, tokens: int) -> int:
     :data:`MOONCAKE_MAX_TRANSFERS_PER_WRITE`), NIXL one call per pass, local one call per
     layer buffer.
     """
-    if engine == "nixl":
-        return 0
-    if engine == "mooncake":
-        return min(tokens, MOONCAKE_MAX_TRANSFERS_PER_WRITE)
-    return tokens
+    return _batch_rule(engine, tokens)
 
 
 def per_token_seconds(
