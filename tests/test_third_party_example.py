@@ -7,7 +7,8 @@ pytest exactly as its author would run them: the kit and a staged transfer throu
 harness (in one process, and with a process per rank over NIXL). Installed, it registers itself
 under the ``staging_contracts.backends`` entry points, so ``--staging-backend acme`` finds it
 by name, and ``staging-contracts demo`` runs it across processes, by spec
-(``MODULE:CLASS=MODULE:FACTORY``) and by its registered cross-process name ``acme-nixl``. Then
+(``MODULE:CLASS=MODULE:FACTORY``) and by its registered cross-process name ``acme-nixl`` (and
+``soak`` by that name). Then
 one annotation is deleted from the backend, and ``staging-contracts check`` and the kit both
 fail with the contract's message; and with its idle hook emptied, the kit's transfer checks
 fail naming the idle hook.
@@ -207,6 +208,28 @@ def test_installed_example_runs_through_the_demo_across_processes(
     assert f"over {spec}: 2 prefill ranks -> 1 decode ranks" in done.stdout, output
     assert "] 2/2 rooms done" in done.stdout, output
     assert "PASS: every page of 2 requests on 1 decode ranks" in done.stdout, output
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)
+def test_installed_example_runs_through_the_soak_by_name(
+    installed_example: tuple[Path, Path],
+) -> None:
+    """staging-contracts soak --backend acme-nixl: the soak's rank processes resolve the
+    registered name themselves; rooms succeed, none is corrupt or hung."""
+    source, site = installed_example
+    args = ["soak", "--backend", "acme-nixl", "--duration", "2", "--faults", "none"]
+    done = _run(
+        ["-m", "staging_contracts.cli", *args],
+        cwd=_neutral_dir(source.parent),
+        python_path=site,
+        timeout_s=DEMO_TIMEOUT_S,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "engine             acme-nixl, 2 prefill -> 1 decode" in done.stdout, output
+    assert " 0 corrupt, 0 hung" in done.stdout, output
+    assert done.stdout.rstrip().endswith("PASS"), output
 
 
 def test_example_without_its_idle_hook_fails_the_transfer_checks(tmp_path: Path) -> None:
