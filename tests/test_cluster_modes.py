@@ -210,7 +210,6 @@ def test_config_refuses_unknown_modes_devices_and_faults_outside_staging() -> No
         TransferConfig(warmup_requests=-1)
     with pytest.raises(ValueError, match="fail_rooms"):
         TransferConfig(mode="raw", fail_rooms=(0,))
-    assert TransferConfig(device="cuda").kv_args(4, 0).device == "cuda"
 
 
 def test_warmup_requests_repeat_timed_ones_in_rooms_of_their_own() -> None:

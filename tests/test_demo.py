@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from staging_contracts.cli import main
 from staging_contracts.cluster.demo import format_summary
@@ -59,6 +60,17 @@ def test_demo_rejects_impossible_sizes(capsys: pytest.CaptureFixture[str]) -> No
     assert "tokens=0 must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available here")
+def test_demo_refuses_cuda_without_a_gpu_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """--device cuda without a CUDA device: one line, exit status 2, nothing started."""
+    assert main(["demo", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "staging-contracts demo: --device cuda: no CUDA device here"
+        " (torch.cuda.is_available() is false)"
+    ]
+
+
 def test_summary_reports_failures_and_peak_use() -> None:
     """The summary names failed requests, the ring's peak and a FAIL verdict."""
     config = TransferConfig(requests=2, tokens=64, page_size=16)
@@ -101,4 +113,5 @@ def test_summary_reports_failures_and_peak_use() -> None:
     )
     assert "peak RSS                 prefill 512, ?, ?, ? MiB; decode 300, ? MiB (by rank)" in text
     assert "verification             FAIL" in text
+    assert "device                   cpu" in text
     assert "throughput               0.00 GB/s" in text

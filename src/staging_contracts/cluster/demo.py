@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Final, TextIO
 
+import torch
+
 from ..control.security import SecurityError, check_insecure_bind, load_cluster_secret
 from .bootstrap import BootstrapServer
 from .runner import ClusterResult, RankSet, run_cluster
@@ -85,6 +87,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         help="chunked-prefill size in tokens",
     )
     parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=default.device,
+        help="where every rank's KV pool, staging buffer and ring live (default: cpu)",
+    )
+    parser.add_argument(
         "--separate-layers",
         action="store_true",
         help="allocate each layer's K and V pool on its own instead of one KV cache buffer",
@@ -126,8 +134,10 @@ def config_from_args(args: argparse.Namespace) -> TransferConfig:
     """Build the run's configuration from parsed options.
 
     Raises:
-        ValueError: a size is not positive.
+        ValueError: a size is not positive, or ``--device cuda`` without a CUDA device.
     """
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here (torch.cuda.is_available() is false)")
     return TransferConfig(
         backend=args.backend,
         prefill_tp=args.prefill_tp,
@@ -143,6 +153,7 @@ def config_from_args(args: argparse.Namespace) -> TransferConfig:
         chunk_tokens=args.chunk_tokens,
         separate_layers=args.separate_layers,
         host=args.host,
+        device=args.device,
     )
 
 
@@ -225,6 +236,7 @@ def format_summary(result: ClusterResult) -> str:
         verdict = "FAIL: " + "; ".join((errors + problems)[:3] or ["see the rank reports"])
     rows = [
         ("backend", config.backend),
+        ("device", config.device),
         ("prefill TP -> decode TP", f"{config.prefill_tp} -> {config.decode_tp}"),
         (
             "model",

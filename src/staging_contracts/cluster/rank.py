@@ -379,7 +379,7 @@ def _run_plain_decode(
     :mod:`~staging_contracts.cluster.plain_paths`): its pool, or its raw buffer, registered
     with the engine and published; a room ends when every writer's ``PLAIN_DONE`` arrived."""
     raw = config.mode == "raw"
-    device = torch.device(config.device)
+    device = config.torch_device
     pool = None if raw else config.empty_pool(config.decode_tp, rank)
     buffer = (
         torch.zeros(
@@ -596,7 +596,7 @@ def _raw_source(
     for key, share in shares.items():
         offsets[key] = (position, share.numel())
         position += share.numel()
-    source = torch.cat(list(shares.values())).to(config.device)
+    source = torch.cat(list(shares.values())).to(config.torch_device)
     return source, offsets
 
 

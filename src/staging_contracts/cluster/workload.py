@@ -146,6 +146,16 @@ class TransferConfig:
         return DTYPES[self.dtype]
 
     @property
+    def torch_device(self) -> torch.device:
+        """Where this process's pools live: the CPU, or the current CUDA device *with its
+        index*, so that an engine registers the memory of the GPU the tensors are on (NIXL:
+        VRAM of that device; see ``engines.nixl.memory_kind``). Initialises CUDA when
+        ``device`` is ``"cuda"``."""
+        if self.device == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
     def element_size(self) -> int:
         """Bytes per KV element."""
         return torch.empty((), dtype=self.torch_dtype).element_size()
@@ -188,7 +198,7 @@ class TransferConfig:
             page_size=self.page_size,
             kv_item_lens=(item,) * (2 * self.layers),
             engine_rank=rank,
-            device=self.device,
+            device=str(self.torch_device),
             total_kv_head_num=self.kv_heads,
             kv_head_num=heads,
             kv_layer_ids=tuple(range(self.layers)),
@@ -199,7 +209,7 @@ class TransferConfig:
         heads, head_dim]``, or one allocation per pool with ``separate_layers``."""
         heads = len(rank_heads(self.kv_heads, tp, rank))
         shape = (self.pool_pages * self.page_size, heads, self.head_dim)
-        dtype, device = self.torch_dtype, self.device
+        dtype, device = self.torch_dtype, self.torch_device
         if self.separate_layers:
             return KVBufferTensors(
                 tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.layers)),

@@ -75,7 +75,7 @@ else:
     finally:
         logging.raiseExceptions = _raise_exceptions
 
-__all__ = ["NixlEngine", "ucx_confinement"]
+__all__ = ["NixlEngine", "memory_kind", "ucx_confinement"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,26 @@ _MAGIC: Final = b"SCNX"
 _KINDS: Final[tuple[MemKind, ...]] = ("DRAM", "VRAM")
 _SPIN_S: Final = 50e-6
 _MAX_SLEEP_S: Final = 1e-3
+
+
+def memory_kind(device: str) -> tuple[MemKind, int]:
+    """NIXL's memory type and device id of memory on a torch device (``str(tensor.device)``).
+
+    ``"cpu"`` is host memory (``("DRAM", 0)``); ``"cuda:N"`` is GPU ``N``'s memory
+    (``("VRAM", N)``). A bare ``"cuda"`` is refused: it means whichever GPU is current, and
+    registering another GPU's id than the memory's would fail or misdirect transfers.
+
+    Raises:
+        ValueError: another device type, a bare ``"cuda"`` or a malformed index.
+    """
+    kind, sep, index = device.partition(":")
+    if kind == "cpu" and not sep:
+        return "DRAM", 0
+    if kind == "cuda" and index.isdigit():
+        return "VRAM", int(index)
+    raise ValueError(
+        f"device {device!r}: NIXL registers 'cpu' (DRAM) or 'cuda:N' (VRAM of GPU N) memory"
+    )
 
 
 _NET_DEVICES_ENV: Final = "UCX_NET_DEVICES"
@@ -189,8 +209,12 @@ class NixlEngine:
             network interface holding it (:func:`ucx_confinement`; a ``UCX_NET_DEVICES``
             in the environment wins). ``None`` (default): UCX's own choice, every
             interface unless ``UCX_NET_DEVICES`` is set.
-        mem_type: ``"DRAM"`` for host memory, ``"VRAM"`` for CUDA device memory.
+        mem_type: ``"DRAM"`` for host memory, ``"VRAM"`` for CUDA device memory. Every
+            range this engine registers and writes from is of this type.
         device_id: CUDA device of the registered memory (``0`` for DRAM).
+        device: The torch device of the memory this engine will register (``"cpu"``,
+            ``"cuda:N"``), instead of ``mem_type`` and ``device_id``: they are set by
+            :func:`memory_kind`, so a CUDA tensor's memory is registered as VRAM of its GPU.
         ucx_error_handling_mode: UCX backend's ``ucx_error_handling_mode``; ``"none"``
             halves the write round trip, ``"peer"`` detects dead peers.
         ucx_params: Further UCX backend parameters (e.g. ``{"num_workers": "2"}``).
@@ -208,6 +232,8 @@ class NixlEngine:
     Raises:
         TransferError: the UCX plugin is missing, the agent could not be created, or no
             interface holds ``host``.
+        ValueError: a ``device`` :func:`memory_kind` refuses, or one that disagrees with an
+            explicit ``mem_type``/``device_id``.
     """
 
     def __init__(
@@ -223,7 +249,16 @@ class NixlEngine:
         write_timeout_s: float = 30.0,
         close_timeout_s: float = 30.0,
         notifications: bool = True,
+        device: str | None = None,
     ) -> None:
+        if device is not None:
+            kind, index = memory_kind(device)
+            if (mem_type, device_id) not in (("DRAM", 0), (kind, index)):
+                raise ValueError(
+                    f"device={device!r} is {kind} of device {index}, but mem_type={mem_type!r}"
+                    f" and device_id={device_id} were given too"
+                )
+            mem_type, device_id = kind, index
         session_id = name or f"nixl-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         if not load_ib_modules:
             os.environ.setdefault("UCX_MODULES", "^ib")
