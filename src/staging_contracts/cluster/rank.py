@@ -6,13 +6,22 @@ request of the :class:`~staging_contracts.cluster.workload.TransferConfig` throu
 API, verifies (decode) and reports to the driver as JSON over ZMQ: ``ready``, one ``room``
 event per finished request, and a final ``report``; every event carries the rank's ``pid``.
 
+**Modes and warm-up.** ``config.mode`` chooses how the rank moves each request: through
+the staging rings (``"staged"``), or along one of the benchmark's anchor paths with the same
+processes (``"per-token"``, ``"raw"``; see :mod:`~staging_contracts.cluster.plain_paths`).
+In every mode ``config.warmup_requests`` untimed copies of the timed requests run first
+(barrier ``warm-rooms``); decode then zeroes what they wrote, and the timed requests start
+at barrier ``rooms``. Reported byte and message counts are the timed requests' only.
+
 **Per-request clocks.** Every final report of a rank that ran to the end carries
 ``peak_rss_bytes``, the peak resident set size of the rank's process
 (``resource.getrusage``), and per request index (``str(index)`` keys) ``time.monotonic()``
 stamps: a prefill rank's ``room_first_request_s`` (when its first ``STAGING_REQ`` of the room
-left, stamped as it was handed to the control socket) and a decode rank's ``room_done_s``
-(when the room reached SUCCESS or FAILED, stamped by one waiter thread per room as the
-decode handler's completion wakes it, whatever order the rooms end in). ``CLOCK_MONOTONIC``
+left, stamped as it was handed to the control socket; in the anchor modes, when its first
+write of the room started) and a decode rank's ``room_done_s`` (when the room reached
+SUCCESS or FAILED, stamped by one waiter thread per room as the decode handler's completion
+wakes it, whatever order the rooms end in; in the anchor modes, on the listener thread as
+the room's last ``PLAIN_DONE`` arrives). ``CLOCK_MONOTONIC``
 is system-wide on Linux, so stamps of different processes of one host compare.
 
 The rank binds and advertises ``config.host``: its control listener and its transfer
