@@ -189,13 +189,19 @@ def test_installed_example_is_registered_by_name(installed_example: tuple[Path, 
 @pytest.mark.nixl
 @pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)
 @pytest.mark.parametrize(
-    "spec", ["acme_kv.backend:AcmeKVManager=acme_kv.backend:over_nixl", "acme-nixl"]
+    "spec",
+    [
+        "acme_kv.backend:AcmeKVManager=acme_kv.backend:over_nixl",
+        "acme_kv.backend:AcmeNixlKVManager",
+        "acme-nixl",
+    ],
 )
 def test_installed_example_runs_through_the_demo_across_processes(
     installed_example: tuple[Path, Path], spec: str
 ) -> None:
     """staging-contracts demo --backend SPEC: every rank in its own process builds Acme's
-    manager (by its factory, or by the registered name's class), and every page verifies."""
+    manager (by its factory, by its class's standard constructor, or by the registered
+    name), and every page verifies."""
     source, site = installed_example
     done = _run(
         ["-m", "staging_contracts.cli", "demo", "--backend", spec, *DEMO_ARGS],
