@@ -189,8 +189,9 @@ SPEC_FORMS: Final = "NAME, MODULE:CLASS or MODULE:CLASS=MODULE:FACTORY"
 class BackendFactory:
     """A backend spec resolved: the class, and the callable that builds its managers.
 
-    Built by :func:`resolve_backend`. Not picklable by design: pass the :attr:`spec` string
-    to another process and resolve it there.
+    Built by :func:`resolve_backend`. Another process is given the :attr:`spec` string (as
+    ``TransferConfig.backend`` carries it to the rank processes) and resolves it there, so
+    that its own imports and checks run in that process.
     """
 
     spec: str
