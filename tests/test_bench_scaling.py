@@ -14,9 +14,9 @@ import math
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+import torch
 
 from staging_contracts.bench import BenchOptions, plots, scaling
 from staging_contracts.bench.scaling import (
@@ -205,7 +205,7 @@ def test_csv_and_json_shapes(tmp_path: Path) -> None:
     assert set(data) == {"plan", "machine", "skipped", "fits", "rows"}
     assert data["skipped"] == {"x": "gone"}
     assert data["plan"]["base"]["tokens"] == 256
-    assert data["plan"]["tp"] == ["2->1", "1->2"]
+    assert data["plan"]["tp"] == ["2->1"]
     assert {tuple(sorted(r)) for r in data["rows"]} == {tuple(sorted(CSV_COLUMNS))}
     assert data["rows"][-1]["elapsed_s"] is None
     assert data["rows"][-1]["ok"] is False
@@ -285,6 +285,7 @@ def test_plans_sweep_one_dimension_at_a_time_around_the_base() -> None:
         }[point.dimension]
         assert changed <= allowed
     assert len({p.config for p in points}) == 16  # the base point once
+    assert base.warmup_requests == 1
     with pytest.raises(ValueError, match="at least one value"):
         ScalingPlan(base, (), ((1, 1),), (16,), (1,))
 
@@ -328,23 +329,20 @@ def test_sweep_runs_each_distinct_point_once_and_derives_its_figures(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The base point runs once per engine and is shared by the four series; the raw write
-    is measured once per byte count; GB/s, percentiles, ring and RSS peaks come from the
-    run; a point that fails is a row with its reason and the sweep goes on."""
+    runs once per TP pair and byte count, through the same cluster in mode raw; GB/s,
+    percentiles, ring and RSS peaks come from the runs; a point that fails is a row with its
+    reason and the sweep goes on."""
     runs: list[TransferConfig] = []
-    raws: list[tuple[str, int]] = []
 
     def fake_run(config: TransferConfig, *, timeout_s: float) -> ClusterResult:
         runs.append(config)
-        if config.prefill_tp == 1:  # the 1->2 point dies
+        if config.mode == "raw":
+            return _fake_cluster_result(config, config.request_bytes * config.requests / 4e9)
+        if config.tokens == 512:  # this staged point dies
             return ClusterResult(config, (), 0.0, frozenset({0}))
         return _fake_cluster_result(config, 0.5 * config.requests)
 
-    def fake_raw(engine: str, nbytes: int, **kwargs: Any) -> float:
-        raws.append((engine, nbytes))
-        return nbytes / 4e9
-
     monkeypatch.setattr(scaling, "run_cluster", fake_run)
-    monkeypatch.setattr(scaling, "raw_write_seconds", fake_raw)
     monkeypatch.setattr(scaling, "preflight", lambda config: None)
     monkeypatch.setattr(scaling, "engine_available", lambda name: (name == "nixl", "no wheel"))
     said: list[str] = []
@@ -352,15 +350,19 @@ def test_sweep_runs_each_distinct_point_once_and_derives_its_figures(
 
     assert result.skipped == {"mooncake": "no wheel"}
     assert "bench scaling: skipping mooncake: no wheel" in said
-    assert len(runs) == 4  # base, 512 tokens, 1->2, 2 at once
-    assert all(config.backend == "nixl" for config in runs)
     base = ScalingPlan.quick().base
-    assert sorted(n for _, n in raws) == [base.request_bytes, 2 * base.request_bytes]
+    assert [(c.mode, c.tokens, c.requests) for c in runs] == [
+        ("staged", 256, 1),
+        ("raw", 256, 1),
+        ("staged", 512, 1),
+        ("raw", 512, 1),  # 2 requests of 256 tokens share it: same writers, same bytes
+        ("staged", 256, 2),
+    ]
+    assert all(c.backend == "nixl" and c.warmup_requests == 1 for c in runs)
     assert [(r.dimension, r.value) for r in result.rows] == [
         ("tokens", 256),
         ("tokens", 512),
         ("tp", "2->1"),
-        ("tp", "1->2"),
         ("page_size", 16),
         ("concurrency", 1),
         ("concurrency", 2),
@@ -375,27 +377,47 @@ def test_sweep_runs_each_distinct_point_once_and_derives_its_figures(
     assert two.latency_p99_s == pytest.approx(0.5 + 0.25 * 0.99)
     assert two.peak_ring_bytes == 1000
     assert two.peak_rss_bytes == 200
-    failed = result.rows[3]
+    failed = result.rows[1]
     assert not failed.ok
     assert failed.error == "requests [0] failed"
     assert math.isnan(failed.staged_gbps)
+    assert failed.raw_gbps == pytest.approx(4.0)
     assert not result.ok
     assert {f.name for f in result.fits} == {
-        "time-vs-tokens",
         "latency-p50-vs-concurrency",
         "latency-p99-vs-concurrency",
-    }
+    }  # one token length verified: no time-vs-tokens slope
+
+
+def test_a_failed_raw_write_fails_its_points(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The raw write is part of the point: when it does not verify, the row says so."""
+
+    def fake_run(config: TransferConfig, *, timeout_s: float) -> ClusterResult:
+        if config.mode == "raw":
+            return ClusterResult(config, (), 0.0, frozenset({0}), timed_out=True)
+        return _fake_cluster_result(config, 0.5)
+
+    monkeypatch.setattr(scaling, "run_cluster", fake_run)
+    monkeypatch.setattr(scaling, "preflight", lambda config: None)
+    monkeypatch.setattr(scaling, "engine_available", lambda name: (True, ""))
+    result = run_scaling(BenchOptions(quick=True, backends=("mooncake",)))
+    assert {(r.ok, r.error) for r in result.rows} == {(False, "raw write: the run timed out")}
+    assert all(math.isnan(r.raw_gbps) and r.staged_gbps > 0 for r in result.rows)
 
 
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        (BenchOptions(quick=True, backends=("local",)), "'local' is not one of mooncake, nixl"),
-        (BenchOptions(quick=True, device="cuda"), "CPU only"),
+        (BenchOptions(quick=True, backends=("local",)), "in-tree engines only"),
+        pytest.param(
+            BenchOptions(quick=True, device="cuda"),
+            "no CUDA device here",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here"),
+        ),
     ],
 )
 def test_sweep_refuses_what_it_cannot_measure(options: BenchOptions, match: str) -> None:
-    """Another backend has no raw-write anchor here; the ranks' pools stay on the CPU."""
+    """Only the in-tree engines; cuda only with a CUDA device."""
     with pytest.raises(ValueError, match=match):
         run_scaling(options)
 
@@ -510,13 +532,14 @@ def test_cli_refuses_plot_without_matplotlib_before_the_sweep(
     [
         (
             ["--backend", "local"],
-            "staging-contracts bench: backend 'local' is not one of mooncake, nixl (bench "
-            "scaling measures each engine's raw write alongside)",
+            "staging-contracts bench: backend 'local': bench scaling runs the in-tree engines "
+            "only (mooncake, nixl)",
         ),
-        (
+        pytest.param(
             ["--device", "cuda"],
-            "staging-contracts bench: --device cuda: bench scaling runs its ranks' pools on "
-            "the CPU only",
+            "staging-contracts bench: --device cuda: no CUDA device here "
+            "(torch.cuda.is_available() is false)",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here"),
         ),
     ],
 )
@@ -565,7 +588,6 @@ def test_quick_sweep_end_to_end_over_a_real_engine(
         ("tokens", 256),
         ("tokens", 512),
         ("tp", "2->1"),
-        ("tp", "1->2"),
         ("page_size", 16),
         ("concurrency", 1),
         ("concurrency", 2),

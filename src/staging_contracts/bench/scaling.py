@@ -19,17 +19,21 @@ dimension                 values                             base
 
 The geometry is fixed: 8 layers, 8 KV heads of 128, bf16 (32 KiB of KV per token over all
 heads and layers: a 4k-token request is 128 MiB, a 32k one 1 GiB), chunks of 1024 tokens, a
-ring of two chunks. The base point is run once per engine and shared by the
-four dimensions' series.
+ring of two chunks, one untimed warm-up request before the timed ones in every run (as the
+``transfer`` group does). The base point is run once per engine and shared by the four
+dimensions' series.
 
 **What is measured**, per point:
 
 * *staged GB/s* — the KV bytes of every request of the point over the transfer phase
   (:attr:`ClusterResult.elapsed_s <staging_contracts.cluster.runner.ClusterResult.elapsed_s>`:
   from the first prefill rank starting its requests to the last decode rank finishing);
-* *raw GB/s* — the engine's raw bulk write of the same number of bytes between two processes
-  (:func:`~staging_contracts.bench.engine_anchors.raw_write_seconds`, one writer, one
-  receiver, one ``write`` call: the ceiling the staged path is measured against);
+* *raw GB/s* — the engine's raw bulk write of the same bytes by the same rank processes
+  (:attr:`TransferConfig.mode <staging_contracts.cluster.workload.TransferConfig.mode>`
+  ``"raw"``: each prefill rank writes its share in one bulk write per decode rank it feeds,
+  every byte checked on decode; warmed alike): the ceiling the staged path is measured
+  against. It is measured once per TP pair and byte count: points of equal bytes share it
+  (page sizes share the base point's; 2 requests of 4k tokens share 1 request of 8k);
 * *latency p50/p99* — per request, from the first ``STAGING_REQ`` any prefill rank sent for
   it to the last decode rank seeing it succeed
   (:meth:`ClusterResult.request_latencies_s
@@ -41,8 +45,9 @@ four dimensions' series.
 tokens (seconds per 1k tokens, and the intercept) and of the latency percentiles against
 concurrency (seconds per extra concurrent request), per engine.
 
-``BenchOptions.quick`` runs tiny points (two values per swept dimension) for smoke tests;
-its figures mean nothing.
+``BenchOptions.quick`` runs tiny points (two token lengths, two concurrencies, one TP pair
+and page size) for smoke tests; its figures mean nothing. ``BenchOptions.device`` places
+every rank's pools, buffers and ring (``"cuda"`` needs a GPU).
 """
 
 from __future__ import annotations
@@ -57,12 +62,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
+import torch
+
 from ..cluster.preflight import preflight
 from ..cluster.runner import ClusterResult, run_cluster
-from ..cluster.workload import TransferConfig
+from ..cluster.workload import Device, TransferConfig
 from ..engines import engine_available
 from . import BenchOptions
-from .engine_anchors import raw_write_seconds
 
 __all__ = [
     "CSV_COLUMNS",
@@ -82,7 +88,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ENGINES: Final = ("mooncake", "nixl")
-"""Engines the sweep runs (each needs its raw-write anchor)."""
+"""Engines the sweep runs by default (and the only ones it runs)."""
 
 DIMENSIONS: Final = ("tokens", "tp", "page_size", "concurrency")
 """The swept dimensions, in the order they are run and printed."""
@@ -141,10 +147,8 @@ class ScalingPlan:
     page_sizes: tuple[int, ...]
     concurrency: tuple[int, ...]
     """Requests staged at once (all issued together, through the same rings)."""
-    raw_repeats: int = 3
-    """Timed raw writes per byte count (the median is used; one untimed write first)."""
     run_timeout_s: float = 300.0
-    """Bound on each cluster run and each raw-write measurement."""
+    """Bound on each cluster run."""
 
     def __post_init__(self) -> None:
         sweeps = (self.tokens, self.tp_pairs, self.page_sizes, self.concurrency)
@@ -152,8 +156,8 @@ class ScalingPlan:
             raise ValueError("every dimension needs at least one value")
         flat = [*self.tokens, *self.page_sizes, *self.concurrency]
         flat += [n for pair in self.tp_pairs for n in pair]
-        if min(flat) < 1 or self.raw_repeats < 1 or self.run_timeout_s <= 0:
-            raise ValueError("sizes, TP sizes, repeats and the timeout must be positive")
+        if min(flat) < 1 or self.run_timeout_s <= 0:
+            raise ValueError("sizes, TP sizes and the timeout must be positive")
 
     @classmethod
     def full(cls) -> ScalingPlan:
@@ -171,6 +175,7 @@ class ScalingPlan:
                 dtype="bf16",
                 chunk_tokens=1024,
                 ring_chunks=2,
+                warmup_requests=1,
             ),
             tokens=(1024, 2048, 4096, 8192, 16384, 32768),
             tp_pairs=((1, 4), (2, 4), (4, 2), (8, 2), (4, 1)),
@@ -180,7 +185,7 @@ class ScalingPlan:
 
     @classmethod
     def quick(cls) -> ScalingPlan:
-        """Tiny points for smoke tests: four runs per engine, figures meaningless."""
+        """Tiny points for smoke tests: five runs per engine, figures meaningless."""
         return cls(
             base=TransferConfig(
                 prefill_tp=2,
@@ -194,12 +199,12 @@ class ScalingPlan:
                 dtype="bf16",
                 chunk_tokens=128,
                 ring_chunks=2,
+                warmup_requests=1,
             ),
             tokens=(256, 512),
-            tp_pairs=((2, 1), (1, 2)),
+            tp_pairs=((2, 1),),
             page_sizes=(16,),
             concurrency=(1, 2),
-            raw_repeats=1,
             run_timeout_s=120.0,
         )
 
@@ -235,12 +240,14 @@ class ScalingPlan:
                 "dtype": base.dtype,
                 "chunk_tokens": base.chunk_tokens,
                 "ring_chunks": base.ring_chunks,
+                "warmup_requests": base.warmup_requests,
+                "device": base.device,
             },
             "tokens": list(self.tokens),
             "tp": [f"{p}->{d}" for p, d in self.tp_pairs],
             "page_size": list(self.page_sizes),
             "concurrency": list(self.concurrency),
-            "raw_repeats": self.raw_repeats,
+            "raw": "mode='raw', the point's rank processes, once per TP pair and byte count",
         }
 
 
@@ -257,13 +264,14 @@ class ScalingRow:
     page_size: int
     concurrency: int
     bytes: int
-    """KV bytes of every request of the point (what both the staged run and the raw write
-    move)."""
+    """KV bytes of every timed request of the point (what both the staged run and the raw
+    write move)."""
     elapsed_s: float
     """The staged run's transfer phase (``nan`` when it failed)."""
     staged_gbps: float
     raw_gbps: float
-    """The engine's raw write of ``bytes`` (``nan`` when it could not be measured)."""
+    """The engine's raw write of ``bytes`` by the same TP pair of processes (``nan`` when it
+    could not be measured)."""
     latency_p50_s: float
     latency_p99_s: float
     peak_ring_bytes: int
@@ -507,26 +515,27 @@ def run_scaling(
         plan: the sweep (default: :meth:`ScalingPlan.full` or :meth:`ScalingPlan.quick`).
         progress: called with one line before each measurement.
 
-    **Blocking:** every point's cluster run and raw write, each bounded by
-    ``plan.run_timeout_s`` (about 15 minutes in all for the full plan on two loaded cores).
+    **Blocking:** every point's cluster runs (staged, and raw where its TP pair and bytes
+    are new), each bounded by ``plan.run_timeout_s``: about 15-20 minutes in all for the full
+    plan on two loaded cores, most of it starting rank processes.
 
     Raises:
-        ValueError: a backend that is not one of :data:`ENGINES`, or ``device="cuda"`` (the
-            cluster's rank processes keep their pools on the CPU).
+        ValueError: a backend that is not one of :data:`ENGINES`, or ``device="cuda"``
+            without a CUDA device.
     """
     chosen = (
         plan if plan is not None else (ScalingPlan.quick() if options.quick else ScalingPlan.full())
     )
-    if options.device != "cpu":
-        raise ValueError(
-            f"--device {options.device}: bench scaling runs its ranks' pools on the CPU only"
-        )
+    if options.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here (torch.cuda.is_available() is false)")
+    device: Device = "cuda" if options.device == "cuda" else "cpu"
+    chosen = replace(chosen, base=replace(chosen.base, device=device))
     engines = options.backends if options.backends is not None else ENGINES
     unknown = [name for name in engines if name not in ENGINES]
     if unknown:
         raise ValueError(
-            f"backend {unknown[0]!r} is not one of {', '.join(ENGINES)} (bench scaling "
-            "measures each engine's raw write alongside)"
+            f"backend {unknown[0]!r}: bench scaling runs the in-tree engines only "
+            f"({', '.join(ENGINES)})"
         )
     say = progress if progress is not None else logger.info
     machine: dict[str, Any] = {"cpus": os.cpu_count(), "load_before": _load()}
@@ -565,23 +574,27 @@ class _Measured:
 def _sweep(
     engine: str, points: list[ScalingPoint], plan: ScalingPlan, say: Callable[[str], None]
 ) -> list[ScalingRow]:
+    """Every point of one engine: each distinct run once, the raw write once per TP pair and
+    byte count (the first point with them is run in ``mode="raw"``)."""
+    configs = [replace(point.config, backend=engine) for point in points]
     runs: dict[TransferConfig, _Measured] = {}
-    raw: dict[int, float] = {}
-    distinct = len(dict.fromkeys(point.config for point in points))
+    raw: dict[tuple[int, int, int], _Measured] = {}
+    total = len(set(configs)) + len({_raw_key(config) for config in configs})
     rows: list[ScalingRow] = []
-    for point in points:
-        config = replace(point.config, backend=engine)
+    for point, config in zip(points, configs, strict=True):
         nbytes = config.request_bytes * config.requests
+        where = f"{engine} {point.dimension}={point.value}"
         if config not in runs:
-            say(
-                f"bench scaling: {engine} {point.dimension}={point.value} "
-                f"({len(runs) + 1}/{distinct}, {nbytes / 2**20:.0f} MiB)"
-            )
+            count = f"{len(runs) + len(raw) + 1}/{total}"
+            say(f"bench scaling: {where} ({count}, {nbytes / 2**20:.0f} MiB)")
             runs[config] = _measure(config, plan)
-        if nbytes not in raw:
-            raw[nbytes] = _raw_gbps(engine, nbytes, plan)
-        found = runs[config]
-        elapsed = found.elapsed_s
+        key = _raw_key(config)
+        if key not in raw:
+            say(f"bench scaling: {where}, raw write ({len(runs) + len(raw) + 1}/{total})")
+            raw[key] = _measure(replace(config, mode="raw"), plan)
+        found, anchor = runs[config], raw[key]
+        errors = [found.error] if found.error else []
+        errors += [f"raw write: {anchor.error}"] if anchor.error else []
         rows.append(
             ScalingRow(
                 engine=engine,
@@ -593,23 +606,32 @@ def _sweep(
                 page_size=config.page_size,
                 concurrency=config.requests,
                 bytes=nbytes,
-                elapsed_s=elapsed,
-                staged_gbps=nbytes / elapsed / 1e9 if elapsed > 0 else math.nan,
-                raw_gbps=raw[nbytes],
+                elapsed_s=found.elapsed_s,
+                staged_gbps=_gbps(nbytes, found.elapsed_s),
+                raw_gbps=_gbps(nbytes, anchor.elapsed_s),
                 latency_p50_s=percentile(found.latencies, 50),
                 latency_p99_s=percentile(found.latencies, 99),
                 peak_ring_bytes=found.peak_ring_bytes,
                 peak_rss_bytes=found.peak_rss_bytes,
-                ok=not found.error,
-                error=found.error,
+                ok=not errors,
+                error="; ".join(errors),
             )
         )
     return rows
 
 
+def _raw_key(config: TransferConfig) -> tuple[int, int, int]:
+    """What the raw write depends on: the writers, the receivers and the bytes."""
+    return config.prefill_tp, config.decode_tp, config.request_bytes * config.requests
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else math.nan
+
+
 def _measure(config: TransferConfig, plan: ScalingPlan) -> _Measured:
-    """One cluster run of a point; a point that cannot run or does not verify is an error,
-    and the sweep goes on."""
+    """One cluster run (staged or raw); a run that cannot start or does not verify is an
+    error of its point, and the sweep goes on."""
     try:
         preflight(config)
     except ValueError as exc:
@@ -618,6 +640,7 @@ def _measure(config: TransferConfig, plan: ScalingPlan) -> _Measured:
     if not result.verified:
         return _Measured(error=_failure(result))
     latencies = result.request_latencies_s()
+    missing = len(latencies) != config.requests and config.mode == "staged"
     rss = [*result.peak_rss_bytes("prefill").values(), *result.peak_rss_bytes("decode").values()]
     rings = [peak for peak, _ in result.ring_peaks().values()]
     return _Measured(
@@ -625,7 +648,7 @@ def _measure(config: TransferConfig, plan: ScalingPlan) -> _Measured:
         latencies=tuple(latencies.values()),
         peak_ring_bytes=max(rings, default=0),
         peak_rss_bytes=max(rss) if rss else None,
-        error="" if len(latencies) == config.requests else "some requests have no latency",
+        error="some requests have no latency" if missing else "",
     )
 
 
@@ -639,15 +662,3 @@ def _failure(result: ClusterResult) -> str:
     if result.failed_requests:
         return f"requests {sorted(result.failed_requests)} failed"
     return "the decode pages did not verify"
-
-
-def _raw_gbps(engine: str, nbytes: int, plan: ScalingPlan) -> float:
-    """The engine's raw write of ``nbytes``, GB/s; ``nan`` (logged) when it failed."""
-    try:
-        seconds = raw_write_seconds(
-            engine, nbytes, repeats=plan.raw_repeats, timeout_s=plan.run_timeout_s
-        )
-    except RuntimeError as exc:
-        logger.warning("raw write of %d bytes over %s failed: %s", nbytes, engine, exc)
-        return math.nan
-    return nbytes / seconds / 1e9
