@@ -650,11 +650,14 @@ def test_gpu_check_dry_run_lists_its_steps(tmp_path: Path) -> None:
         "cuda-tests",
         "demo-nixl-cuda",
         "demo-mooncake-cuda",
-        "bench-staging-transfer-cuda",
+        "bench-staging-cuda",
+        "bench-transfer-cuda",
     ]
     assert all("timeout" in line for line in steps)
     assert "-m cuda" in steps[0]
-    assert "--device cuda" in steps[1]
+    assert all("--device cuda" in line for line in steps[1:])
+    bounds = [int(line.split("timeout ")[1].split("s,")[0]) for line in steps]
+    assert sum(bounds) + 5 * len(bounds) < 8 * 60  # each killed 5 s after its bound
     assert list(tmp_path.iterdir()) == []
 
 
