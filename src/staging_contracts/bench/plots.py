@@ -87,7 +87,10 @@ def write_plots(result: ScalingResult, directory: str | Path) -> list[Path]:
 def _machine_note(result: ScalingResult) -> str:
     base = result.plan.base
     cpus = result.machine.get("cpus")
-    where = f"{cpus} CPUs, " if cpus else ""
+    load = result.machine.get("load_before") or []
+    where = f"{cpus} CPUs" if cpus else ""
+    where += f" (load {load[0]:.1f} at start)" if cpus and load else ""
+    where += ", " if where else ""
     return (
         f"{where}{base.layers} layers x {base.kv_heads} KV heads x {base.head_dim}, "
         f"{base.dtype}; each point one run, every page verified"

@@ -11,8 +11,8 @@ run_cluster` run, each rank its own process, every decode page verified:
 ========================  =================================  ==========
 dimension                 values                             base
 ========================  =================================  ==========
-``tokens``                1k, 2k, 4k, 8k, 16k, 32k            4k
-``tp`` (prefill->decode)  1->4, 2->4, 4->2, 8->2, 4->1        4->2
+``tokens``                1k, 2k, 4k, 8k, 16k, 32k           4k
+``tp`` (prefill->decode)  1->4, 2->4, 4->2, 8->2, 4->1       4->2
 ``page_size``             1, 16, 64                          16
 ``concurrency``           1, 2, 4, 8, 16 requests at once    1
 ========================  =================================  ==========
