@@ -108,8 +108,8 @@ def test_summary_reports_failures_and_peak_use() -> None:
     text = format_summary(result)
     assert "failed requests          1" in text
     assert (
-        "ring peak use            decode 0: 2.0 of 4.0 MiB; decode 1: 6.0 of 4.0 MiB"
-        " (1.5x: later rounds wait for the watermark)" in text
+        "ring peak use            decode 0: 2.0 of 4.0 MiB; decode 1: 6.0 of 4.0 MiB (1.5x);"
+        " later rounds wait for the watermark" in text
     )
     assert "peak RSS                 prefill 512, ?, ?, ? MiB; decode 300, ? MiB (by rank)" in text
     assert "verification             FAIL" in text

@@ -277,17 +277,20 @@ def format_summary(result: ClusterResult) -> str:
 
 
 def _ring_peaks(result: ClusterResult) -> str:
-    """Each decode rank's ring peak against its ring size."""
+    """Each decode rank's ring peak against its ring size (a peak above the ring: bytes
+    assigned to later rounds, which wait for the watermark)."""
     peaks = result.ring_peaks()
     parts = []
+    over = False
     for rank in range(result.config.decode_tp):
         if rank not in peaks:
             parts.append(f"decode {rank}: ?")
             continue
         peak, size = peaks[rank]
-        over = f" ({peak / size:.1f}x: later rounds wait for the watermark)" if peak > size else ""
-        parts.append(f"decode {rank}: {peak / 2**20:.1f} of {size / 2**20:.1f} MiB{over}")
-    return "; ".join(parts)
+        times = f" ({peak / size:.1f}x)" if peak > size else ""
+        over |= peak > size
+        parts.append(f"decode {rank}: {peak / 2**20:.1f} of {size / 2**20:.1f} MiB{times}")
+    return "; ".join(parts) + ("; later rounds wait for the watermark" if over else "")
 
 
 def _peak_rss(result: ClusterResult) -> str:
