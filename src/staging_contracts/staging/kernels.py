@@ -312,7 +312,6 @@ class PagedKVPools:
                     source, 0, index, out=target.view(index.numel(), *source.shape[1:])
                 )
         return total
-        return total
 
     def scatter(
         self,
