@@ -137,7 +137,7 @@ statement, one with a good class and an attribute that is not callable."""
         ("no_such_module_x:Cls", "cannot import 'no_such_module_x'"),
         ("good_spec:Missing", "module 'good_spec' has no attribute 'Missing'"),
         ("bad_spec_contract:NoCtxKVManager", "NoCtxKVManager does not satisfy the StagingHost"),
-        ("good_spec:GoodKVManager=good_spec:NOT_A_FACTORY", "is a int, not callable"),
+        ("good_spec:GoodKVManager=good_spec:NOT_A_FACTORY", "is an int, not callable"),
         ("local", "moves bytes within one process only"),
         ("mori", "MoriKVManager is not a staging backend"),
     ],
@@ -205,3 +205,42 @@ def test_a_rank_failing_mid_run_is_named_first_and_the_others_stop() -> None:
     assert time.monotonic() - killed[0] < 10.0
     first = format_summary(result).splitlines()[0]
     assert first == "first failure: decode rank 0 killed by SIGKILL without a report"
+
+
+@pytest.mark.parametrize("command", ["demo", "soak", "bench"])
+def test_an_outside_backend_over_an_in_process_engine_is_refused(
+    tmp_path: Path, command: str
+) -> None:
+    """demo, soak and bench transfer refuse a class of an outside package whose engine is a
+    LocalEngine, as the harness does with processes=True: one line, exit 2, no rank started."""
+    (tmp_path / "local_backed.py").write_text(
+        "from staging_contracts.backends.local import LocalKVManager\n\n\n"
+        "class LocalBacked(LocalKVManager):\n"
+        "    pass\n"
+    )
+    extra = ["transfer"] if command == "bench" else []
+    spec = "local_backed:LocalBacked"
+    line = assert_refused(
+        run(command, *extra, "--backend", spec, env={"PYTHONPATH": str(tmp_path)}),
+        f"--backend {spec}:",
+    )
+    assert "moves bytes within one process only" in line, line
+
+
+@pytest.mark.mooncake
+def test_mooncake_on_cuda_is_refused_where_its_build_has_no_cuda() -> None:
+    """demo --backend mooncake --device cuda with the host-only Mooncake wheel: one line
+    naming both options and the wheel, before any CUDA check or process start."""
+    if not engine_available("mooncake")[0]:
+        pytest.skip(engine_available("mooncake")[1])
+    from staging_contracts.engines.mooncake import host_memory_only
+
+    reason = host_memory_only()
+    if reason is None:
+        pytest.skip("this Mooncake build may move CUDA memory")
+    line = assert_refused(
+        run("demo", "--backend", "mooncake", "--device", "cuda"),
+        "--backend mooncake --device cuda",
+        reason,
+    )
+    assert line.endswith("use --device cpu, or --backend nixl"), line

@@ -26,6 +26,7 @@ import torch
 
 from ..control.security import SecurityError, check_insecure_bind, load_cluster_secret
 from .bootstrap import BootstrapServer
+from .preflight import check_device
 from .runner import ClusterResult, RankSet, run_cluster
 from .workload import DTYPES, TransferConfig
 
@@ -134,8 +135,11 @@ def config_from_args(args: argparse.Namespace) -> TransferConfig:
     """Build the run's configuration from parsed options.
 
     Raises:
-        ValueError: a size is not positive, or ``--device cuda`` without a CUDA device.
+        ValueError: a size is not positive, ``--device cuda`` with a backend whose engine moves
+            host memory only (Mooncake's wheel here; :func:`~.preflight.check_device`), or
+            ``--device cuda`` without a CUDA device.
     """
+    check_device(args.backend, args.device)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here (torch.cuda.is_available() is false)")
     return TransferConfig(

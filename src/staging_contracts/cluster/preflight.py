@@ -6,8 +6,9 @@ pool). :func:`preflight` refuses it at once instead, with one line that names th
 the rule: the TP pair and the head count (the same validation the ranks run), the backend
 spec (a name, ``MODULE:CLASS`` or ``MODULE:CLASS=MODULE:FACTORY``: it resolves, its class
 satisfies the contract, its engine's extra is installed, and its engine crosses processes as
-far as can be known without building one), and the memory the pools, rings and staging
-buffers of every rank will take against the memory available (``MemAvailable``).
+far as can be known without building one), the device (``--device cuda`` with an engine
+that moves host memory only: the installed Mooncake wheel), and the memory the pools, rings and
+staging buffers of every rank will take against the memory available (``MemAvailable``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from ..backends import resolve_backend
+from ..backends import BACKENDS, resolve_backend
 from ..staging.layout import compute_staging_layout, validate_tp_pair
 from .workload import TransferConfig
 
@@ -24,7 +25,9 @@ __all__ = [
     "PROCESS_OVERHEAD_BYTES",
     "MemoryNeed",
     "available_memory",
+    "backend_engine",
     "check_backend",
+    "check_device",
     "memory_need",
     "preflight",
 ]
@@ -115,7 +118,8 @@ def preflight(
             one another or the head count, a backend spec that does not resolve (an unknown
             name, a module that cannot be imported, a missing class, a class that fails its
             contract, a factory that is not callable), an engine that cannot be imported (with
-            the pip command that installs it) or that works within one process only, or more
+            the pip command that installs it) or that works within one process only, an engine
+            that cannot move memory of ``config.device`` (:func:`check_device`), or more
             memory than is available.
     """
     try:
@@ -137,6 +141,54 @@ def preflight(
             "is available; use smaller options, or --ignore-memory to run anyway"
         )
     check_backend(config.backend)
+    check_device(config.backend, config.device)
+
+
+def backend_engine(spec: str) -> str | None:
+    """The in-tree engine (``"nixl"``, ``"mooncake"``, ``"local"``) a backend spec moves bytes
+    with, as far as its class tells without building a manager: the engine of the in-tree
+    backend class it is or derives from; ``None`` for a spec that does not resolve or whose
+    class is none of them (its engine is known only once a rank builds it).
+
+    **Thread:** any; imports the spec's modules.
+    """
+    try:
+        cls = resolve_backend(spec).backend_class
+    except (ImportError, ValueError):
+        return None
+    for klass in cls.__mro__:
+        for known in BACKENDS.values():
+            if known.engine and (klass.__module__, klass.__name__) == (
+                known.module,
+                known.class_name,
+            ):
+                return known.engine
+    return None
+
+
+def check_device(spec: str, device: str, option: str = "--backend") -> None:
+    """Refuse a backend whose engine cannot move memory of ``device``, in one line: on
+    ``"cuda"``, a Mooncake build without CUDA (the wheel the ``mooncake`` extra installs here;
+    see :func:`~staging_contracts.engines.mooncake.host_memory_only`). A spec whose engine
+    cannot be told (:func:`backend_engine`) or imported passes (:func:`check_backend` refuses
+    what cannot be imported).
+
+    **Thread:** any; imports the spec's modules.
+
+    Raises:
+        ValueError: ``OPTION SPEC --device cuda: why``, on one line.
+    """
+    if device != "cuda" or backend_engine(spec) != "mooncake":
+        return
+    try:
+        from ..engines.mooncake import host_memory_only  # noqa: PLC0415 - the SDK, on demand
+    except ImportError:
+        return
+    reason = host_memory_only()
+    if reason is not None:
+        raise ValueError(
+            f"{option} {spec} --device cuda: {reason}; use --device cpu, or --backend nixl"
+        )
 
 
 def check_backend(spec: str, option: str = "--backend") -> None:

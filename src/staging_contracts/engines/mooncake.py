@@ -14,11 +14,21 @@ no authentication. The engine lists the listeners Mooncake opened at start-up
 (:attr:`MooncakeEngine.listening`) and warns about each one beyond ``host``; confine such a
 process with a firewall or a network namespace (README, "Security").
 
+**Device memory.** The wheel the ``mooncake`` extra installs here,
+``mooncake-transfer-engine-non-cuda``, is built without CUDA: it reads and writes host memory
+only. :func:`host_memory_only` says so (from the installed distribution's name), and
+``register`` refuses a range of CUDA device memory under such a build (:func:`is_cuda_memory`
+asks the CUDA driver, where there is one) instead of letting the TCP transport read a device
+address as a host one.
+
 Requires the ``mooncake`` extra: ``pip install 'staging-contracts[mooncake]'``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import importlib.metadata
 import logging
 import threading
 import time
@@ -31,7 +41,7 @@ from ..protocols import Notification, Transfer, TransferError
 from ._common import InflightGate, RegionTable, format_problems, transfer_problems
 from ._netif import is_wildcard, resolve_host, unconfined, watch_listeners
 
-__all__ = ["MooncakeEngine"]
+__all__ = ["NON_CUDA_DISTRIBUTION", "MooncakeEngine", "host_memory_only", "is_cuda_memory"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +67,59 @@ _FAILED: Final = -1
 _TIMED_OUT: Final = -2
 """Mooncake's own timeout (RDMA, after ``MC_SLICE_TIMEOUT``): the batch still runs, and
 its id is not freed."""
+
+
+NON_CUDA_DISTRIBUTION: Final = "mooncake-transfer-engine-non-cuda"
+"""The Mooncake wheel built without CUDA (host memory only)."""
+
+_CU_POINTER_ATTRIBUTE_MEMORY_TYPE: Final = 2
+_CU_MEMORYTYPE_DEVICE: Final = 2
+
+
+@functools.cache
+def host_memory_only() -> str | None:
+    """Why the installed Mooncake cannot move CUDA device memory, in words; ``None`` where it
+    may (a CUDA build, or one whose build cannot be told from its distribution).
+
+    Read from the name of the distribution that installed the ``mooncake`` package:
+    :data:`NON_CUDA_DISTRIBUTION` is built without CUDA. **Thread:** any (cached).
+    """
+    names = importlib.metadata.packages_distributions().get("mooncake", [])
+    found = {name.lower().replace("_", "-") for name in names}
+    if found and found <= {NON_CUDA_DISTRIBUTION}:
+        return (
+            f"the installed Mooncake wheel ({NON_CUDA_DISTRIBUTION}) is built without CUDA"
+            " and moves host memory only"
+        )
+    return None
+
+
+@functools.cache
+def _cuda_driver() -> ctypes.CDLL | None:
+    """The CUDA driver library, or ``None`` where there is none (no GPU driver installed)."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    driver.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+    driver.cuPointerGetAttribute.restype = ctypes.c_int
+    return driver
+
+
+def is_cuda_memory(ptr: int) -> bool:
+    """Whether ``ptr`` is CUDA device memory, as the CUDA driver of this process sees it.
+
+    ``False`` where there is no driver, where CUDA was never initialised in this process (no
+    device memory can exist then), and for host memory, pinned or not. **Thread:** any.
+    """
+    driver = _cuda_driver()
+    if driver is None:
+        return False
+    kind = ctypes.c_uint(0)
+    status = driver.cuPointerGetAttribute(
+        ctypes.byref(kind), _CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr
+    )
+    return status == 0 and kind.value == _CU_MEMORYTYPE_DEVICE
 
 
 def _addresses_of(host: str) -> list[str]:
@@ -202,8 +265,17 @@ class MooncakeEngine:
 
         Raises:
             ValueError: bad address or length, or ``ptr`` is registered with another length.
-            TransferError: Mooncake refused the registration, or the engine is closed.
+            TransferError: Mooncake refused the registration, the engine is closed, or the
+                range is CUDA device memory and this Mooncake build moves host memory only
+                (:func:`host_memory_only`).
         """
+        reason = host_memory_only()
+        if reason is not None and is_cuda_memory(ptr):
+            raise TransferError(
+                f"mooncake engine {self._session_id!r} cannot register [{ptr:#x},"
+                f" {ptr + length:#x}): it is CUDA device memory, and {reason}; keep the"
+                " memory on the CPU, or use an engine that moves GPU memory (nixl)"
+            )
         with self._gate.entered(), self._lock:
             if not self._regions.add(ptr, length):
                 return
