@@ -69,7 +69,7 @@ def test_entry_points_are_listed_and_loaded(registered: Path) -> None:
 
 def test_entry_point_that_is_not_a_class_is_refused(registered: Path) -> None:
     """An entry point must name a class."""
-    with pytest.raises(ValueError, match=r"names zeta_backend:make, a function, not a class"):
+    with pytest.raises(ValueError, match=r"^entry point notaclass = zeta_backend:make of group .staging_contracts.backends.: names a function, not a class"):
         load_backend("notaclass")
 
 
@@ -192,7 +192,7 @@ def test_host_reaches_a_class_or_factory_that_takes_it(spec_module: str) -> None
 def test_a_factory_must_return_an_instance_of_the_class(spec_module: str) -> None:
     """A factory returning something else fails at the call, naming the spec."""
     factory = resolve_backend(f"{spec_module}:SpecKVManager={spec_module}:make_wrong")
-    with pytest.raises(TypeError, match=r"the factory returned a object, not a SpecKVManager"):
+    with pytest.raises(TypeError, match=r"the factory returned an object, not a SpecKVManager"):
         factory(_kv_args(), role=Role.DECODE, attn_tp_size=1)
 
 
@@ -208,7 +208,7 @@ def test_a_factory_must_return_an_instance_of_the_class(spec_module: str) -> Non
         ("{m}:make", "spec_backends:make is a function, not a class"),
         ("{m}:AbstractBase", "AbstractBase is declared abstract=True"),
         ("staging_contracts.backends.common:CommonKVManager", "is not a staging backend"),
-        ("{m}:SpecKVManager={m}:NOT_CALLABLE", "is a int, not callable"),
+        ("{m}:SpecKVManager={m}:NOT_CALLABLE", "is an int, not callable"),
         ("{m}:SpecKVManager={m}:make_two", "cannot be called as (kv_args, *, role=..."),
         ("nope", "unknown backend 'nope'"),
     ],
@@ -248,3 +248,69 @@ def test_a_spec_string_survives_pickling_and_resolves_again(spec_module: str) ->
     config = TransferConfig(backend=spec)
     assert pickle.loads(pickle.dumps(config)).backend == spec
     assert resolve_backend(spec).build.__name__ == "make"
+
+
+@pytest.fixture
+def odd_entry_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A distribution registering a CLASS=FACTORY value and a module that does not exist."""
+    info = tmp_path / "odd_backend-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: odd-backend\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        f"[{ENTRY_POINT_GROUP}]\n"
+        "withfactory = zeta_backend:ZetaKVManager=zeta_backend:make\n"
+        "gone = no_such_zeta_module:ZetaKVManager\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        (
+            "withfactory",
+            "entry point withfactory = zeta_backend:ZetaKVManager=zeta_backend:make of group "
+            "'staging_contracts.backends': the value must be MODULE:CLASS (a factory cannot be "
+            "registered; give it in the spec instead: withfactory=MODULE:FACTORY)",
+        ),
+        (
+            "gone",
+            "entry point gone = no_such_zeta_module:ZetaKVManager of group "
+            "'staging_contracts.backends': cannot import 'no_such_zeta_module': No module named",
+        ),
+    ],
+)
+def test_a_bad_entry_point_is_named_in_one_line(
+    odd_entry_points: Path, name: str, message: str
+) -> None:
+    """load_backend, backend_ref and resolve_backend say which entry point is wrong and why,
+    in one ValueError line (no AttributeError from a value that is not MODULE:CLASS, no raw
+    ModuleNotFoundError)."""
+    calls = [load_backend, resolve_backend]
+    if name == "withfactory":
+        calls.append(backend_ref)
+    for call in calls:
+        with pytest.raises(ValueError, match=re.escape(message)) as caught:
+            call(name)
+        assert "\n" not in str(caught.value)
+
+
+def test_mori_is_marked_in_the_known_list() -> None:
+    """mori, which has no staging and is always refused, is marked among the known names."""
+    with pytest.raises(ValueError, match=r"known: .*mooncake, mori \(no staging\), nixl"):
+        resolve_backend("nope")
+
+
+class _LocalBacked(LocalKVManager):
+    """An outside class over the in-process engine (LocalKVManager builds a LocalEngine)."""
+
+
+def test_an_outside_class_over_local_engine_is_process_local() -> None:
+    """resolve_backend's verdict agrees with the harness's: a class whose manager's engine is
+    a LocalEngine is process-local, with the same reason process_local_reason gives."""
+    factory = resolve_backend(_LocalBacked)
+    assert factory.process_local
+    assert factory.process_local_reason is not None
+    assert "LocalEngine moves bytes within one process only" in factory.process_local_reason
+    assert resolve_backend(f"{__name__}:_LocalBacked").process_local

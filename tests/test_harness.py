@@ -8,6 +8,7 @@ names that piece.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -299,3 +300,49 @@ def test_geometry_refuses_non_positive_sizes() -> None:
     """Every size of TransferGeometry must be positive."""
     with pytest.raises(ValueError, match=r"TransferGeometry.chunk_pages=0 must be >= 1"):
         TransferGeometry(chunk_pages=0)
+
+
+# ----------------------------------------------------------------- classes and callables are resolved
+
+
+class Positional(LocalKVManager):
+    """A constructor that takes kv_args only positionally and role too."""
+
+    def __init__(self, kv_args: KVArgs, role: Role, /, *, attn_tp_size: int) -> None:
+        super().__init__(kv_args, role=role, attn_tp_size=attn_tp_size)
+
+
+class AbstractBase(StagingManagerMixin, CommonKVManager, abstract=True):
+    """An intermediate base."""
+
+
+def returns_an_object(kv_args: KVArgs, *, role: Role, attn_tp_size: int) -> TransferManager:
+    """A factory of the wrong thing."""
+    return object()  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        (Positional, "Positional cannot be called as (kv_args, *, role=..., attn_tp_size=...)"),
+        (AbstractBase, "AbstractBase is declared abstract=True"),
+        (CommonKVManager, "is not a staging backend"),
+    ],
+)
+@pytest.mark.parametrize("processes", [False, True])
+def test_a_class_is_refused_like_its_spec_before_anything_is_built(
+    backend: type, message: str, processes: bool
+) -> None:
+    """A class given as an object goes through the checks of MODULE:CLASS: one ValueError,
+    before any manager is built or any rank spawned (processes=True included)."""
+    before = _leak_free()
+    with pytest.raises(ValueError, match=re.escape(message)) as caught:
+        run_transfer(backend, prefill_tp=1, decode_tp=1, rooms=1, processes=processes)  # type: ignore[arg-type]
+    assert "\n" not in str(caught.value)
+    _assert_nothing_leaked(before)
+
+
+def test_a_factory_returning_the_wrong_type_is_named() -> None:
+    """A callable returning something else: a TypeError naming it, not an AttributeError."""
+    with pytest.raises(TypeError, match=r"returns_an_object: the factory returned an object, "):
+        run_transfer(returns_an_object, prefill_tp=1, decode_tp=1, rooms=1)

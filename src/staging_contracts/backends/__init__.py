@@ -47,8 +47,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, cast
@@ -69,6 +70,7 @@ __all__ = [
     "backend_names",
     "backend_ref",
     "load_backend",
+    "process_local_reason",
     "resolve_backend",
 ]
 
@@ -113,7 +115,37 @@ def _entry_points() -> dict[str, EntryPoint]:
 
 
 def _unknown(name: str) -> ValueError:
-    return ValueError(f"unknown backend {name!r}; known: {', '.join(sorted(backend_names()))}")
+    known = (
+        f"{known} (no staging)" if (spec := BACKENDS.get(known)) and spec.engine is None else known
+        for known in sorted(backend_names())
+    )
+    return ValueError(f"unknown backend {name!r}; known: {', '.join(known)}")
+
+
+def _article(noun: str) -> str:
+    return "an" if noun[:1].lower() in "aeiou" else "a"
+
+
+def _a(obj: object) -> str:
+    """``a Foo`` / ``an int``: the type of ``obj`` with its article."""
+    name = type(obj).__name__
+    return f"{_article(name)} {name}"
+
+
+def _entry_label(entry: EntryPoint) -> str:
+    return f"entry point {entry.name} = {entry.value} of group {ENTRY_POINT_GROUP!r}"
+
+
+def _entry_ref(entry: EntryPoint) -> str:
+    """The ``MODULE:CLASS`` an entry point names; ``ValueError`` for any other value."""
+    value = entry.value.strip()
+    module, colon, qualname = value.partition(":")
+    if "=" in value or not colon or not module or not qualname or " " in value:
+        raise ValueError(
+            f"{_entry_label(entry)}: the value must be MODULE:CLASS (a factory cannot be "
+            f"registered; give it in the spec instead: {entry.name}=MODULE:FACTORY)"
+        )
+    return value
 
 
 def backend_names() -> tuple[str, ...]:
@@ -139,7 +171,7 @@ def backend_ref(name: str) -> str:
     entry = _entry_points().get(name)
     if entry is None:
         raise _unknown(name)
-    return entry.value
+    return _entry_ref(entry)
 
 
 def load_backend(name: str) -> type:
@@ -149,10 +181,12 @@ def load_backend(name: str) -> type:
     **Thread:** any; imports modules.
 
     Raises:
-        ValueError: unknown name (the message lists the known ones), an entry point that
-            does not name a class, or a spec :func:`resolve_backend` refuses.
-        ImportError: its engine cannot be imported; the message names the extra to install.
-            For an entry point, whatever importing its module raises.
+        ValueError: unknown name (the message lists the known ones), an entry point whose
+            value is not ``MODULE:CLASS``, whose module cannot be imported (or raises while
+            importing) or that does not name a class (each message starts ``entry point
+            NAME = VALUE of group ...``), or a spec :func:`resolve_backend` refuses.
+        ImportError: an in-tree backend's engine cannot be imported; the message names the
+            extra to install.
     """
     if ":" in name or "=" in name:
         return resolve_backend(name).backend_class
@@ -162,12 +196,13 @@ def load_backend(name: str) -> type:
         if entry is None:
             raise _unknown(name)
         logger.debug("loading backend %r from entry point %s", name, entry.value)
-        loaded: object = entry.load()
+        ref = _entry_ref(entry)
+        try:
+            loaded = _import_ref(ref)
+        except ValueError as exc:
+            raise ValueError(f"{_entry_label(entry)}: {exc}") from None
         if not isinstance(loaded, type):
-            raise ValueError(
-                f"entry point {name!r} of {ENTRY_POINT_GROUP!r} names {entry.value}, "
-                f"a {type(loaded).__name__}, not a class"
-            )
+            raise ValueError(f"{_entry_label(entry)}: names {_a(loaded)}, not a class")
         return loaded
     if spec.engine is not None:
         available, reason = engine_available(spec.engine)
@@ -202,9 +237,74 @@ class BackendFactory:
     """The class itself, or the spec's factory."""
     takes_host: bool
     """``build`` has a parameter named ``host``: it is given the rank's address."""
-    process_local: bool
-    """The backend's engine moves bytes within one process only (the in-tree ``local``): its
-    ranks cannot live in separate processes."""
+    engine_name: str | None = None
+    """The engine of an in-tree backend named by the spec (``None``: not known without
+    building a manager)."""
+    _verdict: list[str | None] = field(default_factory=list, compare=False, repr=False)
+    """The cached :attr:`process_local_reason` (empty until asked)."""
+
+    @property
+    def process_local_reason(self) -> str | None:
+        """Why the backend's managers cannot reach a peer in another process, else ``None``.
+
+        Decided by :func:`process_local_reason` on the engine, the same function the
+        transfer harness applies to each rank's manager. An in-tree backend's engine is known
+        by name; for any other backend one manager is built here (decode, TP 1, a one-page
+        KV layout, on loopback), its engine judged, and the manager closed, once per
+        factory. A manager that cannot be built gives ``None`` (undecided): the ranks then
+        report their own error.
+
+        **Thread:** any; may build and close one manager (a listener socket, an engine).
+        """
+        if not self._verdict:
+            self._verdict.append(self._decide())
+        return self._verdict[0]
+
+    @property
+    def process_local(self) -> bool:
+        """The backend's engine moves bytes within one process only (``LocalEngine``, or an
+        engine class with ``process_local = True``): its ranks cannot live in separate
+        processes. See :attr:`process_local_reason`."""
+        return self.process_local_reason is not None
+
+    def _decide(self) -> str | None:
+        if self.engine_name is not None:
+            if self.engine_name == "local":
+                return _process_local_text("LocalEngine")
+            return None
+        from ..protocols import KVArgsRecord  # noqa: PLC0415 - only for the probe
+        from .common import Role  # noqa: PLC0415
+
+        kv_args = KVArgsRecord(
+            page_size=1,
+            kv_item_lens=(1,),
+            engine_rank=0,
+            device="cpu",
+            total_kv_head_num=1,
+            kv_head_num=1,
+            kv_layer_ids=(0,),
+        )
+        quiet = _ThreadFilter()
+        common_logger = logging.getLogger(f"{__name__}.common")
+        common_logger.addFilter(quiet)  # the probe's own notes (no cluster secret) are not news
+        try:
+            probe: object = self(kv_args, role=Role.DECODE, attn_tp_size=1)
+        except Exception as exc:  # noqa: BLE001 - undecided; the ranks report it themselves
+            logger.debug(
+                "%s: probe manager not built (%s): process-locality undecided", self.spec, exc
+            )
+            return None
+        finally:
+            common_logger.removeFilter(quiet)
+        try:
+            return process_local_reason(getattr(probe, "engine", None))
+        finally:
+            close = getattr(probe, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception as exc:  # noqa: BLE001 - the verdict stands; say so
+                    logger.warning("%s: closing the probe manager raised %r", self.spec, exc)
 
     def __call__(
         self, kv_args: KVArgs, *, role: Role, attn_tp_size: int, host: str | None = None
@@ -223,20 +323,62 @@ class BackendFactory:
             options["host"] = host
         made = self.build(kv_args, role=role, attn_tp_size=attn_tp_size, **options)
         if not isinstance(made, self.backend_class):
+            close = getattr(made, "close", None)
+            if callable(close):
+                close()
+            wanted = self.backend_class.__name__
             raise TypeError(
-                f"backend {self.spec}: the factory returned a {type(made).__name__}, not a "
-                f"{self.backend_class.__name__}"
+                f"backend {self.spec}: the factory returned {_a(made)}, not "
+                f"{_article(wanted)} {wanted}"
             )
         return cast("StagingBackend", made)  # a staging host: its class passed the contract
 
 
-def resolve_backend(spec: str) -> BackendFactory:
-    """Resolve a backend spec (:data:`SPEC_FORMS`) to the factory of its managers.
+class _ThreadFilter(logging.Filter):
+    """Drops the records of the thread that created it (the probe's, while it builds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self._thread
+
+
+def _process_local_text(engine: str) -> str:
+    return (
+        f"its engine {engine} moves bytes within one process only; give the harness a "
+        "factory over an engine that crosses processes (NIXL, Mooncake), or run it with "
+        "processes=False"
+    )
+
+
+def process_local_reason(engine: object) -> str | None:
+    """Why ``engine`` cannot reach a peer in another process, or ``None`` if it can.
+
+    The one place this is decided: :attr:`BackendFactory.process_local` (and so the
+    command line's refusal) and the transfer harness (``processes=True``) both call it. An
+    engine is in-process only when it is a
+    :class:`~staging_contracts.engines.local.LocalEngine` or its class sets
+    ``process_local = True``.
+    """
+    from ..engines.local import LocalEngine  # noqa: PLC0415 - no SDK; lazily like the rest
+
+    if isinstance(engine, LocalEngine) or getattr(type(engine), "process_local", False) is True:
+        return _process_local_text(type(engine).__name__)
+    return None
+
+
+def resolve_backend(spec: str | type | Callable[..., object]) -> BackendFactory:
+    """Resolve a backend spec (:data:`SPEC_FORMS`), class or factory to the factory of its
+    managers.
 
     Checks everything that can be checked without building a manager: the modules import,
     the class exists, is a non-abstract ``StagingManagerMixin`` subclass that satisfies the
     ``StagingHost`` contract, the factory (if any) is callable, and the class or factory
-    takes the standard arguments ``(kv_args, *, role, attn_tp_size)``.
+    takes the standard arguments ``(kv_args, *, role, attn_tp_size)``. A class is checked as
+    ``MODULE:CLASS`` is; a callable as a spec's factory is (what it returns is checked at each
+    call: a ``StagingManagerMixin`` instance, or of the class its return annotation names).
 
     **Thread:** any. Imports the spec's modules (and an in-tree backend's engine).
 
@@ -247,13 +389,15 @@ def resolve_backend(spec: str) -> BackendFactory:
             signature that does not take the standard arguments.
         ImportError: an in-tree backend's engine cannot be imported (names the extra).
     """
+    if not isinstance(spec, str):
+        return _resolve_object(spec)
     class_part, eq, factory_part = spec.partition("=")
     if not class_part or (eq and not factory_part):
         raise ValueError(f"backend spec {spec!r} is not one of {SPEC_FORMS}")
     if ":" in class_part:
         cls_obj = _import_ref(class_part)
         if not isinstance(cls_obj, type):
-            raise ValueError(f"{class_part} is a {type(cls_obj).__name__}, not a class")
+            raise ValueError(f"{class_part} is {_a(cls_obj)}, not a class")
         cls = cls_obj
     else:
         cls = load_backend(class_part)
@@ -265,9 +409,45 @@ def resolve_backend(spec: str) -> BackendFactory:
             raise ValueError(f"factory {factory_part!r} of {spec!r} is not MODULE:FACTORY")
         factory = _import_ref(factory_part)
         if not callable(factory):
-            raise ValueError(f"factory {factory_part} is a {type(factory).__name__}, not callable")
+            raise ValueError(f"factory {factory_part} is {_a(factory)}, not callable")
         build = factory
         where = factory_part
+    takes_host = _check_signature(build, where)
+    in_tree = BACKENDS.get(class_part)
+    engine = in_tree.engine if in_tree is not None and not eq else None
+    return BackendFactory(spec, cls, build, takes_host, engine)
+
+
+def _resolve_object(backend: type | Callable[..., object]) -> BackendFactory:
+    """:func:`resolve_backend` for a class or a callable given as an object."""
+    from ..mixin import StagingManagerMixin  # noqa: PLC0415 - only for specs
+
+    module = getattr(backend, "__module__", None)
+    qualname = getattr(backend, "__qualname__", None)
+    where = f"{module}.{qualname}" if module and qualname else repr(backend)
+    if isinstance(backend, type):
+        _check_backend_class(backend, where)
+        takes_host = _check_signature(backend, where)
+        return BackendFactory(where, backend, backend, takes_host)
+    if not callable(backend):
+        raise ValueError(f"backend {where} is {_a(backend)}, neither a class nor callable")
+    takes_host = _check_signature(backend, where)
+    returns: object = None
+    try:
+        returns = inspect.signature(backend, eval_str=True).return_annotation
+    except Exception:  # noqa: BLE001 - an annotation that does not evaluate names no class
+        logger.debug("%s: return annotation not evaluated; any staging backend will do", where)
+    cls = (
+        returns
+        if isinstance(returns, type) and issubclass(returns, StagingManagerMixin)
+        else StagingManagerMixin
+    )
+    return BackendFactory(where, cls, backend, takes_host)
+
+
+def _check_signature(build: Callable[..., object], where: str) -> bool:
+    """Refuse a class or factory that cannot be called with the standard arguments; whether
+    it takes ``host``."""
     try:
         signature = inspect.signature(build)
     except (TypeError, ValueError) as exc:
@@ -279,10 +459,7 @@ def resolve_backend(spec: str) -> BackendFactory:
             f"{where} cannot be called as (kv_args, *, role=..., attn_tp_size=...): {exc}"
         ) from None
     host = signature.parameters.get("host")
-    takes_host = host is not None and host.kind in (host.POSITIONAL_OR_KEYWORD, host.KEYWORD_ONLY)
-    in_tree = BACKENDS.get(class_part)
-    process_local = in_tree is not None and in_tree.engine == "local"
-    return BackendFactory(spec, cls, build, takes_host, process_local)
+    return host is not None and host.kind in (host.POSITIONAL_OR_KEYWORD, host.KEYWORD_ONLY)
 
 
 def _import_ref(ref: str) -> object:

@@ -65,7 +65,7 @@ from typing import Final, Protocol, cast
 
 import torch
 
-from ..backends import resolve_backend
+from ..backends import process_local_reason, resolve_backend
 from ..backends.common import Role
 from ..backends.kv_requests import (
     DecodeTransfers,
@@ -76,7 +76,6 @@ from ..backends.kv_requests import (
 )
 from ..backends.staging_setup import enable_decode_staging, enable_prefill_staging
 from ..decode.handler import DecodeStagingHandler
-from ..engines.local import LocalEngine
 from ..prefill.writer import DecodeTarget, PrefillTimeouts
 from ..protocols import ArrivalOutcome, KVArgs, KVArgsRecord, KVBufferTensors, StagingReqOutcome
 from ..staging.layout import validate_tp_pair
@@ -455,26 +454,9 @@ def _backend_name(backend: ManagerFactory | str) -> str:
 
 
 def _factory(backend: ManagerFactory | str) -> ManagerFactory:
-    """The factory of ``backend``: a spec string resolved, anything else as it is."""
-    if isinstance(backend, str):
-        return cast(ManagerFactory, resolve_backend(backend))
-    return backend
-
-
-def process_local_reason(engine: object) -> str | None:
-    """Why ``engine`` cannot reach a peer in another process, or ``None`` if it can.
-
-    An engine is taken as in-process only when it is a
-    :class:`~staging_contracts.engines.local.LocalEngine` or its class sets
-    ``process_local = True``.
-    """
-    if isinstance(engine, LocalEngine) or getattr(type(engine), "process_local", False) is True:
-        return (
-            f"its engine {type(engine).__name__} moves bytes within one process only; give "
-            "the harness a factory over an engine that crosses processes (NIXL, Mooncake), or "
-            "run it with processes=False"
-        )
-    return None
+    """The factory of ``backend``, resolved and checked as a spec string is (a class, a
+    callable or a spec: :func:`~staging_contracts.backends.resolve_backend`)."""
+    return cast(ManagerFactory, resolve_backend(backend))
 
 
 def run_transfer(
@@ -512,8 +494,12 @@ def run_transfer(
 
     Raises:
         ValueError: the TP pair does not fit the head count, the rooms do not fit the
-            pools, a spec does not resolve, or (``processes=True``) ``backend`` cannot be
-            pickled.
+            pools, the backend does not resolve (a spec string, a class or a callable is
+            checked the same way, before anything is built or spawned: see
+            :func:`~staging_contracts.backends.resolve_backend`), or (``processes=True``)
+            ``backend`` cannot be pickled.
+        TypeError: a factory returned something that is not a staging backend (of the
+            class a spec or the factory's return annotation names).
         ProcessesUnavailable: ``processes=True`` and the backend's engine works within one
             process only (the text says so; a test may skip with it).
         RankFailed: ``processes=True`` and a rank process failed to build or wire its
@@ -531,13 +517,13 @@ def run_transfer(
             f"(prefill and decode pages apart), the pools have {g.pool_pages}"
         )
     name = _backend_name(backend)
+    factory = _factory(backend)  # refused here, in one line, before anything is built
     if processes:
         report = _run_across_processes(
             backend, name, prefill_tp, decode_tp, rooms, g, timeout_s, seed
         )
         logger.log(logging.DEBUG if report.ok else logging.WARNING, "%s", report.summary())
         return report
-    factory = _factory(backend)
     stack = ExitStack()  # closes, last first: prefill workers, then decode and prefill managers
     try:
         prefill: list[TransferManager] = []
@@ -938,8 +924,6 @@ def _run_across_processes(
             f"processes=True needs a backend the rank processes can import: a class, a "
             f"module-level function or a spec string; {name} cannot be pickled ({exc})"
         ) from None
-    if isinstance(backend, str):
-        resolve_backend(backend)  # a bad spec is refused here, in one line, before spawning
     jobs = [
         _RankJob(backend, role, rank, prefill_tp, decode_tp, rooms, g, timeout_s, seed)
         for role, tp in ((Role.PREFILL, prefill_tp), (Role.DECODE, decode_tp))
