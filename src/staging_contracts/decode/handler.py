@@ -606,9 +606,16 @@ class DecodeStagingHandler:
             event = self._scatterer.scatter(alloc, pages, plan.prefill_tp)
         except Exception as exc:  # any scatter failure fails the room, never the thread
             logger.exception("room %d chunk %d: scatter failed", plan.room, chunk_idx)
+            token, known = self._failed_scatter_token(plan.room, chunk_idx)
             with self._lock:
                 state.scattering -= 1
-                self._free(alloc.alloc_id)
+                # Not at once: what the scatter enqueued before it raised may still read the
+                # region. Freed once that completed, like a scatter that succeeded (held for
+                # good when its completion cannot be told).
+                if known and token is None:
+                    self._free(alloc.alloc_id)
+                elif known:
+                    state.pending_events.append((token, alloc.alloc_id))
                 self._fail(state, f"scatter of chunk {chunk_idx} failed: {exc}")
                 self._idle.notify_all()
             self._broadcast_watermark()
@@ -624,6 +631,23 @@ class DecodeStagingHandler:
         if event is None:
             self._broadcast_watermark()
         return ArrivalOutcome.COMPLETE
+
+    def _failed_scatter_token(self, room: int, chunk_idx: int) -> tuple[object | None, bool]:
+        """The ordering's token for what a scatter enqueued before it raised, and whether
+        there is one: a scatter that fails part-way may have left copies on its stream that
+        still read the region, so the region is freed only once they completed. ``False``
+        when even the token cannot be had (a broken device): the region then stays held, since
+        a late copy could otherwise read a region that another room's writer fills."""
+        try:
+            return self._scatterer.ordering.scattered(), True
+        except Exception:  # the device is unusable: hold the region rather than guess
+            logger.exception(
+                "room %d chunk %d: no completion token after the failed scatter; its region "
+                "stays held",
+                room,
+                chunk_idx,
+            )
+            return None, False
 
     def authorize(self, frames: Sequence[bytes], sender: str) -> bool:
         """Whether an authenticated peer may send this message (authorisation per room).
