@@ -573,14 +573,19 @@ class StagingWriter:
         head = compute_head_slice_params(
             self._prefill_tp, decode_tp, self._prefill_rank, target.tp_rank, self._total_heads
         )
-        self._pools.gather(
-            pages,
-            head.src_head_start,
-            head.num_heads,
-            self._buffer[:nbytes],
-            stream=self._stream,
-        )
-        self._ordering.gathered()  # the engine must not read the buffer before the gather
+        try:
+            self._pools.gather(
+                pages,
+                head.src_head_start,
+                head.num_heads,
+                self._buffer[:nbytes],
+                stream=self._stream,
+            )
+        finally:
+            # The engine must not read the buffer before the gather completed; and a gather
+            # that raised part-way must not leave copies into the buffer behind, to land in
+            # the middle of the next chunk's write from it.
+            self._ordering.gathered()
         arrival = ChunkReady(
             room,
             chunk.chunk_idx,
