@@ -90,7 +90,11 @@ class CudaOrdering:
         self._stream = stream
 
     def _current(self) -> torch.cuda.Stream:
-        return self._stream or torch.cuda.current_stream(self._device)
+        # Looked up at each call: the current stream of the calling thread, where the kernel
+        # enqueued without a stream went.
+        if self._stream is not None:
+            return self._stream
+        return torch.cuda.current_stream(self._device)
 
     def gathered(self) -> None:
         """Synchronise the stream the gather was enqueued on."""
