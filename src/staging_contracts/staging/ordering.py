@@ -10,7 +10,10 @@ CUDA they return before the copy ran. Two hand-offs must wait for them:
 
 Both go through a :class:`DeviceOrdering`: the kernels stay ordering-free, the staging writer
 calls :meth:`~DeviceOrdering.gathered` before its write, and the decode side frees a region
-only once :meth:`~DeviceOrdering.done` says its scatter's token completed. :class:`HostOrdering`
+only once :meth:`~DeviceOrdering.done` says its scatter's token completed. A copy that raised
+part-way may have enqueued some of its kernels, so the failure paths go through the ordering
+too: the writer calls ``gathered`` after a gather that raised, and the decode side takes a
+token after a scatter that raised and frees the region only once it completed. :class:`HostOrdering`
 (CPU: every copy is complete when the call returns) and :class:`CudaOrdering` (stream
 synchronisation and events, on the given stream or the device's current one) are the real
 ones; tests run the writer and the handler with an instrumented ordering that records the
@@ -41,11 +44,13 @@ class DeviceOrdering(Protocol):
     """
 
     def gathered(self) -> None:
-        """Block until the gather enqueued last by this thread has completed."""
+        """Block until the gather enqueued last by this thread has completed (also one that
+        raised after enqueueing part of its copies)."""
         ...
 
     def scattered(self) -> object | None:
-        """A token for the scatter enqueued last by this thread (``None``: already complete)."""
+        """A token for the scatter enqueued last by this thread, also one that raised after
+        enqueueing part of its copies (``None``: already complete)."""
         ...
 
     def done(self, token: object) -> bool:
