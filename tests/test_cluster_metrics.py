@@ -1,16 +1,27 @@
-"""Per-request clocks and memory of a run: each rank's peak RSS, prefill's first STAGING_REQ
-and decode's completion of every room, and what ClusterResult derives from them."""
+"""Per-request clocks and memory of a run: what each rank held as the transfer ended (peak
+RSS from the timed requests to the done barrier, RSS then, the CUDA allocator's peak),
+prefill's first STAGING_REQ and decode's completion of every room, and what ClusterResult
+derives from them."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Sequence
 
 import pytest
+import torch
 
 from staging_contracts.backends.kv_requests import KVPoll
-from staging_contracts.cluster.rank import FirstRequestClock, _wait_all, peak_rss_bytes
-from staging_contracts.cluster.runner import ClusterResult, RankReport, run_cluster
+from staging_contracts.cluster.rank import (
+    FirstRequestClock,
+    TransferMemory,
+    _wait_all,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_status,
+)
+from staging_contracts.cluster.runner import ClusterResult, RankMemory, RankReport, run_cluster
 from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.control.transport import PeerSockets
 from staging_contracts.control.wire import StagingReq, WatermarkUpdate
@@ -49,6 +60,13 @@ def test_every_rank_reports_its_peak_rss_and_every_request_its_clocks() -> None:
         rss = result.peak_rss_bytes(role)
         assert sorted(rss) == [0, 1]
         assert all(value > 50 << 20 for value in rss.values())  # torch alone is more
+        memory = result.transfer_memory(role)
+        assert sorted(memory) == [0, 1]
+        for rank, held in memory.items():
+            assert held.rss_at_done_bytes is not None
+            assert 50 << 20 < held.rss_at_done_bytes <= held.peak_rss_before_verify_bytes
+            assert held.peak_rss_before_verify_bytes <= rss[rank]
+            assert held.cuda_max_allocated_bytes is None
     indexes = [str(i) for i in range(config.requests)]
     for report in result.ranks("prefill"):
         stamps = report.fields["room_first_request_s"]
@@ -99,6 +117,82 @@ def test_peak_rss_and_ring_peaks_by_rank() -> None:
     assert result.peak_rss_bytes("decode") == {1: 300}
     assert result.peak_rss_bytes("prefill") == {0: 200}
     assert result.ring_peaks() == {1: (5, 8)}
+
+
+def test_transfer_memory_by_rank() -> None:
+    """What each rank reported at the done barrier, by rank; ranks without it are left out."""
+    config = TransferConfig()
+    reports = (
+        RankReport(
+            "decode",
+            0,
+            True,
+            {
+                "peak_rss_before_verify_bytes": 300,
+                "peak_rss_from": "timed requests",
+                "rss_at_done_bytes": 250,
+                "cuda_max_allocated_bytes": 70,
+            },
+            0,
+        ),
+        RankReport("decode", 1, False, {"error": "died"}, -9),
+        RankReport("prefill", 0, True, {"peak_rss_before_verify_bytes": 200}, 0),
+    )
+    result = ClusterResult(config, reports, 1.0)
+    assert result.transfer_memory("decode") == {0: RankMemory(300, "timed requests", 250, 70)}
+    assert result.transfer_memory("prefill") == {0: RankMemory(200, "process start", None, None)}
+
+
+def _touch(nbytes: int) -> bytearray:
+    block = bytearray(nbytes)
+    block[:: 1 << 12] = b"\x01" * len(block[:: 1 << 12])  # touch every page
+    return block
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
+def test_the_transfer_peak_leaves_out_what_was_freed_before_the_timed_requests() -> None:
+    """A 256 MiB temporary (as filling a pool or the raw source's concatenation makes) freed
+    before the timed requests begin counts in the whole-life peak, not in the peak the rank
+    reports at the done barrier; memory held across the transfer does count."""
+    if not reset_peak_rss():
+        pytest.skip("cannot reset the peak RSS here")
+    held = _touch(32 << 20)
+    temporary = _touch(256 << 20)
+    del temporary
+    _, before = rss_status()  # the peak so far: the temporary's
+    assert before is not None
+    memory = TransferMemory(TransferConfig())
+    fields = memory.at_done()
+    rss, _ = rss_status()
+    assert rss is not None
+    assert fields["peak_rss_from"] == "timed requests"
+    assert fields["rss_at_done_bytes"] >= len(held)
+    assert fields["peak_rss_before_verify_bytes"] < before - (128 << 20)
+    assert fields["peak_rss_before_verify_bytes"] < rss + (128 << 20)
+    assert "cuda_max_allocated_bytes" not in fields
+    del held
+
+
+def test_on_cuda_the_allocator_peak_is_reset_at_the_start_and_read_at_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stand-in for a GPU: the allocator's peak of the rank's device is reset as the timed
+    requests begin and read at the done barrier."""
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(TransferConfig, "torch_device", property(lambda self: "cuda:3"))
+    monkeypatch.setattr(
+        torch.cuda, "reset_peak_memory_stats", lambda device: calls.append(("reset", device))
+    )
+
+    def max_allocated(device: object) -> int:
+        calls.append(("max", device))
+        return 7 << 20
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", max_allocated)
+    memory = TransferMemory(TransferConfig(device="cuda"))
+    assert calls == [("reset", "cuda:3")]
+    assert memory.at_done()["cuda_max_allocated_bytes"] == 7 << 20
+    assert calls == [("reset", "cuda:3"), ("max", "cuda:3")]
 
 
 def test_peak_rss_of_this_process_is_in_bytes() -> None:

@@ -50,8 +50,13 @@ def test_demo_command_verifies_and_exits_zero() -> None:
     assert "] 6/6 rooms done" in out
     assert "verification             PASS: every page of 3 requests on 2 decode ranks" in out
     assert "prefill TP -> decode TP  4 -> 2" in out
-    assert re.search(r"peak RSS +prefill \d+, \d+, \d+, \d+ MiB; decode \d+, \d+ MiB", out)
-    assert re.search(r"ring peak use +decode 0: [\d.]+ of [\d.]+ MiB.*; decode 1: ", out)
+    assert re.search(
+        r"peak RSS to done +prefill \d+, \d+, \d+, \d+ MiB; decode \d+, \d+ MiB \(by rank;"
+        r" from the timed requests' start to the done barrier, before verification\)",
+        out,
+    )
+    assert re.search(r"RSS at done +prefill \d+, \d+, \d+, \d+ MiB; decode \d+, \d+ MiB", out)
+    assert re.search(r"ring reserved peak +decode 0: [\d.]+ of [\d.]+ MiB.*; decode 1: ", out)
 
 
 def test_demo_rejects_impossible_sizes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -72,7 +77,8 @@ def test_demo_refuses_cuda_without_a_gpu_at_once(capsys: pytest.CaptureFixture[s
 
 
 def test_summary_reports_failures_and_peak_use() -> None:
-    """The summary names failed requests, the ring's peak and a FAIL verdict."""
+    """The summary names failed requests, the ring's reserved peak (above the ring: why that
+    is no overflow), what each rank held at the done barrier and a FAIL verdict."""
     config = TransferConfig(requests=2, tokens=64, page_size=16)
     decode = RankReport(
         "decode",
@@ -85,7 +91,10 @@ def test_summary_reports_failures_and_peak_use() -> None:
             "ring_size": 4 << 20,
             "control_messages": 10,
             "failed": {"1": "boom"},
-            "peak_rss_bytes": 300 << 20,
+            "peak_rss_bytes": 900 << 20,
+            "peak_rss_before_verify_bytes": 300 << 20,
+            "peak_rss_from": "timed requests",
+            "rss_at_done_bytes": 280 << 20,
         },
         0,
     )
@@ -100,7 +109,10 @@ def test_summary_reports_failures_and_peak_use() -> None:
             "bytes_written": 1 << 20,
             "control_messages": 5,
             "failed": {"1": "engine write failed"},
-            "peak_rss_bytes": 512 << 20,
+            "peak_rss_bytes": 800 << 20,
+            "peak_rss_before_verify_bytes": 512 << 20,
+            "peak_rss_from": "timed requests",
+            "rss_at_done_bytes": 500 << 20,
         },
         0,
     )
@@ -108,10 +120,37 @@ def test_summary_reports_failures_and_peak_use() -> None:
     text = format_summary(result)
     assert "failed requests          1" in text
     assert (
-        "ring peak use            decode 0: 2.0 of 4.0 MiB; decode 1: 6.0 of 4.0 MiB (1.5x);"
-        " later rounds wait for the watermark" in text
+        "ring reserved peak       decode 0: 2.0 of 4.0 MiB; decode 1: 6.0 of 4.0 MiB (1.5x);"
+        " above the ring: next-round regions reserved ahead, written once the watermark frees"
+        " them (never more in use than the ring)" in text
     )
-    assert "peak RSS                 prefill 512, ?, ?, ? MiB; decode 300, ? MiB (by rank)" in text
+    assert (
+        "peak RSS to done         prefill 512, ?, ?, ? MiB; decode 300, ? MiB (by rank; from"
+        " the timed requests' start to the done barrier, before verification)" in text
+    )
+    assert "RSS at done              prefill 500, ?, ?, ? MiB; decode 280, ? MiB (by rank)" in text
+    assert "900" not in text  # the whole-life peak (verification included) is not shown
+    assert "CUDA" not in text
     assert "verification             FAIL" in text
     assert "device                   cpu" in text
     assert "throughput               0.00 GB/s" in text
+
+
+def test_summary_says_where_a_peak_counts_from_and_the_cuda_peak() -> None:
+    """A rank that could not reset its peak makes the line say 'since the process started';
+    on CUDA the allocator's peak is shown, and the device line says the ranks share a GPU."""
+    config = TransferConfig(prefill_tp=1, decode_tp=1, kv_heads=1, device="cuda")
+    fields = {
+        "peak_rss_before_verify_bytes": 100 << 20,
+        "peak_rss_from": "process start",
+        "cuda_max_allocated_bytes": 64 << 20,
+    }
+    reports = (RankReport("decode", 0, True, fields, 0), RankReport("prefill", 0, True, fields, 0))
+    text = format_summary(ClusterResult(config, reports, 0.5))
+    assert "(by rank; since the process started to the done barrier" in text
+    assert "RSS at done              prefill ? MiB; decode ? MiB (by rank)" in text
+    assert (
+        "CUDA peak allocated      prefill 64 MiB; decode 64 MiB (by rank, timed requests;"
+        " every rank on the same GPU)" in text
+    )
+    assert "device                   cuda (every rank on its current GPU, the same one" in text

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, TextIO
 
@@ -27,7 +28,7 @@ import torch
 from ..control.security import SecurityError, check_insecure_bind, load_cluster_secret
 from .bootstrap import BootstrapServer
 from .preflight import check_device
-from .runner import ClusterResult, RankSet, run_cluster
+from .runner import ClusterResult, RankMemory, RankSet, run_cluster
 from .workload import DTYPES, TransferConfig
 
 __all__ = [
@@ -216,9 +217,15 @@ class _ProgressBar:
 def format_summary(result: ClusterResult) -> str:
     """The summary table of a run.
 
-    Besides the run's figures it gives each rank's peak RSS (its process's peak resident set
-    size, ``ClusterResult.peak_rss_bytes``) and each decode rank's ring peak against its ring
-    size (``ClusterResult.ring_peaks``); a rank that reported neither (it died) shows ``?``.
+    Besides the run's figures it gives what each rank's process held as the transfer phase
+    ended (``ClusterResult.transfer_memory``, sampled at the ``done`` barrier, before
+    verification): its peak RSS since the timed requests began (or since the process
+    started, where the peak could not be reset: the line says so), its RSS then and, on
+    CUDA, the allocator's peak on the device; and each decode rank's ring **reserved peak**
+    against its ring size (``ClusterResult.ring_peaks``): regions assigned and not yet freed
+    at once, which may exceed the ring because the allocator overcommits (regions of the
+    next round are handed out over ones in use, and their writers wait for the watermark).
+    A rank that reported none of these (it died) shows ``?``.
     """
     config = result.config
     decode = result.ranks("decode")
@@ -240,7 +247,12 @@ def format_summary(result: ClusterResult) -> str:
         verdict = "FAIL: " + "; ".join((errors + problems)[:3] or ["see the rank reports"])
     rows = [
         ("backend", config.backend),
-        ("device", config.device),
+        (
+            "device",
+            "cuda (every rank on its current GPU, the same one: transfers within one GPU)"
+            if config.device == "cuda"
+            else config.device,
+        ),
         ("prefill TP -> decode TP", f"{config.prefill_tp} -> {config.decode_tp}"),
         (
             "model",
@@ -267,8 +279,8 @@ def format_summary(result: ClusterResult) -> str:
                 + result.total("prefill", "control_messages")
             ),
         ),
-        ("ring peak use", _ring_peaks(result) if decode_here else elsewhere),
-        ("peak RSS", _peak_rss(result)),
+        ("ring reserved peak", _ring_peaks(result) if decode_here else elsewhere),
+        *_memory_rows(result),
         ("failed requests", ", ".join(map(str, sorted(result.failed_requests))) or "none"),
         ("verification", verdict),
     ]
@@ -281,8 +293,9 @@ def format_summary(result: ClusterResult) -> str:
 
 
 def _ring_peaks(result: ClusterResult) -> str:
-    """Each decode rank's ring peak against its ring size (a peak above the ring: bytes
-    assigned to later rounds, which wait for the watermark)."""
+    """Each decode rank's reserved peak against its ring size; above the ring, the factor
+    and why that is no overflow (regions of the next round, reserved ahead, wait for the
+    watermark before they are written)."""
     peaks = result.ring_peaks()
     parts = []
     over = False
@@ -294,19 +307,61 @@ def _ring_peaks(result: ClusterResult) -> str:
         times = f" ({peak / size:.1f}x)" if peak > size else ""
         over |= peak > size
         parts.append(f"decode {rank}: {peak / 2**20:.1f} of {size / 2**20:.1f} MiB{times}")
-    return "; ".join(parts) + ("; later rounds wait for the watermark" if over else "")
+    note = (
+        "; above the ring: next-round regions reserved ahead, written once the watermark"
+        " frees them (never more in use than the ring)"
+        if over
+        else ""
+    )
+    return "; ".join(parts) + note
 
 
-def _peak_rss(result: ClusterResult) -> str:
-    """Each rank's peak RSS, MiB, by side and rank (this side's ranks only in a split run)."""
-    sides = []
-    for role, tp in (("prefill", result.config.prefill_tp), ("decode", result.config.decode_tp)):
-        if result.side not in ("all", role):
-            continue
-        rss = result.peak_rss_bytes(role)
-        values = ", ".join(f"{rss[r] / 2**20:.0f}" if r in rss else "?" for r in range(tp))
-        sides.append(f"{role} {values} MiB")
-    return "; ".join(sides) + " (by rank)"
+def _memory_rows(result: ClusterResult) -> list[tuple[str, str]]:
+    """Rows of what each rank held as the transfer ended (this side's ranks only in a split
+    run), MiB by side and rank: peak RSS to the ``done`` barrier, RSS then, and the CUDA
+    allocator's peak on CUDA."""
+    sides = [
+        (role, tp, result.transfer_memory(role))
+        for role, tp in (
+            ("prefill", result.config.prefill_tp),
+            ("decode", result.config.decode_tp),
+        )
+        if result.side in ("all", role)
+    ]
+
+    def figures(pick: Callable[[RankMemory], int | None]) -> str:
+        parts = []
+        for role, tp, memory in sides:
+            values = []
+            for rank in range(tp):
+                value = pick(memory[rank]) if rank in memory else None
+                values.append("?" if value is None else f"{value / 2**20:.0f}")
+            parts.append(f"{role} {', '.join(values)} MiB")
+        return "; ".join(parts)
+
+    origins = {m.peak_rss_from for _, _, memory in sides for m in memory.values()}
+    since = (
+        "since the process started"
+        if "process start" in origins
+        else "from the timed requests' start"
+    )
+    rows = [
+        (
+            "peak RSS to done",
+            f"{figures(lambda m: m.peak_rss_before_verify_bytes)} (by rank; {since} to the"
+            " done barrier, before verification)",
+        ),
+        ("RSS at done", f"{figures(lambda m: m.rss_at_done_bytes)} (by rank)"),
+    ]
+    if result.config.device == "cuda":
+        rows.append(
+            (
+                "CUDA peak allocated",
+                f"{figures(lambda m: m.cuda_max_allocated_bytes)} (by rank, timed requests;"
+                " every rank on the same GPU)",
+            )
+        )
+    return rows
 
 
 def run_demo(

@@ -13,16 +13,28 @@ In every mode ``config.warmup_requests`` untimed copies of the timed requests ru
 (barrier ``warm-rooms``); decode then zeroes what they wrote, and the timed requests start
 at barrier ``rooms``. Reported byte and message counts are the timed requests' only.
 
-**Per-request clocks.** Every final report of a rank that ran to the end carries
-``peak_rss_bytes``, the peak resident set size of the rank's process
-(``resource.getrusage``), and per request index (``str(index)`` keys) ``time.monotonic()``
-stamps: a prefill rank's ``room_first_request_s`` (when its first ``STAGING_REQ`` of the room
-left, stamped as it was handed to the control socket; in the anchor modes, when its first
-write of the room started) and a decode rank's ``room_done_s`` (when the room reached
-SUCCESS or FAILED, stamped by one waiter thread per room as the decode handler's completion
-wakes it, whatever order the rooms end in; in the anchor modes, on the listener thread as
-the room's last ``PLAIN_DONE`` arrives). ``CLOCK_MONOTONIC``
-is system-wide on Linux, so stamps of different processes of one host compare.
+**Memory.** Every final report of a rank that ran to the end carries what its process held
+as the transfer phase ended, sampled at the ``done`` barrier, before verification
+(:class:`TransferMemory`): ``rss_at_done_bytes`` (``VmRSS`` then),
+``peak_rss_before_verify_bytes`` (``VmHWM`` then) and ``peak_rss_from``, where that peak
+counts from: ``"timed requests"`` when the rank could reset its peak as the timed requests
+began (``/proc/self/clear_refs``, Linux >= 4.0; the pools, rings and buffers allocated
+before are counted, the temporaries of filling them and the warm-up's are not), else
+``"process start"``; on CUDA also ``cuda_max_allocated_bytes``
+(``torch.cuda.max_memory_allocated`` of the rank's device, reset at the same moment). It
+also carries ``peak_rss_bytes`` (``resource.getrusage``'s ``ru_maxrss`` at the end): Linux
+reads the same high-water mark, so after the reset it counts from the timed requests too,
+verification included; elsewhere it is the whole process life.
+
+**Per-request clocks.** Every final report of a rank that ran to the end carries per
+request index (``str(index)`` keys) ``time.monotonic()`` stamps: a prefill rank's
+``room_first_request_s`` (when its first ``STAGING_REQ`` of the room left, stamped as it was
+handed to the control socket; in the anchor modes, when its first write of the room
+started) and a decode rank's ``room_done_s`` (when the room reached SUCCESS or FAILED,
+stamped by one waiter thread per room as the decode handler's completion wakes it,
+whatever order the rooms end in; in the anchor modes, on the listener thread as the room's
+last ``PLAIN_DONE`` arrives). ``CLOCK_MONOTONIC`` is system-wide on Linux, so stamps of
+different processes of one host compare.
 
 The rank binds and advertises ``config.host``: its control listener and its transfer
 engine (the NIXL backend confines UCX to the interface holding it); Mooncake listens on
@@ -50,8 +62,9 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from types import FrameType
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import torch
 import zmq
@@ -94,7 +107,15 @@ from .workload import (
     zero_pool,
 )
 
-__all__ = ["FirstRequestClock", "RankStopped", "peak_rss_bytes", "rank_main"]
+__all__ = [
+    "FirstRequestClock",
+    "RankStopped",
+    "TransferMemory",
+    "peak_rss_bytes",
+    "rank_main",
+    "reset_peak_rss",
+    "rss_status",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +124,8 @@ RENDEZVOUS_TIMEOUT_S = 120.0
 """How long a rank waits for the other side's ranks to register or reach a barrier: when
 the two sides are started by hand on two machines, one may start well after the other."""
 _FAULT_OFFSET = 1 << 40
+_PROC_STATUS: Final = Path("/proc/self/status")
+_CLEAR_REFS: Final = Path("/proc/self/clear_refs")
 
 
 class RankStopped(BaseException):
@@ -238,10 +261,12 @@ def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) 
             receiver.init(plan.decode_pages, chunk_pages=config.chunk_pages)
             receiver.send_metadata()
             receivers[plan.index] = receiver
+        memory = TransferMemory(config)
         arrive(bootstrap, "rooms", f"decode-{rank}")
         start = time.monotonic()
         outcome, done_at = _wait_all(receivers, report)
         end = time.monotonic()
+        at_done = memory.at_done()
         arrive(bootstrap, "done", f"decode-{rank}")
         succeeded = {i for i, state in outcome.items() if state is KVPoll.Success}
         problems = verify_decode_pool(pool, config, rank, succeeded)
@@ -264,6 +289,7 @@ def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) 
             "malformed": stats.malformed,
             "chunks": stats.allocated - before.allocated,
             "registered_after": _release_staging(manager, allocator.base_ptr),
+            **at_done,
         }
     finally:
         common.close()
@@ -323,6 +349,7 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
                 sender.release()
         bytes_before, requests_before = writer.bytes_written, writer.requests_sent
         before = manager.staging_stats()
+        memory = TransferMemory(config)
         # Start once decode has registered every room, as a serving decode does before
         # prefill computes: the clock then measures the transfer, not the bootstrap.
         wait_barrier(bootstrap, "rooms", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
@@ -349,6 +376,7 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
         # Stay up until every decode rank is done, as a serving prefill does: tearing four
         # processes down would take the CPU from the decode ranks' last scatters.
         wait_barrier(bootstrap, "done", config.decode_tp, timeout=ROOM_TIMEOUT_S)
+        at_done = memory.at_done()
         failures = {
             str(i): senders[i].failure()
             for i, state in outcome.items()
@@ -376,6 +404,7 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
             + writer.requests_sent
             - requests_before,
             "registered_after": _registered(manager),
+            **at_done,
         }
     finally:
         common.close()
@@ -442,10 +471,12 @@ def _run_plain_decode(
                 buffer.zero_()
         plans = request_plans(config)
         book.expect(plan.room for plan in plans)
+        memory = TransferMemory(config)
         arrive(bootstrap, "rooms", f"decode-{rank}")
         start = time.monotonic()
         outcome, _ = _wait_all({p.index: RoomWaiter(book, p.room) for p in plans}, report)
         end = time.monotonic()
+        at_done = memory.at_done()
         arrive(bootstrap, "done", f"decode-{rank}")
         succeeded = {i for i, state in outcome.items() if state is KVPoll.Success}
         problems: list[str] = []
@@ -474,6 +505,7 @@ def _run_plain_decode(
             "malformed": book.malformed,
             "chunks": 0,
             "registered_after": _registered(manager),
+            **at_done,
         }
     finally:
         common.close()
@@ -556,6 +588,7 @@ def _run_plain_prefill(
                 error = send(plan)
                 if error is not None:
                     raise RuntimeError(f"a warm-up request failed: {error}")
+        memory = TransferMemory(config)
         wait_barrier(bootstrap, "rooms", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
         start = time.monotonic()
         first: dict[int, float] = {}
@@ -568,6 +601,7 @@ def _run_plain_prefill(
             report("room", index=plan.index, ok=error is None)
         end = time.monotonic()
         wait_barrier(bootstrap, "done", config.decode_tp, timeout=ROOM_TIMEOUT_S)
+        at_done = memory.at_done()
         writes = [calls[(plan.index, d)] for plan in plans for d in fed]
         for ptr, _ in regions:
             engine.deregister(ptr)
@@ -584,6 +618,7 @@ def _run_plain_prefill(
             "room_first_request_s": {str(i): at for i, at in sorted(first.items())},
             "control_messages": len(plans) * len(fed),
             "registered_after": _registered(manager),
+            **at_done,
         }
     finally:
         common.close()
@@ -734,9 +769,75 @@ class FirstRequestClock:
 
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far, in bytes (``getrusage``'s
-    ``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    ``ru_maxrss``: KiB on Linux, bytes on macOS). On Linux it is the high-water mark that
+    :func:`reset_peak_rss` resets: the peak since the last reset, else since the start."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (``VmHWM``, which ``ru_maxrss`` reads too) to its current
+    RSS; ``False`` where that is not possible (not Linux >= 4.0, or ``/proc`` not writable)."""
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def rss_status() -> tuple[int | None, int | None]:
+    """``(VmRSS, VmHWM)`` of this process now, in bytes, from ``/proc/self/status``; ``None``
+    for each the kernel does not give."""
+    try:
+        text = _PROC_STATUS.read_text()
+    except OSError:
+        return None, None
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        fields = value.split()
+        if name in ("VmRSS", "VmHWM") and fields and fields[0].isdigit():
+            found[name] = int(fields[0]) * 1024
+    return found.get("VmRSS"), found.get("VmHWM")
+
+
+class TransferMemory:
+    """What a rank's process holds over its timed requests: made as they begin (it resets
+    the peaks there), read at the ``done`` barrier, before verification.
+
+    Creating it resets the process's peak RSS (:func:`reset_peak_rss`) and, on CUDA, the
+    device's allocator peak (``torch.cuda.reset_peak_memory_stats``), so the peaks read by
+    :meth:`at_done` count from this moment: the pools, rings and buffers already allocated,
+    plus whatever the transfer allocates, and not the temporaries of filling the pools or
+    of the warm-up. Where the RSS peak cannot be reset it counts from the process start, and
+    :meth:`at_done` says so.
+
+    **Thread:** the rank's main thread.
+    """
+
+    def __init__(self, config: TransferConfig) -> None:
+        self._cuda = config.torch_device if config.device == "cuda" else None
+        if self._cuda is not None:
+            torch.cuda.reset_peak_memory_stats(self._cuda)
+        self._reset = reset_peak_rss()
+
+    def at_done(self) -> dict[str, Any]:
+        """The report fields: ``rss_at_done_bytes`` (``VmRSS`` now; left out where unknown),
+        ``peak_rss_before_verify_bytes`` (``VmHWM`` now, else ``ru_maxrss``),
+        ``peak_rss_from`` (``"timed requests"`` or ``"process start"``) and, on CUDA,
+        ``cuda_max_allocated_bytes``."""
+        rss, hwm = rss_status()
+        fields: dict[str, Any] = {
+            "peak_rss_before_verify_bytes": hwm if hwm is not None else peak_rss_bytes(),
+            "peak_rss_from": "timed requests"
+            if self._reset and hwm is not None
+            else "process start",
+        }
+        if rss is not None:
+            fields["rss_at_done_bytes"] = rss
+        if self._cuda is not None:
+            fields["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated(self._cuda))
+        return fields
 
 
 def _release_staging(manager: StagingBackend, ring_base: int) -> int:

@@ -40,6 +40,7 @@ __all__ = [
     "STOP_GRACE_S",
     "ClusterResult",
     "RankExit",
+    "RankMemory",
     "RankReport",
     "RankSet",
     "run_cluster",
@@ -128,6 +129,27 @@ class RankReport:
 
 
 @dataclass(frozen=True, slots=True)
+class RankMemory:
+    """What one rank's process held as the transfer phase ended: sampled at the ``done``
+    barrier, before verification (see :class:`~staging_contracts.cluster.rank.TransferMemory`).
+    """
+
+    peak_rss_before_verify_bytes: int
+    """Peak resident set size up to the ``done`` barrier, counted from
+    :attr:`peak_rss_from`."""
+    peak_rss_from: str
+    """``"timed requests"`` (the peak was reset as they began: the pools, rings and buffers
+    are counted, the temporaries of filling them and the warm-up's are not) or
+    ``"process start"`` (it could not be reset)."""
+    rss_at_done_bytes: int | None
+    """Resident set size at the ``done`` barrier (``None``: the kernel did not say)."""
+    cuda_max_allocated_bytes: int | None
+    """On CUDA, the most bytes torch's allocator held on the rank's device from the start of
+    the timed requests to the ``done`` barrier (every rank uses the same current device);
+    ``None`` on the CPU."""
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterResult:
     """The outcome of :func:`run_cluster`."""
 
@@ -208,17 +230,44 @@ class ClusterResult:
         }
 
     def peak_rss_bytes(self, role: str) -> dict[int, int]:
-        """Peak resident set size of each rank process of one side, by rank, in bytes
-        (``resource.getrusage`` in the rank; ranks that did not report it are left out)."""
+        """Peak resident set size of each rank process of one side as it ended (verification
+        included), by rank, in bytes (``resource.getrusage`` in the rank; ranks that did not
+        report it are left out). On Linux it counts from the timed requests' start, where
+        the rank resets its peak; elsewhere from the process start (filling the pools and the
+        warm-up included). :meth:`transfer_memory` gives what the transfer phase held."""
         return {
             r.rank: int(r.fields["peak_rss_bytes"])
             for r in self.ranks(role)
             if "peak_rss_bytes" in r.fields
         }
 
+    def transfer_memory(self, role: str) -> dict[int, RankMemory]:
+        """What each rank process of one side held as the transfer phase ended (at the
+        ``done`` barrier, before verification), by rank; ranks that did not report it (they
+        died) are left out."""
+        found: dict[int, RankMemory] = {}
+        for r in self.ranks(role):
+            fields = r.fields
+            if "peak_rss_before_verify_bytes" not in fields:
+                continue
+            rss = fields.get("rss_at_done_bytes")
+            cuda = fields.get("cuda_max_allocated_bytes")
+            found[r.rank] = RankMemory(
+                int(fields["peak_rss_before_verify_bytes"]),
+                str(fields.get("peak_rss_from", "process start")),
+                None if rss is None else int(rss),
+                None if cuda is None else int(cuda),
+            )
+        return found
+
     def ring_peaks(self) -> dict[int, tuple[int, int]]:
-        """``(peak bytes assigned at once, ring bytes)`` of each decode rank's staging ring,
-        by rank (the peak may exceed the ring: later rounds wait for the watermark)."""
+        """``(reserved peak, ring bytes)`` of each decode rank's staging ring, by rank.
+
+        The reserved peak is the most bytes of regions assigned and not yet freed at once
+        (``StagingAllocator.peak_bytes``). The allocator overcommits: it hands out regions of
+        the next round over ones still in use, and their writers wait for the watermark
+        before writing, so the reserved peak may exceed the ring (2x: two rounds reserved at
+        once) while the bytes in use never do."""
         return {
             r.rank: (int(r.fields["ring_peak"]), int(r.fields["ring_size"]))
             for r in self.ranks("decode")

@@ -5,6 +5,14 @@ Decode assigns one region per (room, chunk); prefill ranks write into it once th
 (:func:`is_watermark_ready`). ``assign`` never waits and never checks overlap (overcommit):
 safety is the writer's readiness check.
 
+**Overcommit, in figures.** A region of the next round is handed out over one still in use;
+its writer waits until the watermark says the bytes under it were freed. So the bytes
+*reserved* (assigned and not yet freed: :attr:`StagingAllocator.live_bytes`,
+:attr:`StagingAllocator.peak_bytes`) may exceed the ring, by as many rounds as regions are
+reserved ahead (twice the ring when four chunks are requested at once of a two-chunk ring),
+while the bytes written and not yet scattered never do. A reserved peak above the ring is
+that look-ahead, not an overflow.
+
 **Better** than the reference: ``assign`` is O(1) and ``free`` amortized O(1) at any number of
 live allocations (the reference pops from the front of a list), every operation is
 thread-safe, and an emptied ring starts a fresh round so that the next wrapped writer is never
@@ -133,13 +141,17 @@ class StagingAllocator:
 
     @property
     def live_bytes(self) -> int:
-        """Bytes of the allocations assigned and not yet freed."""
+        """Bytes of the allocations assigned and not yet freed (reserved; with overcommit,
+        possibly more than :attr:`total_size`)."""
         with self._lock:
             return self._live_bytes
 
     @property
     def peak_bytes(self) -> int:
-        """The most bytes ever live at once (the ring's peak use)."""
+        """The most bytes ever reserved at once: the **reserved peak**, the most of
+        :attr:`live_bytes`. Regions of later rounds count from their ``assign``, before
+        their writers may write (they wait for the watermark), so this may exceed
+        :attr:`total_size` (see the module docstring); it is not the bytes in use."""
         with self._lock:
             return self._peak_bytes
 
