@@ -7,14 +7,16 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 
 from staging_contracts.cluster.demo import format_summary
-from staging_contracts.cluster.preflight import memory_need, preflight
+from staging_contracts.cluster.preflight import PROCESS_OVERHEAD_BYTES, memory_need, preflight
 from staging_contracts.cluster.runner import run_cluster
+from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.engines import engine_available
 from tests.test_cluster_faults import tiny_config
 
@@ -244,3 +246,57 @@ def test_mooncake_on_cuda_is_refused_where_its_build_has_no_cuda() -> None:
         reason,
     )
     assert line.endswith("use --device cpu, or --backend nixl"), line
+
+
+def test_memory_need_counts_the_mode_and_the_device() -> None:
+    """Raw mode counts each prefill rank's source and the concatenation that builds it, and
+    each decode rank's raw buffer; per-token has no ring and no staging buffer; on CUDA the
+    pools, rings and buffers are on the one GPU, and only the host temporaries stay."""
+    config = TransferConfig(
+        prefill_tp=2,
+        decode_tp=1,
+        kv_heads=2,
+        layers=2,
+        head_dim=16,
+        tokens=64,
+        page_size=16,
+        requests=2,
+        chunk_tokens=32,
+        ring_chunks=2,
+    )
+    element = config.element_size
+    pool_tokens = (2 * 4 + 1) * 16
+    prefill_pool = pool_tokens * 1 * 16 * element * 2 * 2
+    decode_pool = pool_tokens * 2 * 16 * element * 2 * 2
+    staged = memory_need(config)
+    assert staged.prefill_rank == prefill_pool + 32 * 16 * element * 2 * 2
+    assert staged.decode_rank > decode_pool
+    per_token = memory_need(replace(config, mode="per-token"))
+    assert (per_token.prefill_rank, per_token.decode_rank) == (prefill_pool, decode_pool)
+    share = 64 * 16 * element * 2 * 2  # one head of one request for the decode rank
+    raw = memory_need(replace(config, mode="raw"))
+    assert raw.prefill_rank == 2 * (2 * share)  # the source of 2 requests, and the cat
+    assert raw.decode_rank == 2 * (2 * share) + share  # 2 requests from 2 writers; a check
+    assert raw.device_total == 0
+    overhead = raw.processes * PROCESS_OVERHEAD_BYTES
+    assert raw.total == 2 * raw.prefill_rank + raw.decode_rank + overhead
+    on_gpu = memory_need(replace(config, device="cuda"))
+    assert (on_gpu.prefill_rank, on_gpu.decode_rank) == (0, 0)
+    assert on_gpu.total == overhead
+    assert on_gpu.device_total == 2 * staged.prefill_rank + staged.decode_rank
+    raw_gpu = memory_need(replace(config, mode="raw", device="cuda"))
+    assert (raw_gpu.prefill_rank, raw_gpu.decode_rank) == (4 * share, share)
+    assert (raw_gpu.device_prefill_rank, raw_gpu.device_decode_rank) == (2 * share, 5 * share)
+
+
+def test_a_run_larger_than_the_gpu_is_refused() -> None:
+    """On CUDA the GPU's free memory is compared with what every rank puts on it; the host
+    check then counts only what stays on the host."""
+    config = replace(tiny_config(), device="cuda")
+    need = memory_need(config)
+    preflight(config, available=need.total, device_available=need.device_total)
+    with pytest.raises(ValueError, match=r"--device cuda: the 2 rank processes need .* GPU"):
+        preflight(config, available=need.total, device_available=need.device_total - 1)
+    raw = replace(config, mode="raw")
+    with pytest.raises(ValueError, match=r"rank processes \(raw mode\) need"):
+        preflight(raw, available=memory_need(raw).total - 1, device_available=1 << 40)

@@ -7,8 +7,10 @@ the rule: the TP pair and the head count (the same validation the ranks run), th
 spec (a name, ``MODULE:CLASS`` or ``MODULE:CLASS=MODULE:FACTORY``: it resolves, its class
 satisfies the contract, its engine's extra is installed, and its engine crosses processes as
 far as can be known without building one), the device (``--device cuda`` with an engine
-that moves host memory only: the installed Mooncake wheel), and the memory the pools, rings and
-staging buffers of every rank will take against the memory available (``MemAvailable``).
+that moves host memory only: the installed Mooncake wheel), and the memory every rank will
+take in the run's mode (pools, rings and staging buffers; the anchor modes' pools, raw sources
+and buffers, and the host temporaries that build them) against the memory available: the
+host's (``MemAvailable``) and, on CUDA, the free memory of the one GPU all ranks share.
 """
 
 from __future__ import annotations
@@ -17,13 +19,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+import torch
+
 from ..backends import BACKENDS, resolve_backend
-from ..staging.layout import compute_staging_layout, validate_tp_pair
+from ..staging.layout import (
+    compute_head_slice_params,
+    compute_staging_layout,
+    decode_ranks_for_prefill,
+    validate_tp_pair,
+)
+from .plain_paths import raw_request_bytes
 from .workload import TransferConfig
 
 __all__ = [
     "PROCESS_OVERHEAD_BYTES",
     "MemoryNeed",
+    "available_device_memory",
     "available_memory",
     "backend_engine",
     "check_backend",
@@ -41,20 +52,33 @@ _GIB: Final = float(1 << 30)
 
 @dataclass(frozen=True, slots=True)
 class MemoryNeed:
-    """What the ranks of a run will allocate, in bytes."""
+    """What the ranks of a run will allocate, in bytes: host memory, and on CUDA the memory
+    of the GPU every rank uses (its current device: all ranks share one)."""
 
     prefill_rank: int
-    """One prefill rank: its KV pool and its staging buffer."""
+    """One prefill rank's host memory: on the CPU its KV pool and staging buffer (staged),
+    its pool (per-token) or its raw source and the concatenation that builds it (raw); on
+    CUDA only the raw source's concatenation (built on the host, then copied)."""
     decode_rank: int
-    """One decode rank: its KV pool and its staging ring."""
+    """One decode rank's host memory: on the CPU its KV pool and staging ring (staged), its
+    pool (per-token) or its raw buffer and one writer's share as verification builds it
+    (raw); on CUDA only that share."""
     processes: int
-    """Rank processes, each with :data:`PROCESS_OVERHEAD_BYTES` on top."""
+    """Rank processes, each with :data:`PROCESS_OVERHEAD_BYTES` of host memory on top."""
     total: int
-    """Everything, on this machine."""
+    """Every rank's host memory, on this machine."""
+    device_prefill_rank: int = 0
+    """On CUDA, one prefill rank's GPU memory (what ``prefill_rank`` has on the CPU)."""
+    device_decode_rank: int = 0
+    """On CUDA, one decode rank's GPU memory."""
+    device_total: int = 0
+    """On CUDA, every rank's GPU memory, on the one GPU they share (0 on the CPU)."""
 
 
 def memory_need(config: TransferConfig) -> MemoryNeed:
-    """The memory the run's ranks allocate (pools, rings, staging buffers, processes)."""
+    """The memory the run's ranks allocate in ``config.mode`` on ``config.device``: pools,
+    rings and staging buffers (staged), pools (per-token), raw sources and buffers with the
+    temporaries that build and check them (raw), and the processes themselves."""
     per_head_token = config.head_dim * config.element_size
     pool_tokens = config.pool_pages * config.page_size
     chunk_tokens = config.chunk_pages * config.page_size
@@ -63,29 +87,82 @@ def memory_need(config: TransferConfig) -> MemoryNeed:
         return max(1, config.kv_heads // tp)
 
     prefill_pool = pool_tokens * heads(config.prefill_tp) * per_head_token * 2 * config.layers
-    staging_buffer = chunk_tokens * heads(config.prefill_tp) * per_head_token * 2 * config.layers
     decode_pool = pool_tokens * heads(config.decode_tp) * per_head_token * 2 * config.layers
-    region = max(
-        compute_staging_layout(
-            config.prefill_tp,
-            config.decode_tp,
-            rank,
-            config.kv_heads,
-            chunk_tokens,
-            per_head_token,
-            config.layers,
-        ).total_bytes
-        for rank in range(config.decode_tp)
-    )
-    prefill_rank = prefill_pool + staging_buffer
-    decode_rank = decode_pool + region * config.ring_chunks
+    # (bytes that live where the pools do, bytes that are host temporaries) of each rank
+    if config.mode == "staged":
+        staging_buffer = chunk_tokens * heads(config.prefill_tp) * per_head_token * 2
+        staging_buffer *= config.layers
+        region = max(
+            compute_staging_layout(
+                config.prefill_tp,
+                config.decode_tp,
+                rank,
+                config.kv_heads,
+                chunk_tokens,
+                per_head_token,
+                config.layers,
+            ).total_bytes
+            for rank in range(config.decode_tp)
+        )
+        prefill = (prefill_pool + staging_buffer, 0)
+        decode = (decode_pool + region * config.ring_chunks, 0)
+    elif config.mode == "per-token":
+        prefill, decode = (prefill_pool, 0), (decode_pool, 0)
+    else:
+        source = max(_raw_source_bytes(config, rank) for rank in range(config.prefill_tp))
+        buffer = max(
+            config.requests * raw_request_bytes(config, rank) for rank in range(config.decode_tp)
+        )
+        share = max(_raw_share_bytes(config, p, d) for p, d in _raw_pairs(config))
+        # the shares, and their concatenation, on the host; then the source where pools live
+        prefill = (source, 2 * source) if config.device == "cuda" else (0, 2 * source)
+        decode = (buffer + share, share) if config.device == "cuda" else (buffer + share, 0)
     processes = config.prefill_tp + config.decode_tp
+    if config.device == "cuda":
+        device_prefill, device_decode = prefill[0], decode[0]
+        host_prefill, host_decode = prefill[1], decode[1]
+    else:
+        device_prefill = device_decode = 0
+        host_prefill, host_decode = prefill[0] + prefill[1], decode[0] + decode[1]
     total = (
-        config.prefill_tp * prefill_rank
-        + config.decode_tp * decode_rank
+        config.prefill_tp * host_prefill
+        + config.decode_tp * host_decode
         + processes * PROCESS_OVERHEAD_BYTES
     )
-    return MemoryNeed(prefill_rank, decode_rank, processes, total)
+    return MemoryNeed(
+        host_prefill,
+        host_decode,
+        processes,
+        total,
+        device_prefill,
+        device_decode,
+        config.prefill_tp * device_prefill + config.decode_tp * device_decode,
+    )
+
+
+def _raw_pairs(config: TransferConfig) -> list[tuple[int, int]]:
+    """Every ``(prefill rank, decode rank)`` that a prefill rank feeds."""
+    return [
+        (p, d)
+        for p in range(config.prefill_tp)
+        for d in decode_ranks_for_prefill(config.prefill_tp, config.decode_tp, p)
+    ]
+
+
+def _raw_share_bytes(config: TransferConfig, prefill_rank: int, decode_rank: int) -> int:
+    """Bytes of one request's share a prefill rank sends a decode rank (``raw_share``)."""
+    head = compute_head_slice_params(
+        config.prefill_tp, config.decode_tp, prefill_rank, decode_rank, config.kv_heads
+    )
+    tokens = config.num_pages * config.page_size
+    return head.num_heads * tokens * config.head_dim * config.element_size * 2 * config.layers
+
+
+def _raw_source_bytes(config: TransferConfig, prefill_rank: int) -> int:
+    """A prefill rank's raw source: its share of every request for every decode rank it
+    feeds."""
+    fed = decode_ranks_for_prefill(config.prefill_tp, config.decode_tp, prefill_rank)
+    return config.requests * sum(_raw_share_bytes(config, prefill_rank, d) for d in fed)
 
 
 def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
@@ -103,15 +180,31 @@ def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     return None
 
 
+def available_device_memory() -> int | None:
+    """Free memory of the current CUDA device in bytes (``torch.cuda.mem_get_info``), or
+    ``None`` without one. Creates a CUDA context in this process (the rank processes are
+    spawned, so they are not affected)."""
+    if not torch.cuda.is_available():
+        return None
+    free, _ = torch.cuda.mem_get_info()
+    return int(free)
+
+
 def preflight(
-    config: TransferConfig, *, ignore_memory: bool = False, available: int | None = None
+    config: TransferConfig,
+    *,
+    ignore_memory: bool = False,
+    available: int | None = None,
+    device_available: int | None = None,
 ) -> None:
     """Refuse a run that cannot work, before any process starts.
 
     Args:
         config: the run.
-        ignore_memory: skip the memory check (for those who know better).
-        available: the memory to compare with (default: :func:`available_memory`).
+        ignore_memory: skip the memory checks (for those who know better).
+        available: the host memory to compare with (default: :func:`available_memory`).
+        device_available: on CUDA, the GPU memory to compare with (default:
+            :func:`available_device_memory`, which creates a CUDA context here).
 
     Raises:
         ValueError: one line naming the options and the rule: TP sizes that do not divide
@@ -120,7 +213,8 @@ def preflight(
             contract, a factory that is not callable), an engine that cannot be imported (with
             the pip command that installs it) or that works within one process only, an engine
             that cannot move memory of ``config.device`` (:func:`check_device`), or more
-            memory than is available.
+            memory than is available (host, or on CUDA the GPU's), counted for
+            ``config.mode`` and ``config.device`` (:func:`memory_need`).
     """
     try:
         validate_tp_pair(config.prefill_tp, config.decode_tp, config.kv_heads)
@@ -129,17 +223,32 @@ def preflight(
             f"--prefill-tp {config.prefill_tp} --decode-tp {config.decode_tp} "
             f"--kv-heads {config.kv_heads}: {exc}"
         ) from None
-    have = available_memory() if available is None else available
     need = memory_need(config)
+    options = (
+        f"--tokens {config.tokens} --requests {config.requests} --layers {config.layers} "
+        f"--kv-heads {config.kv_heads} --head-dim {config.head_dim} --dtype {config.dtype}"
+    )
+    mode = "" if config.mode == "staged" else f" ({config.mode} mode)"
+    have = available_memory() if available is None else available
     if not ignore_memory and have is not None and need.total > have:
         raise ValueError(
-            f"--tokens {config.tokens} --requests {config.requests} --layers {config.layers} "
-            f"--kv-heads {config.kv_heads} --head-dim {config.head_dim} --dtype {config.dtype}: "
-            f"the {need.processes} rank processes need {need.total / _GIB:.1f} GiB "
-            f"({need.prefill_rank / _GIB:.2f} GiB per prefill rank, "
-            f"{need.decode_rank / _GIB:.2f} GiB per decode rank), and {have / _GIB:.1f} GiB "
-            "is available; use smaller options, or --ignore-memory to run anyway"
+            f"{options}: the {need.processes} rank processes{mode} need "
+            f"{need.total / _GIB:.1f} GiB ({need.prefill_rank / _GIB:.2f} GiB per prefill "
+            f"rank, {need.decode_rank / _GIB:.2f} GiB per decode rank), and "
+            f"{have / _GIB:.1f} GiB is available; use smaller options, or --ignore-memory to "
+            "run anyway"
         )
+    if not ignore_memory and config.device == "cuda" and need.device_total:
+        free = available_device_memory() if device_available is None else device_available
+        if free is not None and need.device_total > free:
+            raise ValueError(
+                f"{options} --device cuda: the {need.processes} rank processes{mode} need "
+                f"{need.device_total / _GIB:.1f} GiB of the one GPU they share "
+                f"({need.device_prefill_rank / _GIB:.2f} GiB per prefill rank, "
+                f"{need.device_decode_rank / _GIB:.2f} GiB per decode rank), and "
+                f"{free / _GIB:.1f} GiB is free; use smaller options, or --ignore-memory to "
+                "run anyway"
+            )
     check_backend(config.backend)
     check_device(config.backend, config.device)
 
