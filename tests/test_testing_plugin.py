@@ -41,7 +41,11 @@ from staging_contracts.backends.common import Role
 from staging_contracts.backends.local import LocalKVManager
 
 
-def local(setup):
+def local(kv_args, *, role, attn_tp_size):
+    return LocalKVManager(kv_args, role=role, attn_tp_size=attn_tp_size)
+
+
+def decode_only(setup):
     manager = LocalKVManager(setup.kv_args, role=Role.DECODE, attn_tp_size=setup.attn_tp_size)
     return setup.start(manager)
 """
@@ -94,6 +98,17 @@ class NeedsMore(LocalKVManager):
         super().__init__(kv_args, role=role, attn_tp_size=attn_tp_size)
 
 
+def needs_more(kv_args, *, role, attn_tp_size):
+    return NeedsMore(kv_args, role=role, attn_tp_size=attn_tp_size, router="r0")
+
+
+class NoSuper(LocalKVManager):
+    """Forgets super().__init__(): the per-instance check fails every manager built."""
+
+    def __init__(self, kv_args, *, role, attn_tp_size):
+        self.built_with = kv_args
+
+
 class IdleHookless(LocalKVManager):
     """The issue's bad_g: the idle hook does not call staging_idle."""
 
@@ -101,17 +116,16 @@ class IdleHookless(LocalKVManager):
         pass
 
 
-def deaf(setup):
-    manager = Deaf(setup.kv_args, role=Role.DECODE, attn_tp_size=setup.attn_tp_size)
-    return setup.start(manager)
+def deaf(kv_args, *, role, attn_tp_size):
+    return Deaf(kv_args, role=role, attn_tp_size=attn_tp_size)
 
 
-def bad_values(setup):
+def bad_values(kv_args, *, role, attn_tp_size):
     return BadValues()
 
 
-def local_subclass(setup):
-    return LocalKVManager(setup.kv_args, role=Role.DECODE, attn_tp_size=1)
+def local_subclass(kv_args, *, role, attn_tp_size):
+    return LocalKVManager(kv_args, role=role, attn_tp_size=attn_tp_size)
 '''
 
 BROKEN = """
@@ -220,7 +234,7 @@ def test_unknown_backend_name_is_a_usage_error_listing_the_known_ones(
         [
             "*--staging-backend expects NAME, MODULE:CLASS or MODULE:CLASS=MODULE:FACTORY "
             "(e.g. nixl or mypkg.backend:MyKVManager): unknown backend 'acme_nowhere'; "
-            "known: ascend, local, mooncake, mori, nixl*"
+            "known: ascend, local, mooncake, mori (no staging), nixl*"
         ]
     )
 
@@ -277,23 +291,52 @@ LIVE_TESTS = KIT_TESTS - CLASS_TESTS - TRANSFER_TESTS
 """Checks on one live decode manager."""
 
 
-def test_when_the_standard_constructor_does_not_fit_live_tests_skip_saying_why(
+def test_from_the_flag_a_constructor_that_does_not_fit_fails_once(
     kit_dir: pytest.Pytester,
 ) -> None:
-    """A constructor the kit cannot call: each live test skips naming it and the how-to."""
+    """--staging-backend names a class the kit cannot build: the run fails (the transfer is
+    what the kit checks), once, saying why and naming the factory to pass; the other checks
+    that need a manager skip, pointing at that report."""
     result = run(kit_dir, "--staging-backend", "backends:NeedsMore")
-    result.assert_outcomes(passed=CLASS_TESTS, skipped=KIT_TESTS - CLASS_TESTS)
+    result.assert_outcomes(passed=CLASS_TESTS, errors=1, skipped=KIT_TESTS - CLASS_TESTS - 1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
     output = result.stdout.str()
     why = (
         "its standard constructor NeedsMore(kv_args, role=..., attn_tp_size=...) does not fit "
         "NeedsMore(kv_args, *, role, attn_tp_size, router): missing a required argument: "
         "'router'"
     )
-    assert output.count(f"{why}; this check {NO_FACTORY_MESSAGE}") == LIVE_TESTS
+    assert output.count(why) == 1, output
+    assert "--staging-backend backends:NeedsMore=MODULE:FACTORY" in output
+    first = "staging-backend::TestNeedsMore::test_instance_satisfies_the_contract"
+    skips = [line for line in output.splitlines() if line.startswith("SKIPPED")]
+    assert skips, output
+    assert all(line.endswith(f"reported once, in {first}") for line in skips), skips
+
+
+def test_from_the_flag_a_manager_factory_builds_every_check(kit_dir: pytest.Pytester) -> None:
+    """The flag's factory is the manager factory of demo and run_transfer: it builds the
+    kit's decode manager and every transfer rank, so a class whose constructor is not the
+    standard one passes the whole kit, transfer checks included."""
+    result = run(kit_dir, "--staging-backend", "backends:NeedsMore=backends:needs_more")
+    result.assert_outcomes(passed=KIT_TESTS)
+
+
+def test_a_decode_factory_on_the_flag_is_one_collection_error_naming_both_kinds(
+    kit_dir: pytest.Pytester,
+) -> None:
+    """FACTORY(setup) where a manager factory is expected: one collection error that says
+    which kind the flag takes and which was given."""
+    result = run(kit_dir, "--staging-backend", f"{LOCAL}=factories:decode_only")
+    result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(
-        [f"SKIPPED [[]{TRANSFER_TESTS}[]] *: {why}; the transfer checks need managers: *"]
+        [
+            "*the factory factories:decode_only(setup) does not take the arguments of a manager "
+            "factory: --staging-backend MODULE:CLASS=MODULE:FACTORY (like demo --backend and "
+            "run_transfer) calls FACTORY(kv_args, *, role=..., attn_tp_size=...)*"
+        ]
     )
-    assert output.count(NO_MANAGER_FACTORY_MESSAGE) == 1  # one line for both transfer checks
+    assert "make_decode_manager(self, setup)" in result.stdout.str()
 
 
 def test_subclass_without_a_factory_skips_saying_how_to_add_one(
@@ -532,7 +575,7 @@ def test_factory_whose_instance_breaks_the_contract_fails_with_its_message(
     result.assert_outcomes(errors=1, deselected=KIT_TESTS - 1)
     result.stdout.fnmatch_lines(
         [
-            "make_decode_manager raised the contract's error:",
+            "the factory backends:bad_values raised the contract's error:",
             "BadValues instance does not satisfy the StagingHost contract of "
             "StagingManagerMixin after __init__:",
             "  - attribute 'kv_args' is str (expected KVArgs)*",
@@ -550,9 +593,48 @@ def test_factory_of_another_class_fails(kit_dir: pytest.Pytester) -> None:
         "instance_satisfies",
     )
     result.assert_outcomes(errors=1, deselected=KIT_TESTS - 1)
-    result.stdout.fnmatch_lines(
-        ["*make_decode_manager returned a LocalKVManager, not an instance of Deaf"]
+    result.stdout.fnmatch_lines(["*the factory returned a LocalKVManager, not a Deaf"])
+
+
+def test_a_constructor_that_breaks_the_contract_is_reported_once(
+    kit_dir: pytest.Pytester,
+) -> None:
+    """A forgotten super().__init__(): one report naming the author's constructor (not the
+    kit's make_decode_manager), without chained tracebacks; every other check that needs a
+    manager, transfer checks included, skips pointing at it."""
+    result = run(kit_dir, "--staging-backend", "backends:NoSuper")
+    result.assert_outcomes(passed=CLASS_TESTS, errors=1, skipped=KIT_TESTS - CLASS_TESTS - 1)
+    output = result.stdout.str()
+    assert output.count("did NoSuper.__init__ call super().__init__()?") == 1, output
+    assert (
+        "the constructor NoSuper(kv_args, role=..., attn_tp_size=...) raised the contract's"
+        in output
     )
+    assert "During handling of the above exception" not in output
+    assert "make_decode_manager" not in output
+    skips = [line for line in output.splitlines() if line.startswith("SKIPPED")]
+    assert all("reported once, in staging-backend::TestNoSuper::" in line for line in skips)
+
+
+def test_a_subclass_without_backend_class_is_reported_once(pytester: pytest.Pytester) -> None:
+    """A test class that names no backend: one failure, the other checks skip pointing at it."""
+    pytester.makepyfile(
+        test_nobackend="""
+from staging_contracts.testing import StagingBackendContract
+
+
+class TestNothing(StagingBackendContract):
+    pass
+"""
+    )
+    result = run(pytester)
+    result.assert_outcomes(failed=1, skipped=KIT_TESTS - 1)
+    output = result.stdout.str()
+    assert output.count("TestNothing sets no backend_class") == 1, output
+    skips = [line for line in output.splitlines() if line.startswith("SKIPPED")]
+    first = "test_nobackend.py::TestNothing::test_class_satisfies_the_contract"
+    assert skips, output
+    assert all(line.endswith(f"reported once, in {first}") for line in skips), skips
 
 
 # --------------------------------------------------------------------------- a test module's import

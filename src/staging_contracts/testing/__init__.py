@@ -38,7 +38,7 @@ Imported by: backend authors' tests and the ``pytest11`` entry point.
 from __future__ import annotations
 
 from .decode_setup import DecodeFactory, DecodeSetup, LiveDecodeManager, StartableBackend
-from .factories import FactoryUnavailable, standard_factory
+from .factories import EngineUnavailable, FactoryUnavailable, standard_factory
 from .harness import (
     IDLE_HOOK_HINT,
     ManagerFactory,
@@ -60,6 +60,7 @@ __all__ = [
     "NO_MANAGER_FACTORY_MESSAGE",
     "DecodeFactory",
     "DecodeSetup",
+    "EngineUnavailable",
     "FactoryUnavailable",
     "FakePrefill",
     "LiveDecode",

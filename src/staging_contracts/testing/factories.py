@@ -24,7 +24,13 @@ from ..engines import engine_available
 from ..protocols import KVArgs
 from .harness import ManagerFactory, TransferManager
 
-__all__ = ["IN_TREE_OPTIONS", "FactoryUnavailable", "StandardFactory", "standard_factory"]
+__all__ = [
+    "IN_TREE_OPTIONS",
+    "EngineUnavailable",
+    "FactoryUnavailable",
+    "StandardFactory",
+    "standard_factory",
+]
 
 IN_TREE_OPTIONS: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
     {
@@ -38,6 +44,11 @@ IN_TREE_OPTIONS: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
 
 class FactoryUnavailable(Exception):
     """The standard constructor cannot build the backend here; the text says why."""
+
+
+class EngineUnavailable(FactoryUnavailable):
+    """An in-tree backend whose engine cannot be imported here (a missing extra): the
+    backend is fine, this machine lacks its SDK, so the kit skips rather than fails."""
 
 
 @dataclass(frozen=True, slots=True, repr=False)
@@ -81,8 +92,9 @@ def standard_factory(cls: type) -> ManagerFactory:
 
     Raises:
         FactoryUnavailable: the constructor does not take ``(kv_args, *, role,
-            attn_tp_size)`` with everything else defaulted, or ``cls`` is an in-tree backend
-            whose engine cannot be imported here (the text names the extra to install).
+            attn_tp_size)`` with everything else defaulted, or (:class:`EngineUnavailable`)
+            ``cls`` is an in-tree backend whose engine cannot be imported here (the text
+            names the extra to install).
     """
     name = _in_tree_name(cls)
     options: Mapping[str, object] = IN_TREE_OPTIONS.get(name, {}) if name else {}
@@ -93,7 +105,7 @@ def standard_factory(cls: type) -> ManagerFactory:
             raise FactoryUnavailable(f"backend {name!r} ({class_label(cls)}) has no engine")
         available, reason = engine_available(engine)
         if not available:
-            raise FactoryUnavailable(f"backend {name!r} cannot run here: {reason}")
+            raise EngineUnavailable(f"backend {name!r} cannot run here: {reason}")
     try:
         signature = inspect.signature(cls)
     except (TypeError, ValueError) as exc:

@@ -21,8 +21,10 @@ that need it are skipped, saying exactly why and how to add a factory.
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Iterator
-from typing import ClassVar, cast
+from pathlib import Path
+from typing import ClassVar, NoReturn, cast
 
 import pytest
 
@@ -36,8 +38,8 @@ from ..mixin import StagingManagerMixin
 from ..protocols import ArrivalOutcome, KVArgs, StagingHandler
 from ..stats import StagingStats
 from .decode_setup import DecodeSetup, LiveDecodeManager
-from .factories import FactoryUnavailable, standard_factory
-from .harness import TransferGeometry, TransferManager, run_transfer
+from .factories import EngineUnavailable, FactoryUnavailable, standard_factory
+from .harness import ManagerFactory, TransferGeometry, TransferManager, run_transfer
 from .live import WAIT_S, LiveDecode, kit_fail
 from .targets import BackendLoadError, BackendTarget, contract_of
 
@@ -48,7 +50,8 @@ NO_FACTORY_MESSAGE = (
     "StagingBackendContract subclass, returning a started manager with decode staging "
     "enabled (e.g. 'return setup.start(MyKVManager(setup.kv_args, role=Role.DECODE, "
     "attn_tp_size=setup.attn_tp_size))'), or pass "
-    "--staging-backend MODULE:CLASS=MODULE:FACTORY where FACTORY(setup) does the same"
+    "--staging-backend MODULE:CLASS=MODULE:FACTORY where FACTORY(kv_args, *, role, "
+    "attn_tp_size) builds an unstarted manager"
 )
 """How to add a decode factory, when a behaviour test is skipped for want of one."""
 
@@ -61,6 +64,13 @@ NO_MANAGER_FACTORY_MESSAGE = (
 
 TRANSFER_SHAPES = ((2, 1), (1, 2))
 """(prefill TP, decode TP) of the transfer checks: P > D, then P < D."""
+
+_KIT_DIR = Path(__file__).resolve().parent.parent
+"""Frames of the library (the kit, the harness, the backends): left out of the tracebacks
+shown to an author, whose own frames remain."""
+
+_FIRST_FAILURE: dict[tuple[type, str], str] = {}
+"""(test class, what failed to build) -> the test that reported it (once per session)."""
 
 _UNKNOWN_ROOM = 987_654_321
 _ROOM_BEFORE_ATTACH = 1
@@ -106,26 +116,16 @@ class StagingBackendContract:
         builds the backend from ``setup.kv_args`` and returns ``setup.start(manager)``. The kit
         closes the manager after each test.
 
-        The default calls the factory named by ``--staging-backend
-        MODULE:CLASS=MODULE:FACTORY``, if any; else it builds the backend with its standard
-        constructor, ``backend_class(setup.kv_args, role=Role.DECODE,
+        The default builds one decode manager with the manager factory named by
+        ``--staging-backend MODULE:CLASS=MODULE:FACTORY``, if any, else with the backend's
+        standard constructor, ``backend_class(setup.kv_args, role=Role.DECODE,
         attn_tp_size=setup.attn_tp_size)`` (with single-host options for the in-tree
-        backends), and returns ``setup.start(manager)``; when that constructor does not fit,
-        or the in-tree backend's engine is not installed, it skips the test saying why.
+        backends), and returns ``setup.start(manager)``. When that constructor does not fit,
+        it skips the test saying why in a test file's subclass, and fails it for a backend
+        named by ``--staging-backend`` (skips only for an in-tree backend whose engine is not
+        installed).
         """
-        target = type(self)._backend_target
-        factory = None
-        if target is not None:
-            try:
-                factory = target.load_factory()
-            except BackendLoadError as exc:
-                kit_fail(str(exc))
-        if factory is not None:
-            return factory(setup)
-        try:
-            make = standard_factory(self._backend())
-        except FactoryUnavailable as exc:
-            pytest.skip(f"{exc}; this check {NO_FACTORY_MESSAGE}")
+        make = self._manager_factory(f"this check {NO_FACTORY_MESSAGE}")
         manager = make(setup.kv_args, role=Role.DECODE, attn_tp_size=setup.attn_tp_size)
         return setup.start(manager)
 
@@ -134,19 +134,98 @@ class StagingBackendContract:
 
         Override it when the backend's constructor is not the standard one. The harness calls
         it once per rank, enables staging, wires the managers and starts them, and closes
-        each one afterwards. The default calls the standard constructor (see
-        :meth:`make_decode_manager`) and skips the test, saying why, when it does not fit.
+        each one afterwards. The default uses the ``--staging-backend`` factory or the
+        standard constructor, as :meth:`make_decode_manager` does.
         """
-        try:
-            make = standard_factory(self._backend())
-        except FactoryUnavailable as exc:
-            pytest.skip(f"{exc}; the transfer checks need managers: {NO_MANAGER_FACTORY_MESSAGE}")
+        make = self._manager_factory(
+            f"the transfer checks need managers: {NO_MANAGER_FACTORY_MESSAGE}"
+        )
         return make(kv_args, role=role, attn_tp_size=attn_tp_size)
 
     # ------------------------------------------------------------------ kit internals
 
+    @pytest.fixture(autouse=True)
+    def _kit_node(self, request: pytest.FixtureRequest) -> None:
+        """Note the running test's node id (to point later reports of one failure at it)."""
+        self._kit_nodeid = request.node.nodeid
+
+    def _once(self, key: str, message: str) -> NoReturn:
+        """Fail this test with ``message`` the first time ``key`` fails for this class; skip
+        later tests of the class that need the same thing, pointing at the first."""
+        first = _FIRST_FAILURE.setdefault((type(self), key), self._kit_nodeid)
+        if first != self._kit_nodeid:
+            pytest.skip(f"{key} failed; reported once, in {first}")
+        kit_fail(message)
+
+    def _manager_factory(self, how: str) -> ManagerFactory:
+        """The ``--staging-backend`` factory, else the standard constructor; ``how`` says
+        what to add when the constructor does not fit."""
+        # Outcomes are raised outside the except blocks: pytest would show the caught error
+        # too ("During handling of the above exception"), though the text already says it.
+        target = type(self)._backend_target
+        problem: str | None = None
+        if target is not None:
+            try:
+                factory = target.load_factory()
+            except BackendLoadError as exc:
+                problem = str(exc)
+            else:
+                if factory is not None:
+                    return factory
+            if problem is not None:
+                self._once(f"the factory {target.factory_ref}", problem)
+        backend = self._backend()
+        skip = False
+        try:
+            return standard_factory(backend)
+        except FactoryUnavailable as exc:
+            problem = str(exc)
+            skip = target is None or isinstance(exc, EngineUnavailable)
+        if skip:
+            pytest.skip(problem if target is not None else f"{problem}; {how}")
+        self._once(
+            f"the standard constructor of {class_label(backend)}",
+            f"{problem}: the kit cannot build {class_label(backend)}, so it cannot check its "
+            f"staged transfer. Name a manager factory: --staging-backend "
+            f"{target.class_ref if target else class_label(backend)}=MODULE:FACTORY, where "
+            "FACTORY(kv_args, *, role, attn_tp_size) returns a new, unstarted manager (the "
+            "same factory demo --backend takes)",
+        )
+
+    def _builder(self, hook: str) -> str:
+        """What the author wrote that builds managers for ``hook``: their override, their
+        ``--staging-backend`` factory, or their class's constructor."""
+        if getattr(type(self), hook) is not getattr(StagingBackendContract, hook):
+            return f"{type(self).__name__}.{hook}"
+        target = type(self)._backend_target
+        if target is not None and target.factory_ref is not None:
+            return f"the factory {target.factory_ref}"
+        backend = getattr(type(self), "backend_class", None)
+        if target is not None:
+            backend = target.class_ref.rpartition(":")[2]
+        name = backend if isinstance(backend, str) else class_label(cast(type, backend))
+        return f"the constructor {name}(kv_args, role=..., attn_tp_size=...)"
+
+    def _build_failed(self, hook: str, exc: Exception) -> NoReturn:
+        """Report, once per class, that building a manager raised ``exc``: the author's
+        builder named, the contract's text or the error with the author's frames only."""
+        builder = self._builder(hook)
+        if isinstance(exc, ContractError):
+            message = f"{builder} raised the contract's error:\n{exc}"
+        else:
+            frames = [
+                frame
+                for frame in traceback.extract_tb(exc.__traceback__)
+                if not Path(frame.filename).resolve().is_relative_to(_KIT_DIR)
+            ]
+            trace = "".join(traceback.format_list(frames)).rstrip()
+            message = f"{builder} raised {type(exc).__name__}: {exc}"
+            if trace:
+                message = f"{message}\n\n{trace}"
+        self._once(builder, message)
+
     @classmethod
-    def _backend(cls) -> type:
+    def _backend_class(cls) -> type | None:
         target = cls._backend_target
         if target is not None:
             try:
@@ -154,10 +233,15 @@ class StagingBackendContract:
             except BackendLoadError as exc:
                 kit_fail(str(exc))
         backend = getattr(cls, "backend_class", None)
-        if not isinstance(backend, type):
-            kit_fail(
-                f"{cls.__name__} sets no backend_class: add 'backend_class = MyKVManager' "
-                "to the class body"
+        return backend if isinstance(backend, type) else None
+
+    def _backend(self) -> type:
+        backend = self._backend_class()
+        if backend is None:
+            self._once(
+                "naming the backend (backend_class)",
+                f"{type(self).__name__} sets no backend_class: add 'backend_class = "
+                "MyKVManager' to the class body",
             )
         return backend
 
@@ -165,15 +249,19 @@ class StagingBackendContract:
     def staging_live(self) -> Iterator[LiveDecode]:
         """A live decode manager of the backend, with the kit's peers; closed afterwards."""
         backend = self._backend()
+        failure: Exception | None = None
         try:
             manager = self.make_decode_manager(self.decode_setup)
-        except ContractError as exc:
-            kit_fail(f"make_decode_manager raised the contract's error:\n{exc}")
+        except Exception as exc:  # noqa: BLE001 - reported once, naming the author's builder
+            failure = exc
+        if failure is not None:
+            self._build_failed("make_decode_manager", failure)
         try:
             if not isinstance(manager, backend):
-                kit_fail(
-                    f"make_decode_manager returned a {type(manager).__name__}, not an "
-                    f"instance of {backend.__name__}"
+                self._once(
+                    f"{self._builder('make_decode_manager')} (its type)",
+                    f"{self._builder('make_decode_manager')} returned a "
+                    f"{type(manager).__name__}, not an instance of {backend.__name__}",
                 )
             live = LiveDecode(manager, wait_s=self.wait_s)
         except BaseException:
@@ -417,17 +505,30 @@ class StagingBackendContract:
         idle hook, the message routing, ...) and lists each failed room with its reason.
         """
         backend = self._backend()
+        failures: list[Exception] = []
+
+        def make(kv_args: KVArgs, *, role: Role, attn_tp_size: int) -> TransferManager:
+            try:
+                return self.make_manager(kv_args, role=role, attn_tp_size=attn_tp_size)
+            except Exception as exc:
+                failures.append(exc)
+                raise
+
+        report = None
         try:
             report = run_transfer(
-                self.make_manager,
+                make,
                 prefill_tp=prefill_tp,
                 decode_tp=decode_tp,
                 rooms=self.transfer_rooms,
                 geometry=self.transfer_geometry,
                 timeout_s=self.transfer_timeout_s,
             )
-        except ContractError as exc:
-            kit_fail(f"make_manager raised the contract's error:\n{exc}")
+        except Exception as exc:
+            if not failures or exc is not failures[0]:
+                raise
+        if report is None:
+            self._build_failed("make_manager", failures[0])
         if not report.ok:
             kit_fail(
                 f"the staged transfer from prefill TP {prefill_tp} to decode TP {decode_tp} "

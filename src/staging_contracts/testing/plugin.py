@@ -8,11 +8,16 @@ flag                                        ini key                 meaning
 ``--staging-backend NAME|MODULE:CLASS[=F]`` ``staging_backend``     run the kit on the class
                                             (one per line)          (may repeat); ``F`` is
                                                                     ``MODULE:FACTORY`` of a
-                                                                    decode factory
+                                                                    manager factory
 ==========================================  ======================  =========================
 
 ``NAME`` is an in-tree backend (``local``, ``mooncake``, ``nixl``, ``ascend``) or one registered
-under the ``staging_contracts.backends`` entry-point group. The flag wins over the ini key. For
+under the ``staging_contracts.backends`` entry-point group. ``F`` is called like the standard
+constructor, ``F(kv_args, *, role=..., attn_tp_size=...)``, for each manager the kit builds (its
+decode manager, started with :meth:`~staging_contracts.testing.DecodeSetup.start`, and every
+rank of the transfer checks), as ``demo --backend`` calls it; a function that does not take
+those arguments (a decode factory ``F(setup)``) is one collection error saying which kind is
+expected. The flag wins over the ini key. For
 each backend the plugin adds a test class generated from
 :class:`~staging_contracts.testing.StagingBackendContract`, collected under the node
 ``staging-backend::Test<Class>`` with the session's other tests, so ``-k``, ``-m`` and
@@ -67,7 +72,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     help_text = (
         "run the staging backend contract kit on the backend NAME (in-tree or registered "
         "under the staging_contracts.backends entry points) or MODULE:CLASS (may repeat); "
-        "append =MODULE:FACTORY to name a decode factory for the behaviour tests"
+        "append =MODULE:FACTORY to name the manager factory, FACTORY(kv_args, *, role, "
+        "attn_tp_size), that builds its managers (as for demo --backend)"
     )
     group = parser.getgroup("staging-contracts", "staging backend contract kit")
     group.addoption(
@@ -142,7 +148,9 @@ def pytest_exception_interact(
 
 def _path_hint(error: ModuleNotFoundError, root: Path) -> str | None:
     """Why a module of the project is not found, when it lies at ``root`` or in ``root/src``."""
-    missing = (error.name or "").split(".")[0]
+    missing = error.name or ""
+    if "." in missing:  # the package imports: a submodule is misspelt, sys.path is fine
+        return None
     for folder, entry in ((root, "."), (root / "src", "src")):
         if missing and ((folder / missing).is_dir() or (folder / f"{missing}.py").is_file()):
             cwd = (
@@ -215,9 +223,11 @@ class _KitClass(pytest.Class):
         self._target = target
 
     def collect(self) -> Iterable[pytest.Item | pytest.Collector]:
-        """The kit's tests, or one collection error saying why the backend does not load."""
+        """The kit's tests, or one collection error saying why the backend (or its factory:
+        importable, and taking a manager factory's arguments) does not load."""
         try:
             self._target.load_class()
+            self._target.load_factory()
         except BackendLoadError as exc:
             raise self.CollectError(f"{self._target.spec}: {exc}") from None
         return super().collect()

@@ -12,17 +12,18 @@ not by every test of the kit.
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 import traceback
 from dataclasses import dataclass
 from typing import Final, cast
 
-from ..backends import backend_ref
+from ..backends import BACKENDS, ENTRY_POINT_GROUP, BackendFactory, backend_ref
 from ..contract.contract import Contract
 from ..contract.enforcement import contract_roots
 from ..contract.problems import ContractError
 from ..mixin import STAGING_CONTRACT
-from .decode_setup import DecodeFactory
+from .harness import ManagerFactory
 
 __all__ = ["PATH_HINT", "BackendLoadError", "BackendTarget", "contract_of"]
 
@@ -67,7 +68,9 @@ class BackendTarget:
     class_ref: str
     """``MODULE:CLASS`` of the backend."""
     factory_ref: str | None = None
-    """``MODULE:FUNCTION`` of a :data:`~staging_contracts.testing.DecodeFactory`, if given."""
+    """``MODULE:FUNCTION`` of a manager factory, ``FACTORY(kv_args, *, role, attn_tp_size)``
+    (a :class:`~staging_contracts.testing.ManagerFactory`, as ``demo --backend`` and
+    :func:`~staging_contracts.testing.run_transfer` take it), if given."""
     name: str | None = None
     """The backend's registry or entry-point name, when it was named so."""
 
@@ -97,34 +100,75 @@ class BackendTarget:
         """The class's own name (the last part of its qualified name)."""
         return self.class_ref.rpartition(".")[2].rpartition(":")[2]
 
+    @property
+    def registered(self) -> bool:
+        """Named by an entry point (a name that is not in-tree)."""
+        return self.name is not None and self.name not in BACKENDS
+
     def load_class(self) -> type:
         """Import the backend class.
 
         Raises:
             BackendLoadError: the module does not import (a ``ContractError`` raised by a
                 ``class`` statement included, with its message and the class's explanation),
-                or the name is not a class.
+                or the name is not a class. For a registered name, the message starts
+                ``entry point NAME = MODULE:CLASS of group ...``.
         """
-        obj = _load(self.class_ref, "backend")
+        try:
+            obj = _load(self.class_ref, "backend", path_hint=not self.registered)
+        except BackendLoadError as exc:
+            if self.registered:
+                raise BackendLoadError(
+                    f"entry point {self.name} = {self.class_ref} of group "
+                    f"{ENTRY_POINT_GROUP!r}: {exc}"
+                ) from None
+            raise
         if not isinstance(obj, type):
             raise BackendLoadError(f"{self.class_ref}: {type(obj).__name__} is not a class")
         return obj
 
-    def load_factory(self) -> DecodeFactory | None:
-        """Import the decode factory, if one was named.
+    def load_factory(self) -> ManagerFactory | None:
+        """Import the manager factory, if one was named, checked before it is called.
+
+        The factory of ``--staging-backend MODULE:CLASS=MODULE:FACTORY`` is the same kind
+        everywhere: it builds one unstarted manager of either role, called as
+        ``FACTORY(kv_args, *, role=..., attn_tp_size=...)``, like the standard constructor.
+        The kit builds its decode manager with it (and starts it with
+        :meth:`DecodeSetup.start`), and the transfer checks build every rank with it. What it
+        returns is checked to be an instance of the backend class.
 
         Raises:
-            BackendLoadError: it does not import or is not callable.
+            BackendLoadError: it does not import, is not callable, or cannot be called with
+                those arguments (say, a decode factory ``FACTORY(setup)``: the message says
+                which kind is expected and which was given).
         """
         if self.factory_ref is None:
             return None
-        obj = _load(self.factory_ref, "factory")
+        obj = _load(self.factory_ref, "factory", path_hint=True)
         if not callable(obj):
             raise BackendLoadError(f"{self.factory_ref}: {type(obj).__name__} is not callable")
-        return cast(DecodeFactory, obj)
+        try:
+            signature = inspect.signature(obj)
+        except (TypeError, ValueError) as exc:
+            raise BackendLoadError(
+                f"the signature of the factory {self.factory_ref} cannot be read ({exc})"
+            ) from None
+        try:
+            signature.bind(None, role=None, attn_tp_size=1)
+        except TypeError as exc:
+            raise BackendLoadError(
+                f"the factory {self.factory_ref}{signature} does not take the arguments of a "
+                "manager factory: --staging-backend MODULE:CLASS=MODULE:FACTORY (like demo "
+                "--backend and run_transfer) calls FACTORY(kv_args, *, role=..., "
+                f"attn_tp_size=...) for a new, unstarted manager of either role ({exc}). A "
+                "decode factory FACTORY(setup) is a make_decode_manager(self, setup) on a "
+                "StagingBackendContract subclass in a test file"
+            ) from None
+        cls = self.load_class()
+        return cast(ManagerFactory, BackendFactory(self.spec, cls, obj, takes_host=False))
 
 
-def _load(ref: str, what: str) -> object:
+def _load(ref: str, what: str, *, path_hint: bool) -> object:
     module_name, _, qualname = ref.partition(":")
     try:
         obj: object = importlib.import_module(module_name)
@@ -137,8 +181,12 @@ def _load(ref: str, what: str) -> object:
     except ImportError as exc:
         hint = ""
         missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
-        if missing is not None and module_name.split(".")[0] == missing.split(".")[0]:
-            hint = f" ({PATH_HINT})"
+        top = module_name.split(".")[0]
+        if missing is not None and missing == top:
+            hint = f" ({PATH_HINT})" if path_hint else ""
+        elif missing is not None and f"{module_name}.".startswith(f"{missing}."):
+            parent, _, child = missing.rpartition(".")
+            hint = f" ({parent!r} imports, but has no submodule {child!r}: check the name)"
         raise BackendLoadError(
             f"cannot import the {what} module {module_name!r}: {exc}{hint}"
         ) from None
