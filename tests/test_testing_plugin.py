@@ -481,6 +481,41 @@ def test_unimportable_backend_is_one_collection_error_with_a_path_hint(
     )
 
 
+def test_a_misspelt_submodule_is_named_without_the_path_hint(kit_dir: pytest.Pytester) -> None:
+    """The package imports but its submodule does not: the error names the submodule, and
+    does not send the author after sys.path."""
+    kit_dir.mkpydir("zeta_kv")
+    result = run(kit_dir, "--staging-backend", "zeta_kv.backnd:ZetaKVManager")
+    result.assert_outcomes(errors=1)
+    output = result.stdout.str()
+    assert "'zeta_kv' imports, but has no submodule 'backnd': check the name" in output, output
+    assert "pytest does not put the current directory on sys.path" not in output
+
+
+def test_a_registered_name_whose_module_is_missing_names_its_entry_point(
+    kit_dir: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--staging-backend NAME of an entry point whose module is gone: one collection error
+    that starts with the entry point, and no sys.path hint (the name is not a path)."""
+    info = kit_dir.path / "gone_kv-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: gone-kv\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[staging_contracts.backends]\ngonekv = no_such_gone_kv:GoneKVManager\n"
+    )
+    monkeypatch.syspath_prepend(str(kit_dir.path))
+    result = run(kit_dir, "--staging-backend", "gonekv")
+    result.assert_outcomes(errors=1)
+    output = result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "gonekv: entry point gonekv = no_such_gone_kv:GoneKVManager of group "
+            "'staging_contracts.backends': cannot import the backend module 'no_such_gone_kv'*"
+        ]
+    )
+    assert "pytest does not put the current directory on sys.path" not in output
+
+
 def test_backend_whose_import_raises_is_one_collection_error_with_its_traceback(
     pytester: pytest.Pytester,
 ) -> None:
