@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from staging_contracts.bench import BenchOptions, BenchRow, format_table
 from staging_contracts.cli import main
+from staging_contracts.cluster.runner import ClusterResult, RankReport
 from staging_contracts.cluster.workload import TransferConfig
 
 
@@ -77,30 +80,66 @@ def test_notes_are_marked_and_printed_as_footnotes() -> None:
     assert lines[5:] == ["[1] four writers on both sides", "[2] warmed up"]
 
 
+def _fake_cluster(
+    seen: list[TransferConfig], elapsed: Callable[[TransferConfig, int], float]
+) -> Callable[[TransferConfig], ClusterResult]:
+    """A stand-in for run_cluster: every prefill rank writes its share of the request in
+    ``elapsed(config, run number)`` seconds; ranks report their memory at the done barrier
+    (prefill 3 MiB, decode 5 MiB; on CUDA 7 MiB on the GPU) and decode its ring."""
+
+    def fake(config: TransferConfig) -> ClusterResult:
+        seen.append(config)
+        share = config.request_bytes // config.prefill_tp
+        cuda = {"cuda_max_allocated_bytes": 7 << 20} if config.device == "cuda" else {}
+        memory = {"peak_rss_from": "timed requests", **cuda}
+        prefill = tuple(
+            RankReport(
+                "prefill",
+                p,
+                True,
+                {"bytes_written": share, "peak_rss_before_verify_bytes": 3 << 20, **memory},
+                0,
+            )
+            for p in range(config.prefill_tp)
+        )
+        ring = {"ring_peak": 256 << 20, "ring_size": 128 << 20} if config.mode == "staged" else {}
+        decode = tuple(
+            RankReport(
+                "decode", d, True, {"peak_rss_before_verify_bytes": 5 << 20, **memory, **ring}, 0
+            )
+            for d in range(config.decode_tp)
+        )
+        return ClusterResult(config, prefill + decode, elapsed(config, len(seen)))
+
+    return fake
+
+
+@pytest.fixture
+def verified(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fake run verifies; every engine imports and passes preflight."""
+    from staging_contracts.bench import transfer_bench
+
+    monkeypatch.setattr(ClusterResult, "verified", property(lambda self: True))
+    monkeypatch.setattr(transfer_bench, "engine_available", lambda name: (True, ""))
+    monkeypatch.setattr(transfer_bench, "preflight", lambda config: None)
+
+
+FIXED = {"staged": 0.5, "raw": 0.125, "per-token": 5.0}
+
+
+@pytest.mark.usefixtures("verified")
 def test_transfer_group_builds_its_rows_from_the_three_measurements(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Each engine gets a vs-raw and a vs-per-token row: the staged, raw and per-token runs
     share the processes, request and warm-up (only the mode differs, and the per-token
-    tokens over Mooncake); ratios are staged / anchor GB/s; notes state the terms."""
+    tokens over Mooncake); ratios are staged / anchor GB/s; notes state the terms and what
+    each role's ranks held at the done barrier."""
     from staging_contracts.bench import transfer_bench
-    from staging_contracts.cluster.runner import ClusterResult, RankReport
 
     seen: list[TransferConfig] = []
-    elapsed = {"staged": 0.5, "raw": 0.125, "per-token": 5.0}
-
-    def fake_cluster(config: TransferConfig) -> ClusterResult:
-        seen.append(config)
-        share = config.request_bytes // config.prefill_tp
-        prefill = tuple(
-            RankReport("prefill", p, True, {"bytes_written": share, "peak_rss_bytes": 3 << 20}, 0)
-            for p in range(config.prefill_tp)
-        )
-        return ClusterResult(config, prefill, elapsed[config.mode])
-
-    monkeypatch.setattr(ClusterResult, "verified", property(lambda self: True))
-    monkeypatch.setattr(transfer_bench, "engine_available", lambda name: (True, ""))
-    monkeypatch.setattr(transfer_bench, "run_cluster", fake_cluster)
+    fake = _fake_cluster(seen, lambda config, number: FIXED[config.mode])
+    monkeypatch.setattr(transfer_bench, "run_cluster", fake)
     rows = {row.name: row for row in transfer_bench.run(BenchOptions())}
     assert sorted(rows) == [
         "transfer.mooncake.vs-per-token",
@@ -115,25 +154,189 @@ def test_transfer_group_builds_its_rows_from_the_three_measurements(
     assert raw.ours == pytest.approx(staged)
     assert raw.anchor == pytest.approx(config.request_bytes / 0.125 / 1e9)
     assert raw.ratio == pytest.approx(0.25)
+    assert raw.goal == ">= 0.5"
     assert rows["transfer.nixl.vs-per-token"].ratio == pytest.approx(10.0)
+    assert rows["transfer.nixl.vs-per-token"].goal == ">= 8"
     # Mooncake's per-token run sends fewer tokens with the same writers: compared in GB/s.
     moon = rows["transfer.mooncake.vs-per-token"]
     assert moon.anchor == pytest.approx(config.request_bytes / 8 / 5.0 / 1e9)
     assert "fewer tokens, same writers: compared in GB/s" in moon.note
     assert "fewer tokens" not in rows["transfer.nixl.vs-per-token"].note
     for row in rows.values():
-        assert "4 writer -> 2 receiver processes, 1 warm-up request first" in row.note
-        assert "peak RSS <= 3 MiB" in row.note
-    # Same processes, request and warm-up in every run; three repeats of each mode.
+        assert row.note.startswith(
+            "both: 4 writer -> 2 receiver processes, 1 warm-up request first, 5 rounds, the"
+            " modes in turns (order reversed every other round); ratio per round "
+        )
+        assert "inconclusive" not in row.note
+        assert (
+            "staged: 512 MiB (4096 tokens x 32 layers), peak RSS to done: prefill <= 3,"
+            " decode <= 5 MiB, ring reserved peak 256 of 128 MiB (next-round regions reserved"
+            " ahead, never more in use);" in row.note
+        )
+        assert "CUDA" not in row.note
+        assert "quick" not in row.note
+    # Same processes, request and warm-up in every run; five rounds of each mode.
     assert {(c.prefill_tp, c.decode_tp, c.layers, c.warmup_requests) for c in seen} == {
         (4, 2, 32, 1)
     }
     modes = [(c.backend, c.mode, c.tokens) for c in seen]
     for backend in ("mooncake", "nixl"):
-        assert modes.count((backend, "staged", 4096)) == 3
-        assert modes.count((backend, "raw", 4096)) == 3
-    assert modes.count(("nixl", "per-token", 4096)) == 3
-    assert modes.count(("mooncake", "per-token", 512)) == 3
+        assert modes.count((backend, "staged", 4096)) == 5
+        assert modes.count((backend, "raw", 4096)) == 5
+    assert modes.count(("nixl", "per-token", 4096)) == 5
+    assert modes.count(("mooncake", "per-token", 512)) == 5
+
+
+@pytest.mark.usefixtures("verified")
+def test_transfer_modes_alternate_within_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every round runs each mode once, the order reversed every other round: no mode
+    always runs first, and no block of one mode's runs."""
+    from staging_contracts.bench import transfer_bench
+
+    seen: list[TransferConfig] = []
+    fake = _fake_cluster(seen, lambda config, number: FIXED[config.mode])
+    monkeypatch.setattr(transfer_bench, "run_cluster", fake)
+    transfer_bench.run(BenchOptions(backends=("nixl",)))
+    forward = ["staged", "raw", "per-token"]
+    assert [c.mode for c in seen] == [*forward, *forward[::-1]] * 2 + forward
+
+
+@pytest.mark.usefixtures("verified")
+def test_a_spread_that_straddles_the_goal_is_inconclusive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rounds whose ratios fall on both sides of the goal: the note gives the lowest and
+    highest ratio per round and says inconclusive; the goal itself is kept."""
+    from staging_contracts.bench import transfer_bench
+
+    seen: list[TransferConfig] = []
+
+    def elapsed(config: TransferConfig, number: int) -> float:
+        if config.mode == "staged":  # rounds 1, 3, 5 fast (ratio 1.0), 2, 4 slow (0.25)
+            return 0.125 if (number - 1) // 3 % 2 == 0 else 0.5
+        return FIXED[config.mode]
+
+    monkeypatch.setattr(transfer_bench, "run_cluster", _fake_cluster(seen, elapsed))
+    rows = {row.name: row for row in transfer_bench.run(BenchOptions(backends=("nixl",)))}
+    raw = rows["transfer.nixl.vs-raw"]
+    assert raw.goal == ">= 0.5"
+    assert "ratio per round 0.25 to 1 (5 rounds): inconclusive against >= 0.5;" in raw.note
+    per_token = rows["transfer.nixl.vs-per-token"]  # 10 to 40: every round meets >= 8
+    assert "ratio per round 10 to 40 (5 rounds);" in per_token.note
+
+
+def test_spread_note_verdicts() -> None:
+    """Inconclusive only when some rounds meet the goal and others do not."""
+    assert transfer_bench_spread([0.4, 0.6], ">= 0.5") == (
+        "ratio per round 0.4 to 0.6 (2 rounds): inconclusive against >= 0.5"
+    )
+    assert transfer_bench_spread([0.6, 0.7], ">= 0.5") == "ratio per round 0.6 to 0.7 (2 rounds)"
+    assert transfer_bench_spread([0.3, 0.4], ">= 0.5") == "ratio per round 0.3 to 0.4 (2 rounds)"
+    assert transfer_bench_spread([0.4, 0.6], "") == "ratio per round 0.4 to 0.6 (2 rounds)"
+
+
+def transfer_bench_spread(ratios: list[float], goal: str) -> str:
+    from staging_contracts.bench.transfer_bench import spread_note
+
+    return spread_note(ratios, goal)
+
+
+@pytest.mark.usefixtures("verified")
+def test_quick_transfer_rows_have_no_goal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quick mode is a smoke test: one round, no goal, and the note says so first."""
+    from staging_contracts.bench import transfer_bench
+
+    seen: list[TransferConfig] = []
+    fake = _fake_cluster(seen, lambda config, number: FIXED[config.mode])
+    monkeypatch.setattr(transfer_bench, "run_cluster", fake)
+    rows = transfer_bench.run(BenchOptions(quick=True, backends=("nixl",)))
+    assert [row.goal for row in rows] == ["", ""]
+    assert [row.goal_met for row in rows] == [None, None]
+    for row in rows:
+        assert row.note.startswith("quick: smoke only; both: 4 writer -> 2 receiver processes")
+        assert "1 round; ratio per round" in row.note
+        assert "inconclusive" not in row.note
+    assert len(seen) == 3
+
+
+@pytest.mark.usefixtures("verified")
+def test_on_cuda_the_note_says_the_transfers_are_within_one_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--device cuda: every rank uses the same GPU, and each role's CUDA peak is given."""
+    from staging_contracts.bench import transfer_bench
+
+    seen: list[TransferConfig] = []
+    fake = _fake_cluster(seen, lambda config, number: FIXED[config.mode])
+    monkeypatch.setattr(transfer_bench, "run_cluster", fake)
+    rows = transfer_bench.run(BenchOptions(device="cuda", backends=("nixl",)))
+    assert {c.device for c in seen} == {"cuda"}
+    for row in rows:
+        assert "CUDA peak allocated: prefill <= 7, decode <= 7 MiB" in row.note
+        assert row.note.endswith(
+            "; CUDA: every rank on its current device, the same GPU: transfers within one"
+            " GPU, not across GPUs"
+        )
+
+
+@pytest.mark.usefixtures("verified")
+def test_an_engine_that_fails_is_marked_failed_and_the_others_are_measured(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Mooncake's raw run does not verify: its two rows say FAILED and why (no figures, no
+    goal), the error is logged, and NIXL's rows are measured as usual."""
+    from staging_contracts.bench import transfer_bench
+
+    seen: list[TransferConfig] = []
+    fake = _fake_cluster(seen, lambda config, number: FIXED[config.mode])
+    bad = ClusterResult(transfer_bench.staged_config("mooncake"), (), 0.0)
+
+    def flaky(config: TransferConfig) -> ClusterResult:
+        if config.backend == "mooncake" and config.mode == "raw":
+            return replace(bad, timed_out=True)
+        return fake(config)
+
+    monkeypatch.setattr(ClusterResult, "verified", property(lambda self: not self.timed_out))
+    monkeypatch.setattr(transfer_bench, "run_cluster", flaky)
+    with caplog.at_level("ERROR", logger=transfer_bench.__name__):
+        rows = {row.name: row for row in transfer_bench.run(BenchOptions())}
+    assert sorted(rows) == [
+        "transfer.mooncake.vs-per-token",
+        "transfer.mooncake.vs-raw",
+        "transfer.nixl.vs-per-token",
+        "transfer.nixl.vs-raw",
+    ]
+    for name in ("transfer.mooncake.vs-raw", "transfer.mooncake.vs-per-token"):
+        row = rows[name]
+        assert (row.ours, row.anchor, row.ratio, row.goal) == (0.0, 0.0, 0.0, "")
+        assert row.note.startswith("FAILED: RunFailed: raw transfer did not verify (timed out)")
+    assert rows["transfer.nixl.vs-raw"].ratio == pytest.approx(0.25)
+    assert "mooncake failed, its rows are marked failed" in caplog.text
+
+
+@pytest.mark.usefixtures("verified")
+def test_an_engine_that_cannot_run_on_the_device_is_skipped_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """preflight refuses Mooncake on CUDA: it gets no rows and the reason is logged; NIXL
+    is measured."""
+    from staging_contracts.bench import transfer_bench
+
+    def refuse(config: TransferConfig) -> None:
+        if config.backend == "mooncake":
+            raise ValueError("--backend mooncake --device cuda: built without CUDA")
+
+    seen: list[TransferConfig] = []
+    fake = _fake_cluster(seen, lambda config, number: FIXED[config.mode])
+    monkeypatch.setattr(transfer_bench, "preflight", refuse)
+    monkeypatch.setattr(transfer_bench, "run_cluster", fake)
+    with caplog.at_level("WARNING", logger=transfer_bench.__name__):
+        rows = transfer_bench.run(BenchOptions(device="cuda"))
+    assert [row.name for row in rows] == ["transfer.nixl.vs-raw", "transfer.nixl.vs-per-token"]
+    assert {c.backend for c in seen} == {"nixl"}
+    assert "skipping mooncake (--backend mooncake --device cuda: built without CUDA)" in (
+        caplog.text
+    )
 
 
 def test_bench_control_measures_plain_and_curve_rates(tmp_path: Path) -> None:
