@@ -19,7 +19,7 @@ def test_bench_contract_writes_json_rows(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """bench contract prints a table and writes the documented JSON keys, the warm and the
-    cold instance checks with notes."""
+    cold instance checks with notes; quick rows have no goal."""
     out_path = tmp_path / "rows.json"
     assert main(["bench", "contract", "--quick", "--json", str(out_path)]) == 0
     rows = json.loads(out_path.read_text())
@@ -33,8 +33,10 @@ def test_bench_contract_writes_json_rows(
         assert set(row) == {"name", "ours", "anchor", "unit", "ratio", "goal", "note"}
         assert row["ours"] > 0
         assert row["anchor"] > 0
-    assert [r["goal"] for r in rows] == ["<= 1.02", "<= 0.3", "<= 1.0", ""]
-    assert [bool(r["note"]) for r in rows] == [False, True, True, False]
+    # quick: a smoke test, no goal; every note says so first
+    assert [r["goal"] for r in rows] == ["", "", "", ""]
+    assert [r["note"].startswith("quick: smoke only") for r in rows] == [True] * 4
+    assert [r["note"] == "quick: smoke only" for r in rows] == [True, False, False, True]
     table = capsys.readouterr().out
     assert table.splitlines()[0].split() == [
         "name",
@@ -349,7 +351,8 @@ def test_bench_control_measures_plain_and_curve_rates(tmp_path: Path) -> None:
         "control.staging-req-rate",
         "control.staging-req-rate.curve",
     ]
-    assert [r["goal"] for r in rows] == [">= 0.5", ">= 0.8"]
+    assert [r["goal"] for r in rows] == ["", ""]  # quick: a smoke test, no goal
+    assert [r["note"] for r in rows] == ["quick: smoke only"] * 2
     assert rows[1]["anchor"] == rows[0]["ours"]
     for row in rows:
         assert row["ours"] > 0

@@ -40,7 +40,8 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from dataclasses import replace
+from typing import Final, NamedTuple
 
 import torch
 
@@ -57,6 +58,8 @@ from ..staging.layout import (
 from ..staging.ordering import ordering_for
 from . import BenchOptions, BenchRow, ratio_row
 from .timing import alternating_seconds, interleaved_ns_per_call
+
+_QUICK: Final = "quick: smoke only"
 
 __all__ = ["run"]
 
@@ -391,5 +394,9 @@ def _alloc_scaling(quick: bool) -> list[BenchRow]:
 
 def run(options: BenchOptions) -> list[BenchRow]:
     """Run the group on ``options.device``; ``options.quick`` trades size and precision for
-    time (smoke tests)."""
-    return [*_bandwidths(options), *_alloc_scaling(options.quick)]
+    time (smoke tests): its rows have no goal, and their notes start with
+    ``quick: smoke only``."""
+    rows = [*_bandwidths(options), *_alloc_scaling(options.quick)]
+    if options.quick:  # small sizes, few repetitions: nothing to judge against a goal
+        rows = [replace(r, goal="", note="; ".join(filter(None, (_QUICK, r.note)))) for r in rows]
+    return rows
