@@ -12,21 +12,27 @@ runs on the same host, whatever address the control listeners bind):
 * ``peers``: the current ranks of the other side (:class:`~.bootstrap.RankInfo` as JSON).
   The rank trusts their listeners by the CURVE keys they published (a no-op without a cluster
   secret); decode points its per-request layer at their listeners; prefill adds the engines of
-  decode sessions it does not know yet and writes new rooms to the ranks given.
+  decode sessions it does not know yet and writes new rooms to the ranks given. Once done the
+  rank answers with a ``peers`` event: from then on it can open rooms (the driver sends a
+  rank no room before that answer).
 * ``room``: ``room`` id and workload request ``index``. Decode zeroes that request's pages and
   registers the room (``KVReceiver.init`` and ``send_metadata``); prefill opens it and queues
   every chunk (``KVSender.init`` and ``send``). A thread per room waits for its end (bounded
-  by :attr:`RankSettings.room_bound_s`), reports it, and releases it.
+  by :attr:`RankSettings.room_bound_s`), reports it, and releases it. A room that comes
+  before the rank knows its peers waits for them, up to :attr:`RankSettings.peers_wait_s`,
+  then is reported ``failed``; a room that cannot be opened (the call raised) is reported
+  ``failed`` with the error as its reason (and an ``error`` event): every room command is
+  answered by one ``room`` event.
 * ``status``: answers with the rank's counters (ring use, fences, open rooms, listener
   health, malformed messages, control messages dropped by the ``drop`` fault).
 * ``stop``: close the backend and exit.
 
 **Events** (rank → driver; each carries ``kind``, ``role``, ``rank``, ``pid`` and ``t``, the
 rank's ``time.monotonic()``, which is the same clock in every process of the host):
-``ready`` (its ``RankInfo`` and command endpoint), ``room`` (``state`` ``ok``, ``failed`` or
-``hung``; decode adds ``verified`` and the first mismatches), ``status``, ``error`` (a command
-that raised; the rank lives on), ``listener_down`` (its control listener thread ended) and
-``exit``.
+``ready`` (its ``RankInfo`` and command endpoint), ``peers`` (it took a ``peers`` command;
+``count``: how many ranks), ``room`` (``state`` ``ok``, ``failed`` or ``hung``; decode adds
+``verified`` and the first mismatches), ``status``, ``error`` (a command that raised; the rank
+lives on), ``listener_down`` (its control listener thread ended) and ``exit``.
 
 **Fault ``drop``:** with :attr:`RankSettings.drop_share` above 0, the rank's
 ``PeerSockets.send`` drops that share of its outgoing control messages (a seeded draw): every
@@ -47,7 +53,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import torch
 import zmq
@@ -64,7 +70,15 @@ from ..staging.layout import compute_staging_layout
 from .bootstrap import RankInfo
 from .workload import TransferConfig, fill_prefill_pool, request_plans, verify_decode_pool
 
-__all__ = ["DropCounter", "RankSettings", "install_drop", "ring_bytes", "soak_rank_main"]
+__all__ = [
+    "CommandLoop",
+    "DropCounter",
+    "EventSink",
+    "RankSettings",
+    "install_drop",
+    "ring_bytes",
+    "soak_rank_main",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +111,9 @@ class RankSettings:
     room_bound_s: float = 45.0
     """A room not ended on this rank this long after its ``room`` command is reported
     ``hung`` (and released)."""
+    peers_wait_s: float = 5.0
+    """Longest a ``room`` command that came before the rank knew its peers waits for them;
+    then the room is reported ``failed``."""
     drop_share: float = 0.0
     """Share of outgoing control messages the ``drop`` fault discards (0: none)."""
     seed: int = 0
@@ -203,6 +220,13 @@ def soak_rank_main(role: str, rank: int, settings: RankSettings, driver: str) ->
         events.close()
 
 
+class EventSink(Protocol):
+    """Where a rank's events go (the driver's socket; a list in tests)."""
+
+    def send(self, kind: str, **fields: Any) -> None:
+        """Send one event; never raises (a lost event is logged)."""
+
+
 class _Events:
     """The rank's PUSH socket to the driver; ``send`` may be called from any thread."""
 
@@ -216,27 +240,156 @@ class _Events:
 
     def send(self, kind: str, **fields: Any) -> None:
         event = {"kind": kind, **self._head, "t": time.monotonic(), **fields}
+        data = json.dumps(event, default=str).encode()  # any field: never a TypeError
         with self._lock:
             try:
-                self._sock.send(json.dumps(event).encode())
-            except zmq.Again:
-                logger.error("the driver takes no events; %s event dropped", kind)
+                self._sock.send(data)
+            except zmq.ZMQError as exc:  # zmq.Again (the driver takes none), or closed
+                logger.error("%s event dropped: %s", kind, exc)
 
     def close(self) -> None:
         with self._lock:
             self._sock.close()
 
 
-class _RankServer:
+class CommandLoop:
+    """A soak rank's command handling, apart from its backend: ``peers``, ``room``,
+    ``status`` (``stop`` ends :meth:`command`). Subclasses supply the side:
+    :meth:`peers_known`, :meth:`on_peers`, :meth:`open_room` and :meth:`status`.
+
+    Every ``room`` command is answered by exactly one ``room`` event, whatever happens:
+
+    * before :meth:`peers_known`, the room waits (in :attr:`waiting_rooms`) for a ``peers``
+      command, and opens when one is taken; :meth:`expire` fails it once it waited
+      :attr:`RankSettings.peers_wait_s` (``no peers known ...``);
+    * when :meth:`open_room` raises, the room fails with ``rank error: ...`` (and an
+      ``error`` event says which command failed);
+    * otherwise a thread waits for its end (``open_room``'s function, bounded by the
+      subclass) and reports it; an exception there fails the room too.
+
+    **Threads:** :meth:`command` and :meth:`expire` are called on the rank's main thread;
+    the room threads only call ``events.send`` (thread-safe). ``clock`` is
+    ``time.monotonic`` unless a test gives its own.
+    """
+
+    def __init__(
+        self,
+        events: EventSink,
+        settings: RankSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.events = events
+        self.settings = settings
+        self.clock = clock
+        self.threads: list[threading.Thread] = []
+        self.waiting_rooms: list[tuple[int, int, float]] = []
+        """Rooms that came before the peers: ``(room, index, deadline)``, in order."""
+
+    # ------------------------------------------------------------------ to override
+
+    def peers_known(self) -> bool:
+        """Whether a ``peers`` command was taken (rooms can open)."""
+        raise NotImplementedError
+
+    def on_peers(self, ranks: list[RankInfo]) -> None:
+        raise NotImplementedError
+
+    def open_room(self, room: int, index: int) -> Callable[[], dict[str, Any]]:
+        """Start a room; returns the function its thread calls to wait, report and release."""
+        raise NotImplementedError
+
+    def status(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ commands
+
+    def command(self, raw: bytes) -> bool:
+        """Run one command; ``False`` on ``stop``. A failing command is reported, not fatal."""
+        try:
+            doc = json.loads(raw)
+            name = doc["cmd"]
+            if name == "stop":
+                return False
+            if name == "peers":
+                ranks = [RankInfo.from_json(item) for item in doc["ranks"]]
+                self.on_peers(ranks)
+                self.events.send("peers", count=len(ranks))
+                self._open_waiting()
+            elif name == "room":
+                self._room(int(doc["room"]), int(doc["index"]))
+            elif name == "status":
+                self.events.send("status", id=doc.get("id"), **self.status())
+            else:
+                raise ValueError(f"unknown command {name!r}")
+        except Exception as exc:  # a bad command or a failing call: report, keep serving
+            logger.exception("command failed")
+            self.events.send("error", error=f"{type(exc).__name__}: {exc}", command=raw[:200].hex())
+        return True
+
+    def expire(self) -> None:
+        """Fail the rooms that waited for peers longer than ``peers_wait_s``."""
+        now = self.clock()
+        due = [item for item in self.waiting_rooms if item[2] <= now]
+        if not due:
+            return
+        self.waiting_rooms = [item for item in self.waiting_rooms if item[2] > now]
+        for room, index, _ in due:
+            reason = f"no peers known {self.settings.peers_wait_s:g} s after the room came"
+            self.events.send("room", room=room, index=index, state="failed", reason=reason, t=now)
+
+    def _room(self, room: int, index: int) -> None:
+        if self.peers_known():
+            self._start(room, index)
+        else:
+            deadline = self.clock() + self.settings.peers_wait_s
+            self.waiting_rooms.append((room, index, deadline))
+
+    def _open_waiting(self) -> None:
+        waiting, self.waiting_rooms = self.waiting_rooms, []
+        for room, index, _ in waiting:
+            self._start(room, index)
+
+    def _start(self, room: int, index: int) -> None:
+        try:
+            finish = self.open_room(room, index)
+        except Exception as exc:  # the room fails with the error; the rank lives on
+            logger.exception("room %d: opening it failed", room)
+            error = f"{type(exc).__name__}: {exc}"
+            self.events.send("error", error=f"room {room}: {error}")
+            self.events.send(
+                "room",
+                room=room,
+                index=index,
+                state="failed",
+                reason=f"rank error: opening the room failed: {error}",
+                t=self.clock(),
+            )
+            return
+
+        def run() -> None:
+            try:
+                fields = finish()
+            except Exception as exc:  # the room's end could not be read: say so
+                logger.exception("room %d: waiting for its end failed", room)
+                fields = {"state": "failed", "reason": f"rank error: {type(exc).__name__}: {exc}"}
+            self.events.send("room", room=room, index=index, **fields)
+
+        thread = threading.Thread(target=run, name=f"soak-room-{room}", daemon=True)
+        thread.start()
+        self.threads = [t for t in self.threads if t.is_alive()]
+        self.threads.append(thread)
+
+
+class _RankServer(CommandLoop):
     """What both sides share: the backend, the command loop, status, the room threads."""
 
     role: Role
 
     def __init__(self, rank: int, settings: RankSettings, events: _Events) -> None:
+        super().__init__(events, settings)
         self.rank = rank
-        self.settings = settings
         self.config = settings.transfer
-        self.events = events
         tp = self.config.prefill_tp if self.role is Role.PREFILL else self.config.decode_tp
         self.tp = tp
         self.pool: KVBufferTensors = self.config.empty_pool(tp, rank)
@@ -257,20 +410,12 @@ class _RankServer:
         if settings.drop_share > 0:
             rng = random.Random(f"{settings.seed}-{self.role.value}-{rank}-{os.getpid()}")
             self.drops = install_drop(self.manager.peers, settings.drop_share, rng)
-        self.threads: list[threading.Thread] = []
         self.listener_reported = False
         self.closed = False
 
     # ------------------------------------------------------------------ to override
 
     def info(self) -> RankInfo:
-        raise NotImplementedError
-
-    def on_peers(self, ranks: list[RankInfo]) -> None:
-        raise NotImplementedError
-
-    def open_room(self, room: int, index: int) -> Callable[[], dict[str, Any]]:
-        """Start a room; returns the function its thread calls to wait, report and release."""
         raise NotImplementedError
 
     def side_status(self) -> dict[str, Any]:
@@ -292,50 +437,15 @@ class _RankServer:
             gc.freeze()  # as rank.py: keep start-up objects out of the collector's walks
             self.events.send("ready", info=self.info().to_json(), commands=endpoint)
             while True:
-                if commands.poll(COMMAND_POLL_MS) and not self._command(commands.recv()):
+                if commands.poll(COMMAND_POLL_MS) and not self.command(commands.recv()):
                     return
+                self.expire()
                 self._check_listener()
                 if os.getppid() != parent:
                     logger.error("the soak driver is gone; exiting")
                     return
         finally:
             commands.close(linger=0)
-
-    def _command(self, raw: bytes) -> bool:
-        """Run one command; ``False`` on ``stop``. A failing command is reported, not fatal."""
-        try:
-            doc = json.loads(raw)
-            name = doc["cmd"]
-            if name == "stop":
-                return False
-            if name == "peers":
-                self.on_peers([RankInfo.from_json(item) for item in doc["ranks"]])
-            elif name == "room":
-                self._room(int(doc["room"]), int(doc["index"]))
-            elif name == "status":
-                self.events.send("status", id=doc.get("id"), **self.status())
-            else:
-                raise ValueError(f"unknown command {name!r}")
-        except Exception as exc:  # a bad command or a failing call: report, keep serving
-            logger.exception("command failed")
-            self.events.send("error", error=f"{type(exc).__name__}: {exc}", command=raw[:200].hex())
-        return True
-
-    def _room(self, room: int, index: int) -> None:
-        finish = self.open_room(room, index)
-
-        def run() -> None:
-            try:
-                fields = finish()
-            except Exception as exc:  # the room's end could not be read: say so
-                logger.exception("room %d: waiting for its end failed", room)
-                fields = {"state": "failed", "reason": f"rank error: {type(exc).__name__}: {exc}"}
-            self.events.send("room", room=room, index=index, **fields)
-
-        thread = threading.Thread(target=run, name=f"soak-room-{room}", daemon=True)
-        thread.start()
-        self.threads = [t for t in self.threads if t.is_alive()]
-        self.threads.append(thread)
 
     def _check_listener(self) -> None:
         if not self.listener_reported and not self.common.listener.alive:
@@ -355,6 +465,7 @@ class _RankServer:
             "control_sent": self.drops.sent,
             "control_dropped": self.drops.dropped,
             "room_threads": sum(t.is_alive() for t in self.threads),
+            "waiting_rooms": len(self.waiting_rooms),
             **self.side_status(),
         }
 
@@ -416,14 +527,21 @@ class _DecodeServer(_RankServer):
                 endpoints, self.config.prefill_tp, self.config.decode_tp, self.rank
             )
 
+    def peers_known(self) -> bool:
+        return self.transfers is not None
+
     def open_room(self, room: int, index: int) -> Callable[[], dict[str, Any]]:
-        if self.transfers is None:
+        if self.transfers is None:  # CommandLoop holds rooms until the peers are known
             raise RuntimeError("a room before the prefill ranks are known")
         plan = self.plans[index]
         self._zero(plan.decode_pages)
         receiver = KVReceiver(self.transfers, room)
         receiver.init(plan.decode_pages, chunk_pages=self.config.chunk_pages)
-        receiver.send_metadata()
+        try:
+            receiver.send_metadata()
+        except Exception:  # the room fails (CommandLoop reports it): leave nothing held
+            _release_after_failure(room, receiver.release)
+            raise
         deadline = time.monotonic() + self.settings.room_bound_s
 
         def finish() -> dict[str, Any]:
@@ -511,15 +629,23 @@ class _PrefillServer(_RankServer):
             for i in ordered
         ]
 
+    def peers_known(self) -> bool:
+        return bool(self.targets)
+
     def open_room(self, room: int, index: int) -> Callable[[], dict[str, Any]]:
-        if not self.targets:
+        if not self.targets:  # CommandLoop holds rooms until the peers are known
             raise RuntimeError("a room before the decode ranks are known")
         plan = self.plans[index]
         sender = KVSender(self.transfers, room)
         sender.init(self.config.num_pages, self.targets)
         chunks = list(self.config.chunks())
-        for number, (start, count) in enumerate(chunks):
-            sender.send(plan.prefill_pages[start : start + count], last=number == len(chunks) - 1)
+        try:
+            for number, (start, count) in enumerate(chunks):
+                pages = plan.prefill_pages[start : start + count]
+                sender.send(pages, last=number == len(chunks) - 1)
+        except Exception:  # the room fails (CommandLoop reports it): leave nothing held
+            _release_after_failure(room, sender.release)
+            raise
         deadline = time.monotonic() + self.settings.room_bound_s
         with self.lock:
             self.open += 1
@@ -553,3 +679,12 @@ class _PrefillServer(_RankServer):
 def _key_text(key: bytes | None) -> str:
     """A CURVE public key as :class:`RankInfo` carries it (empty without a cluster secret)."""
     return "" if key is None else key.decode("ascii")
+
+
+def _release_after_failure(room: int, release: Callable[[], None]) -> None:
+    """Release a room whose opening failed; a failing release is logged (the opening's error
+    is the one reported)."""
+    try:
+        release()
+    except Exception:  # the room already fails with the first error
+        logger.exception("room %d: releasing it after a failed opening failed too", room)
