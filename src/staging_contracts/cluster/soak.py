@@ -14,6 +14,18 @@ reported the previous room on it, and a decode rank zeroes the pages first, so a
 moves nothing cannot verify. While a killed rank is down, rooms keep coming to the survivors,
 with the peers they know (a router has not noticed either).
 
+**Rooms go only to ranks that know their peers.** A rank is sent rooms once it answered a
+``peers`` command (its ``peers`` event), never merely because it is ``ready``: a restarted rank
+is sent every rank's ``peers`` as soon as it is ready (the survivors learn of it at the same
+time), and rooms reach it only after it answered. Every room is settled with a reason: a rank
+that could not open a room reports it ``failed`` (``rank error: ...``), a room command that
+could not be sent counts as failed on that rank, and a room a live rank never reported is
+``hung`` ``room_bound_s + HUNG_SLACK_S`` after it was issued (no wait lasts longer).
+
+**One clock:** every time the soak reports (the progress lines, each fault's ``at_s``, the
+elapsed time) is in seconds since the soak started (:attr:`SoakResult.elapsed_s`'s zero: just
+before the rank processes start). A progress line is stamped with the time its fault began.
+
 **Threads:** one; :func:`run_soak` blocks and calls ``progress`` on its own thread (the flood
 sends from two threads of its own). Every wait is bounded (the ``*_S`` constants and the
 config's bounds); every process it started is gone when it returns.
@@ -21,6 +33,7 @@ config's bounds); every process it started is gone when it returns.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -60,6 +73,7 @@ __all__ = [
     "LONG_STALL_EXTRA_S",
     "MAX_REVIVALS",
     "NEEDED_S",
+    "PEERS_S",
     "SHORT_STALL_S",
     "STARTUP_S",
     "STATUS_EVERY_S",
@@ -78,6 +92,8 @@ LONG_STALL_EXTRA_S: Final = 1.5
 """How much longer than the liveness timeout ``stall-long`` stops a prefill rank."""
 STARTUP_S: Final = 120.0
 """Longest a rank process may take to report ``ready``."""
+PEERS_S: Final = 10.0
+"""Longest a rank may take to answer ``peers``; rooms pause meanwhile (see ``_top_up``)."""
 STATUS_EVERY_S: Final = 2.0
 """How often the driver asks every rank for its counters while the soak runs."""
 STATUS_S: Final = 10.0
@@ -103,7 +119,8 @@ RankKey = tuple[str, int]
 
 
 ProgressCallback = Callable[[str], None]
-"""Called on the driver's thread with one line about each fault as it ends."""
+"""Called on the driver's thread with one line about each fault as it ends; the line starts
+with the time the fault began, in seconds since the soak started (the summary's clock)."""
 
 
 def run_soak(config: SoakConfig, *, progress: ProgressCallback | None = None) -> SoakResult:
@@ -148,6 +165,10 @@ class _Rank:
     pid: int | None = None
     info: RankInfo | None = None
     commands: zmq.Socket[bytes] | None = None
+    peers_sent: float | None = None
+    """When it was last sent ``peers`` (``time.monotonic()``)."""
+    peered: bool = False
+    """It answered a ``peers`` command: it can open rooms, and only now is it sent any."""
     killed: bool = False
     """The soak killed this process (its death is expected)."""
     gone: bool = False
@@ -197,6 +218,9 @@ class _Driver:
         self.next_room = 1_000_000
         self.free = list(range(config.transfer().requests))
         self.issuing = False
+        self.peering = False
+        """The first ``peers`` went out: a rank that is ready from now on (a restarted one) is
+        sent every rank's peers at once."""
         self.start = time.monotonic()
         self.ended = self.start
         self.last_status_poll = 0.0
@@ -205,6 +229,8 @@ class _Driver:
         self.last_status: dict[int, dict[str, Any]] = {}
         """Process id -> its latest status (so killed processes' counts are kept)."""
         self.kills: list[KillRecord] = []
+        self.replacements: list[_Rank | None] = []
+        """The new process of each kill (``None``: it did not take its peers in time)."""
         self.stalls: list[StallRecord] = []
         self.floods: list[FloodRecord] = []
         self.injected: Counter[str] = Counter()
@@ -226,8 +252,11 @@ class _Driver:
             self._spawn(key)
         if not self._wait(self._all_ready, STARTUP_S):
             raise RuntimeError(f"rank processes not ready in {STARTUP_S:.0f} s: {self._unready()}")
-        self.startup_s = time.monotonic() - self.start
         self._send_peers()
+        self.peering = True
+        if not self._wait(self._all_peered, PEERS_S):
+            raise RuntimeError(f"rank processes did not take their peers: {self._unpeered()}")
+        self.startup_s = time.monotonic() - self.start
         self.issuing = True
         run_from = time.monotonic()
         cycle = [name for name in FAULT_ORDER if name in config.faults and name != "drop"]
@@ -237,18 +266,31 @@ class _Driver:
             if all(self.injected[name] for name in cycle):
                 upcoming = cycle[turn % len(cycle)] if cycle else None
                 if upcoming is None or remaining < config.settle_s + self._estimate(upcoming):
-                    self._wait(_never, max(0.0, remaining))
+                    # Fault-free time after the last fault too: the ranks it hit (a restarted
+                    # one) serve rooms again before the end.
+                    settle = config.settle_s if turn else 0.0
+                    self._wait(_never, max(settle, remaining))
                     break
             self._wait(_never, config.settle_s)
             self._inject(cycle[turn % len(cycle)])
             turn += 1
         self.issuing = False
-        self._wait(lambda: not self._unsettled(), config.room_bound_s + HUNG_SLACK_S)
+        bound = config.room_bound_s + HUNG_SLACK_S
+        self._wait(lambda: not self._unsettled(), self._until_hung(self._unsettled()))
         for room in self._unsettled():
-            self._settle(room, hung=f"no report in {config.room_bound_s + HUNG_SLACK_S:.0f} s")
+            self._settle(room, hung=f"no report in {bound:.0f} s")
         self.idle = self._wait_idle()
         if "drop" in config.faults and self._drops()[1]:
             self.injected["drop"] = 1
+
+    def _until_hung(self, rooms: list[_Room]) -> float:
+        """Seconds until the last of ``rooms`` counts as hung (the longest a wait for them
+        needs: ``_step`` settles each one then)."""
+        if not rooms:
+            return 0.0
+        last = max(room.issued for room in rooms)
+        bound = self.config.room_bound_s + HUNG_SLACK_S
+        return max(0.0, last + bound - time.monotonic()) + 2 * _PUMP_S
 
     def _estimate(self, fault: str) -> float:
         """About how long injecting ``fault`` takes (to not start one past the duration)."""
@@ -317,8 +359,9 @@ class _Driver:
         self._died(rank, at, unexpected=False)
 
     def _died(self, rank: _Rank, at: float, *, unexpected: bool) -> None:
-        """A rank died: time how the others take it, then start a new process for it and
-        tell every rank (rooms keep coming to the survivors meanwhile, see ``_top_up``)."""
+        """A rank died: time how the others take it, then start a new process for it; once
+        it is ready every rank is sent the peers (``_ready``), and once it took them rooms
+        reach it again (rooms keep coming to the survivors meanwhile, see ``_top_up``)."""
         rank.gone = True
         if unexpected:
             self.unexpected.append(
@@ -332,8 +375,7 @@ class _Driver:
             room.lost.add(rank.key)
             self._maybe_settle(room)
         self._wait(
-            lambda: all(r.outcome is not None for r in dependent),
-            self.config.room_bound_s + HUNG_SLACK_S,
+            lambda: all(r.outcome is not None for r in dependent), self._until_hung(dependent)
         )
         failed_at = [
             float(report["t"])
@@ -350,10 +392,11 @@ class _Driver:
             rank.commands.close(linger=0)
             rank.commands = None
         new = self._spawn(rank.key)
-        back = self._wait(lambda: new.info is not None, STARTUP_S)
+        back = self._wait(lambda: new.info is not None, STARTUP_S) and self._wait(
+            lambda: new.peered, PEERS_S
+        )
         restart = time.monotonic() - at if back else None
-        if back:
-            self._send_peers()
+        self.replacements.append(new if back else None)
         record = KillRecord(
             rank.key[0],
             rank.key[1],
@@ -367,10 +410,11 @@ class _Driver:
         self.kills.append(record)
         detected = "no room failed" if detect is None else f"detected in {detect:.2f} s"
         self._say(
+            at,
             f"{'died' if unexpected else 'killed'} {rank.key[0]} {rank.key[1]} with "
             f"{len(dependent)} rooms in flight ({failed} failed): {detected}; "
             + ("back" if back else "NOT back")
-            + (f" in {restart:.1f} s" if restart is not None else "")
+            + (f" in {restart:.1f} s" if restart is not None else ""),
         )
 
     def _stall(self, seconds: float) -> None:
@@ -394,8 +438,9 @@ class _Driver:
             StallRecord(rank.key[1], at - self.start, seconds, len(in_flight), failed)
         )
         self._say(
+            at,
             f"stalled prefill {rank.key[1]} for {seconds:.1f} s with {len(in_flight)} rooms "
-            f"in flight; {failed} failed meanwhile"
+            f"in flight; {failed} failed meanwhile",
         )
 
     def _flood(self) -> None:
@@ -435,7 +480,7 @@ class _Driver:
             self._wait(_never, 0.25)
         label = f"{rank.key[0]} {rank.key[1]}"
         self.floods.append(FloodRecord(label, at - self.start, total, counted, seconds))
-        self._say(f"flooded {label} with {total} malformed messages; it counted {counted}")
+        self._say(at, f"flooded {label} with {total} malformed messages; it counted {counted}")
 
     # ------------------------------------------------------------------ the pump
 
@@ -508,6 +553,8 @@ class _Driver:
                 self.listener_deaths.add(pid)
         elif kind == "ready" and rank is not None and current:
             self._ready(rank, event)
+        elif kind == "peers" and rank is not None and current and rank.info is not None:
+            rank.peered = True
         elif kind == "listener_down":
             self.listener_deaths.add(pid)
         elif kind == "error":
@@ -543,6 +590,25 @@ class _Driver:
         sock.connect(endpoint)
         rank.commands = sock
         rank.info = info
+        if self.peering:  # a restarted rank: it and the others learn its peers now, and it
+            self._send_peers()  # gets rooms once it answers (``peered``), never before
+
+    def _all_peered(self) -> bool:
+        return all(rank.peered for rank in self.ranks.values())
+
+    def _answering_peers(self) -> bool:
+        """Whether a rank was sent ``peers`` less than ``PEERS_S`` ago and has not answered."""
+        now = time.monotonic()
+        return any(
+            not rank.peered
+            and not rank.gone
+            and rank.peers_sent is not None
+            and now - rank.peers_sent < PEERS_S
+            for rank in self.ranks.values()
+        )
+
+    def _unpeered(self) -> str:
+        return ", ".join(f"{k[0]} {k[1]}" for k, r in self.ranks.items() if not r.peered)
 
     def _all_ready(self) -> bool:
         return all(rank.info is not None for rank in self.ranks.values())
@@ -565,7 +631,8 @@ class _Driver:
         for key, rank in self.ranks.items():
             other = "prefill" if key[0] == "decode" else "decode"
             peers = [info.to_json() for k, info in sorted(infos.items()) if k[0] == other]
-            self._send(rank, {"cmd": "peers", "ranks": peers})
+            if self._send(rank, {"cmd": "peers", "ranks": peers}):
+                rank.peers_sent = time.monotonic()
 
     def _ask_status(self, keys: Iterable[RankKey]) -> int:
         self.status_id += 1
@@ -608,14 +675,23 @@ class _Driver:
         """Issue rooms until ``rooms_in_flight`` are unsettled, to every rank that is up.
 
         While a rank is down its rooms still come (as from a router that has not noticed):
-        the survivors get them with the peers they know, and the rank counts as lost.
+        the survivors get them with the peers they know, and the rank counts as lost. A rank
+        is up once it answered ``peers`` (a restarted rank that is only ``ready`` is not: a
+        room would reach it before it knows the other side). A room command that cannot be
+        sent fails the room on that rank.
+
+        No room is issued while a rank that is ready has not answered its ``peers`` yet
+        (up to ``PEERS_S``): the others know it already, and a room it does not get would
+        stall on them.
         """
-        if not self.issuing:
+        if not self.issuing or self._answering_peers():
             return
-        live = {key: r for key, r in self.ranks.items() if r.info is not None and not r.gone}
+        live = {key: r for key, r in self.ranks.items() if r.peered and not r.gone}
         if not live:
             return
-        while len(self._unsettled()) < self.config.rooms_in_flight and self.free:
+        for _ in range(self.config.rooms_in_flight):  # bounded, even if each fails at once
+            if len(self._unsettled()) >= self.config.rooms_in_flight or not self.free:
+                break
             index = self.free.pop(0)
             room = _Room(
                 self.next_room,
@@ -627,8 +703,14 @@ class _Driver:
             self.next_room += 1
             self.rooms[room.room] = room
             for key in self.keys:  # decode first: it registers the room before prefill asks
-                if key in live:
-                    self._send(live[key], {"cmd": "room", "room": room.room, "index": index})
+                command = {"cmd": "room", "room": room.room, "index": index}
+                if key in live and not self._send(live[key], command):
+                    room.reports[key] = {
+                        "state": "failed",
+                        "reason": "the room command could not be sent",
+                        "t": time.monotonic(),
+                    }
+            self._maybe_settle(room)
 
     def _maybe_settle(self, room: _Room) -> None:
         if room.outcome is None and not room.waiting():
@@ -685,9 +767,20 @@ class _Driver:
 
     # ------------------------------------------------------------------ the result
 
-    def _say(self, line: str) -> None:
+    def _say(self, at: float, line: str) -> None:
+        """Report ``line`` about a fault that began at ``at`` (``time.monotonic()``), stamped
+        in seconds since the soak started, as its record's ``at_s``."""
         if self.progress is not None:
-            self.progress(f"{time.monotonic() - self.start:6.1f} s  {line}")
+            self.progress(f"{at - self.start:6.1f} s  {line}")
+
+    def _served(self, rank: _Rank | None) -> int:
+        """Rooms ``rank``'s process took part in that succeeded."""
+        if rank is None:
+            return 0
+        return sum(
+            room.outcome == "succeeded" and room.expected.get(rank.key) == rank.pid
+            for room in self.rooms.values()
+        )
 
     def result(self) -> SoakResult:
         rooms = list(self.rooms.values())
@@ -712,7 +805,10 @@ class _Driver:
             corrupt_details=tuple(r.reason for r in rooms if r.outcome == "corrupt"),
             hung=sum(r.outcome == "hung" for r in rooms),
             hung_details=tuple(r.reason for r in rooms if r.outcome == "hung"),
-            kills=tuple(self.kills),
+            kills=tuple(
+                dataclasses.replace(kill, served_after=self._served(new))
+                for kill, new in zip(self.kills, self.replacements, strict=True)
+            ),
             stalls=tuple(self.stalls),
             floods=tuple(self.floods),
             faults_injected={name: self.injected[name] for name in self.config.faults},
@@ -735,10 +831,17 @@ def _never() -> bool:
 
 
 def _holds(status: Mapping[str, Any]) -> bool:
-    """Whether a rank's status shows anything held: ring, fences, open rooms, room threads."""
+    """Whether a rank's status shows anything held: ring, fences, open rooms, rooms waiting
+    for peers, or a dead listener."""
     return any(
         int(status.get(name, 0))
-        for name in ("ring_live_count", "ring_live_bytes", "fenced_rooms", "open_rooms")
+        for name in (
+            "ring_live_count",
+            "ring_live_bytes",
+            "fenced_rooms",
+            "open_rooms",
+            "waiting_rooms",
+        )
     ) or not status.get("listener_alive", False)
 
 

@@ -13,7 +13,12 @@ decode's first); it is *corrupt* when a decode rank reported success but its pag
 hold the expected bytes; it is *hung* when a rank that stayed alive did not end it within
 :attr:`SoakConfig.room_bound_s` (a liveness bug). A soak passes (:attr:`SoakResult.ok`) when
 no room was corrupt or hung, nothing was left in a ring, a fence or an open room once idle
-at the end, every control listener lived, no rank died by itself and some rooms succeeded.
+at the end, every control listener lived, no rank died by itself, no command failed on a
+rank and some rooms succeeded.
+
+Every time in a result and its summary (``at_s``, ``elapsed_s``) is in seconds since the soak
+started, as are the driver's progress lines; durations (``detect_s``, ``restart_s``, a stall's
+length) are differences on that clock.
 """
 
 from __future__ import annotations
@@ -342,7 +347,7 @@ class KillRecord:
     role: str
     rank: int
     at_s: float
-    """Seconds from the start of the soak."""
+    """When it died, in seconds since the soak started."""
     rooms_in_flight: int
     """Rooms it was part of that a surviving rank had not ended yet when it died."""
     rooms_failed: int
@@ -351,10 +356,12 @@ class KillRecord:
     """Seconds from the death until the surviving ranks had failed every one of those rooms
     that failed (``None``: none failed after the death)."""
     restart_s: float | None
-    """Seconds from the death until its new process was ready (``None``: it did not come
-    back)."""
+    """Seconds from the death until its new process was ready and had taken its peers, so
+    that rooms went to it again (``None``: it did not come back)."""
     unexpected: bool = False
     """The process died by itself, not by the soak's hand (always a problem)."""
+    served_after: int = 0
+    """Rooms its new process took part in that succeeded, by the end of the soak."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,6 +370,7 @@ class StallRecord:
 
     rank: int
     at_s: float
+    """When it was stopped, in seconds since the soak started."""
     duration_s: float
     rooms_in_flight: int
     """Rooms issued and not ended when it stopped."""
@@ -378,6 +386,7 @@ class FloodRecord:
     target: str
     """``"decode 0"``, ``"prefill 1"``, ..."""
     at_s: float
+    """When the burst began, in seconds since the soak started."""
     sent: int
     """Malformed messages sent."""
     counted: int
@@ -392,7 +401,8 @@ class SoakResult:
 
     config: SoakConfig
     elapsed_s: float
-    """From the ranks' start to their stop."""
+    """When the ranks were stopped, in seconds since the soak started (just before the rank
+    processes started): the soak's whole length."""
     rooms_started: int
     rooms_succeeded: int
     """Rooms every decode rank completed with pages that verified."""
@@ -486,6 +496,7 @@ def format_summary(result: SoakResult) -> str:
     rows: list[tuple[str, str]] = [
         ("engine", f"{config.backend}, {config.prefill_tp} prefill -> {config.decode_tp} decode"),
         ("ran", f"{result.elapsed_s:.1f} s, faults: {', '.join(config.faults) or 'none'}"),
+        ("times", "seconds since the soak started (as the progress lines)"),
         (
             "rooms",
             f"{result.rooms_started} started, {result.rooms_succeeded} succeeded, "
@@ -529,7 +540,11 @@ def format_summary(result: SoakResult) -> str:
         )
     for kill in result.kills:
         detect = "n/a (no room failed)" if kill.detect_s is None else f"{kill.detect_s:.2f} s"
-        back = "never" if kill.restart_s is None else f"{kill.restart_s:.1f} s"
+        back = (
+            "never"
+            if kill.restart_s is None
+            else f"{kill.restart_s:.1f} s, then in {kill.served_after} rooms that succeeded"
+        )
         rows.append(
             (
                 "died by itself" if kill.unexpected else "kill",
