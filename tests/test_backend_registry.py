@@ -69,7 +69,11 @@ def test_entry_points_are_listed_and_loaded(registered: Path) -> None:
 
 def test_entry_point_that_is_not_a_class_is_refused(registered: Path) -> None:
     """An entry point must name a class."""
-    with pytest.raises(ValueError, match=r"^entry point notaclass = zeta_backend:make of group .staging_contracts.backends.: names a function, not a class"):
+    with pytest.raises(
+        ValueError,
+        match=r"^entry point notaclass = zeta_backend:make of group "
+        r".staging_contracts.backends.: names a function, not a class",
+    ):
         load_backend("notaclass")
 
 
