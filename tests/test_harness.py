@@ -188,7 +188,7 @@ def test_idle_hookless_backend_fails_pointing_at_the_idle_hook() -> None:
     assert not report.ok
     diagnosis = report.diagnosis()
     assert diagnosis is not None
-    assert diagnosis.startswith("no arrivals were delivered at all (the writes were done): ")
+    assert diagnosis.startswith("no arrivals were delivered at all (ring regions were allocated): ")
     assert IDLE_HOOK_HINT in diagnosis
     assert "is the listener's idle hook wired to staging_idle? (arrivals by engine " in diagnosis
     assert len(report.failed) == 3
@@ -208,7 +208,7 @@ def test_dropped_chunk_ready_fails_pointing_at_the_message_routing() -> None:
     diagnosis = report.diagnosis()
     assert diagnosis is not None
     assert diagnosis.splitlines()[0] == (
-        "writes landed but no CHUNK_READY arrived (the writes were done): does the decode "
+        "no CHUNK_READY arrived (ring regions were allocated): does the decode "
         "manager's _on_message hand CHUNK_READY to self._dispatch_staging?"
     )
     assert IDLE_HOOK_HINT not in diagnosis
@@ -302,7 +302,7 @@ def test_geometry_refuses_non_positive_sizes() -> None:
         TransferGeometry(chunk_pages=0)
 
 
-# ----------------------------------------------------------------- classes and callables are resolved
+# ------------------------------------------------------- classes and callables are resolved
 
 
 class Positional(LocalKVManager):
@@ -346,3 +346,57 @@ def test_a_factory_returning_the_wrong_type_is_named() -> None:
     """A callable returning something else: a TypeError naming it, not an AttributeError."""
     with pytest.raises(TypeError, match=r"returns_an_object: the factory returned an object, "):
         run_transfer(returns_an_object, prefill_tp=1, decode_tp=1, rooms=1)
+
+
+# ------------------------------------------------------- no progress possible: the run ends early
+
+
+class Deaf(LocalKVManager):
+    """Hands no listener message to the mixin: decode never hears of a staging request."""
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        CommonKVManager._on_message(self, frames)
+
+
+LONG_S = 120.0
+"""A bound the runs below must not reach: the rooms' reasons say whether they did."""
+
+
+@pytest.mark.parametrize(
+    ("backend", "why", "cause"),
+    [
+        (
+            IdleHookless,
+            "every write was done 0.5s ago and no arrival reached decode",
+            "no arrivals were delivered at all",
+        ),
+        (Deaf, "decode got no staging message", "decode's staging handler got no message at all"),
+    ],
+)
+def test_a_run_that_cannot_progress_stops_before_its_timeout(
+    backend: type, why: str, cause: str
+) -> None:
+    """With stall_s, a run in which no progress is possible ends with that reason (not
+    'timed out after 120s'); the diagnosis is the same as at the timeout."""
+    before = _leak_free()
+    report = run_transfer(
+        backend, prefill_tp=2, decode_tp=1, rooms=2, timeout_s=LONG_S, stall_s=0.5
+    )
+    assert report.stopped is not None, report.summary()
+    assert why in report.stopped, report.summary()
+    for room in report.rooms:
+        assert room.reason is not None, room
+        assert room.reason.startswith("stopped after "), room
+        assert why in room.reason
+    diagnosis = report.diagnosis()
+    assert diagnosis is not None
+    assert diagnosis.startswith(cause), diagnosis
+    _assert_nothing_leaked(before)
+
+
+def test_the_summary_lists_each_room_once() -> None:
+    """summary(): each failed room once, then the likely cause (not the rooms again)."""
+    report = run_transfer(IdleHookless, prefill_tp=1, decode_tp=1, rooms=2, timeout_s=SHORT_S)
+    summary = report.summary()
+    assert summary.count("room 1000:") == 1, summary
+    assert summary.splitlines()[-1].startswith("diagnosis: no arrivals were delivered"), summary

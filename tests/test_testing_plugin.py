@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from staging_contracts.control.transport import open_socket_count
-from staging_contracts.testing import NO_FACTORY_MESSAGE, NO_MANAGER_FACTORY_MESSAGE
+from staging_contracts.testing import NO_FACTORY_MESSAGE
 
 PLUGIN_MODULE = "staging_contracts.testing.plugin"
 LOCAL = "staging_contracts.backends.local:LocalKVManager"
@@ -588,12 +588,46 @@ def test_idle_hookless_backend_fails_the_transfer_checks_naming_the_idle_hook(
             [
                 f"*TestIdleHookless.test_staged_transfer_delivers_every_page*{shape}*",
                 f"the staged transfer from prefill TP {prefill_tp} to decode TP {decode_tp} "
-                "through IdleHookless failed: no arrivals were delivered at all (the writes "
-                "were done): is the listener's idle hook wired to staging_idle? (arrivals by "
+                "through IdleHookless failed: no arrivals were delivered at all (ring regions "
+                "were allocated): is the listener's idle hook wired to staging_idle? (arrivals by "
                 "engine notification are delivered there: '_on_idle(self): staging_idle(self)')",
                 "room 1000: failed: timed out after 1.5s *(arrivals 0/*, chunks verified 0/3)",
             ]
         )
+    # each failed room once per check: in its failure, not again in the captured log
+    assert result.stdout.str().count("room 1000: failed") == TRANSFER_TESTS
+
+
+STALLS = """
+import pytest
+from staging_contracts.testing import StagingBackendContract
+
+@pytest.fixture(autouse=True)
+def no_progress_ends_early(monkeypatch):
+    monkeypatch.setattr(StagingBackendContract, "transfer_timeout_s", 120.0)
+    monkeypatch.setattr(StagingBackendContract, "transfer_stall_s", 0.5)
+"""
+"""A conftest whose transfer bound the checks below must not reach."""
+
+
+@pytest.mark.parametrize(
+    ("backend", "why"),
+    [
+        ("IdleHookless", "every write was done 0.5s ago and no arrival reached decode"),
+        ("Deaf", "decode got no staging message"),
+    ],
+)
+def test_a_transfer_check_that_cannot_progress_ends_before_its_bound(
+    kit_dir: pytest.Pytester, backend: str, why: str
+) -> None:
+    """No decode message, or no arrival after every write was done: the transfer check ends
+    with that reason instead of waiting out transfer_timeout_s (its rooms do not say 'timed
+    out after 120s')."""
+    kit_dir.makeconftest(STALLS)
+    result = run(kit_dir, "--staging-backend", f"backends:{backend}", "-k", "P2-D1")
+    result.assert_outcomes(failed=1, deselected=KIT_TESTS - 1)
+    result.stdout.fnmatch_lines([f"room 1000: failed: stopped after *s: {why} (*"])
+    assert "timed out after" not in result.stdout.str()
 
 
 def test_factory_whose_instance_breaks_the_contract_fails_with_its_message(

@@ -105,6 +105,14 @@ IDLE_HOOK_HINT: Final = (
 """What the diagnosis asks when a notifying engine's arrivals never reached decode."""
 
 _TEARDOWN_S: Final = 5.0
+
+_DONE: Final = (KVPoll.Success, KVPoll.Failed)
+
+HARNESS_ENDED: Final = "the harness's time ran out"
+"""The reason the harness fails the rooms still running when it ends a run."""
+
+_STALL_POLL_S: Final = 0.05
+"""How often a run with ``stall_s`` looks for progress."""
 """Longest the teardown waits for prefill to hear that the unfinished rooms failed."""
 _ROOM_BASE: Final = 1000
 _START_S: Final = 120.0
@@ -302,6 +310,9 @@ class TransferReport:
     """The bound the run was given."""
     processes: bool = False
     """Every rank ran in a process of its own (``run_transfer(..., processes=True)``)."""
+    stopped: str | None = None
+    """Why the run ended before ``timeout_s`` because no progress was possible (``stall_s``),
+    or ``None``."""
 
     @property
     def ok(self) -> bool:
@@ -318,9 +329,9 @@ class TransferReport:
 
         The causes, checked in this order: decode's listener handed no staging message to
         the mixin; prefill recorded no answer to its requests; no arrival reached decode
-        though the writes were done (by notification: the idle hook; by ``CHUNK_READY``: the
-        message routing); rooms that reported success with wrong bytes; otherwise the rooms'
-        own reasons.
+        though ring regions were allocated (by notification: the idle hook; by
+        ``CHUNK_READY``: the message routing), in the same words for every engine; rooms
+        that reported success with wrong bytes; otherwise the rooms' own reasons.
         """
         if self.ok:
             return None
@@ -338,7 +349,7 @@ class TransferReport:
         answers = sum(s.responses for s in self.prefill_stats)
         written = any(
             state is KVPoll.Success for room in self.rooms for state in room.prefill_states
-        )
+        )  # without allocation, a write is done only by a backend that skips the ring
         if received == 0:
             return (
                 "decode's staging handler got no message at all: is the decode listener "
@@ -351,11 +362,16 @@ class TransferReport:
                 "prefill manager's _on_message hand staging messages to self._dispatch_staging?"
             )
         if arrivals == 0 and (written or allocated):
-            done = "the writes were done" if written else "regions were allocated"
+            # One wording whatever the engine: LocalEngine finishes its writes without the
+            # idle hook, NIXL does not (its progress is driven by poll_notifications, which
+            # staging_idle calls), so whether the writes were done says nothing more here.
             if self.notifications:
-                return f"no arrivals were delivered at all ({done}): {IDLE_HOOK_HINT}"
+                return (
+                    "no arrivals were delivered at all (ring regions were allocated): "
+                    f"{IDLE_HOOK_HINT}"
+                )
             return (
-                f"writes landed but no CHUNK_READY arrived ({done}): does the decode "
+                "no CHUNK_READY arrived (ring regions were allocated): does the decode "
                 "manager's _on_message hand CHUNK_READY to self._dispatch_staging?"
             )
         wrong = [
@@ -372,16 +388,20 @@ class TransferReport:
         return None
 
     def summary(self) -> str:
-        """A few lines for a test failure or a log: the run, each room, the diagnosis."""
+        """A few lines for a test failure or a log: the run, each room (once), the likely
+        cause."""
         head = (
             f"{self.backend}: prefill TP {self.prefill_tp} -> decode TP {self.decode_tp}"
             f"{' (a process per rank)' if self.processes else ''}, {len(self.rooms)} rooms, "
             f"{'ok' if self.ok else 'FAILED'} in {self.elapsed_s:.2f}s"
         )
         lines = [head, *(f"  {room.line()}" for room in self.rooms)]
-        diagnosis = self.diagnosis()
-        if diagnosis:
-            lines.append(f"diagnosis: {diagnosis}")
+        if not self.ok:  # each room is listed once, above; the cause comes after
+            cause = self._cause()
+            if cause:
+                lines.append(f"diagnosis: {cause}")
+            if self.stray_pages:
+                lines.append(f"{self.stray_pages} decode page(s) outside every room were written")
         return "\n".join(lines)
 
 
@@ -469,6 +489,7 @@ def run_transfer(
     timeout_s: float = 30.0,
     seed: int = 0,
     processes: bool = False,
+    stall_s: float | None = None,
 ) -> TransferReport:
     """Stage ``rooms`` multi-chunk requests from ``prefill_tp`` to ``decode_tp`` ranks.
 
@@ -487,6 +508,12 @@ def run_transfer(
             engine across processes: the same rooms, checks and report. ``backend`` must
             then be importable by reference (a class, a module-level function or a spec
             string), and its engine must cross processes.
+        stall_s: (in one process) end the run before ``timeout_s`` when no progress at all
+            is possible: decode's staging handler got no message within ``stall_s`` of the
+            start, or every prefill write was done and no arrival reached decode within
+            ``stall_s`` after. The rooms still running then fail with the reason (and
+            :attr:`TransferReport.stopped` says it); ``None`` (the default) waits up to
+            ``timeout_s``. Ignored with ``processes=True``.
 
     Returns:
         The per-room report (see :attr:`TransferReport.ok` and
@@ -511,6 +538,8 @@ def run_transfer(
     validate_tp_pair(prefill_tp, decode_tp, g.total_kv_heads)
     if rooms < 1 or timeout_s <= 0:
         raise ValueError(f"rooms={rooms} must be >= 1 and timeout_s={timeout_s} > 0")
+    if stall_s is not None and stall_s <= 0:
+        raise ValueError(f"stall_s={stall_s} must be > 0 (or None)")
     if 2 * rooms * g.room_pages > g.pool_pages:
         raise ValueError(
             f"{rooms} rooms of {g.room_pages} pages need {2 * rooms * g.room_pages} pool pages "
@@ -535,7 +564,7 @@ def run_transfer(
                 stack.callback(manager.close)
                 made.append(manager)
         logger.debug("%s: %d prefill and %d decode managers built", name, prefill_tp, decode_tp)
-        run = _Run(g, prefill, decode, timeout_s, stack)
+        run = _Run(g, prefill, decode, timeout_s, stack, stall_s)
         run.execute(rooms, seed)
     finally:
         stack.close()
@@ -632,6 +661,7 @@ def _room_reason(
     decode: Sequence[tuple[KVPoll, str | None]],
     prefill: Sequence[tuple[KVPoll, str | None]],
     timeout_s: float,
+    ended: str | None = None,
 ) -> str | None:
     """Why a room did not succeed on every rank (``None`` if it did), from each rank's final
     state and failure text (decode ranks, then prefill ranks, by TP rank)."""
@@ -647,6 +677,8 @@ def _room_reason(
         [f"decode {d} {s.name}" for d, (s, _) in enumerate(decode)]
         + [f"prefill {p} {s.name}" for p, (s, _) in enumerate(prefill)]
     )
+    if ended is not None:
+        return f"{ended} ({states})"
     return f"timed out after {timeout_s:g}s ({states})"
 
 
@@ -713,7 +745,7 @@ def _fail_unfinished_receivers(
 ) -> None:
     """Fail a room still running on decode, telling its prefill ranks (ROOM_FAILED)."""
     if receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
-        handler.fail_room(room, "the harness's time ran out")
+        handler.fail_room(room, HARNESS_ENDED)
         receiver.poll()  # reports the failure to its prefill ranks
 
 
@@ -734,8 +766,11 @@ class _Run:
         decode: list[TransferManager],
         timeout_s: float,
         stack: ExitStack,
+        stall_s: float | None = None,
     ) -> None:
         g = geometry
+        self.stall_s = stall_s
+        self.stopped: str | None = None
         self.g = g
         self.prefill = prefill
         self.decode = decode
@@ -803,11 +838,14 @@ class _Run:
             for receiver in room.receivers:
                 receiver.send_metadata()
             room.senders = _start_senders(g, self.prefill_transfers, self.targets, room)
-        for room in self.rooms:
-            for receiver in room.receivers:
-                receiver.wait(max(0.0, deadline - time.monotonic()))
-            for sender in room.senders:
-                sender.wait(max(0.0, deadline - time.monotonic()))
+        if self.stall_s is None:
+            for room in self.rooms:
+                for receiver in room.receivers:
+                    receiver.wait(max(0.0, deadline - time.monotonic()))
+                for sender in room.senders:
+                    sender.wait(max(0.0, deadline - time.monotonic()))
+        else:
+            self.stopped = self._wait_while_progress(started, deadline, self.stall_s)
         self.elapsed_s = time.monotonic() - started
         for room in self.rooms:
             room.decode_states = tuple(r.poll() for r in room.receivers)
@@ -822,9 +860,39 @@ class _Run:
                     for st, s in zip(room.prefill_states, room.senders, strict=True)
                 ],
                 self.timeout_s,
+                self.stopped,
             )
         self.notifications = all(w.arrival == "notification" for w in self.writers)
         self._fail_unfinished()
+
+    def _wait_while_progress(self, started: float, deadline: float, stall_s: float) -> str | None:
+        """Wait for every room until ``deadline``, or until no progress is possible; why it
+        stopped early, or ``None``. Bounded by ``deadline``; polls every 50 ms."""
+        writes_done_at: float | None = None
+        while True:
+            senders = [s for room in self.rooms for s in room.senders]
+            waiting: list[KVReceiver | KVSender] = [
+                *(r for room in self.rooms for r in room.receivers),
+                *senders,
+            ]
+            if all(x.poll() in _DONE for x in waiting):
+                return None
+            now = time.monotonic()
+            if now >= deadline:
+                return None
+            received = sum(m.staging_stats().received for m in self.decode)
+            if received == 0 and now - started >= stall_s:
+                return f"stopped after {now - started:.1f}s: decode got no staging message"
+            arrivals = sum(self.tally.count(room.room) for room in self.rooms)
+            if writes_done_at is None and all(s.poll() is KVPoll.Success for s in senders):
+                writes_done_at = now
+            if writes_done_at is not None and arrivals == 0 and now - writes_done_at >= stall_s:
+                return (
+                    f"stopped after {now - started:.1f}s: every write was done {stall_s:g}s "
+                    "ago and no arrival reached decode"
+                )
+            pending = next(x for x in waiting if x.poll() not in _DONE)
+            pending.wait(min(_STALL_POLL_S, max(0.0, deadline - now)))
 
     def report(self, name: str) -> TransferReport:
         """The report, built once every manager is closed (no arrival or scatter is late)."""
@@ -859,6 +927,7 @@ class _Run:
             stray_pages=len(stray),
             elapsed_s=self.elapsed_s,
             timeout_s=self.timeout_s,
+            stopped=self.stopped,
         )
 
     def _fail_unfinished(self) -> None:

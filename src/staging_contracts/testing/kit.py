@@ -39,7 +39,13 @@ from ..protocols import ArrivalOutcome, KVArgs, StagingHandler
 from ..stats import StagingStats
 from .decode_setup import DecodeSetup, LiveDecodeManager
 from .factories import EngineUnavailable, FactoryUnavailable, standard_factory
-from .harness import ManagerFactory, TransferGeometry, TransferManager, run_transfer
+from .harness import (
+    HARNESS_ENDED,
+    ManagerFactory,
+    TransferGeometry,
+    TransferManager,
+    run_transfer,
+)
 from .live import WAIT_S, LiveDecode, kit_fail
 from .targets import BackendLoadError, BackendTarget, contract_of
 
@@ -103,6 +109,12 @@ class StagingBackendContract:
 
     transfer_timeout_s: ClassVar[float] = 30.0
     """Bound on each transfer check; rooms still running then fail as timed out."""
+
+    transfer_stall_s: ClassVar[float] = 3.0
+    """A transfer check ends early, failing its rooms, when no progress at all is possible:
+    decode's staging handler got no message within this many seconds of the start, or every
+    write was done this long ago and no arrival reached decode (``run_transfer``'s
+    ``stall_s``)."""
 
     _backend_target: ClassVar[BackendTarget | None] = None
     """Set on the classes ``--staging-backend`` generates: the backend, loaded lazily."""
@@ -515,15 +527,18 @@ class StagingBackendContract:
                 raise
 
         report = None
+        quiet = _Duplicates()
         try:
-            report = run_transfer(
-                make,
-                prefill_tp=prefill_tp,
-                decode_tp=decode_tp,
-                rooms=self.transfer_rooms,
-                geometry=self.transfer_geometry,
-                timeout_s=self.transfer_timeout_s,
-            )
+            with quiet:
+                report = run_transfer(
+                    make,
+                    prefill_tp=prefill_tp,
+                    decode_tp=decode_tp,
+                    rooms=self.transfer_rooms,
+                    geometry=self.transfer_geometry,
+                    timeout_s=self.transfer_timeout_s,
+                    stall_s=self.transfer_stall_s,
+                )
         except Exception as exc:
             if not failures or exc is not failures[0]:
                 raise
@@ -534,6 +549,31 @@ class StagingBackendContract:
                 f"the staged transfer from prefill TP {prefill_tp} to decode TP {decode_tp} "
                 f"through {class_label(backend)} failed: {report.diagnosis()}"
             )
+
+
+class _Duplicates(logging.Filter):
+    """While a transfer check runs, drops the log records that only repeat what its failure
+    message says: the harness's summary, and each rank's note that a room failed because the
+    harness ended the run. Each failed room is then printed once, in the failure."""
+
+    _LOGGERS = (
+        "staging_contracts.testing.harness",
+        "staging_contracts.decode.handler",
+        "staging_contracts.backends.kv_requests",
+    )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == self._LOGGERS[0]:
+            return record.levelno < logging.WARNING
+        return HARNESS_ENDED not in record.getMessage()
+
+    def __enter__(self) -> None:
+        for name in self._LOGGERS:
+            logging.getLogger(name).addFilter(self)
+
+    def __exit__(self, *exc_info: object) -> None:
+        for name in self._LOGGERS:
+            logging.getLogger(name).removeFilter(self)
 
 
 def _expect_counts(
