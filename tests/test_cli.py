@@ -174,3 +174,48 @@ def test_console_script_runs_check() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "verdict: conforms" in result.stdout
+
+
+HOOKLESS = """
+from staging_contracts import (
+    DecodeStagingContext,
+    PrefillStagingContext,
+    StagingHandler,
+    StagingManagerMixin,
+)
+from staging_contracts.backends.common import CommonKVManager
+from staging_contracts.backends.staging_setup import staging_idle
+
+
+class Hookless(StagingManagerMixin, CommonKVManager):
+    _staging_handler: StagingHandler | None = None
+    _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+
+
+class Routed(Hookless):
+    def _on_message(self, frames):
+        if not self._dispatch_staging(frames):
+            super()._on_message(frames)
+
+    def _on_idle(self):
+        staging_idle(self)
+"""
+
+
+def test_check_notes_a_backend_that_keeps_the_default_hooks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A conforming backend that keeps CommonKVManager's _on_message and _on_idle still
+    exits 0, with a note naming both hooks and the kit's transfer check; one that overrides
+    them gets no note."""
+    (tmp_path / "hookless_kv.py").write_text(HOOKLESS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["check", "hookless_kv:Hookless"]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: conforms" in out
+    note = next(line for line in out.splitlines() if line.startswith("note: "))
+    assert "_on_message (staging messages are not handed to self._dispatch_staging)" in note
+    assert "_on_idle (staging_idle(self) is not called)" in note
+    assert "pytest --staging-backend hookless_kv:Hookless" in note
+    assert main(["check", "hookless_kv:Routed"]) == 0
+    assert "note: " not in capsys.readouterr().out

@@ -298,7 +298,39 @@ def _check_one(target: str, forced: Contract | None = None) -> int:
         if not report.conforms:
             print(contract.class_error(report))
             status = EXIT_NONCONFORMING
+    note = _hook_note(obj, target)
+    if note is not None:
+        print(note)
     return status
+
+
+def _hook_note(cls: type, target: str) -> str | None:
+    """A note (not a failure) when a concrete staging backend on ``CommonKVManager`` keeps
+    its base's listener hooks: staging messages and arrivals would never reach the mixin,
+    which no class contract can see; the kit's transfer check shows it."""
+    from .backends.common import CommonKVManager  # noqa: PLC0415 - only for this note
+    from .mixin import StagingManagerMixin  # noqa: PLC0415
+
+    if not issubclass(cls, StagingManagerMixin) or is_abstract(cls):
+        return None
+    if not issubclass(cls, CommonKVManager):
+        return None
+    kept = [
+        f"{hook} ({why})"
+        for hook, why in (
+            ("_on_message", "staging messages are not handed to self._dispatch_staging"),
+            ("_on_idle", "staging_idle(self) is not called"),
+        )
+        if getattr(cls, hook) is getattr(CommonKVManager, hook)
+    ]
+    if not kept:
+        return None
+    return (
+        f"note: {class_label(cls)} keeps CommonKVManager's {' and '.join(kept)}; the contract "
+        "does not cover the listener hooks, so it conforms all the same. Check that staging "
+        f"traffic flows with the kit's transfer check: pytest --staging-backend {target} "
+        "(docs/writing-a-backend.md, step 5)"
+    )
 
 
 def _run_demo(args: argparse.Namespace) -> int:
