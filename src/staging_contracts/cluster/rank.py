@@ -76,7 +76,7 @@ from ..backends.staging_setup import StagingBackend, enable_decode_staging, enab
 from ..control.transport import PeerSockets
 from ..control.wire import StagingReq
 from ..prefill.writer import DecodeTarget, PrefillTimeouts
-from ..protocols import Transfer, TransferError
+from ..protocols import KVBufferTensors, Transfer, TransferError
 from ..staging.layout import (
     compute_staging_layout,
     decode_ranks_for_prefill,
@@ -222,6 +222,7 @@ def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) 
     common: CommonKVManager = manager  # type: ignore[assignment]  # every backend is one
     try:
         handler = enable_decode_staging(manager, kv_buffers=pool, ring_bytes=_ring_bytes(config))
+        _settle(config)  # the pool's and the ring's zeros, before any peer may write
         common.start()
         engine = manager.engine
         allocator = handler.allocator
@@ -253,7 +254,7 @@ def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) 
             _warmed(_wait_all(warm, _quiet)[0], {i: r.failure for i, r in warm.items()})
             for receiver in warm.values():
                 receiver.release()
-            zero_pool(pool)  # the timed requests must write every byte they are checked on
+            _zero_for_timed(config, pool, None)
         before = manager.staging_stats()
         receivers: dict[int, KVReceiver] = {}
         for plan in request_plans(config):
@@ -296,8 +297,7 @@ def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) 
 
 
 def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any) -> dict[str, Any]:
-    pool = config.empty_pool(config.prefill_tp, rank)
-    fill_prefill_pool(pool, config, rank)
+    pool = _filled_prefill_pool(config, rank)
     manager = _make_manager(config, Role.PREFILL, rank)
     common: CommonKVManager = manager  # type: ignore[assignment]  # every backend is one
     try:
@@ -426,6 +426,7 @@ def _run_plain_decode(
         if raw
         else None
     )
+    _settle(config)  # the zeros, before the engine registers the memory and peers write it
     regions = [(buffer.data_ptr(), buffer.numel())] if buffer is not None else []
     if pool is not None:
         regions = pool_regions(pool)
@@ -465,10 +466,7 @@ def _run_plain_decode(
             waiters = {number: RoomWaiter(book, plan.room) for number, plan in enumerate(warm)}
             failure = {n: partial(book.failure, plan.room) for n, plan in enumerate(warm)}
             _warmed(_wait_all(waiters, _quiet)[0], failure)
-            if pool is not None:
-                zero_pool(pool)  # the timed requests must write every byte they are checked on
-            if buffer is not None:
-                buffer.zero_()
+            _zero_for_timed(config, pool, buffer)
         plans = request_plans(config)
         book.expect(plan.room for plan in plans)
         memory = TransferMemory(config)
@@ -519,10 +517,10 @@ def _run_plain_prefill(
     raw = config.mode == "raw"
     fed = list(decode_ranks_for_prefill(config.prefill_tp, config.decode_tp, rank))
     plans = request_plans(config)
-    pool = None if raw else config.empty_pool(config.prefill_tp, rank)
-    if pool is not None:
-        fill_prefill_pool(pool, config, rank)
+    pool = None if raw else _filled_prefill_pool(config, rank)
     source, offsets = _raw_source(config, rank, fed) if raw else (None, {})
+    if source is not None:
+        _settle(config)  # the source's copy to the device, before the engine reads it
     regions = pool_regions(pool) if pool is not None else []
     if source is not None:
         regions = [(source.data_ptr(), source.numel())]
@@ -622,6 +620,41 @@ def _run_plain_prefill(
         }
     finally:
         common.close()
+
+
+def _settle(config: TransferConfig) -> None:
+    """Wait until the device work this rank enqueued has run (zeroed allocations, filling,
+    zeroing, copies), before an engine touches that memory: CUDA kernels run asynchronously,
+    and an engine reads or writes device memory outside torch's streams (NIXL, a peer's
+    write), so a fill still queued could be read half done, or a zeroing still queued could
+    land over a peer's write. Nothing to wait for on the CPU.
+
+    **Blocking:** on CUDA, until the rank's device is idle (``torch.cuda.synchronize``).
+    """
+    if config.device == "cuda":
+        torch.cuda.synchronize(config.torch_device)
+
+
+def _filled_prefill_pool(config: TransferConfig, rank: int) -> KVBufferTensors:
+    """A prefill rank's KV pool holding every request's data, settled (:func:`_settle`)
+    before any engine reads it."""
+    pool = config.empty_pool(config.prefill_tp, rank)
+    fill_prefill_pool(pool, config, rank)
+    _settle(config)
+    return pool
+
+
+def _zero_for_timed(
+    config: TransferConfig, pool: KVBufferTensors | None, buffer: torch.Tensor | None
+) -> None:
+    """Zero what the warm-up wrote (decode's pool, or its raw buffer), settled
+    (:func:`_settle`) before the rank lets the writers start the timed requests: they must
+    write every byte they are checked on, and no zeroing may land over their writes."""
+    if pool is not None:
+        zero_pool(pool)
+    if buffer is not None:
+        buffer.zero_()
+    _settle(config)
 
 
 def _raw_source(
