@@ -53,3 +53,40 @@ def test_an_engine_built_for_a_device_registers_that_memory_type() -> None:
         engine.close()
     with pytest.raises(ValueError, match="were given too"):
         NixlEngine(device="cpu", mem_type="VRAM", load_ib_modules=False)
+
+
+@pytest.mark.parametrize(
+    ("device", "kind"), [("cpu", ("DRAM", 0)), ("cuda:2", ("VRAM", 2)), ("cuda:0", ("VRAM", 0))]
+)
+def test_the_nixl_backend_registers_the_memory_its_kv_args_name(
+    device: str, kind: tuple[str, int]
+) -> None:
+    """NixlKVManager hands kv_args.device to the engine, whose memory_kind decides: the
+    agent registers DRAM for cpu and VRAM of GPU N for cuda:N (no GPU needed: nothing is
+    registered)."""
+    from dataclasses import replace
+
+    from staging_contracts.backends.common import Role
+    from staging_contracts.backends.nixl import NixlKVManager
+    from staging_contracts.engines.nixl import _parse_metadata
+
+    kv_args = replace(TransferConfig().kv_args(4, 0), device=device)
+    manager = NixlKVManager(kv_args, role=Role.DECODE, attn_tp_size=4)
+    try:
+        engine = manager.engine
+        assert _parse_metadata(engine.session_id, engine.metadata())[:2] == kind
+    finally:
+        manager.close()
+
+
+def test_the_nixl_backend_refuses_a_bare_cuda_device() -> None:
+    """A bare "cuda" names no GPU: the backend refuses it as the engine's rule does, instead
+    of guessing GPU 0."""
+    from dataclasses import replace
+
+    from staging_contracts.backends.common import Role
+    from staging_contracts.backends.nixl import NixlKVManager
+
+    kv_args = replace(TransferConfig().kv_args(4, 0), device="cuda")
+    with pytest.raises(ValueError, match="'cpu' \\(DRAM\\) or 'cuda:N'"):
+        NixlKVManager(kv_args, role=Role.PREFILL, attn_tp_size=4)

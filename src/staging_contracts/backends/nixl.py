@@ -68,7 +68,9 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
 
     Raises:
         ImportError: NIXL is not installed (names the extra to install).
-        ValueError: ``arrival`` is not one of the two modes.
+        ValueError: ``arrival`` is not one of the two modes, or ``kv_args.device`` is not
+            ``"cpu"`` or ``"cuda:N"`` (``engines.nixl.memory_kind``: a bare ``"cuda"`` does
+            not say which GPU's memory to register).
     """
 
     _staging_handler: StagingHandler | None = None
@@ -91,12 +93,11 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             raise ValueError(f"arrival={arrival!r} must be one of {get_args(ArrivalMode)}")
         self._arrival: ArrivalMode = arrival
         engine_class = load_engine_class("nixl")
-        on_gpu = kv_args.device.startswith("cuda")
-        device_id = int(kv_args.device.partition(":")[2] or 0) if on_gpu else 0
         engine = engine_class(
             agent_name,
-            mem_type="VRAM" if on_gpu else "DRAM",
-            device_id=device_id,
+            # the engine's memory_kind maps the device (one rule: "cpu" is DRAM, "cuda:N"
+            # VRAM of GPU N, a bare "cuda" is refused rather than guessed)
+            device=kv_args.device,
             load_ib_modules=load_ib_modules,
             host=host,  # UCX listens on the interface holding host only
             # decode keeps notifications on: it accepts both arrivals and polls the agent
