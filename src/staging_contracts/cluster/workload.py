@@ -110,7 +110,9 @@ class TransferConfig:
     timed requests are verified on their own bytes."""
     device: Device = "cpu"
     """Where every rank's KV pool, staging buffer and ring live (``"cuda"``: the current
-    CUDA device of each rank process); verification runs there too."""
+    CUDA device of each rank process, the same GPU for every rank of a host unless
+    ``CUDA_VISIBLE_DEVICES`` differs between them, so a one-host run moves bytes within one
+    GPU, not across GPUs); verification runs there too."""
 
     def __post_init__(self) -> None:
         for name in (
