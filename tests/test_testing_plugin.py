@@ -785,3 +785,30 @@ def test_missing_dependency_gets_no_sys_path_hint(pytester: pytest.Pytester) -> 
     result = pytester.runpytest()
     result.assert_outcomes(errors=1)
     assert "is not on sys.path" not in result.stdout.str()
+
+
+def test_a_decode_factory_returning_the_wrong_thing_is_named_with_its_article(
+    pytester: pytest.Pytester,
+) -> None:
+    """make_decode_manager returning an int: one failure 'returned an int' (not 'a int', and no
+    AttributeError from closing it)."""
+    pytester.makepyfile(
+        test_wrongtype="""
+from staging_contracts.backends.local import LocalKVManager
+from staging_contracts.testing import StagingBackendContract
+
+
+class TestWrong(StagingBackendContract):
+    backend_class = LocalKVManager
+
+    def make_decode_manager(self, setup):
+        return 3
+"""
+    )
+    result = run(pytester, "-k", "instance_satisfies")
+    result.assert_outcomes(errors=1, deselected=KIT_TESTS - 1)
+    output = result.stdout.str()
+    assert (
+        "TestWrong.make_decode_manager returned an int, not an instance of LocalKVManager" in output
+    ), output
+    assert "AttributeError" not in output

@@ -272,12 +272,14 @@ class StagingBackendContract:
             if not isinstance(manager, backend):
                 self._once(
                     f"{self._builder('make_decode_manager')} (its type)",
-                    f"{self._builder('make_decode_manager')} returned a "
-                    f"{type(manager).__name__}, not an instance of {backend.__name__}",
+                    f"{self._builder('make_decode_manager')} returned "
+                    f"{_a(type(manager).__name__)}, not an instance of {backend.__name__}",
                 )
             live = LiveDecode(manager, wait_s=self.wait_s)
         except BaseException:
-            manager.close()
+            close = getattr(manager, "close", None)
+            if callable(close):  # whatever it returned, it is not left open
+                close()
             raise
         try:
             yield live
@@ -549,6 +551,11 @@ class StagingBackendContract:
                 f"the staged transfer from prefill TP {prefill_tp} to decode TP {decode_tp} "
                 f"through {class_label(backend)} failed: {report.diagnosis()}"
             )
+
+
+def _a(noun: str) -> str:
+    """``a Foo`` / ``an int``."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 class _Duplicates(logging.Filter):
