@@ -262,8 +262,8 @@ def test_example_without_its_idle_hook_fails_the_transfer_checks(tmp_path: Path)
     assert done.returncode == 1, output
     assert f"{TRANSFER_TESTS} failed, {KIT_TESTS - TRANSFER_TESTS} passed" in output, output
     failure = (
-        "through AcmeKVManager failed: no arrivals were delivered at all (the writes were "
-        f"done): {IDLE_HOOK_HINT}"
+        "through AcmeKVManager failed: no arrivals were delivered at all (ring regions were "
+        f"allocated): {IDLE_HOOK_HINT}"
     )
     assert output.count(failure) == TRANSFER_TESTS, output
 
