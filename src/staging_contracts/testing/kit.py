@@ -13,9 +13,13 @@ and pytest runs every ``test_*`` method below on that class. The class checks ne
 ``backend_class``; the behaviour checks need a live decode manager from
 ``make_decode_manager``; the transfer checks run a whole staged transfer (prefill TP 2 to
 decode TP 1, and 1 to 2) through :func:`~staging_contracts.testing.run_transfer`, with
-managers from ``make_manager``. Both hooks default to the backend's standard constructor
-``Class(kv_args, role=..., attn_tp_size=...)``; when it cannot build the backend, the checks
-that need it are skipped, saying exactly why and how to add a factory.
+managers from ``make_manager``. Both hooks default to the ``--staging-backend`` manager
+factory, if one was named, else the backend's standard constructor ``Class(kv_args, role=...,
+attn_tp_size=...)``; when that cannot build the backend, the checks that need it are skipped
+in a test file's subclass, saying exactly why and how to add a factory, and fail for a backend
+named by ``--staging-backend``. Any failure to build a manager (or a missing
+``backend_class``) is reported once, by the first check that needs it, naming what the author
+wrote; the other checks that need it skip, pointing at that test.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def contract_of(cls: type) -> Contract:
 
 @dataclass(frozen=True, slots=True)
 class BackendTarget:
-    """One ``--staging-backend`` value: a backend class and, optionally, a decode factory."""
+    """One ``--staging-backend`` value: a backend class and, optionally, a manager factory."""
 
     spec: str
     """The value as given."""
