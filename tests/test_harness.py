@@ -32,6 +32,7 @@ from staging_contracts.engines.local import LocalEngine
 from staging_contracts.protocols import Transfer
 from staging_contracts.testing import (
     IDLE_HOOK_HINT,
+    ManagerFactory,
     TransferGeometry,
     TransferManager,
     TransferReport,
@@ -374,7 +375,7 @@ LONG_S = 120.0
     ],
 )
 def test_a_run_that_cannot_progress_stops_before_its_timeout(
-    backend: type, why: str, cause: str
+    backend: ManagerFactory, why: str, cause: str
 ) -> None:
     """With stall_s, a run in which no progress is possible ends with that reason (not
     'timed out after 120s'); the diagnosis is the same as at the timeout."""
