@@ -185,7 +185,8 @@ def test_idle_hookless_backend_fails_pointing_at_the_idle_hook() -> None:
     before = _leak_free()
     started = time.monotonic()
     report = run_transfer(IdleHookless, prefill_tp=2, decode_tp=1, rooms=3, timeout_s=SHORT_S)
-    assert time.monotonic() - started < SHORT_S + 8.0  # bounded, teardown included
+    # Bounded: an unbounded wait would never return; the margin only absorbs a loaded machine.
+    assert time.monotonic() - started < SHORT_S + 60.0
     assert not report.ok
     diagnosis = report.diagnosis()
     assert diagnosis is not None
