@@ -23,8 +23,9 @@ runs on the same host, whatever address the control listeners bind):
   then is reported ``failed``; a room that cannot be opened (the call raised) is reported
   ``failed`` with the error as its reason (and an ``error`` event): every room command is
   answered by one ``room`` event.
-* ``status``: answers with the rank's counters (ring use, fences, open rooms, listener
-  health, malformed messages, control messages dropped by the ``drop`` fault).
+* ``status``: answers with the rank's counters (ring use, fences, open rooms, rooms waiting
+  for peers, listener health, malformed messages, control messages dropped by the ``drop``
+  fault).
 * ``stop``: close the backend and exit.
 
 **Events** (rank → driver; each carries ``kind``, ``role``, ``rank``, ``pid`` and ``t``, the
