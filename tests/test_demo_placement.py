@@ -122,7 +122,7 @@ def test_summary_of_the_prefill_side_points_at_the_decode_side() -> None:
     assert "bytes moved              2.0 MiB" in text
     assert "transfer time            0.500 s (this side's clock)" in text
     assert "chunks staged            (on the decode side)" in text
-    assert "ring peak use            (on the decode side)" in text
+    assert "ring reserved peak       (on the decode side)" in text
     assert (
         "verification             PASS: every one of 2 requests sent by 2 prefill ranks"
         " (the decode side verifies the pages)"
