@@ -166,9 +166,16 @@ class Measurement:
         ]
         peaks = {role: self._most(role, "rss") for role in ("prefill", "decode")}
         if all(value is not None for value in peaks.values()):
+            origins = {
+                memory.peak_rss_from
+                for result in self.results
+                for role in ("prefill", "decode")
+                for memory in result.transfer_memory(role).values()
+            }
+            since = " (since the process started)" if "process start" in origins else ""
             parts.append(
                 f"peak RSS to done: prefill <= {_mib(peaks['prefill'])}, decode <="
-                f" {_mib(peaks['decode'])} MiB"
+                f" {_mib(peaks['decode'])} MiB{since}"
             )
         cuda = {role: self._most(role, "cuda") for role in ("prefill", "decode")}
         if all(value is not None for value in cuda.values()):
