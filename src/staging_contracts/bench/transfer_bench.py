@@ -17,10 +17,12 @@ heads of 128, bf16, 4096 tokens, pages fully shuffled) and the same clock, each 
   writers, and is compared in GB/s.
 
 The anchors run through the same backend spec as ours, in the same rank processes; which
-in-tree engine a spec uses is told from its class (:func:`~.preflight.backend_engine`),
-without building a manager in the bench process. A spec whose class does not tell (one
-that builds its own engine) is measured all the same, the per-token anchor with the whole
-request.
+in-tree engine a spec uses is told from its class
+(:func:`~staging_contracts.cluster.preflight.backend_engine`), without building a manager.
+A spec whose class does not tell (one that builds its own engine) is measured all the same,
+the per-token anchor with the whole request; for such a spec the preflight check that its
+engine crosses processes builds one probe manager in the bench process and closes it
+(``BackendFactory.process_local_reason``).
 
 **Rounds.** The modes are measured in turns: every round runs each mode once, the order
 reversed every other round (staged, raw, per-token; then per-token, raw, staged; ...), for

@@ -5,8 +5,9 @@ process and fail a minute later (a bootstrap timeout, or each rank failing to al
 pool). :func:`preflight` refuses it at once instead, with one line that names the options and
 the rule: the TP pair and the head count (the same validation the ranks run), the backend
 spec (a name, ``MODULE:CLASS`` or ``MODULE:CLASS=MODULE:FACTORY``: it resolves, its class
-satisfies the contract, its engine's extra is installed, and its engine crosses processes as
-far as can be known without building one), the device (``--device cuda`` with an engine
+satisfies the contract, its engine's extra is installed, and its engine crosses processes:
+known by name for an in-tree backend, else from one probe manager built and closed here, see
+``BackendFactory.process_local_reason``), the device (``--device cuda`` with an engine
 that moves host memory only: the installed Mooncake wheel), and the memory every rank will
 take in the run's mode (pools, rings and staging buffers; the anchor modes' pools, raw sources
 and buffers, and the host temporaries that build them) against the memory available: the
