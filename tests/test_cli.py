@@ -219,3 +219,32 @@ def test_check_notes_a_backend_that_keeps_the_default_hooks(
     assert "pytest --staging-backend hookless_kv:Hookless" in note
     assert main(["check", "hookless_kv:Routed"]) == 0
     assert "note: " not in capsys.readouterr().out
+
+
+def test_demo_help_gives_every_geometry_option_its_default() -> None:
+    """A newcomer reads the geometry defaults in `demo --help` without opening the code."""
+    import argparse
+
+    from staging_contracts.cluster.demo import add_demo_arguments
+    from staging_contracts.cluster.workload import TransferConfig
+
+    parser = argparse.ArgumentParser(formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_demo_arguments(parser)
+    default = TransferConfig()
+    for action in parser._actions:
+        if action.dest in {
+            "prefill_tp",
+            "decode_tp",
+            "kv_heads",
+            "layers",
+            "head_dim",
+            "tokens",
+            "page_size",
+            "requests",
+            "dtype",
+            "seed",
+            "chunk_tokens",
+        }:
+            assert action.help is not None, action.dest
+            assert "%(default)s" in action.help, action.dest
+            assert action.default == getattr(default, action.dest), action.dest

@@ -71,22 +71,81 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "group staging_contracts.backends), MODULE:CLASS, or MODULE:CLASS=MODULE:FACTORY "
         "(default: nixl, which needs no system libraries)",
     )
-    parser.add_argument("--prefill-tp", type=int, default=default.prefill_tp, metavar="P")
-    parser.add_argument("--decode-tp", type=int, default=default.decode_tp, metavar="D")
-    parser.add_argument("--kv-heads", type=int, default=default.kv_heads, metavar="H")
-    parser.add_argument("--layers", type=int, default=default.layers, metavar="L")
-    parser.add_argument("--head-dim", type=int, default=default.head_dim, metavar="E")
-    parser.add_argument("--tokens", type=int, default=default.tokens, metavar="T")
-    parser.add_argument("--page-size", type=int, default=default.page_size, metavar="S")
-    parser.add_argument("--requests", type=int, default=default.requests, metavar="R")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=default.dtype)
-    parser.add_argument("--seed", type=int, default=default.seed, metavar="N")
+    parser.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=default.prefill_tp,
+        metavar="P",
+        help="prefill TP size: one process per rank (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--decode-tp",
+        type=int,
+        default=default.decode_tp,
+        metavar="D",
+        help="decode TP size (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-heads",
+        type=int,
+        default=default.kv_heads,
+        metavar="H",
+        help="KV heads of the model, over all ranks (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=default.layers,
+        metavar="L",
+        help="layers (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--head-dim",
+        type=int,
+        default=default.head_dim,
+        metavar="E",
+        help="elements per head (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=default.tokens,
+        metavar="T",
+        help="tokens per request (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--page-size",
+        type=int,
+        default=default.page_size,
+        metavar="S",
+        help="tokens per KV page (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=default.requests,
+        metavar="R",
+        help="requests, each its own room (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=default.dtype,
+        help="KV element type (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=default.seed,
+        metavar="N",
+        help="seed of the pages and KV data (default: %(default)s)",
+    )
     parser.add_argument(
         "--chunk-tokens",
         type=int,
         default=default.chunk_tokens,
         metavar="C",
-        help="chunked-prefill size in tokens",
+        help="chunked-prefill size in tokens (default: %(default)s)",
     )
     parser.add_argument(
         "--device",
