@@ -404,7 +404,8 @@ def test_prefetch_skips_a_decode_rank_that_fenced_the_room(clock: Clock) -> None
 
 
 def test_forget_room_clears_requests_answers_fences_and_watches(r: Rig) -> None:
-    """After forget_room the room can be asked again, its answers and fences are gone."""
+    """After forget_room its answers and fences are gone; opened again (track_room), the
+    room can be asked again."""
     r.writer.prefetch(1, [(0, 2)], r.targets)
     r.writer.prefetch(2, [(0, 2)], r.targets)
     r.answer(1, 0, 0, 1024)
@@ -416,6 +417,7 @@ def test_forget_room_clears_requests_answers_fences_and_watches(r: Rig) -> None:
     assert r.regions.get(1, 0, "decode-0") is None
     assert r.regions.get(2, 0, "decode-0") == RegionAnswer(0, 0, 1024)
     assert r.watches() == {"tcp://decode:0": 1}
+    r.writer.track_room(1, r.targets)
     assert r.writer.prefetch(1, [(0, 2)], r.targets) == 1
     assert r.writer.prefetch(2, [(0, 2)], r.targets) == 0
     r.writer.forget_room(1)
@@ -438,6 +440,117 @@ def test_forget_room_keeps_the_fence_of_a_write_in_flight(r: Rig) -> None:
     r.writer.send_chunk(1, ChunkSpec(0, 0, (1, 2)), r.targets)
     assert r.writer.fenced(1, "decode-0")
     assert not r.writer.fenced(2, "decode-0")
+
+
+# --------------------------------------------------------------------------- closed rooms
+
+
+def test_a_fenced_then_closed_room_fails_at_once_and_is_not_tracked_again(r: Rig) -> None:
+    """The soak's case: decode fenced the room (chunk_ready), then the room was closed
+    (forget_room drops the fence and the answers) before send_chunk ran. The chunk fails at
+    once, naming the close; nothing is asked again and the room is not tracked or watched
+    again (it was re-requested every answer_s until the deadline, and tracked again)."""
+    r.writer.prefetch(1, [(0, 2)], r.targets)
+    r.answer(1, 0, 0, 1024)
+    r.fence(1, "aborted")
+    assert r.writer.chunk_ready(1, 0, r.targets)
+    r.writer.forget_room(1)
+    r.sender.take()
+    with pytest.raises(StagingFailed, match=r"^room 1: chunk 0: the room was closed$") as info:
+        r.writer.send_chunk(1, ChunkSpec(0, 0, (1, 2)), r.targets)
+    assert info.value.reason == "chunk 0: the room was closed"
+    assert r.regions.waits == []
+    assert r.sender.take() == []
+    assert r.writer.requests_sent == 1
+    assert r.engine.writes == []
+    assert 1 not in r.writer._room_targets
+    assert r.writer._requested == set()
+    assert r.watches() == {}
+    assert r.writer.chunk_ready(1, 0, r.targets)  # it must fail now, not wait
+
+
+def test_a_room_closed_during_the_answer_wait_fails_within_a_slice(r: Rig) -> None:
+    """Closed while its chunk waits for STAGING_RSP: the wait ends after the slice it was in,
+    with no re-request (it went on re-requesting every answer_s until the deadline)."""
+    r.regions.on_wait = lambda: r.writer.forget_room(1)
+    with pytest.raises(StagingFailed, match=r"^room 1: chunk 0: the room was closed$"):
+        r.writer.send_chunk(1, ChunkSpec(0, 0, (1, 2)), r.targets)
+    assert r.regions.waits == [TICK]
+    assert r.writer.requests_sent == 1  # the prefetch only
+    assert r.sender.take() == [("tcp://decode:0", req(1, 0, 2))]
+    assert 1 not in r.writer._room_targets
+    assert r.watches() == {}
+
+
+def test_a_room_closed_during_the_ready_wait_fails_within_a_slice(r: Rig) -> None:
+    """Closed while its region waits for the watermark: the wait ends after that slice, with
+    no re-request and no write."""
+    r.answer(1, 0, 0, 1024, rnd=2)
+    r.watermarks.on_wait = lambda: r.writer.forget_room(1)
+    with pytest.raises(StagingFailed, match=r"^room 1: chunk 0: the room was closed$"):
+        r.writer.send_chunk(1, ChunkSpec(0, 0, (1, 2)), r.targets)
+    assert r.watermarks.waits == [TICK]
+    assert r.writer.requests_sent == 1
+    assert r.engine.writes == []
+
+
+def test_a_prefetch_after_the_close_sends_and_tracks_nothing(r: Rig) -> None:
+    """A late prefetch (or re-request) of a closed room asks nothing and watches nothing."""
+    r.writer.forget_room(1)
+    assert r.writer.prefetch(1, [(0, 2), (1, 2)], r.targets) == 0
+    r.writer.rerequest(1, 0, 2, r.targets)
+    assert r.sender.take() == []
+    assert r.writer._requested == set()
+    assert 1 not in r.writer._room_targets
+    assert r.watches() == {}
+    assert r.writer.prefetch(2, [(0, 2)], r.targets) == 1  # other rooms are asked as before
+
+
+def test_a_close_during_a_prefetch_stops_it(r: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closed while its prefetch sends: the rest is not asked for nor remembered as asked."""
+    send = r.sender.send
+
+    def send_then_close(endpoint: str, frames: Sequence[bytes]) -> bool:
+        r.writer.forget_room(1)
+        return send(endpoint, frames)
+
+    monkeypatch.setattr(r.sender, "send", send_then_close)
+    assert r.writer.prefetch(1, [(0, 2), (1, 2)], r.targets) == 1
+    assert r.sender.take() == [("tcp://decode:0", req(1, 0, 2))]
+    assert r.writer._requested == set()
+    assert 1 not in r.writer._room_targets
+    assert r.watches() == {}
+
+
+def test_track_room_opens_a_closed_room_again(r: Rig) -> None:
+    """A room id used again: track_room opens it (watched, asked, written); track_room of a
+    room never closed just tracks it."""
+    r.writer.track_room(2, r.targets)
+    assert r.writer._room_targets == {2: {"decode-0": r.targets[0]}}
+    r.writer.forget_room(2)
+    r.writer.forget_room(1)
+    r.writer.track_room(1, r.targets)
+    assert r.watches() == {"tcp://decode:0": 1}
+    assert not r.writer.chunk_ready(1, 0, r.targets)  # waits for its region again
+    r.answer(1, 0, 0, 1024)
+    assert r.writer.send_chunk(1, ChunkSpec(0, 0, (1, 2)), r.targets) == 1024
+    assert r.writer.requests_sent == 1
+    assert len(r.engine.writes) == 1
+    assert r.writer.prefetch(2, [(0, 2)], r.targets) == 0  # still closed
+
+
+def test_forgotten_rooms_are_bounded_and_the_oldest_goes_first(
+    r: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the last FORGOTTEN_ROOMS closes are remembered; closing a room again makes it the
+    most recent; a room forgotten longer ago is treated as never seen."""
+    monkeypatch.setattr(writer_module, "FORGOTTEN_ROOMS", 2)
+    for room in (1, 2, 1, 3):
+        r.writer.forget_room(room)
+    assert list(r.writer._forgotten) == [1, 3]
+    assert r.writer.prefetch(1, [(0, 2)], r.targets) == 0
+    assert r.writer.prefetch(3, [(0, 2)], r.targets) == 0
+    assert r.writer.prefetch(2, [(0, 2)], r.targets) == 1
 
 
 # --------------------------------------------------------------------------- fences

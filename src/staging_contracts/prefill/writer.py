@@ -15,6 +15,13 @@ raises :class:`StagingFailed` for that room; the worker thread that called lives
 writes into that room's regions of that decode session, and it answers ``ROOM_FENCED`` as
 soon as no such write is in flight (right away, or when the running write returns). Waits of
 a fenced room, or of a decode rank declared dead by peer liveness, end within a wait slice.
+
+**Closed rooms.** :meth:`StagingWriter.forget_room` (the room was closed) also remembers the
+room among the last :data:`FORGOTTEN_ROOMS` forgotten ones: a chunk of it then fails at once
+("the room was closed") instead of waiting for an answer that was dropped, and a late
+``prefetch`` of it neither asks decode nor watches its ranks again. A room id used again is
+opened again by :meth:`StagingWriter.track_room` (the per-request layer calls it when the
+room opens).
 """
 
 from __future__ import annotations
@@ -72,6 +79,12 @@ fields as the bulk write's notification payload (the engine must support notific
 
 WAIT_SLICE_S: Final = 0.05
 """Longest a wait for a region or the watermark goes without checking fences and liveness."""
+
+FORGOTTEN_ROOMS: Final = 4096
+"""How many of the most recently forgotten (closed) rooms a writer remembers, so that a chunk
+or a prefetch of one that comes after its close is refused rather than waited for (a few
+hundred KiB at most). A room forgotten longer ago than that is treated as never seen; a chunk
+of it that comes so late is still bounded by its ``deadline_s``."""
 
 
 def _arrival_mode(engine: TransferEngine, arrival: ArrivalMode | None) -> ArrivalMode:
@@ -256,6 +269,9 @@ class StagingWriter:
         """``STAGING_REQ`` messages sent, re-requests included."""
         self.bytes_written = 0
         """Payload bytes written into decode rings."""
+        self._forgotten: dict[int, str] = {}
+        """The last :data:`FORGOTTEN_ROOMS` rooms forgotten and not opened again (oldest
+        first) -> why a chunk of one fails (under ``_requested_lock``)."""
 
     @property
     def timeouts(self) -> PrefillTimeouts:
@@ -293,17 +309,21 @@ class StagingWriter:
             chunks: ``(chunk_idx, num_pages)`` of every chunk to come.
             decode: every decode rank of the request, indexed by TP rank.
 
+        A room forgotten by :meth:`forget_room` and not opened again by :meth:`track_room`
+        is neither asked for nor tracked (its prefetch came after its close).
+
         Returns:
             Requests sent now.
         """
         sent = 0
         targets = [t for t in self.targets_of(decode) if not self.fenced(room, t.session_id)]
-        self.track_room(room, targets)
+        self._track(room, targets)
         for chunk_idx, num_pages in chunks:
             for target in targets:
                 key = (room, chunk_idx, target.session_id)
                 with self._requested_lock:
-                    if key in self._requested:
+                    # Forgotten (now, or while this prefetch runs): nothing to ask for.
+                    if key in self._requested or room in self._forgotten:
                         continue
                     self._requested.add(key)
                 self._request(room, chunk_idx, num_pages, target)
@@ -314,11 +334,23 @@ class StagingWriter:
         """Remember (and watch, until :meth:`forget_room`) the decode ranks a room goes to;
         a target with ``liveness=False`` is remembered, never watched.
 
-        **Called by:** :meth:`prefetch`, and the per-request layer when a room opens, so that
-        a decode rank that dies before it answers anything is noticed. **Blocking:** no.
+        This is the (re-)open of a room: a room forgotten by :meth:`forget_room` is no longer
+        refused from here on, so that a room id used again works (a late chunk or prefetch of
+        a closed room must therefore come before its id is opened again).
+
+        **Called by:** the per-request layer when a room opens (on the scheduler's thread), so
+        that a decode rank that dies before it answers anything is noticed. **Blocking:** no.
         """
+        with self._requested_lock:
+            self._forgotten.pop(room, None)
+        self._track(room, targets)
+
+    def _track(self, room: int, targets: Sequence[DecodeTarget]) -> None:
+        """Remember and watch a room's targets, unless the room was forgotten."""
         new = []
         with self._requested_lock:
+            if room in self._forgotten:
+                return
             known = self._room_targets.setdefault(room, {})
             for target in targets:
                 self._session_endpoints[target.session_id] = target.endpoint
@@ -336,8 +368,19 @@ class StagingWriter:
         self.requests_sent += 1
 
     def forget_room(self, room: int) -> None:
-        """Drop a finished or failed room's requests, answers, fences and watches."""
+        """Drop a finished or failed room's requests, answers, fences and watches, and
+        refuse the room until :meth:`track_room` opens it again: a chunk of it fails at once
+        ("the room was closed") and a prefetch of it sends and tracks nothing. The last
+        :data:`FORGOTTEN_ROOMS` rooms forgotten are remembered so.
+
+        **Called by:** the per-request layer when a room is closed (any thread).
+        **Blocking:** no.
+        """
         with self._requested_lock:
+            self._forgotten.pop(room, None)  # forgotten again: the most recent now
+            self._forgotten[room] = "the room was closed"
+            if len(self._forgotten) > FORGOTTEN_ROOMS:
+                del self._forgotten[next(iter(self._forgotten))]
             self._requested = {key for key in self._requested if key[0] != room}
             endpoints = [
                 t.endpoint for t in self._room_targets.pop(room, {}).values() if t.liveness
@@ -443,6 +486,10 @@ class StagingWriter:
 
     def _abort_reason(self, room: int, target: DecodeTarget) -> str | None:
         """Why a chunk of ``room`` must not be written to ``target`` (``None``: it may)."""
+        with self._requested_lock:
+            closed = self._forgotten.get(room)
+        if closed is not None:
+            return closed
         with self._fence_lock:
             reason = self._fenced.get((room, target.session_id))
         if reason is not None:
@@ -458,7 +505,8 @@ class StagingWriter:
     def chunk_ready(self, room: int, chunk_idx: int, decode: Sequence[DecodeTarget]) -> bool:
         """Whether :meth:`send_chunk` would write the chunk without waiting: every decode
         rank it feeds answered a region whose watermark has passed, or one of them refused,
-        fenced the room or is dead (then ``send_chunk`` fails at once).
+        fenced the room or is dead, or the room was forgotten (then ``send_chunk`` fails at
+        once).
 
         **Called by:** the prefill transfer worker, to pick a chunk it can write now.
         **Blocking:** no.
@@ -518,7 +566,10 @@ class StagingWriter:
 
         Raises:
             StagingFailed: decode refused the chunk, no answer or readiness before the
-                deadline, the region does not fit the layout, or the engine failed.
+                deadline, the region does not fit the layout, or the engine failed; at
+                once (before any wait) when the room was forgotten (closed) and not opened
+                again, or decode fenced it, and within a wait slice when that happens while
+                the chunk waits.
         """
         if self._closed:
             raise StagingFailed(room, "the staging writer is closed")
@@ -641,6 +692,8 @@ class StagingWriter:
                     room, f"no STAGING_RSP for chunk {chunk_idx} before the deadline"
                 )
             if now - asked >= self._timeouts.answer_s:
+                # Fenced, dead or closed during this slice: fail now, not ask once more.
+                self._check_abort(room, chunk_idx, target)
                 logger.info("room %d chunk %d: no STAGING_RSP yet, asking again", room, chunk_idx)
                 self._request(room, chunk_idx, num_pages, target)
                 asked = now
@@ -679,6 +732,7 @@ class StagingWriter:
                     f"(watermark {tuple(latest)})",
                 )
             if now - asked >= self._timeouts.ready_s:
+                self._check_abort(room, chunk_idx, target)  # as in _await_region
                 logger.info(
                     "room %d chunk %d: waiting for the watermark, asking again", room, chunk_idx
                 )
