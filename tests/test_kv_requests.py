@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+import types
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -11,8 +13,19 @@ from staging_contracts.backends.kv_requests import (
     KVPoll,
     KVReceiver,
     KVSender,
+    PrefillTransfers,
 )
+from staging_contracts.control.room_messages import RoomMeta
+from staging_contracts.control.wire import StagingReq
 from staging_contracts.decode import handler as decode_handler
+from staging_contracts.prefill import writer as writer_module
+from staging_contracts.prefill.writer import (
+    ChunkSpec,
+    DecodeTarget,
+    PrefillTimeouts,
+    StagingFailed,
+)
+from staging_contracts.protocols import KVArgs
 from tests.local_cluster import (
     Geometry,
     pools_equal,
@@ -20,6 +33,7 @@ from tests.local_cluster import (
     wait_for,
     wait_states,
 )
+from tests.test_prefill_writer import TICK, Clock, make_rig
 
 
 def test_request_goes_through_every_state_and_lands_bit_exact() -> None:
@@ -165,3 +179,106 @@ def test_page_count_disagreement_fails_the_request() -> None:
         assert sender.failure() == "decode expects 4 pages, prefill 3"
         assert wait_states([receiver]) == [KVPoll.Failed]
         receiver.release()
+
+
+def test_a_room_id_used_again_after_release_transfers_normally() -> None:
+    """Released on both sides, a room id opened again (KVSender.init) is asked for, written
+    and lands bit-exact: the writer refuses a closed room only until it is opened again."""
+    with sides(Geometry(1, 1, 2)) as s:
+        c = s.cluster
+        for seed in (1, 2):
+            request = c.add_request(57, num_pages=4, chunk_pages=2, seed=seed)
+            c.handlers[0].release_room(57)  # registered again below through the receiver
+            receiver = KVReceiver(s.decode[0], 57)
+            receiver.init(request.decode_pages, chunk_pages=2)
+            sender = KVSender(s.prefill[0], 57)
+            sender.init(4, c.targets)
+            receiver.send_metadata()
+            for chunk in request.chunks():
+                sender.send(chunk.pages, last=chunk.chunk_idx == 1)
+            assert wait_states([sender]) == [KVPoll.Success], sender.failure()
+            assert wait_states([receiver]) == [KVPoll.Success], receiver.failure()
+            assert pools_equal(c.decode_pools[0], c.expected_decode_pool(0))
+            receiver.release()
+            sender.release()
+        assert wait_for(lambda: c.handlers[0].allocator.live_count == 0)
+
+
+class FakeHost:
+    """The manager side of PrefillTransfers: records handlers and sends nothing."""
+
+    def __init__(self, kv_args: KVArgs) -> None:
+        self._kv_args = kv_args
+        self.handlers: dict[bytes, Callable[[list[bytes]], None]] = {}
+
+    @property
+    def kv_args(self) -> KVArgs:
+        return self._kv_args
+
+    def register_control(self, kind: bytes, handler: Callable[[list[bytes]], None]) -> None:
+        self.handlers[kind] = handler
+
+    def send(self, endpoint: str, frames: Sequence[bytes]) -> bool:
+        del endpoint, frames
+        return True
+
+    def add_authorizer(self, authorizer: Callable[[list[bytes], str], bool]) -> None:
+        del authorizer
+
+
+def test_a_room_failed_and_closed_after_its_chunk_was_taken_does_not_hold_the_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The soak's case through the per-request layer, on the writer's fakes and fake clock:
+    the worker takes room 1's chunk because decode fenced the room (chunk_ready), the room
+    then fails and is closed before send_chunk. The chunk fails at once ("the room was
+    closed") with no STAGING_REQ and no tracking of room 1 again, and room 2 behind it is
+    written. (It re-requested every answer_s until deadline_s, and tracked room 1 again.)"""
+    clock = Clock()
+    monkeypatch.setattr(writer_module, "time", types.SimpleNamespace(monotonic=clock))
+    rig = make_rig(clock, timeouts=PrefillTimeouts(answer_s=TICK, ready_s=TICK, deadline_s=1.0))
+    host = FakeHost(rig.geometry.kv_args(1, 0))
+    transfers = PrefillTransfers(host, rig.writer, meta_timeout_s=60.0)
+    writer = rig.writer
+    real_ready, real_send = writer.chunk_ready, writer.send_chunk
+    stage_calls: list[int] = []
+    failures: list[tuple[int, str]] = []
+
+    def chunk_ready(room: int, chunk_idx: int, decode: Sequence[DecodeTarget]) -> bool:
+        stage_calls.append(room)
+        if room == 1 and stage_calls.count(1) == 2:  # _stage's check, after _next_job's
+            rig.fence(1, "aborted")  # the listener: decode fenced room 1; it fails
+            ready = real_ready(room, chunk_idx, decode)
+            transfers.close_room(1)  # the user closes the failed room
+            return ready
+        return real_ready(room, chunk_idx, decode)
+
+    def send_chunk(room: int, chunk: ChunkSpec, decode: Sequence[DecodeTarget]) -> int:
+        try:
+            return real_send(room, chunk, decode)
+        except StagingFailed as exc:
+            failures.append((room, exc.reason))
+            raise
+
+    try:
+        for room in (1, 2):
+            transfers.open_room(room, 2, rig.targets)
+            host.handlers[RoomMeta.KIND](RoomMeta(room, 0, 2, 2).to_frames())
+            rig.answer(room, 0, 0, 1024)
+        monkeypatch.setattr(writer, "chunk_ready", chunk_ready)
+        monkeypatch.setattr(writer, "send_chunk", send_chunk)
+        rig.sender.take()
+        transfers.submit(1, (1, 2), last=True)
+        transfers.submit(2, (3, 4), last=True)
+    finally:
+        transfers.close()  # stops the worker after the queued chunks
+    assert failures == [(1, "chunk 0: the room was closed")]
+    sent = [frames for _, frames in rig.sender.take() if frames[0] == StagingReq.WIRE_TYPE]
+    assert sent == []
+    assert 1 not in writer._room_targets
+    assert transfers.status(1) == (KVPoll.Failed, "unknown room")
+    assert transfers.status(2) == (KVPoll.Success, None)
+    assert len(rig.engine.writes) == 1
+    assert rig.watches() == {"tcp://decode:0": 1}  # room 2's, until it is closed
+    transfers.close_room(2)
+    assert rig.watches() == {}

@@ -146,6 +146,9 @@ class PrefillTransfers:
     def open_room(self, room: int, num_pages: int, decode: Sequence[DecodeTarget]) -> None:
         """Start tracking a room (``KVSender.init``).
 
+        This is also how a room id is used again after :meth:`close_room`: the writer's
+        ``track_room`` below opens it again (until then the writer refuses the closed room).
+
         Args:
             room: the request's room.
             num_pages: pages of the request.
@@ -214,7 +217,13 @@ class PrefillTransfers:
         return self.status(room)
 
     def close_room(self, room: int) -> None:
-        """Forget a finished or failed room."""
+        """Forget a finished or failed room (``KVSender.release``; any thread).
+
+        The writer forgets it too and refuses it until :meth:`open_room` opens the id again:
+        a chunk of it that the worker already took fails at once ("the room was closed")
+        instead of waiting up to ``deadline_s`` for answers that were dropped, and a late
+        prefetch of it neither asks decode nor watches its ranks again.
+        """
         with self._cond:
             self._rooms.pop(room, None)
         self._writer.forget_room(room)
