@@ -302,15 +302,15 @@ class StagingWriter:
     ) -> int:
         """Send one ``STAGING_REQ`` per (chunk, decode rank fed), skipping those already sent.
 
+        A room forgotten by :meth:`forget_room` and not opened again by :meth:`track_room`
+        is neither asked for nor tracked (its prefetch came after its close).
+
         **Called by:** the scheduler right after the batch is formed. **Blocking:** no.
 
         Args:
             room: the request's room.
             chunks: ``(chunk_idx, num_pages)`` of every chunk to come.
             decode: every decode rank of the request, indexed by TP rank.
-
-        A room forgotten by :meth:`forget_room` and not opened again by :meth:`track_room`
-        is neither asked for nor tracked (its prefetch came after its close).
 
         Returns:
             Requests sent now.
