@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 import types
 from collections.abc import Callable, Sequence
@@ -33,7 +34,7 @@ from tests.local_cluster import (
     wait_for,
     wait_states,
 )
-from tests.test_prefill_writer import TICK, Clock, make_rig
+from tests.test_prefill_writer import TICK, Clock, expected_gather, make_rig
 
 
 def test_request_goes_through_every_state_and_lands_bit_exact() -> None:
@@ -282,3 +283,46 @@ def test_a_room_failed_and_closed_after_its_chunk_was_taken_does_not_hold_the_wo
     assert rig.watches() == {"tcp://decode:0": 1}  # room 2's, until it is closed
     transfers.close_room(2)
     assert rig.watches() == {}
+
+
+def test_a_chunk_queued_before_its_room_was_closed_is_not_the_reopened_room_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Room 1's chunk waits for its region; room 1 is closed and its id opened again before
+    the worker drops that chunk. The stale chunk is dropped: only the new room's chunk is
+    written, and the new room succeeds on its own chunk (the stale pages were written as the
+    new room's chunk 0, and the room counted done one chunk early)."""
+    clock = Clock()
+    monkeypatch.setattr(writer_module, "time", types.SimpleNamespace(monotonic=clock))
+    rig = make_rig(clock, timeouts=PrefillTimeouts(answer_s=TICK, ready_s=TICK, deadline_s=1.0))
+    host = FakeHost(rig.geometry.kv_args(1, 0))
+    transfers = PrefillTransfers(host, rig.writer, meta_timeout_s=60.0)
+    writer = rig.writer
+    real_ready = writer.chunk_ready
+    reopened = threading.Event()
+
+    def meta() -> None:
+        host.handlers[RoomMeta.KIND](RoomMeta(1, 0, 2, 2).to_frames())
+
+    def chunk_ready(room: int, chunk_idx: int, decode: Sequence[DecodeTarget]) -> bool:
+        ready = real_ready(room, chunk_idx, decode)
+        if not reopened.is_set():  # on the worker, while the stale chunk waits
+            transfers.close_room(1)
+            transfers.open_room(1, 2, rig.targets)
+            meta()
+            rig.answer(1, 0, 0, 1024)
+            reopened.set()
+        return ready
+
+    try:
+        transfers.open_room(1, 2, rig.targets)
+        meta()
+        monkeypatch.setattr(writer, "chunk_ready", chunk_ready)
+        transfers.submit(1, (1, 2), last=True)  # no region yet: it waits
+        assert reopened.wait(30.0)  # bounded: the worker looks at the chunk within a slice
+        transfers.submit(1, (3, 4), last=True)  # the reopened room's own chunk
+    finally:
+        transfers.close()
+    assert transfers.status(1) == (KVPoll.Success, None)
+    assert len(rig.engine.writes) == 1
+    assert rig.engine.payloads == [expected_gather(rig, (3, 4), 0, 2)]

@@ -86,6 +86,9 @@ class _Job:
     chunk: ChunkSpec
     queued: float
     """When it was queued (its ``ROOM_META`` wait starts then)."""
+    opened: _SendState
+    """The room as it was open when the chunk was queued: once that room was closed the job
+    is dropped, even if the room id was opened again since (it is not the new room's)."""
     deadline: float | None = None
     """Give up when no progress by then (set once the room is ready; extended on progress)."""
     marker: tuple[object, ...] = ()
@@ -190,7 +193,7 @@ class PrefillTransfers:
             state.last_submitted = last
             if state.status in (KVPoll.Bootstrapping, KVPoll.WaitingForInput):
                 state.status = KVPoll.Transferring
-        self._jobs.put(_Job(room, chunk, time.monotonic()))
+        self._jobs.put(_Job(room, chunk, time.monotonic(), state))
         self._wakeup.set()
 
     def status(self, room: int) -> tuple[KVPoll, str | None]:
@@ -355,7 +358,7 @@ class PrefillTransfers:
     def _fail_job(self, job: _Job, reason: str) -> None:
         with self._cond:
             state = self._rooms.get(job.room)
-            if state is not None and state.status is not KVPoll.Failed:
+            if state is job.opened and state.status is not KVPoll.Failed:
                 self._fail(job.room, state, reason)
 
     def _next_job(self, pending: list[_Job]) -> _Job | None:
@@ -365,8 +368,8 @@ class PrefillTransfers:
         for job in pending:
             with self._cond:
                 state = self._rooms.get(job.room)
-                if state is None or state.status is KVPoll.Failed:
-                    return job  # _stage drops it
+                if state is not job.opened or state.status is KVPoll.Failed:
+                    return job  # _stage drops it (closed, perhaps opened again, or failed)
                 ready = state.fed is not None and state.fed <= state.ready
                 decode = state.decode
             if not ready:
@@ -395,7 +398,7 @@ class PrefillTransfers:
         room, chunk = job.room, job.chunk
         with self._cond:
             state = self._rooms.get(room)
-            if state is None or state.status is KVPoll.Failed:
+            if state is not job.opened or state.status is KVPoll.Failed:
                 return
             if state.fed is None or not state.fed <= state.ready:
                 raise StagingFailed(room, "decode never sent ROOM_META")
@@ -416,7 +419,7 @@ class PrefillTransfers:
         self._writer.send_chunk(room, chunk, decode)
         with self._cond:
             state = self._rooms.get(room)
-            if state is None:
+            if state is not job.opened:
                 return
             state.pending -= 1
             # The last chunk submitted may be written before an earlier one (the worker
