@@ -13,7 +13,9 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,13 +23,16 @@ import torch
 from staging_contracts.bench import BenchOptions, plots, scaling
 from staging_contracts.bench.scaling import (
     CSV_COLUMNS,
+    P99_MIN_SAMPLES,
     ScalingPlan,
     ScalingResult,
     ScalingRow,
     fit_line,
     fit_rows,
+    high_latency,
     percentile,
     run_scaling,
+    slope_stderr,
 )
 from staging_contracts.cli import main
 from staging_contracts.cluster.runner import ClusterResult, RankReport
@@ -49,6 +54,7 @@ def _row(
     p50: float = 0.4,
     p99: float = 0.45,
     ok: bool = True,
+    runs: tuple[float, ...] = (),
 ) -> ScalingRow:
     nbytes = tokens * 1000 * concurrency
     return ScalingRow(
@@ -61,11 +67,15 @@ def _row(
         page_size=16,
         concurrency=concurrency,
         bytes=nbytes,
+        runs=max(1, len(runs)),
         elapsed_s=elapsed_s,
+        elapsed_runs_s=runs,
         staged_gbps=nbytes / elapsed_s / 1e9,
         raw_gbps=2.0,
+        latency_samples=concurrency * max(1, len(runs)),
         latency_p50_s=p50,
-        latency_p99_s=p99,
+        latency_high_s=p99,
+        latency_high_stat="max",
         peak_ring_bytes=1 << 20,
         peak_rss_bytes=300 << 20,
         ok=ok,
@@ -158,8 +168,8 @@ def test_fit_rows_gives_each_engines_slopes() -> None:
         (engine, name)
         for engine in ("mooncake", "nixl")
         for name in (
+            "latency-high-vs-concurrency",
             "latency-p50-vs-concurrency",
-            "latency-p99-vs-concurrency",
             "time-vs-tokens",
         )
     ]
@@ -170,11 +180,52 @@ def test_fit_rows_gives_each_engines_slopes() -> None:
     assert fits[("mooncake", "time-vs-tokens")].intercept == pytest.approx(0.2)
     p50 = fits[("nixl", "latency-p50-vs-concurrency")]
     assert (p50.slope, p50.intercept) == pytest.approx((0.25, 0.05))
-    p99 = fits[("mooncake", "latency-p99-vs-concurrency")]
-    assert (p99.slope, p99.intercept) == pytest.approx((0.5, 0.1))
-    assert tokens.describe() == (
-        "nixl time-vs-tokens: 0.2 s per 1k tokens, intercept 0.1 s (r2 1.000, 3 points)"
-    )
+    high = fits[("mooncake", "latency-high-vs-concurrency")]
+    assert (high.slope, high.intercept) == pytest.approx((0.5, 0.1))
+    assert tokens.slope_se == pytest.approx(0.0, abs=1e-12)  # exactly on the line
+    head, tail = tokens.describe().split(" +- ")
+    assert head == "nixl time-vs-tokens: 0.2"
+    se, rest = tail.split(" ", 1)
+    assert float(se) == pytest.approx(tokens.slope_se)
+    assert rest == "s per 1k tokens, intercept 0.1 s (r2 1.000, 3 points)"
+
+
+def test_slope_stderr_from_the_residuals() -> None:
+    """(0,0), (1,2), (2,1): slope 0.5, residuals -0.5, 1, -0.5: SS_res 1.5, Sxx 2, n-2 = 1,
+    so se = sqrt(1.5 / 1 / 2); two samples leave no freedom: nan."""
+    assert slope_stderr([0, 1, 2], [0, 2, 1]) == pytest.approx(math.sqrt(0.75))
+    assert math.isnan(slope_stderr([0, 1], [0, 2]))
+
+
+def test_time_vs_tokens_is_fitted_through_every_run() -> None:
+    """Each run's time is a sample of the fit: two runs of three token lengths are six
+    points, and their spread gives the slope a standard error."""
+    rows = [
+        _row(tokens=1000, elapsed_s=1.0, runs=(0.9, 1.1)),
+        _row(tokens=2000, elapsed_s=2.0, runs=(1.9, 2.1)),
+        _row(tokens=3000, elapsed_s=3.0, runs=(2.9, 3.1)),
+    ]
+    (fit,) = fit_rows(rows)
+    xs = [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+    ys = [0.9, 1.1, 1.9, 2.1, 2.9, 3.1]
+    assert fit.points == 6
+    assert (fit.slope, fit.intercept) == pytest.approx((1.0, 0.0))
+    assert fit.slope_se == pytest.approx(slope_stderr(xs, ys))
+    assert fit.slope_se > 0
+
+
+def test_high_latency_is_the_max_below_100_samples_and_p99_from_100() -> None:
+    """Below P99_MIN_SAMPLES the high figure is the largest sample, labelled max; from
+    there on it is the interpolated 99th percentile, labelled p99."""
+    few = [0.3, 0.1, 0.9, 0.2]
+    assert high_latency(few) == (0.9, "max")
+    many = [float(i) for i in range(P99_MIN_SAMPLES)]  # 0 .. 99
+    value, stat = high_latency(many)
+    assert value == pytest.approx(98.01)
+    assert stat == "p99"
+    value, stat = high_latency([])
+    assert math.isnan(value)
+    assert stat == "max"
 
 
 def test_a_series_of_one_point_gets_no_fit() -> None:
@@ -208,11 +259,25 @@ def test_csv_and_json_shapes(tmp_path: Path) -> None:
     assert data["plan"]["tp"] == ["2->1"]
     assert {tuple(sorted(r)) for r in data["rows"]} == {tuple(sorted(CSV_COLUMNS))}
     assert data["rows"][-1]["elapsed_s"] is None
+    assert data["plan"]["runs"] == 1
+    assert data["rows"][0]["runs"] == 1
+    assert data["rows"][0]["latency_samples"] == 1
+    assert data["rows"][0]["latency_high_stat"] == "max"
+    two_runs = _row(runs=(0.25, 0.5))
+    ScalingResult(result.plan, (two_runs,), ()).write(tmp_path / "two")
+    with (tmp_path / "two" / "scaling.csv").open() as handle:
+        (line,) = list(csv.DictReader(handle))
+    assert line["elapsed_runs_s"] == "0.25 0.5"
+    assert line["runs"] == "2"
+    assert line["latency_samples"] == "2"
+    two_data = json.loads((tmp_path / "two" / "scaling.json").read_text())
+    assert two_data["rows"][0]["elapsed_runs_s"] == [0.25, 0.5]
     assert data["rows"][-1]["ok"] is False
     assert set(data["fits"][0]) == {
         "engine",
         "name",
         "slope",
+        "slope_se",
         "intercept",
         "r2",
         "points",
@@ -235,9 +300,14 @@ def test_text_gives_the_base_point_the_table_failures_skips_and_slopes() -> None
     )
     assert "nixl tokens=8000: decode 0 killed by SIGKILL without a report" in lines
     assert "skipped x: gone" in lines
-    assert "  nixl time-vs-tokens: 0.2 s per 1k tokens, intercept 0.1 s (r2 1.000, 3 points)" in (
-        lines
-    )
+    fit = next(f for f in result.fits if (f.engine, f.name) == ("nixl", "time-vs-tokens"))
+    assert f"  {fit.describe()}" in lines
+    assert "staged runs per point: 1" in lines[0]
+    header = lines[1].split()
+    assert "runs" in header
+    assert "samples" in header
+    assert "p99" not in lines[1]  # the high figure of 1-4 samples is no p99
+    assert "0.45 (max (n=1))" in lines[3]
     assert not result.ok
 
 
@@ -374,7 +444,9 @@ def test_sweep_runs_each_distinct_point_once_and_derives_its_figures(
     assert two.raw_gbps == pytest.approx(4.0)
     # latencies: request 0 took 0.5 s, request 1 took 0.75 s
     assert two.latency_p50_s == pytest.approx(0.625)
-    assert two.latency_p99_s == pytest.approx(0.5 + 0.25 * 0.99)
+    assert two.latency_high_s == pytest.approx(0.75)
+    assert two.latency_high_stat == "max"
+    assert (two.runs, two.latency_samples) == (1, 2)
     assert two.peak_ring_bytes == 1000
     assert two.peak_rss_bytes == 200
     failed = result.rows[1]
@@ -385,8 +457,67 @@ def test_sweep_runs_each_distinct_point_once_and_derives_its_figures(
     assert not result.ok
     assert {f.name for f in result.fits} == {
         "latency-p50-vs-concurrency",
-        "latency-p99-vs-concurrency",
+        "latency-high-vs-concurrency",
     }  # one token length verified: no time-vs-tokens slope
+
+
+def test_repeated_runs_pool_latencies_and_take_the_median_throughput(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With runs=3 each staged point runs three times and the raw write once; GB/s is the
+    median of the runs', latencies are pooled (3 x concurrency samples), the time fit goes
+    through every run; a run that fails fails its point, naming the run."""
+    calls: dict[tuple[str, int, int], int] = {}
+
+    def fake_run(config: TransferConfig, *, timeout_s: float) -> ClusterResult:
+        key = (config.mode, config.tokens, config.requests)
+        calls[key] = calls.get(key, 0) + 1
+        if config.mode == "raw":
+            return _fake_cluster_result(config, 1.0)
+        if config.tokens == 512 and calls[key] == 2:  # its second run dies
+            return ClusterResult(config, (), 0.0, frozenset({0}))
+        return _fake_cluster_result(config, (1.0, 3.0, 2.0)[calls[key] - 1] * config.requests)
+
+    monkeypatch.setattr(scaling, "run_cluster", fake_run)
+    monkeypatch.setattr(scaling, "preflight", lambda config: None)
+    monkeypatch.setattr(scaling, "engine_available", lambda name: (True, ""))
+    plan = replace(ScalingPlan.quick(), runs=3)
+    result = run_scaling(BenchOptions(backends=("nixl",)), plan=plan)
+    assert calls == {
+        ("staged", 256, 1): 3,
+        ("raw", 256, 1): 1,
+        ("staged", 512, 1): 2,  # stopped at its failed run
+        ("raw", 512, 1): 1,
+        ("staged", 256, 2): 3,
+    }
+    rows = {(r.dimension, r.value): r for r in result.rows}
+    base = rows[("tokens", 256)]
+    nbytes = plan.base.request_bytes
+    assert base.runs == 3
+    assert base.elapsed_runs_s == (1.0, 3.0, 2.0)
+    assert base.elapsed_s == 2.0
+    assert base.staged_gbps == pytest.approx(nbytes / 2.0 / 1e9)
+    two = rows[("concurrency", 2)]
+    # each run: request 0 took 0.5 s, request 1 took 0.75 s; pooled over three runs
+    samples = [0.5, 0.75] * 3
+    assert two.latency_samples == len(samples) == 6
+    assert two.latency_p50_s == pytest.approx(percentile(samples, 50))
+    assert (two.latency_high_s, two.latency_high_stat) == (max(samples), "max")
+    assert two.high_label() == "max (n=6)"
+    failed = rows[("tokens", 512)]
+    assert not failed.ok
+    assert failed.error == "run 2: requests [0] failed"
+    assert math.isnan(failed.staged_gbps)
+    assert failed.latency_samples == 0
+    assert "time-vs-tokens" not in {f.name for f in result.fits}  # 512 failed
+
+
+def test_full_plan_repeats_and_quick_plan_does_not() -> None:
+    """The documented sweep runs each staged point twice; quick once; 0 runs is refused."""
+    assert ScalingPlan.full().runs == 2
+    assert ScalingPlan.quick().runs == 1
+    with pytest.raises(ValueError, match="runs"):
+        replace(ScalingPlan.quick(), runs=0)
 
 
 def test_a_failed_raw_write_fails_its_points(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -438,6 +569,73 @@ def test_plots_are_written_as_png_files(tmp_path: Path) -> None:
     assert all(_is_png(p) for p in paths)
     empty = ScalingResult(ScalingPlan.quick(), (), ())
     assert all(_is_png(p) for p in plots.write_plots(empty, tmp_path / "empty"))
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (the test is skipped without matplotlib)."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    return pytest.importorskip("matplotlib.pyplot")
+
+
+def test_a_failed_point_is_a_gap_in_the_lines_not_zero() -> None:
+    """The throughput and latency lines hold nan (a gap) at a failed point, never 0."""
+    plt = _pyplot()
+
+    rows = [
+        _row(tokens=1000, elapsed_s=0.5),
+        _row(tokens=2000, elapsed_s=0.5, ok=False),
+        _row(tokens=4000, elapsed_s=0.5),
+    ]
+    figure, axes = plt.subplots()
+    try:
+        plots._throughput(axes, rows, ["nixl"])
+        staged, raw = axes.lines
+        assert list(staged.get_xdata()) == [1000, 2000, 4000]
+        ys = list(staged.get_ydata())
+        assert math.isnan(ys[1])
+        assert ys[0] == pytest.approx(rows[0].staged_gbps)
+        assert list(raw.get_ydata()) == [2.0, 2.0, 2.0]  # the raw write did verify
+    finally:
+        plt.close(figure)
+    rows = [_row(dimension="concurrency", value=n, concurrency=n, ok=n != 2) for n in (1, 2, 4)]
+    figure, axes = plt.subplots()
+    try:
+        plots._latency(axes, rows, ["nixl"])
+        p50, high = axes.lines
+        assert math.isnan(list(p50.get_ydata())[1])
+        assert math.isnan(list(high.get_ydata())[1])
+        assert high.get_label() == "nixl max"
+    finally:
+        plt.close(figure)
+
+
+def test_a_failed_or_missing_bar_is_hatched_and_labelled_not_zero() -> None:
+    """Bars: a failed point and a value an engine has no row for get a hatched outline
+    labelled failed / missing; no 0 GB/s bar is drawn."""
+    plt = _pyplot()
+
+    rows = [
+        _row("nixl", "tp", "4->2", elapsed_s=0.5),
+        _row("nixl", "tp", "2->4", elapsed_s=0.5, ok=False),
+        _row("mooncake", "tp", "4->2", elapsed_s=0.25),
+    ]
+    figure, axes = plt.subplots()
+    try:
+        plots._tp_bars(axes, rows, ["nixl", "mooncake"])
+        filled = [p for p in axes.patches if p.get_fill()]
+        assert sorted(p.get_height() for p in filled) == pytest.approx(
+            sorted([rows[0].staged_gbps, rows[2].staged_gbps])
+        )
+        outlined = [p for p in axes.patches if not p.get_fill()]
+        assert sorted(p.get_gid() for p in outlined) == ["failed", "missing"]
+        assert all(p.get_hatch() == "//" and p.get_height() > 0 for p in outlined)
+        texts = sorted(t.get_text() for t in axes.texts)
+        assert "failed" in texts
+        assert "missing" in texts
+        assert all(p.get_height() > 0 for p in axes.patches)
+    finally:
+        plt.close(figure)
 
 
 def test_matplotlib_missing_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -595,17 +793,25 @@ def test_quick_sweep_end_to_end_over_a_real_engine(
     for row in rows:
         assert row["ok"] is True, row
         assert row["engine"] == engine
-        for key in ("staged_gbps", "raw_gbps", "latency_p50_s", "latency_p99_s", "elapsed_s"):
+        for key in ("staged_gbps", "raw_gbps", "latency_p50_s", "latency_high_s", "elapsed_s"):
             assert math.isfinite(row[key]), (key, row)
             assert row[key] > 0, (key, row)
-        assert row["latency_p99_s"] >= row["latency_p50_s"]
+        assert (row["runs"], row["latency_samples"]) == (1, row["concurrency"])
+        assert row["latency_high_stat"] == "max"
+        assert row["elapsed_runs_s"] == [row["elapsed_s"]]
+        p50, high = row["latency_p50_s"], row["latency_high_s"]
+        if row["concurrency"] == 1:  # one sample: the median and the max are it
+            assert high == p50
+        else:  # two samples: p50 is their mean, high the larger; the smaller is 2*p50-high
+            other = 2 * p50 - high
+            assert 0 < other <= high, row
         assert row["peak_ring_bytes"] > 0
         assert row["peak_rss_bytes"] is None or row["peak_rss_bytes"] > 0
     assert rows[1]["bytes"] == 2 * rows[0]["bytes"]
     assert {f["name"] for f in data["fits"]} == {
         "time-vs-tokens",
         "latency-p50-vs-concurrency",
-        "latency-p99-vs-concurrency",
+        "latency-high-vs-concurrency",
     }
     assert f"{engine} time-vs-tokens:" in out
     with (tmp_path / "scaling.csv").open() as handle:

@@ -8,10 +8,15 @@ Four charts, each readable at a glance:
 
 * ``scaling-throughput.png`` — staged GB/s against request length, one colour per engine,
   with the engine's raw write of the same bytes as a dashed line of the same colour;
-* ``scaling-latency.png`` — per-request latency p50 (solid) and p99 (dashed) against
-  concurrent requests, per engine;
+* ``scaling-latency.png`` — per-request latency p50 (solid) and high figure (dashed: the
+  p99, or the maximum below 100 samples, as the legend says) against concurrent requests,
+  per engine;
 * ``scaling-tp.png`` — staged GB/s per TP pair, grouped bars per engine;
 * ``scaling-page-size.png`` — staged GB/s per page size, grouped bars per engine.
+
+A point that failed is never drawn as a figure: lines leave a gap at it, and bars put a
+hatched outline labelled ``failed`` (or ``missing``, for a value the engine has no row for)
+where its bar would be.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ def write_plots(result: ScalingResult, directory: str | Path) -> list[Path]:
 
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
-    rows = [row for row in result.rows if row.ok]
+    rows = list(result.rows)
     engines = list(dict.fromkeys(row.engine for row in result.rows))
     machine = _machine_note(result)
     paths: list[Path] = []
@@ -93,16 +98,25 @@ def _machine_note(result: ScalingResult) -> str:
     where += ", " if where else ""
     return (
         f"{where}{base.layers} layers x {base.kv_heads} KV heads x {base.head_dim}, "
-        f"{base.dtype}; each point one run, every page verified"
+        f"{base.dtype}; each point {_runs(result.plan.runs)}, every page verified"
     )
+
+
+def _runs(runs: int) -> str:
+    return "one run" if runs == 1 else f"median of {runs} runs"
 
 
 def _series(rows: Sequence[ScalingRow], engine: str, dimension: str) -> list[ScalingRow]:
     return [row for row in rows if row.engine == engine and row.dimension == dimension]
 
 
+def _figure(row: ScalingRow, value: float) -> float:
+    """``value`` when ``row`` verified, else ``nan`` (matplotlib leaves a gap there)."""
+    return value if row.ok else math.nan
+
+
 def _empty(axes: Axes, rows: Sequence[ScalingRow]) -> None:
-    if not rows:
+    if not any(row.ok for row in rows):
         axes.text(0.5, 0.5, "no point verified", ha="center", va="center", transform=axes.transAxes)
 
 
@@ -115,15 +129,14 @@ def _throughput(axes: Axes, rows: Sequence[ScalingRow], engines: Sequence[str]) 
         tokens = [row.tokens for row in series]
         axes.plot(
             tokens,
-            [row.staged_gbps for row in series],
+            [_figure(row, row.staged_gbps) for row in series],
             "o-",
             color=colour,
             label=f"{engine} staged",
         )
-        raw = [(row.tokens, row.raw_gbps) for row in series if not math.isnan(row.raw_gbps)]
         axes.plot(
-            [t for t, _ in raw],
-            [g for _, g in raw],
+            tokens,
+            [row.raw_gbps for row in series],  # nan (a gap) where the raw write failed
             "s--",
             color=colour,
             alpha=0.7,
@@ -138,7 +151,7 @@ def _throughput(axes: Axes, rows: Sequence[ScalingRow], engines: Sequence[str]) 
     axes.set_ylim(bottom=0)
     axes.set_title("Staged transfer throughput vs request length")
     axes.grid(True, alpha=0.3)
-    if drawn:
+    if any(row.ok for row in drawn):
         axes.legend(fontsize=8)
 
 
@@ -154,10 +167,20 @@ def _latency(axes: Axes, rows: Sequence[ScalingRow], engines: Sequence[str]) -> 
         colour = _COLOURS.get(engine)
         counts = [row.concurrency for row in series]
         axes.plot(
-            counts, [r.latency_p50_s for r in series], "o-", color=colour, label=f"{engine} p50"
+            counts,
+            [_figure(r, r.latency_p50_s) for r in series],
+            "o-",
+            color=colour,
+            label=f"{engine} p50",
         )
+        stats = {r.latency_high_stat for r in series if r.ok}
+        high = "p99" if stats == {"p99"} else "max" if stats == {"max"} else "p99 or max"
         axes.plot(
-            counts, [r.latency_p99_s for r in series], "^--", color=colour, label=f"{engine} p99"
+            counts,
+            [_figure(r, r.latency_high_s) for r in series],
+            "^--",
+            color=colour,
+            label=f"{engine} {high}",
         )
     _empty(axes, drawn)
     counts = sorted({row.concurrency for row in drawn})
@@ -168,7 +191,7 @@ def _latency(axes: Axes, rows: Sequence[ScalingRow], engines: Sequence[str]) -> 
     axes.set_ylim(bottom=0)
     axes.set_title("Per-request latency (first STAGING_REQ to decode SUCCESS) vs concurrency")
     axes.grid(True, alpha=0.3)
-    if drawn:
+    if any(row.ok for row in drawn):
         axes.legend(fontsize=8)
 
 
@@ -182,12 +205,39 @@ def _bars(
 ) -> None:
     values: list[Any] = list(dict.fromkeys(row.value for row in rows if row.dimension == dimension))
     width = 0.8 / max(1, len(engines))
+    measured_gbps = [r.staged_gbps for r in rows if r.dimension == dimension and r.ok]
+    marker = 0.25 * max(measured_gbps, default=1.0)  # a hatched outline, not a figure
     for slot, engine in enumerate(engines):
-        by_value = {row.value: row.staged_gbps for row in _series(rows, engine, dimension)}
+        by_value = {row.value: row for row in _series(rows, engine, dimension)}
         xs = [i + (slot - (len(engines) - 1) / 2) * width for i in range(len(values))]
-        heights = [by_value.get(value, 0.0) for value in values]
-        bars = axes.bar(xs, heights, width, color=_COLOURS.get(engine), label=engine)
+        measured = [
+            (x, by_value[value].staged_gbps)
+            for x, value in zip(xs, values, strict=True)
+            if value in by_value and by_value[value].ok
+        ]
+        bars = axes.bar(
+            [x for x, _ in measured],
+            [gbps for _, gbps in measured],
+            width,
+            color=_COLOURS.get(engine),
+            label=engine,
+        )
         axes.bar_label(bars, fmt="%.3g", fontsize=7)
+        for x, value in zip(xs, values, strict=True):
+            if value in by_value and by_value[value].ok:
+                continue
+            why = "failed" if value in by_value else "missing"
+            axes.bar(
+                x,
+                marker,
+                width,
+                fill=False,
+                hatch="//",
+                edgecolor=_COLOURS.get(engine),
+                linewidth=1,
+                gid=why,
+            )
+            axes.text(x, marker, why, rotation=90, ha="center", va="bottom", fontsize=7)
     _empty(axes, [row for row in rows if row.dimension == dimension])
     axes.set_xticks(range(len(values)))
     axes.set_xticklabels([str(value) for value in values])

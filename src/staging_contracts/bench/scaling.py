@@ -20,8 +20,15 @@ dimension                 values                             base
 The geometry is fixed: 8 layers, 8 KV heads of 128, bf16 (32 KiB of KV per token over all
 heads and layers: a 4k-token request is 128 MiB, a 32k one 1 GiB), chunks of 1024 tokens, a
 ring of two chunks, one untimed warm-up request before the timed ones in every run (as the
-``transfer`` group does). The base point is run once per engine and shared by the four
+``transfer`` group does). The base point is measured once per engine and shared by the four
 dimensions' series.
+
+**What a point is.** The full plan runs every staged point :attr:`ScalingPlan.runs` = 2
+times (two, not three, so the whole sweep of both engines stays near 25 minutes on two
+loaded cores; three would take about 35); the quick plan runs it once. A point's
+throughput is the median over its runs, its latencies are pooled over them (``runs`` x
+``concurrency`` samples: 2 to 32 in the full plan), and each row records ``runs`` and
+``latency_samples``. The raw write is run once per TP pair and byte count.
 
 **What is measured**, per point:
 
@@ -34,16 +41,23 @@ dimensions' series.
   every byte checked on decode; warmed alike): the ceiling the staged path is measured
   against. It is measured once per TP pair and byte count: points of equal bytes share it
   (page sizes share the base point's; 2 requests of 4k tokens share 1 request of 8k);
-* *latency p50/p99* — per request, from the first ``STAGING_REQ`` any prefill rank sent for
+* *latency p50 and high* — per request, from the first ``STAGING_REQ`` any prefill rank sent for
   it to the last decode rank seeing it succeed
   (:meth:`ClusterResult.request_latencies_s
-  <staging_contracts.cluster.runner.ClusterResult.request_latencies_s>`); percentiles by
-  linear interpolation (:func:`percentile`);
+  <staging_contracts.cluster.runner.ClusterResult.request_latencies_s>`); the p50 by
+  linear interpolation (:func:`percentile`). The high figure is honest about its sample
+  count (:func:`high_latency`): the p99 when the point has at least
+  :data:`P99_MIN_SAMPLES` samples, else the *maximum*, labelled ``max`` (the text shows
+  ``max (n=K)``). The full plan has at most 32 samples a point, so its high figure is the
+  maximum;
 * the decode rings' peak use and the largest rank's peak RSS.
 
 **How the cost grows**: least-squares lines (:func:`fit_line`) of transfer time against
-tokens (seconds per 1k tokens, and the intercept) and of the latency percentiles against
-concurrency (seconds per extra concurrent request), per engine.
+tokens (seconds per 1k tokens, and the intercept; fitted through every run's time, not the
+medians) and of the latency p50 and high figure against concurrency (seconds per extra
+concurrent request), per engine. Each slope comes with its standard error
+(:func:`slope_stderr`, from the fit's residuals; ``nan`` with only two samples): read a
+slope as ``slope +- 2 se`` at best, since the samples are few and the machine is shared.
 
 ``BenchOptions.quick`` runs tiny points (two token lengths, two concurrencies, one TP pair
 and page size) for smoke tests; its figures mean nothing. ``BenchOptions.device`` places
@@ -79,9 +93,12 @@ __all__ = [
     "ScalingPoint",
     "ScalingResult",
     "ScalingRow",
+    "P99_MIN_SAMPLES",
     "fit_line",
     "fit_rows",
+    "high_latency",
     "percentile",
+    "slope_stderr",
     "run_scaling",
 ]
 
@@ -103,17 +120,26 @@ CSV_COLUMNS: Final = (
     "page_size",
     "concurrency",
     "bytes",
+    "runs",
     "elapsed_s",
+    "elapsed_runs_s",
     "staged_gbps",
     "raw_gbps",
+    "latency_samples",
     "latency_p50_s",
-    "latency_p99_s",
+    "latency_high_s",
+    "latency_high_stat",
     "peak_ring_bytes",
     "peak_rss_bytes",
     "ok",
     "error",
 )
-"""Columns of the CSV file, in order: the fields of :class:`ScalingRow`."""
+"""Columns of the CSV file, in order: the fields of :class:`ScalingRow` (``elapsed_runs_s``
+as the runs' seconds joined by spaces)."""
+
+P99_MIN_SAMPLES: Final = 100
+"""Fewest latency samples a point needs before its high figure is called a p99; with fewer
+it is the maximum (:func:`high_latency`)."""
 
 PointValue = int | str
 """The value of a point on its dimension: an int, or ``"P->D"`` for a TP pair."""
@@ -149,6 +175,8 @@ class ScalingPlan:
     """Requests staged at once (all issued together, through the same rings)."""
     run_timeout_s: float = 300.0
     """Bound on each cluster run."""
+    runs: int = 1
+    """Staged runs per point (throughput: their median; latencies: pooled)."""
 
     def __post_init__(self) -> None:
         sweeps = (self.tokens, self.tp_pairs, self.page_sizes, self.concurrency)
@@ -156,12 +184,13 @@ class ScalingPlan:
             raise ValueError("every dimension needs at least one value")
         flat = [*self.tokens, *self.page_sizes, *self.concurrency]
         flat += [n for pair in self.tp_pairs for n in pair]
-        if min(flat) < 1 or self.run_timeout_s <= 0:
-            raise ValueError("sizes, TP sizes and the timeout must be positive")
+        if min(flat) < 1 or self.run_timeout_s <= 0 or self.runs < 1:
+            raise ValueError("sizes, TP sizes, runs and the timeout must be positive")
 
     @classmethod
     def full(cls) -> ScalingPlan:
-        """The documented sweep (module docstring): about 15 minutes on two loaded cores."""
+        """The documented sweep (module docstring), each staged point run twice: about 25
+        minutes for both engines on two loaded cores."""
         return cls(
             base=TransferConfig(
                 prefill_tp=4,
@@ -181,11 +210,13 @@ class ScalingPlan:
             tp_pairs=((1, 4), (2, 4), (4, 2), (8, 2), (4, 1)),
             page_sizes=(1, 16, 64),
             concurrency=(1, 2, 4, 8, 16),
+            runs=2,
         )
 
     @classmethod
     def quick(cls) -> ScalingPlan:
-        """Tiny points for smoke tests: five runs per engine, figures meaningless."""
+        """Tiny points for smoke tests, each run once: five runs per engine, figures
+        meaningless."""
         return cls(
             base=TransferConfig(
                 prefill_tp=2,
@@ -247,6 +278,7 @@ class ScalingPlan:
             "tp": [f"{p}->{d}" for p, d in self.tp_pairs],
             "page_size": list(self.page_sizes),
             "concurrency": list(self.concurrency),
+            "runs": self.runs,
             "raw": "mode='raw', the point's rank processes, once per TP pair and byte count",
         }
 
@@ -266,14 +298,25 @@ class ScalingRow:
     bytes: int
     """KV bytes of every timed request of the point (what both the staged run and the raw
     write move)."""
+    runs: int
+    """Staged runs of the point (:attr:`ScalingPlan.runs`)."""
     elapsed_s: float
-    """The staged run's transfer phase (``nan`` when it failed)."""
+    """The median of the staged runs' transfer phases (``nan`` when a run failed)."""
+    elapsed_runs_s: tuple[float, ...]
+    """Each staged run's transfer phase, in run order (empty when a run failed)."""
     staged_gbps: float
+    """The median over the runs of ``bytes`` / the run's transfer phase."""
     raw_gbps: float
     """The engine's raw write of ``bytes`` by the same TP pair of processes (``nan`` when it
     could not be measured)."""
+    latency_samples: int
+    """Per-request latencies pooled over the runs (``runs`` x ``concurrency`` when it
+    verified)."""
     latency_p50_s: float
-    latency_p99_s: float
+    latency_high_s: float
+    """The p99 of the samples, or their maximum below :data:`P99_MIN_SAMPLES` samples."""
+    latency_high_stat: str
+    """What ``latency_high_s`` is: ``"p99"`` or ``"max"`` (:func:`high_latency`)."""
     peak_ring_bytes: int
     """Largest peak use of a decode rank's staging ring."""
     peak_rss_bytes: int | None
@@ -286,6 +329,12 @@ class ScalingRow:
         """The row as a dict with the keys of :data:`CSV_COLUMNS`."""
         return asdict(self)
 
+    def high_label(self) -> str:
+        """``p99``, or ``max (n=K)`` when the high figure is the maximum of K samples."""
+        if self.latency_high_stat == "p99":
+            return "p99"
+        return f"max (n={self.latency_samples})"
+
 
 @dataclass(frozen=True, slots=True)
 class Fit:
@@ -293,20 +342,25 @@ class Fit:
 
     engine: str
     name: str
-    """``time-vs-tokens``, ``latency-p50-vs-concurrency`` or ``latency-p99-vs-concurrency``."""
+    """``time-vs-tokens``, ``latency-p50-vs-concurrency`` or
+    ``latency-high-vs-concurrency`` (the high figure: see :func:`high_latency`)."""
     slope: float
+    slope_se: float
+    """Standard error of ``slope`` (:func:`slope_stderr`; ``nan`` with two samples)."""
     intercept: float
     r2: float
     """Coefficient of determination (1.0: the points lie on the line)."""
     points: int
+    """Samples the line was fitted through (every run's time for ``time-vs-tokens``)."""
     slope_unit: str
     """e.g. ``s per 1k tokens``."""
 
     def describe(self) -> str:
-        """One line: ``ENGINE NAME: SLOPE UNIT, intercept I s (r2 R, N points)``."""
+        """One line: ``ENGINE NAME: SLOPE +- SE UNIT, intercept I s (r2 R, N points)``."""
         return (
-            f"{self.engine} {self.name}: {self.slope:.4g} {self.slope_unit}, intercept "
-            f"{self.intercept:.4g} s (r2 {self.r2:.3f}, {self.points} points)"
+            f"{self.engine} {self.name}: {self.slope:.4g} +- {_num(self.slope_se, '.2g')} "
+            f"{self.slope_unit}, intercept {self.intercept:.4g} s (r2 {self.r2:.3f}, "
+            f"{self.points} points)"
         )
 
 
@@ -333,7 +387,7 @@ class ScalingResult:
             "plan": self.plan.describe(),
             "machine": self.machine,
             "skipped": self.skipped,
-            "fits": [asdict(fit) for fit in self.fits],
+            "fits": [_json_fit(fit) for fit in self.fits],
             "rows": [_json_row(row) for row in self.rows],
         }
 
@@ -349,7 +403,9 @@ class ScalingResult:
             writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
             writer.writeheader()
             for row in self.rows:
-                writer.writerow(row.as_dict())
+                line = row.as_dict()
+                line["elapsed_runs_s"] = " ".join(repr(s) for s in row.elapsed_runs_s)
+                writer.writerow(line)
         return [json_path, csv_path]
 
     def format_text(self) -> str:
@@ -359,10 +415,12 @@ class ScalingResult:
             "dimension",
             "value",
             "MiB",
+            "runs",
             "staged GB/s",
             "raw GB/s",
+            "samples",
             "p50 s",
-            "p99 s",
+            "high s",
             "ring MiB",
             "RSS MiB",
             "ok",
@@ -376,10 +434,12 @@ class ScalingResult:
                     row.dimension,
                     str(row.value),
                     f"{row.bytes / 2**20:.1f}",
+                    str(row.runs),
                     _num(row.staged_gbps),
                     _num(row.raw_gbps),
+                    str(row.latency_samples),
                     _num(row.latency_p50_s),
-                    _num(row.latency_p99_s),
+                    f"{_num(row.latency_high_s)} ({row.high_label()})",
                     f"{row.peak_ring_bytes / 2**20:.1f}",
                     rss,
                     "yes" if row.ok else "NO",
@@ -396,7 +456,10 @@ class ScalingResult:
             "base point: {tokens} tokens, TP {prefill_tp}->{decode_tp}, page size {page_size}, "
             "{concurrency} request(s) at once; {layers} layers, {kv_heads} KV heads of "
             "{head_dim}, {dtype}, chunks of {chunk_tokens} tokens, ring of {ring_chunks} "
-            "chunks".format(**base),
+            "chunks; staged runs per point: {runs} (GB/s: their median; latency samples "
+            "pooled); high = p99 from {p99} samples, else the max".format(
+                **base, runs=self.plan.runs, p99=P99_MIN_SAMPLES
+            ),
         )
         lines.extend(
             f"{row.engine} {row.dimension}={row.value}: {row.error}"
@@ -404,23 +467,40 @@ class ScalingResult:
             if not row.ok
         )
         lines.extend(f"skipped {engine}: {why}" for engine, why in self.skipped.items())
-        lines.append("how the cost grows (least squares):")
+        lines.append("how the cost grows (least squares, slope +- its standard error):")
         lines.extend(f"  {fit.describe()}" for fit in self.fits)
         if not self.fits:
             lines.append("  (no series with two points to fit)")
         return "\n".join(lines)
 
 
-def _num(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value:.4g}"
+def _num(value: float, spec: str = ".4g") -> str:
+    return "-" if math.isnan(value) else format(value, spec)
 
 
 def _json_row(row: ScalingRow) -> dict[str, Any]:
     """A row for JSON: ``nan`` becomes ``null`` (JSON has no NaN)."""
+    return _no_nan(row.as_dict())
+
+
+def _json_fit(fit: Fit) -> dict[str, Any]:
+    return _no_nan(asdict(fit))
+
+
+def _no_nan(values: dict[str, Any]) -> dict[str, Any]:
     return {
         key: None if isinstance(value, float) and math.isnan(value) else value
-        for key, value in row.as_dict().items()
+        for key, value in values.items()
     }
+
+
+def high_latency(samples: Sequence[float]) -> tuple[float, str]:
+    """The high latency figure of a point and what it is: ``(p99, "p99")`` with at least
+    :data:`P99_MIN_SAMPLES` samples, else ``(max, "max")`` (a p99 of fewer samples is an
+    interpolation towards the maximum, not a 99th percentile); ``(nan, "max")`` for none."""
+    if len(samples) >= P99_MIN_SAMPLES:
+        return percentile(samples, 99), "p99"
+    return (max(samples) if samples else math.nan), "max"
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -466,10 +546,28 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, fl
     return slope, intercept, r2
 
 
+def slope_stderr(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Standard error of the least-squares slope through ``(xs, ys)``:
+    ``sqrt(SS_res / (n - 2) / Sxx)``; ``nan`` with two samples (no residual freedom).
+
+    Raises:
+        ValueError: as :func:`fit_line`.
+    """
+    slope, intercept, _ = fit_line(xs, ys)
+    n = len(xs)
+    if n < 3:
+        return math.nan
+    mean_x = sum(xs) / n
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    ss_res = sum((y - (slope * x + intercept)) ** 2 for x, y in zip(xs, ys, strict=True))
+    return math.sqrt(ss_res / (n - 2) / sxx)
+
+
 def fit_rows(rows: Iterable[ScalingRow]) -> list[Fit]:
-    """The slopes of each engine's series: transfer time against thousands of tokens, and
-    latency p50 and p99 against concurrency (points that failed are left out; a series with
-    fewer than two distinct values gets no fit)."""
+    """The slopes of each engine's series: transfer time against thousands of tokens (every
+    run's time: ``elapsed_runs_s``, else ``elapsed_s``), and latency p50 and high figure
+    against concurrency (points that failed are left out; a series with fewer than two
+    distinct values gets no fit). Each slope comes with its standard error."""
     rows = [row for row in rows if row.ok]
     fits: list[Fit] = []
     for engine in dict.fromkeys(row.engine for row in rows):
@@ -478,7 +576,12 @@ def fit_rows(rows: Iterable[ScalingRow]) -> list[Fit]:
             (
                 "time-vs-tokens",
                 "s per 1k tokens",
-                [(r.tokens / 1000, r.elapsed_s) for r in mine if r.dimension == "tokens"],
+                [
+                    (r.tokens / 1000, t)
+                    for r in mine
+                    if r.dimension == "tokens"
+                    for t in (r.elapsed_runs_s or (r.elapsed_s,))
+                ],
             ),
             (
                 "latency-p50-vs-concurrency",
@@ -486,17 +589,19 @@ def fit_rows(rows: Iterable[ScalingRow]) -> list[Fit]:
                 [(r.concurrency, r.latency_p50_s) for r in mine if r.dimension == "concurrency"],
             ),
             (
-                "latency-p99-vs-concurrency",
+                "latency-high-vs-concurrency",
                 "s per concurrent request",
-                [(r.concurrency, r.latency_p99_s) for r in mine if r.dimension == "concurrency"],
+                [(r.concurrency, r.latency_high_s) for r in mine if r.dimension == "concurrency"],
             ),
         ]
         for name, unit, measured in series:
             pairs = [(x, y) for x, y in measured if not math.isnan(y)]
             if len({x for x, _ in pairs}) < 2:
                 continue
-            slope, intercept, r2 = fit_line([x for x, _ in pairs], [y for _, y in pairs])
-            fits.append(Fit(engine, name, slope, intercept, r2, len(pairs), unit))
+            xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
+            slope, intercept, r2 = fit_line(xs, ys)
+            se = slope_stderr(xs, ys)
+            fits.append(Fit(engine, name, slope, se, intercept, r2, len(pairs), unit))
     return fits
 
 
@@ -516,8 +621,9 @@ def run_scaling(
         progress: called with one line before each measurement.
 
     **Blocking:** every point's cluster runs (staged, and raw where its TP pair and bytes
-    are new), each bounded by ``plan.run_timeout_s``: about 15-20 minutes in all for the full
-    plan on two loaded cores, most of it starting rank processes.
+    are new), ``plan.runs`` staged runs a point, each bounded by ``plan.run_timeout_s``:
+    about 25 minutes in all for the full plan on two loaded cores, most of it starting rank
+    processes.
 
     Raises:
         ValueError: a backend that is not one of :data:`ENGINES`, or ``device="cuda"``
@@ -574,50 +680,85 @@ class _Measured:
 def _sweep(
     engine: str, points: list[ScalingPoint], plan: ScalingPlan, say: Callable[[str], None]
 ) -> list[ScalingRow]:
-    """Every point of one engine: each distinct run once, the raw write once per TP pair and
-    byte count (the first point with them is run in ``mode="raw"``)."""
+    """Every point of one engine: each distinct staged run ``plan.runs`` times (stopping at
+    its first failure), the raw write once per TP pair and byte count (the first point with
+    them is run in ``mode="raw"``)."""
     configs = [replace(point.config, backend=engine) for point in points]
-    runs: dict[TransferConfig, _Measured] = {}
+    runs: dict[TransferConfig, list[_Measured]] = {}
     raw: dict[tuple[int, int, int], _Measured] = {}
-    total = len(set(configs)) + len({_raw_key(config) for config in configs})
+    total = len(set(configs)) * plan.runs + len({_raw_key(config) for config in configs})
+    done = 0
     rows: list[ScalingRow] = []
     for point, config in zip(points, configs, strict=True):
         nbytes = config.request_bytes * config.requests
         where = f"{engine} {point.dimension}={point.value}"
         if config not in runs:
-            count = f"{len(runs) + len(raw) + 1}/{total}"
-            say(f"bench scaling: {where} ({count}, {nbytes / 2**20:.0f} MiB)")
-            runs[config] = _measure(config, plan)
+            runs[config] = []
+            for run in range(plan.runs):
+                done += 1
+                say(
+                    f"bench scaling: {where}, run {run + 1}/{plan.runs} "
+                    f"({done}/{total}, {nbytes / 2**20:.0f} MiB)"
+                )
+                runs[config].append(_measure(config, plan))
+                if runs[config][-1].error:
+                    break
         key = _raw_key(config)
         if key not in raw:
-            say(f"bench scaling: {where}, raw write ({len(runs) + len(raw) + 1}/{total})")
+            done += 1
+            say(f"bench scaling: {where}, raw write ({done}/{total})")
             raw[key] = _measure(replace(config, mode="raw"), plan)
-        found, anchor = runs[config], raw[key]
-        errors = [found.error] if found.error else []
-        errors += [f"raw write: {anchor.error}"] if anchor.error else []
-        rows.append(
-            ScalingRow(
-                engine=engine,
-                dimension=point.dimension,
-                value=point.value,
-                tokens=config.tokens,
-                prefill_tp=config.prefill_tp,
-                decode_tp=config.decode_tp,
-                page_size=config.page_size,
-                concurrency=config.requests,
-                bytes=nbytes,
-                elapsed_s=found.elapsed_s,
-                staged_gbps=_gbps(nbytes, found.elapsed_s),
-                raw_gbps=_gbps(nbytes, anchor.elapsed_s),
-                latency_p50_s=percentile(found.latencies, 50),
-                latency_p99_s=percentile(found.latencies, 99),
-                peak_ring_bytes=found.peak_ring_bytes,
-                peak_rss_bytes=found.peak_rss_bytes,
-                ok=not errors,
-                error="; ".join(errors),
-            )
-        )
+        rows.append(_row(engine, point, config, nbytes, runs[config], raw[key]))
     return rows
+
+
+def _row(
+    engine: str,
+    point: ScalingPoint,
+    config: TransferConfig,
+    nbytes: int,
+    found: list[_Measured],
+    anchor: _Measured,
+) -> ScalingRow:
+    """A point's row from its staged runs (a failed run fails it) and its raw write."""
+    errors = [
+        f"run {i + 1}: {m.error}" if len(found) > 1 else m.error
+        for i, m in enumerate(found)
+        if m.error
+    ]
+    errors += [f"raw write: {anchor.error}"] if anchor.error else []
+    good = [] if any(m.error for m in found) else found
+    samples = [latency for m in good for latency in m.latencies]
+    high, stat = high_latency(samples)
+    rss = [m.peak_rss_bytes for m in found if m.peak_rss_bytes is not None]
+    return ScalingRow(
+        engine=engine,
+        dimension=point.dimension,
+        value=point.value,
+        tokens=config.tokens,
+        prefill_tp=config.prefill_tp,
+        decode_tp=config.decode_tp,
+        page_size=config.page_size,
+        concurrency=config.requests,
+        bytes=nbytes,
+        runs=len(found),
+        elapsed_s=_median([m.elapsed_s for m in good]),
+        elapsed_runs_s=tuple(m.elapsed_s for m in good),
+        staged_gbps=_median([_gbps(nbytes, m.elapsed_s) for m in good]),
+        raw_gbps=_gbps(nbytes, anchor.elapsed_s),
+        latency_samples=len(samples),
+        latency_p50_s=percentile(samples, 50),
+        latency_high_s=high,
+        latency_high_stat=stat,
+        peak_ring_bytes=max((m.peak_ring_bytes for m in found), default=0),
+        peak_rss_bytes=max(rss) if rss else None,
+        ok=not errors,
+        error="; ".join(errors),
+    )
+
+
+def _median(values: Sequence[float]) -> float:
+    return percentile(values, 50)
 
 
 def _raw_key(config: TransferConfig) -> tuple[int, int, int]:
