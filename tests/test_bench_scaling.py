@@ -845,12 +845,15 @@ def test_gpu_check_parses_and_is_executable() -> None:
 
 
 def test_gpu_check_dry_run_lists_its_steps(tmp_path: Path) -> None:
-    """--dry-run lists every step with its time bound and command, runs nothing, writes no
-    summary."""
+    """--dry-run lists every check and step with its time bound, runs nothing, writes no
+    summary; the bound of everything (the CUDA check and engine probes included, each plus
+    the 5 s before SIGKILL) is what it prints and stays under 8 minutes."""
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)}
     done = _gpu_check("--dry-run", env=env)
     assert done.returncode == 0, done.stderr
-    steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    lines = done.stdout.splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    checks = [line for line in lines if line.startswith("check ")]
     names = [line.split()[1].rstrip(":") for line in steps]
     assert names == [
         "cuda-tests",
@@ -859,12 +862,78 @@ def test_gpu_check_dry_run_lists_its_steps(tmp_path: Path) -> None:
         "bench-staging-cuda",
         "bench-transfer-cuda",
     ]
+    assert [line.split()[1].rstrip(":") for line in checks] == [
+        "pick-python",
+        "nvidia-smi",
+        "cuda-and-versions",
+        "probe-nixl",
+        "probe-mooncake",
+    ]
     assert all("timeout" in line for line in steps)
     assert "-m cuda" in steps[0]
     assert all("--device cuda" in line for line in steps[1:])
-    bounds = [int(line.split("timeout ")[1].split("s,")[0]) for line in steps]
-    assert sum(bounds) + 5 * len(bounds) < 8 * 60  # each killed 5 s after its bound
+    bounds = [int(line.split("timeout ")[1].split("s")[0]) for line in checks + steps]
+    total = sum(bounds) + 5 * len(bounds)  # each killed 5 s after its bound
+    assert lines[-1].startswith(f"total bound: {total}s ")
+    assert total < 8 * 60
     assert list(tmp_path.iterdir()) == []
+
+
+def _fake_python(folder: Path) -> Path:
+    """A 'python' whose torch is a CPU-only build: prints what the CUDA check prints and
+    says no device."""
+    fake = folder / "fake-python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        "echo 'torch: 9.9.9+cpu'\n"
+        "echo 'torch.version.cuda: None'\n"
+        "echo 'cuda device: none visible'\n"
+        "exit 1\n"
+    )
+    fake.chmod(0o755)
+    return fake
+
+
+def test_gpu_check_without_cuda_names_torch_and_writes_under_a_relative_out(
+    tmp_path: Path,
+) -> None:
+    """A relative $OUT is taken from the caller's folder (not the repository root the
+    script moves to); with no CUDA device the message names torch's version and CUDA
+    build, the summary records them, and the exit is 1."""
+    env = {"PATH": "/usr/bin:/bin", "OUT": "rel/out", "PYTHON": str(_fake_python(tmp_path))}
+    done = subprocess.run(
+        ["bash", str(GPU_CHECK)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "no CUDA device visible to torch" in done.stderr
+    assert "torch: 9.9.9+cpu; torch.version.cuda: None" in done.stderr
+    summary = tmp_path / "rel" / "out" / "gpu-check-summary.txt"
+    text = summary.read_text()
+    assert "torch: 9.9.9+cpu" in text
+    assert "torch.version.cuda: None" in text
+    assert not (REPO / "rel").exists()
+
+
+@pytest.mark.skipif(
+    not (REPO / ".venv" / "bin" / "python").exists() or torch.version.cuda is not None,
+    reason="needs the repository's venv with a CPU-only torch",
+)
+def test_gpu_check_leaves_a_cpu_only_venv_for_python3(tmp_path: Path) -> None:
+    """Without $PYTHON, a venv whose torch has no CUDA build is not used: the script says
+    so and goes on with python3 (which, here, finds no CUDA device either)."""
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)}
+    done = _gpu_check(env=env)
+    assert done.returncode == 1
+    assert "its torch has no CUDA build (or does not import): using python3" in done.stderr
+    assert "(python3: torch" in done.stderr
+    text = (tmp_path / "gpu-check-summary.txt").read_text()
+    assert "python: python3 (" in text
 
 
 def test_gpu_check_refuses_unknown_arguments() -> None:
