@@ -24,8 +24,9 @@ ring of two chunks, one untimed warm-up request before the timed ones in every r
 dimensions' series.
 
 **What a point is.** The full plan runs every staged point :attr:`ScalingPlan.runs` = 2
-times (two, not three, so the whole sweep of both engines stays near 25 minutes on two
-loaded cores; three would take about 35); the quick plan runs it once. A point's
+times (two, not three: the one-run sweep of both engines took 12 minutes for its 54 cluster
+runs on two loaded cores, so two staged runs, 86 cluster runs, come to about 20 minutes and
+three, 118, to about 26); the quick plan runs it once. A point's
 throughput is the median over its runs, its latencies are pooled over them (``runs`` x
 ``concurrency`` samples: 2 to 32 in the full plan), and each row records ``runs`` and
 ``latency_samples``. The raw write is run once per TP pair and byte count.
@@ -189,7 +190,7 @@ class ScalingPlan:
 
     @classmethod
     def full(cls) -> ScalingPlan:
-        """The documented sweep (module docstring), each staged point run twice: about 25
+        """The documented sweep (module docstring), each staged point run twice: about 20
         minutes for both engines on two loaded cores."""
         return cls(
             base=TransferConfig(
@@ -622,7 +623,7 @@ def run_scaling(
 
     **Blocking:** every point's cluster runs (staged, and raw where its TP pair and bytes
     are new), ``plan.runs`` staged runs a point, each bounded by ``plan.run_timeout_s``:
-    about 25 minutes in all for the full plan on two loaded cores, most of it starting rank
+    about 20 minutes in all for the full plan on two loaded cores, most of it starting rank
     processes.
 
     Raises:
