@@ -307,7 +307,7 @@ def test_text_gives_the_base_point_the_table_failures_skips_and_slopes() -> None
     assert "runs" in header
     assert "samples" in header
     assert "p99" not in lines[1]  # the high figure of 1-4 samples is no p99
-    assert "0.45 (max (n=1))" in lines[3]
+    assert "0.45 (max of 1)" in lines[3]
     assert not result.ok
 
 
@@ -503,7 +503,7 @@ def test_repeated_runs_pool_latencies_and_take_the_median_throughput(
     assert two.latency_samples == len(samples) == 6
     assert two.latency_p50_s == pytest.approx(percentile(samples, 50))
     assert (two.latency_high_s, two.latency_high_stat) == (max(samples), "max")
-    assert two.high_label() == "max (n=6)"
+    assert two.high_label() == "max of 6"
     failed = rows[("tokens", 512)]
     assert not failed.ok
     assert failed.error == "run 2: requests [0] failed"

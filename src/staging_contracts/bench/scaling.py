@@ -49,7 +49,7 @@ throughput is the median over its runs, its latencies are pooled over them (``ru
   linear interpolation (:func:`percentile`). The high figure is honest about its sample
   count (:func:`high_latency`): the p99 when the point has at least
   :data:`P99_MIN_SAMPLES` samples, else the *maximum*, labelled ``max`` (the text shows
-  ``max (n=K)``). The full plan has at most 32 samples a point, so its high figure is the
+  ``max of K``). The full plan has at most 32 samples a point, so its high figure is the
   maximum;
 * the decode rings' peak use and the largest rank's peak RSS.
 
@@ -331,10 +331,10 @@ class ScalingRow:
         return asdict(self)
 
     def high_label(self) -> str:
-        """``p99``, or ``max (n=K)`` when the high figure is the maximum of K samples."""
+        """``p99``, or ``max of K`` when the high figure is the maximum of K samples."""
         if self.latency_high_stat == "p99":
             return "p99"
-        return f"max (n={self.latency_samples})"
+        return f"max of {self.latency_samples}"
 
 
 @dataclass(frozen=True, slots=True)
