@@ -45,7 +45,6 @@ def _marks(name: str) -> list[pytest.MarkDecorator]:
     return [getattr(pytest.mark, name), pytest.mark.skipif(not available, reason=why)]
 
 
-ENGINES = [pytest.param(name, marks=_marks(name)) for name in ("mooncake", "nixl")]
 TP_PAIRS = [(4, 2, 8), (1, 4, 2), (2, 4, 8), (4, 1, 2), (4, 4, 2)]
 
 
