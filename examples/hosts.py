@@ -9,6 +9,7 @@ only what the common base has, so it could not be defined with the mixin (see
 from __future__ import annotations
 
 from staging_contracts import (
+    ArrivalMode,
     DecodeStagingContext,
     KVArgs,
     KVArgsRecord,
@@ -34,6 +35,7 @@ class ExampleKVManager(StagingManagerMixin, ExampleCommonKVManager):
 
     _staging_handler: StagingHandler | None = None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+    arrival: ArrivalMode = "zmq"
 
 
 class MoriStyleKVManager(ExampleCommonKVManager):

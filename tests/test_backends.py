@@ -6,7 +6,14 @@ import time
 
 import pytest
 
-from staging_contracts import STAGING_CONTRACT, ContractError, StagingManagerMixin
+from staging_contracts import (
+    STAGING_CONTRACT,
+    ContractError,
+    DecodeStagingContext,
+    PrefillStagingContext,
+    StagingHandler,
+    StagingManagerMixin,
+)
 from staging_contracts.backends import BACKENDS, load_backend
 from staging_contracts.backends.common import CommonKVManager, Role
 from staging_contracts.backends.local import LocalKVManager
@@ -59,7 +66,29 @@ def test_mori_given_the_mixin_fails_at_class_creation() -> None:
         class MoriWithStaging(StagingManagerMixin, MoriKVManager):  # type: ignore[staging-missing-member]  # the mistake under test
             pass
 
-    assert info.value.missing == ("_staging_handler", "_staging_ctx")
+    assert info.value.missing == ("_staging_handler", "_staging_ctx", "arrival")
+
+
+def test_mori_on_a_base_declaring_the_staging_members_is_rejected_for_its_capability() -> None:
+    """As on SGLang's real base, a common base may declare the staging members for every
+    backend: Mori given the mixin then still fails, for lacking the staging capability."""
+
+    class DeclaringCommon(CommonKVManager):
+        _staging_handler: StagingHandler | None = None
+        _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+
+    class DeclaringMori(DeclaringCommon):
+        pass
+
+    with pytest.raises(ContractError, match=r"^MoriWithStaging does not satisfy") as info:
+
+        class MoriWithStaging(StagingManagerMixin, DeclaringMori):  # type: ignore[staging-missing-member]  # the mistake under test
+            pass
+
+    assert info.value.missing == ("arrival",)
+    assert "has no declaration of 'arrival' (expected Literal['notification', 'zmq'])" in str(
+        info.value
+    )
 
 
 def test_common_manager_given_the_mixin_fails_at_class_creation() -> None:
@@ -69,7 +98,7 @@ def test_common_manager_given_the_mixin_fails_at_class_creation() -> None:
         class StagingCommon(StagingManagerMixin, CommonKVManager):  # type: ignore[staging-missing-member]  # the mistake under test
             pass
 
-    assert info.value.missing == ("_staging_handler", "_staging_ctx")
+    assert info.value.missing == ("_staging_handler", "_staging_ctx", "arrival")
 
 
 def test_mori_rejects_staging_messages_and_keeps_serving() -> None:

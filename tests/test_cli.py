@@ -178,6 +178,7 @@ def test_console_script_runs_check() -> None:
 
 HOOKLESS = """
 from staging_contracts import (
+    ArrivalMode,
     DecodeStagingContext,
     PrefillStagingContext,
     StagingHandler,
@@ -190,6 +191,7 @@ from staging_contracts.backends.staging_setup import staging_idle
 class Hookless(StagingManagerMixin, CommonKVManager):
     _staging_handler: StagingHandler | None = None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+    arrival: ArrivalMode = "zmq"
 
 
 class Routed(Hookless):

@@ -11,6 +11,7 @@ import types
 import pytest
 
 from staging_contracts import (
+    ArrivalMode,
     ContractError,
     DecodeStagingContext,
     KVArgs,
@@ -42,6 +43,7 @@ class ReferenceStyle(StagingManagerMixin, CommonKVManager):
 
     def _init_staging_decode_ctx(self) -> None:
         self._staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+        self.arrival: ArrivalMode = "zmq"
         self._staging_handler: StagingHandler | None = None
 
 
@@ -71,6 +73,7 @@ def test_a_helper_init_does_not_call_declares_nothing() -> None:
 
             def setup(self) -> None:
                 self._staging_ctx = None
+                self.arrival: ArrivalMode = "zmq"
 
 
 # --------------------------------------------------------------------------- super().__init__
@@ -81,6 +84,7 @@ class ForgotSuper(StagingManagerMixin, CommonKVManager):
 
     _staging_handler: StagingHandler | None = None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+    arrival: ArrivalMode = "zmq"
 
     def __init__(self, kv_args: KVArgs, *, role: Role, attn_tp_size: int) -> None:
         self.role = role
@@ -97,7 +101,8 @@ def test_members_a_base_sets_hint_at_super_init() -> None:
         "  - attribute 'attn_tp_size' is not set (expected int)",
         "Fix: Assign each member a value of its expected type before __init__ returns. "
         "'kv_args', 'attn_tp_size' are declared by CommonKVManager: did "
-        "ForgotSuper.__init__ call super().__init__()?",
+        "ForgotSuper.__init__ call super().__init__()? If a member is assigned only on some "
+        "paths, or by a later step, the contract should mark it optional or set_later.",
     ]
     assert [p.where for p in caught.value.problems] == ["CommonKVManager", "CommonKVManager"]
 
@@ -108,6 +113,7 @@ def test_members_the_class_itself_declares_get_no_super_hint() -> None:
     class OwnMember(StagingManagerMixin, CommonKVManager):
         _staging_handler: StagingHandler | None = None
         _staging_ctx: DecodeStagingContext | PrefillStagingContext | None
+        arrival: ArrivalMode = "zmq"
         kv_args: KVArgs
         attn_tp_size: int
 
@@ -143,7 +149,8 @@ def test_a_namesake_listed_before_the_mixin_is_named_with_its_module() -> None:
                     "__annotations__": {
                         "_staging_handler": StagingHandler | None,
                         "_staging_ctx": DecodeStagingContext | PrefillStagingContext | None,
-                    }
+                    },
+                    "arrival": "zmq",
                 }
             ),
         )
@@ -169,7 +176,8 @@ def test_distinct_short_names_stay_short() -> None:
                     "__annotations__": {
                         "_staging_handler": StagingHandler | None,
                         "_staging_ctx": DecodeStagingContext | PrefillStagingContext | None,
-                    }
+                    },
+                    "arrival": "zmq",
                 }
             ),
         )
@@ -185,6 +193,7 @@ class NoMixin:
     """Declares every member, two by plain assignment only; mixes in nothing."""
 
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+    arrival: ArrivalMode = "zmq"
     attn_tp_size: int
 
     def __init__(self) -> None:
@@ -201,14 +210,15 @@ class AbstractBase(StagingManagerMixin, CommonKVManager, abstract=True):
 
 
 def test_a_class_nothing_checks_says_so_instead_of_checked_per_instance() -> None:
-    """A class without the mixin: its untyped members are never checked, and explain says so."""
+    """A class without the mixin: its untyped members are never checked, explain says so, and
+    its verdict names them instead of saying 'conforms'."""
     explanation = STAGING_CONTRACT.explain(NoMixin)
     for member in ("_staging_handler", "kv_args"):
-        assert _row(explanation, member).endswith(
-            "declared without a type, never checked: NoMixin does not mix in "
-            "staging_contracts.StagingManagerMixin"
-        )
-    assert "checked per instance" not in explanation
+        assert _row(explanation, member).endswith("declared without a type: type not checked")
+    assert "checked per instance" not in explanation.replace("checks them per instance", "")
+    verdict = explanation.splitlines()[-1]
+    assert verdict.startswith("verdict: every member declared; not verified: '_staging_handler'")
+    assert "conforms" not in verdict
 
 
 def test_an_abstract_class_says_its_subclasses_are_checked() -> None:
@@ -224,6 +234,7 @@ def test_a_concrete_host_is_checked_per_instance() -> None:
 
     class Concrete(AbstractBase):
         _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+        arrival: ArrivalMode = "zmq"
 
     row = _row(STAGING_CONTRACT.explain(Concrete), "_staging_handler")
     assert "AbstractBase (assigned in __init__)" in row

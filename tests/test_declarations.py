@@ -154,25 +154,44 @@ def test_literal_class_attribute_declares_its_value_type(value: object, declared
 
 @pytest.mark.parametrize(
     "value",
-    [[1, 2], (1,), {"a": 1}, object(), len, CallableDescriptor()],
-    ids=["list", "tuple", "dict", "object", "builtin", "callable-descriptor"],
+    [[1, 2], (1,), {"a": 1}, object(), int],
+    ids=["list", "tuple", "dict", "object", "class"],
 )
 def test_non_literal_class_attribute_declares_no_type(value: object) -> None:
-    """A class attribute holding anything but a literal is an untyped ATTRIBUTE declaration."""
+    """A class attribute holding anything but a literal or a callable (a class is not taken
+    for a method) is an untyped ATTRIBUTE declaration."""
     host = type("Host", (), {"member": value})
     decl = _found(host, "member")
     assert decl == Declaration(host, DeclarationKind.ATTRIBUTE, None, True)
     assert decl.declared_name == "-"
 
 
-def test_method_is_an_untyped_class_attribute() -> None:
-    """A method (callable, although its type has __get__) is an ATTRIBUTE, not a DESCRIPTOR."""
+@pytest.mark.parametrize(
+    "value",
+    [len, CallableDescriptor(), staticmethod(len), classmethod(lambda cls: None)],
+    ids=["builtin", "callable-descriptor", "staticmethod", "classmethod"],
+)
+def test_a_callable_class_attribute_is_a_method_declaration(value: object) -> None:
+    """A built-in, a callable object, a static or class method is a METHOD declaration whose
+    declared value is the class body's own."""
+    host = type("Host", (), {"member": value})
+    decl = _found(host, "member")
+    assert decl == Declaration(host, DeclarationKind.METHOD, value, True)
+    assert decl.declared_name.startswith("a method (")
+
+
+def test_a_function_is_a_method_declaration() -> None:
+    """A function (callable, although its type has __get__) is a METHOD, not a DESCRIPTOR;
+    its declared name shows its parameters without self."""
 
     class Host:
-        def member(self) -> int:
-            return 1
+        def member(self, page: int, *, size: int = 2) -> int:
+            return page + size
 
-    assert _found(Host, "member") == Declaration(Host, DeclarationKind.ATTRIBUTE, None, True)
+    decl = _found(Host, "member")
+    assert decl == Declaration(Host, DeclarationKind.METHOD, Host.__dict__["member"], True)
+    assert decl.declared_name == "a method (page, *, size=2)"
+    assert decl.how == "method"
 
 
 def test_plain_descriptor_is_a_descriptor_declaration() -> None:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import pytest
 
 from staging_contracts import (
+    ArrivalMode,
     DecodeStagingContext,
     KVArgs,
     PrefillStagingContext,
@@ -67,6 +68,7 @@ class ChunkReadyKVManager(StagingManagerMixin, CommonKVManager):
 
     _staging_handler: StagingHandler | None = None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+    arrival: ArrivalMode = "zmq"
 
     def __init__(self, kv_args: KVArgs, *, role: Role, attn_tp_size: int) -> None:
         super().__init__(kv_args, role=role, attn_tp_size=attn_tp_size, engine=_NoNotifyEngine())

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Final
 
 import pytest
 
 from staging_contracts import (
     STAGING_CONTRACT,
+    ArrivalMode,
     ContractError,
     DecodeStagingContext,
     KVArgs,
@@ -22,6 +23,7 @@ from tests.hosts import CommonBase, RecordingHandler, make_kv_args
 
 HANDLER_T = "StagingHandler | None"
 CTX_T = "DecodeStagingContext | PrefillStagingContext | None"
+ARRIVAL_T = "Literal['notification', 'zmq']"
 
 
 class MooncakeLike(StagingManagerMixin, CommonBase):
@@ -29,6 +31,7 @@ class MooncakeLike(StagingManagerMixin, CommonBase):
 
     _staging_handler: StagingHandler | None = None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+    arrival: ArrivalMode = "zmq"
 
 
 # --------------------------------------------------------------------------- class creation
@@ -45,12 +48,13 @@ def test_mori_style_host_is_rejected_at_class_creation() -> None:
         "MoriKVManager does not satisfy the StagingHost contract of StagingManagerMixin:\n"
         f"  - has no declaration of '_staging_handler' (expected {HANDLER_T})\n"
         f"  - has no declaration of '_staging_ctx' (expected {CTX_T})\n"
+        f"  - has no declaration of 'arrival' (expected {ARRIVAL_T})\n"
         "Fix: Declare each missing member on the class or one of its bases (annotate it, e.g. "
         f"'_staging_handler: {HANDLER_T}', or assign it in __init__), or pass abstract=True "
         "for an intermediate base."
     )
     assert info.value.cls.__name__ == "MoriKVManager"
-    assert info.value.missing == ("_staging_handler", "_staging_ctx")
+    assert info.value.missing == ("_staging_handler", "_staging_ctx", "arrival")
     assert info.value.mismatched == ()
     assert info.value.shadowed == ()
     assert isinstance(info.value, TypeError)
@@ -68,6 +72,7 @@ def test_contract_error_lists_every_problem_at_once() -> None:
         class Bad(Shadow, StagingManagerMixin, CommonBase):  # type: ignore[staging-missing-member, staging-member-type, staging-shadowed-method]  # the mistake under test
             _staging_handler: StagingHandler | None = None
             attn_tp_size: str  # type: ignore[assignment]  # the mistake under test
+            arrival: ArrivalMode = "zmq"
 
     assert info.value.missing == ("_staging_ctx",)
     assert info.value.mismatched == ("attn_tp_size",)
@@ -86,7 +91,7 @@ def test_mixin_on_common_base_rejects_mori_style_subclass() -> None:
         class MoriKVManager(CommonWithStaging):  # type: ignore[staging-missing-member]  # the mistake under test
             pass
 
-    assert info.value.missing == ("_staging_handler", "_staging_ctx")
+    assert info.value.missing == ("_staging_handler", "_staging_ctx", "arrival")
 
 
 def test_mixin_on_common_base_itself_is_rejected() -> None:
@@ -131,6 +136,7 @@ def test_abstract_intermediate_opts_out_for_itself_only() -> None:
 
     class StagingBase(StagingManagerMixin, CommonBase, abstract=True):
         _staging_handler: StagingHandler | None = None
+        arrival: ArrivalMode = "zmq"
 
     class Complete(StagingBase):
         _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
@@ -154,7 +160,12 @@ def test_member_declared_by_property_is_accepted() -> None:
         def _staging_ctx(self) -> DecodeStagingContext | None:
             return None
 
+        @property
+        def arrival(self) -> ArrivalMode:
+            return "zmq"
+
     assert ByProperty()._staging_ctx is None
+    assert ByProperty().arrival == "zmq"
 
 
 def test_member_declared_by_class_attribute_is_accepted() -> None:
@@ -163,6 +174,7 @@ def test_member_declared_by_class_attribute_is_accepted() -> None:
     class ByAttribute(StagingManagerMixin, CommonBase):
         _staging_handler = None
         _staging_ctx = None
+        arrival: Final = "zmq"  # Final: a class attribute whose type is its literal value
 
     assert ByAttribute()._staging_handler is None
 
@@ -177,6 +189,7 @@ def test_member_declared_by_slots_is_accepted() -> None:
             super().__init__()
             self._staging_handler = None
             self._staging_ctx = None
+            self.arrival: ArrivalMode = "zmq"
 
     assert BySlots()._staging_ctx is None
 
@@ -188,6 +201,7 @@ def test_property_with_incompatible_type_is_rejected() -> None:
         class ByProperty(StagingManagerMixin, CommonBase):  # type: ignore[staging-member-type]  # the mistake under test
             _staging_handler: StagingHandler | None = None
             _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+            arrival: ArrivalMode = "zmq"
 
             @property
             def attn_tp_size(self) -> str:  # type: ignore[override]  # the mistake under test
@@ -203,6 +217,7 @@ def test_class_attribute_of_wrong_literal_type_is_rejected() -> None:
         class WrongDefault(StagingManagerMixin, CommonBase):  # type: ignore[staging-member-type]  # the mistake under test
             _staging_handler = None
             _staging_ctx = None
+            arrival: Final = "zmq"
             attn_tp_size = "2"  # type: ignore[assignment]  # the mistake under test
 
     assert info.value.mismatched == ("attn_tp_size",)
@@ -236,6 +251,7 @@ def test_narrower_declared_types_are_accepted() -> None:
     class Narrow(StagingManagerMixin, CommonBase):
         _staging_handler: RecordingHandler | None = None
         _staging_ctx: DecodeStagingContext | None = None
+        arrival: ArrivalMode = "notification"
 
     assert Narrow()._staging_handler is None
 
@@ -252,6 +268,7 @@ def test_wrong_base_order_is_rejected() -> None:
         class Reordered(LegacyManager, StagingManagerMixin):  # type: ignore[staging-shadowed-method]  # the mistake under test
             _staging_handler: StagingHandler | None = None
             _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+            arrival: ArrivalMode = "zmq"
 
     assert info.value.shadowed == ("attach_staging_handler",)
     message = str(info.value)
@@ -300,14 +317,28 @@ def test_unset_required_member_is_reported_missing() -> None:
 
     class NeverSet(StagingManagerMixin, CommonBase):
         _staging_handler: StagingHandler | None
-        _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+        _staging_ctx: DecodeStagingContext | PrefillStagingContext | None
+        arrival: ArrivalMode = "zmq"
 
     with pytest.raises(ContractError, match=r"^NeverSet instance does not satisfy") as info:
         NeverSet()
-    assert info.value.missing == ("_staging_handler",)
-    assert "attribute '_staging_handler' is not set (expected StagingHandler | None)" in str(
-        info.value
-    )
+    assert info.value.missing == ("_staging_ctx",)
+    assert f"attribute '_staging_ctx' is not set (expected {CTX_T})" in str(info.value)
+
+
+def test_a_member_set_later_may_be_unset_after_init() -> None:
+    """_staging_handler is set later: unset after __init__ is fine, assigned it is checked."""
+
+    class AttachedLater(StagingManagerMixin, CommonBase):
+        _staging_handler: StagingHandler | None
+        _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+        arrival: ArrivalMode = "zmq"
+
+    host = AttachedLater()
+    assert "_staging_handler" not in vars(host)
+    handler = RecordingHandler()
+    host._staging_handler = handler
+    assert host._staging_handler is handler
 
 
 def test_value_not_satisfying_handler_protocol_is_rejected() -> None:
@@ -384,11 +415,13 @@ def test_instance_check_runs_once_for_three_level_init_chain(
     class Level1(StagingManagerMixin, CommonBase):
         _staging_handler: StagingHandler | None
         _staging_ctx: DecodeStagingContext | PrefillStagingContext | None
+        arrival: ArrivalMode = "zmq"
 
         def __init__(self) -> None:
             super().__init__()
             self._staging_handler = None
             self._staging_ctx = None
+            self.arrival: ArrivalMode = "zmq"
 
     class Level2(Level1):
         def __init__(self) -> None:
@@ -410,6 +443,7 @@ def test_instance_check_runs_after_the_outermost_init_only() -> None:
     class Parent(StagingManagerMixin, CommonBase):
         _staging_handler: StagingHandler | None = None
         _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+        arrival: ArrivalMode = "zmq"
 
         def __init__(self) -> None:
             super().__init__(attn_tp_size="pending")
@@ -437,6 +471,7 @@ def test_instance_check_runs_when_plain_base_init_comes_first() -> None:
     class BaseFirst(CommonBase, StagingManagerMixin):
         _staging_handler: StagingHandler | None = None
         _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+        arrival: ArrivalMode = "zmq"
 
     assert BaseFirst().attn_tp_size == 2
     with pytest.raises(ContractError, match=r"^BaseFirst instance"):
@@ -452,6 +487,7 @@ def test_dataclass_host_is_checked_after_its_generated_init() -> None:
         attn_tp_size: int
         _staging_handler: StagingHandler | None = None
         _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+        arrival: ArrivalMode = "zmq"
 
     assert DataHost(make_kv_args(), 2).attn_tp_size == 2
     with pytest.raises(ContractError, match=r"^DataHost instance") as info:
@@ -555,8 +591,11 @@ def test_staging_manager_mixin_exposes_its_contract() -> None:
         "_staging_ctx",
         "kv_args",
         "attn_tp_size",
+        "arrival",
     )
     assert STAGING_CONTRACT.optional == ("kv_buffer_tensors",)
+    assert STAGING_CONTRACT.set_later == ("_staging_handler", "kv_buffer_tensors")
+    assert STAGING_CONTRACT.methods == ()
 
 
 def test_member_assigned_in_init_counts_as_declared() -> None:
@@ -567,6 +606,7 @@ def test_member_assigned_in_init_counts_as_declared() -> None:
             super().__init__()
             self._staging_handler: StagingHandler | None = None
             self._staging_ctx = None
+            self.arrival: ArrivalMode = "zmq"
 
     report = STAGING_CONTRACT.inspect_class(AssignsInInit)
     kinds = {row.spec.name: row.declaration.kind.value for row in report.members if row.declaration}
@@ -584,6 +624,7 @@ def test_annotated_init_assignment_with_wrong_type_is_rejected() -> None:
                 super().__init__()
                 self._staging_handler: StagingHandler | None = None
                 self._staging_ctx: int = 0  # the mistake under test
+                self.arrival: ArrivalMode = "zmq"
 
     assert info.value.mismatched == ("_staging_ctx",)
     assert "declares '_staging_ctx' as int in WrongInInit" in str(info.value)
@@ -595,6 +636,7 @@ def test_assignments_in_nested_scopes_do_not_count() -> None:
 
         class Nested(StagingManagerMixin, CommonBase):  # type: ignore[staging-missing-member]  # the mistake under test
             _staging_handler: StagingHandler | None = None
+            arrival: ArrivalMode = "zmq"
 
             def __init__(self) -> None:
                 super().__init__()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from staging_contracts import (
+    ArrivalMode,
     ArrivalOutcome,
     DecodeStagingContext,
     PrefillStagingContext,
@@ -30,6 +31,7 @@ class Host(StagingManagerMixin, CommonBase):
 
     _staging_handler: StagingHandler | None = None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+    arrival: ArrivalMode = "zmq"
 
 
 def decode_host() -> tuple[Host, RecordingHandler]:

@@ -52,6 +52,7 @@ def decode_only(setup):
 
 BACKENDS = '''
 from staging_contracts import (
+    ArrivalMode,
     DecodeStagingContext,
     KVArgs,
     PrefillStagingContext,
@@ -72,6 +73,7 @@ class Deaf(StagingManagerMixin, CommonKVManager):
 
     _staging_handler: StagingHandler | None = None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+    arrival: ArrivalMode = "zmq"
 
     def __init__(self, kv_args, *, role, attn_tp_size):
         super().__init__(kv_args, role=role, attn_tp_size=attn_tp_size, engine=LocalEngine())
@@ -89,6 +91,7 @@ class Plain:
 class BadValues(StagingManagerMixin, Plain):
     _staging_handler: StagingHandler | None = None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+    arrival: ArrivalMode = "zmq"
 
 
 class NeedsMore(LocalKVManager):

@@ -5,12 +5,20 @@ The public surface is re-exported here; import from ``staging_contracts`` only.
 
 from __future__ import annotations
 
-from .contract.contract import ClassReport, Contract, MemberReport, MemberSpec, MemberStatus
+from .contract.contract import (
+    ClassReport,
+    Contract,
+    MemberKind,
+    MemberReport,
+    MemberSpec,
+    MemberStatus,
+)
 from .contract.enforcement import ContractMixin
 from .contract.problems import ContractError, ContractProblem, ProblemKind
 from .mixin import STAGING_CONTRACT, StagingManagerMixin
 from .protocols import (
     Allocation,
+    ArrivalMode,
     ArrivalOutcome,
     DecodeStagingContext,
     KVArgs,
@@ -36,6 +44,7 @@ from .stats import StagingCounters, StagingStats
 __all__ = [
     "STAGING_CONTRACT",
     "Allocation",
+    "ArrivalMode",
     "ArrivalOutcome",
     "ClassReport",
     "Contract",
@@ -46,6 +55,7 @@ __all__ = [
     "KVArgs",
     "KVArgsRecord",
     "KVBufferTensors",
+    "MemberKind",
     "MemberReport",
     "MemberSpec",
     "MemberStatus",

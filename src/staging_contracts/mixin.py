@@ -62,8 +62,13 @@ _ARRIVAL_COUNTER: Final[dict[ArrivalOutcome, str]] = {
     ArrivalOutcome.REJECTED: "rejected",
 }
 
-STAGING_CONTRACT: Final = Contract(StagingHost, optional=("kv_buffer_tensors",))
-"""The :class:`StagingHost` contract, as enforced by :class:`StagingManagerMixin`."""
+STAGING_CONTRACT: Final = Contract(
+    StagingHost,
+    optional=("kv_buffer_tensors",),
+    set_later=("_staging_handler", "kv_buffer_tensors"),
+)
+"""The :class:`StagingHost` contract, as enforced by :class:`StagingManagerMixin`: every
+assignment to ``_staging_handler`` and ``kv_buffer_tensors`` is checked."""
 
 
 def host_logger(host: object) -> logging.Logger:
@@ -118,7 +123,8 @@ class StagingManagerMixin(ContractMixin, contract=STAGING_CONTRACT):
         ContractError: at class creation, when the class (with its bases) does not declare
             every required member, declares one with an incompatible type, or lists a base
             that shadows a mixin method before the mixin; after construction, when a member
-            holds a value of the wrong type.
+            holds a value of the wrong type; at an assignment of ``_staging_handler`` or
+            ``kv_buffer_tensors``, when the value is of the wrong type (it is not assigned).
     """
 
     _staging_logger: ClassVar[logging.Logger]
@@ -137,9 +143,9 @@ class StagingManagerMixin(ContractMixin, contract=STAGING_CONTRACT):
         earlier are dropped and counted). **Blocking:** no.
 
         Raises:
-            ContractError: ``handler`` does not satisfy :class:`StagingHandler`.
+            ContractError: ``handler`` does not satisfy :class:`StagingHandler` (checked by
+                the assignment, as every assignment of ``_staging_handler`` is).
         """
-        STAGING_CONTRACT.check_member(self, "_staging_handler", handler)
         host: StagingHostCore = self  # assign through the Protocol, not as a mixin attribute
         host._staging_handler = handler
         host_logger(self).debug("staging handler attached: %r", handler)

@@ -1,7 +1,9 @@
-"""mypy plugin: report a staging host that breaks its contract at its ``class`` statement.
+"""mypy plugin: report a host that breaks its contract at its ``class`` statement.
 
-The static twin of the class-creation check of
-:class:`~staging_contracts.mixin.StagingManagerMixin`. Enable it in the mypy configuration::
+The static twin of the class-creation check of every enforcing mixin: ours
+(:class:`~staging_contracts.mixin.StagingManagerMixin`) and any other class created with
+``ContractMixin, contract=Contract(P, ...)``, in any package (a serving stack's own mixin over
+its own Protocol included). Enable it in the mypy configuration::
 
     [mypy]
     plugins = staging_contracts.mypy_plugin
@@ -11,18 +13,24 @@ or, in ``pyproject.toml``::
     [tool.mypy]
     plugins = ["staging_contracts.mypy_plugin"]
 
-For every class that has the mixin in its MRO (directly or through a base, as Ascend through
-Mooncake), except one created with ``abstract=True``, mypy then reports at the class statement
+For every class that has an enforcing mixin in its MRO (directly or through a base, as Ascend
+through Mooncake), except one created with ``abstract=True``, mypy then reports at the class
+statement
 
-* each required member of :class:`~staging_contracts.protocols.StagingHost` that no class of
-  the MRO declares (``staging-missing-member``),
-* each declared type that is not a subtype of the Protocol's (``staging-member-type``),
+* each required member of the mixin's Protocol (attribute, property or method) that no class
+  of the MRO declares (``staging-missing-member``),
+* each declared type, or method signature, that is not a subtype of the Protocol's
+  (``staging-member-type``),
 * each method of the mixin shadowed by a base listed before the mixin
   (``staging-shadowed-method``),
 
-worded like :class:`~staging_contracts.contract.problems.ContractError`, one error per problem. The
-members and their types come from the Protocols as mypy sees them; ``kv_buffer_tensors``
-(in ``StagingHost`` but not in ``StagingHostCore``) is checked only when declared.
+worded like :class:`~staging_contracts.contract.problems.ContractError`, one error per problem,
+with type names qualified by their module where two of them share a short name. The members
+and their types come from the Protocol as mypy sees it; the names the ``Contract(...)`` marks
+``optional`` are checked only when declared. The contract is read from the mixin's
+``contract=`` keyword (:mod:`~staging_contracts.contract.mypy_contracts` says which forms);
+one the plugin cannot read is a note at the mixin's class statement, and its hosts are left to
+the runtime checks.
 
 An intermediate base created with ``abstract=True`` declares only some of the members; the
 plugin declares the others on it, with the Protocol's types, for type checking only, so that
@@ -43,13 +51,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from mypy.checker import TypeChecker
 from mypy.errorcodes import ErrorCode
-from mypy.messages import format_type
+from mypy.messages import format_type, format_type_distinctly, pretty_callable
 from mypy.nodes import (
     MDEF,
     CallExpr,
@@ -63,9 +70,9 @@ from mypy.nodes import (
 )
 from mypy.options import Options
 from mypy.plugin import ClassDefContext, MethodContext, Plugin, ReportConfigContext
-from mypy.types import Type
+from mypy.types import CallableType, PartialType, Type, get_proper_type
 
-from .contract import mypy_analysis
+from .contract import mypy_analysis, mypy_contracts
 from .contract.mypy_analysis import (
     ABSTRACT_MEMBERS,
     METADATA_KEY,
@@ -73,25 +80,28 @@ from .contract.mypy_analysis import (
     HostReport,
     StaticProblem,
     check_host,
+    contract_members,
     has_implicit_attributes,
     init_attributes,
     init_self_assignments,
-    protocol_attributes,
+    protocol_members,
     self_assigned_in_methods,
     slot_names,
     stored_names,
 )
+from .contract.mypy_contracts import CONTRACT_MIXIN, ContractFacts, read_contract
 from .contract.problems import ProblemKind
 
 __all__ = [
     "MEMBER_TYPE",
     "MISSING_MEMBER",
     "SHADOWED_METHOD",
+    "UNREAD_CONTRACT",
     "StagingContractsPlugin",
     "plugin",
 ]
 
-PLUGIN_VERSION: Final = "2"
+PLUGIN_VERSION: Final = "3"
 """Bumped whenever what the plugin reports or stores changes (invalidates mypy's cache)."""
 
 _CATEGORY: Final = "staging-contracts"
@@ -111,6 +121,11 @@ SHADOWED_METHOD: Final = ErrorCode(
     "A base listed before the staging mixin shadows one of the mixin's methods",
     _CATEGORY,
 )
+UNREAD_CONTRACT: Final = ErrorCode(
+    "staging-unread-contract",
+    "An enforcing mixin's contract= is not a form the plugin can read statically",
+    _CATEGORY,
+)
 _CODES: Final = {
     ProblemKind.MISSING: MISSING_MEMBER,
     ProblemKind.MISMATCHED: MEMBER_TYPE,
@@ -118,30 +133,14 @@ _CODES: Final = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class _ContractNames:
-    """A contract by fullnames: the mixin that enforces it and its two Protocols."""
-
-    mixin: str
-    protocol: str
-    required: str
-
-
-_CONTRACTS: Final = (
-    _ContractNames(
-        mixin="staging_contracts.mixin.StagingManagerMixin",
-        protocol="staging_contracts.protocols.StagingHost",
-        required="staging_contracts.protocols.StagingHostCore",
-    ),
-)
-"""The mirror of ``STAGING_CONTRACT = Contract(StagingHost, optional=("kv_buffer_tensors",))``:
-the members of ``StagingHostCore`` are required, the rest of ``StagingHost`` optional."""
+_ROOT_KEY: Final = "contract_root"
+"""Facts key of an enforcing mixin: its :class:`ContractFacts` (JSON)."""
 
 
 def _source_digest() -> str:
     """A digest of the plugin's own source, so that editing it invalidates mypy's cache."""
     digest = hashlib.sha256()
-    for path in (Path(__file__), Path(mypy_analysis.__file__)):
+    for path in (Path(__file__), Path(mypy_analysis.__file__), Path(mypy_contracts.__file__)):
         try:
             digest.update(path.read_bytes())
         except OSError:
@@ -162,11 +161,10 @@ class StagingContractsPlugin(Plugin):
             "plugin": __name__,
             "version": PLUGIN_VERSION,
             "source": _source_digest(),
-            "contracts": [[c.mixin, c.protocol, c.required] for c in _CONTRACTS],
         }
 
     def report_config_data(self, ctx: ReportConfigContext) -> Any:
-        """What invalidates mypy's cache of a module: this plugin's version, source and contracts.
+        """What invalidates mypy's cache of a module: this plugin's version and source.
 
         The same for every module: what the plugin stores or reports may concern any class.
         """
@@ -184,14 +182,13 @@ class StagingContractsPlugin(Plugin):
     def _on_class_def(self, ctx: ClassDefContext) -> None:
         _remember_protocol_order(ctx)
         info = ctx.cls.info
+        if "contract" in ctx.cls.keywords and info.has_base(CONTRACT_MIXIN):
+            _remember_contract(ctx)
+            return
         if not _is_abstract(ctx.cls) or info.is_protocol:
             return
-        for names in _CONTRACTS:
-            if not info.has_base(names.mixin) or info.fullname == names.mixin:
-                continue
-            mixin, required = self._typeinfo(names.mixin), self._typeinfo(names.required)
-            if mixin is not None and required is not None:
-                _declare_for_type_checking(ctx, info, mixin, required)
+        for contract in self._contracts_of(info):
+            _declare_for_type_checking(ctx, info, contract)
 
     def get_method_hook(self, fullname: str) -> Callable[[MethodContext], Type] | None:
         """Hook the implicit ``Base.__init_subclass__(**keywords)`` call of class statements."""
@@ -216,16 +213,21 @@ class StagingContractsPlugin(Plugin):
         return ctx.default_return_type
 
     def _contracts_of(self, info: TypeInfo) -> list[ContractInfos]:
+        """The contracts of the enforcing mixins in ``info``'s MRO (``info`` itself excluded)."""
         found: list[ContractInfos] = []
         if info.is_protocol:
             return found
-        for names in _CONTRACTS:
-            if not info.has_base(names.mixin) or info.fullname == names.mixin:
+        for root in info.mro[1:]:
+            facts = ContractFacts.from_json(root.metadata.get(METADATA_KEY, {}).get(_ROOT_KEY))
+            if facts is None:
                 continue
-            infos = [self._typeinfo(n) for n in (names.mixin, names.protocol, names.required)]
-            mixin, protocol, required = infos
-            if mixin is not None and protocol is not None and required is not None:
-                found.append(ContractInfos(mixin, protocol, required))
+            protocol = self._typeinfo(facts.protocol)
+            if protocol is not None:
+                found.append(
+                    ContractInfos(
+                        root, protocol, frozenset(facts.optional), frozenset(facts.set_later)
+                    )
+                )
         return found
 
     def _typeinfo(self, fullname: str) -> TypeInfo | None:
@@ -233,44 +235,66 @@ class StagingContractsPlugin(Plugin):
         return sym.node if sym is not None and isinstance(sym.node, TypeInfo) else None
 
 
+def _remember_contract(ctx: ClassDefContext) -> None:
+    """Keep the contract of an enforcing mixin's class statement in its metadata (or say, once,
+    why it cannot be read statically)."""
+    modules: mypy_contracts.ModuleLookup = getattr(ctx.api, "modules", {})
+    module = ctx.cls.info.module_name
+    facts = read_contract(ctx.cls.keywords["contract"], modules, module)
+    if isinstance(facts, str):
+        if not ctx.api.final_iteration:
+            ctx.api.defer()
+            return
+        note = getattr(ctx.api, "note", None)
+        if callable(note):
+            note(
+                f'the contract of "{ctx.cls.name}" cannot be read statically ({facts}): its '
+                "hosts are checked at runtime only",
+                ctx.cls,
+                code=UNREAD_CONTRACT,
+            )
+        return
+    _store(ctx.cls.info, _ROOT_KEY, facts.to_json())
+
+
 def _declare_for_type_checking(
-    ctx: ClassDefContext, info: TypeInfo, mixin: TypeInfo, required: TypeInfo
+    ctx: ClassDefContext, info: TypeInfo, contract: ContractInfos
 ) -> None:
     """Declare on an ``abstract=True`` base each required member no class of its MRO declares,
     with the Protocol's type, and note them (:data:`ABSTRACT_MEMBERS`) so that the contract
     check of its subclasses passes over them. Runs again, harmlessly, when mypy defers."""
-    excluded = frozenset(k.fullname for k in mixin.mro)
+    excluded = frozenset(k.fullname for k in contract.mixin.mro)
     added = stored_names(info, ABSTRACT_MEMBERS) or []
     assigned = self_assigned_in_methods(info)  # mypy declares those once it reads the methods
-    for klass in required.mro:
-        if not klass.is_protocol:
+    host = mypy_analysis.host_instance(info)
+    if host is None:
+        return
+    for member in contract_members(contract, host):
+        name = member.name
+        if member.optional or name in added or name in assigned:
             continue
-        for name, sym in klass.names.items():
-            node = sym.node
-            if not isinstance(node, Var) or node.is_classvar or name in added or name in assigned:
-                continue
-            owner = next((k for k in info.mro if name in k.names), None)
-            if owner is not None and owner.fullname not in excluded:
-                continue  # declared (or assigned somewhere) by a class of the host
-            if node.type is None:
-                if not ctx.api.final_iteration:
-                    ctx.api.defer()
-                return
-            var = Var(name, node.type)
-            var.info = info
-            var._fullname = f"{info.fullname}.{name}"
-            info.names[name] = SymbolTableNode(MDEF, var, plugin_generated=True)
-            added.append(name)
+        owner = next((k for k in info.mro if name in k.names), None)
+        if owner is not None and owner.fullname not in excluded:
+            continue  # declared (or assigned somewhere) by a class of the host
+        if isinstance(member.expected, PartialType) or member.expected is None:
+            if not ctx.api.final_iteration:
+                ctx.api.defer()
+            return
+        var = Var(name, member.expected)
+        var.info = info
+        var._fullname = f"{info.fullname}.{name}"
+        info.names[name] = SymbolTableNode(MDEF, var, plugin_generated=True)
+        added.append(name)
     if added:
         _store(info, ABSTRACT_MEMBERS, added)
 
 
 def _remember_protocol_order(ctx: ClassDefContext) -> None:
     for klass in ctx.cls.info.mro:
-        if klass.is_protocol and not klass.metadata.get(METADATA_KEY, {}).get("attributes"):
-            order = protocol_attributes(klass)
+        if klass.is_protocol and not klass.metadata.get(METADATA_KEY, {}).get("members"):
+            order = protocol_members(klass)
             if order:
-                _store(klass, "attributes", order)
+                _store(klass, "members", order)
 
 
 # --------------------------------------------------------------------------- finding the class
@@ -371,17 +395,29 @@ def _check(info: TypeInfo, contract: ContractInfos, ctx: MethodContext) -> None:
 
 
 def _describe(problem: StaticProblem, options: Options) -> str:
-    """The fragment of :meth:`ContractProblem.describe`, quoted the way mypy quotes."""
+    """The fragment of :meth:`ContractProblem.describe`, quoted the way mypy quotes; two types
+    that share a short name are written with their modules."""
     if problem.kind is ProblemKind.SHADOWED:
         return (
             f'method "{problem.member}" of the mixin is shadowed by base "{problem.where}", '
             "which is listed before the mixin"
         )
-    expected = _format(problem.expected, options)
     if problem.kind is ProblemKind.MISSING:
-        return f'has no declaration of "{problem.member}" (expected {expected})'
-    actual = _format(problem.actual, options)
+        return f'has no declaration of "{problem.member}" (expected {_expected(problem, options)})'
+    if problem.expected is None or problem.actual is None:
+        expected, actual = _format(problem.expected, options), _format(problem.actual, options)
+    else:
+        actual, expected = format_type_distinctly(problem.actual, problem.expected, options=options)
+    if problem.method:
+        expected = f"a method {expected}"
     return f'declares "{problem.member}" as {actual} in {problem.where} (expected {expected})'
+
+
+def _expected(problem: StaticProblem, options: Options) -> str:
+    typ = get_proper_type(problem.expected) if problem.expected is not None else None
+    if problem.method and isinstance(typ, CallableType):
+        return f'a method "{pretty_callable(typ, options)}"'
+    return _format(problem.expected, options)
 
 
 def _format(typ: Type | None, options: Options) -> str:

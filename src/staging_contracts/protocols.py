@@ -11,8 +11,15 @@ member                    type                                                  
 ``_staging_ctx``          ``DecodeStagingContext | PrefillStagingContext | None``      yes
 ``kv_args``               ``KVArgs``                                                   yes
 ``attn_tp_size``          ``int``                                                      yes
+``arrival``               ``ArrivalMode`` (a property: the backend's staging capability)  yes
 ``kv_buffer_tensors``     ``KVBufferTensors | None``                                   optional
 ========================  ===========================================================  ========
+
+``arrival`` is what makes a backend a staging backend: how its prefill writers tell decode
+that a write landed, which only a backend that stages can say (``CommonKVManager`` does not,
+so a Mori-like backend given the mixin is rejected for lacking it). ``_staging_handler`` and
+``kv_buffer_tensors`` are set after construction (the handler is attached, the pool handed
+over at start-up): the contract marks them ``set_later``, so every assignment is checked.
 
 A Protocol cannot mark a member optional, so the required part is its own Protocol,
 :class:`StagingHostCore`, which the mixin's methods use as their self-type.
@@ -23,7 +30,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, TypeAlias, runtime_checkable
 
 from .stats import StagingCounters
 
@@ -32,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Allocation",
+    "ArrivalMode",
     "ArrivalOutcome",
     "DecodeStagingContext",
     "KVArgs",
@@ -55,6 +63,12 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- KV arguments
+
+ArrivalMode: TypeAlias = Literal["notification", "zmq"]
+"""How a prefill writer tells decode that its write landed: ``"notification"``, the
+``CHUNK_READY`` fields as the bulk write's notification payload (the engine must support
+notifications); ``"zmq"``, a ``CHUNK_READY`` message to decode's listener after the write
+completed."""
 
 
 @runtime_checkable
@@ -462,6 +476,13 @@ class StagingHostCore(Protocol):
     """The backend's KV arguments."""
     attn_tp_size: int
     """Attention tensor-parallel size of this side."""
+
+    @property
+    def arrival(self) -> ArrivalMode:
+        """How this backend's prefill writers signal that a write landed, unless
+        ``enable_prefill_staging(..., arrival=...)`` chooses otherwise (decode accepts both).
+        A staging backend states it; a backend without staging support has none."""
+        ...
 
 
 class StagingHost(StagingHostCore, Protocol):

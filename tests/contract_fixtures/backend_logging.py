@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from staging_contracts import (
+    ArrivalMode,
     DecodeStagingContext,
     PrefillStagingContext,
     StagingHandler,
@@ -16,3 +17,4 @@ class LoggingBackend(StagingManagerMixin, CommonBase):
 
     _staging_handler: StagingHandler | None = None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+    arrival: ArrivalMode = "zmq"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from staging_contracts import (
+    ArrivalMode,
     DecodeStagingContext,
     PrefillStagingContext,
     StagingManagerMixin,
@@ -20,6 +21,7 @@ class ForwardRefHost(StagingManagerMixin, CommonBase):
 
     _staging_handler: LaterHandler | None = None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+    arrival: ArrivalMode = "zmq"
 
 
 class TypeCheckingOnlyHost(StagingManagerMixin, CommonBase):
@@ -27,6 +29,7 @@ class TypeCheckingOnlyHost(StagingManagerMixin, CommonBase):
 
     _staging_handler: HandlerOnlyForTypeCheckers | None = None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+    arrival: ArrivalMode = "zmq"
 
 
 class LaterHandler(RecordingHandler):

@@ -11,6 +11,7 @@ from ..control.security import FROM_ENV
 from ..engines.local import LocalEngine
 from ..mixin import StagingManagerMixin
 from ..protocols import (
+    ArrivalMode,
     DecodeStagingContext,
     KVArgs,
     KVBufferTensors,
@@ -56,6 +57,12 @@ class LocalKVManager(StagingManagerMixin, CommonKVManager):
             engine=LocalEngine(engine_name),
             secret=secret,
         )
+
+    @property
+    def arrival(self) -> ArrivalMode:
+        """``"notification"``: the local engine delivers notifications, so arrival travels
+        with the copy."""
+        return "notification"
 
     def _on_message(self, frames: list[bytes]) -> None:
         if not self._dispatch_staging(frames):

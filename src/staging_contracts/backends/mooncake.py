@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..engines import load_engine_class
 from ..mixin import StagingManagerMixin
 from ..protocols import (
+    ArrivalMode,
     DecodeStagingContext,
     KVArgs,
     KVBufferTensors,
@@ -62,6 +63,12 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
             pp_size=pp_size,
             host=host,
         )
+
+    @property
+    def arrival(self) -> ArrivalMode:
+        """``"zmq"``: Mooncake writes carry no notification, so arrival is ``CHUNK_READY``
+        over ZMQ."""
+        return "zmq"
 
     def _on_message(self, frames: list[bytes]) -> None:
         if not self._dispatch_staging(frames):

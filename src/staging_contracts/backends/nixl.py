@@ -20,8 +20,8 @@ from typing import Final, get_args
 
 from ..engines import load_engine_class
 from ..mixin import StagingManagerMixin
-from ..prefill.writer import ArrivalMode
 from ..protocols import (
+    ArrivalMode,
     DecodeStagingContext,
     KVArgs,
     KVBufferTensors,

@@ -156,11 +156,11 @@ def enable_prefill_staging(
             the bulk write's own notification (the engine must have notifications); ``"zmq"``,
             a ``CHUNK_READY`` message to decode's listener, sent by the prefill transfer
             worker's thread once the write returned (what the reference's NIXL decode reads;
-            any engine can). ``None`` (default): the manager's own mode, which is its
-            engine's: ``"notification"`` where ``backend.engine.supports_notifications``
-            (``NixlKVManager`` by default, ``LocalKVManager``), else ``"zmq"`` (Mooncake,
-            Ascend, ``NixlKVManager(arrival="zmq")``, whose agent has no notifications). Our
-            decode accepts both.
+            any engine can). ``None`` (default): the manager's own mode, its ``arrival``
+            (a member of the contract): ``"notification"`` for ``NixlKVManager`` by default
+            and ``LocalKVManager``, ``"zmq"`` for Mooncake, Ascend and
+            ``NixlKVManager(arrival="zmq")``, whose agent has no notifications. Our decode
+            accepts both.
 
     Returns:
         The writer (one per rank; its staging buffer is registered with the engine).
@@ -194,7 +194,7 @@ def enable_prefill_staging(
         timeouts=timeouts,
         stream=stream,
         liveness=backend.liveness,
-        arrival=arrival,
+        arrival=backend.arrival if arrival is None else arrival,
     )
     # only once the writer exists: a refused arrival leaves the backend as it was
     _give_pool(backend, kv_buffers)

@@ -2,7 +2,8 @@
 
 * ``contract.per-call`` — a method the host defines and one the mixin provides (the prefill's
   per-chunk ``_is_watermark_ready``), called on an enforced host, against the same methods
-  on an unchecked plain class (goal <= 1.02: the contract never touches the hot path);
+  on an unchecked plain class (goal <= 1.02: the contract never touches the hot path); both
+  methods only read attributes (assignments are the ``member-assign`` rows');
 * ``contract.instance-check`` — our once-per-construction check against
   ``typeguard.check_type(obj, StagingHost)`` on the same object (goal <= 0.3), repeated on
   one host: after the first check the per-class conformance cache of the Protocol-typed
@@ -13,6 +14,15 @@
   are instances of new classes (all made outside the timed region), against the same
   typeguard anchor on equally new hosts; median of single checks, ours and the anchor's in
   turns (goal <= 1.0: a class's first check costs no more than typeguard's);
+* ``contract.member-read`` — reading the contract's members (``kv_args``, ``attn_tp_size``,
+  ``_staging_handler``, ``_staging_ctx``) on an enforced host against a plain class (goal
+  <= 1.05: the assignment check of ``set_later`` members costs reads nothing);
+* ``contract.member-assign`` — assigning ``_staging_handler`` (a ``set_later`` member, its
+  value checked on every assignment) on an enforced host against the same assignment on a
+  plain class (informative);
+* ``contract.member-assign.unwatched`` — assigning an attribute the contract does not watch,
+  the same way: the toll of the mixin's ``__setattr__`` on every other assignment to the
+  host (informative);
 * ``contract.class-check`` — creating a host class with the mixin (class check and
   initialiser wrapping included) against creating the same class without it (informative).
 """
@@ -30,6 +40,7 @@ from typeguard import CollectionCheckStrategy, check_type
 from ..mixin import STAGING_CONTRACT, StagingManagerMixin
 from ..prefill.books import RegionAnswerTable, WatermarkTracker
 from ..protocols import (
+    ArrivalMode,
     ArrivalOutcome,
     DecodeStagingContext,
     KVArgs,
@@ -92,8 +103,8 @@ class _Base:
         self.counter = 0
 
     def host_method(self) -> int:
-        self.counter += 1
-        return self.counter
+        # reads only: what an assignment costs is the contract.member-assign rows' part
+        return self.counter + self.attn_tp_size
 
 
 def _prefill_context() -> PrefillStagingContext:
@@ -105,6 +116,7 @@ def _prefill_context() -> PrefillStagingContext:
 class _EnforcedHost(StagingManagerMixin, _Base):
     _staging_handler: StagingHandler | None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None
+    arrival: ArrivalMode = "zmq"
 
     def __init__(self) -> None:
         super().__init__()
@@ -115,6 +127,7 @@ class _EnforcedHost(StagingManagerMixin, _Base):
 class _PlainHost(_Base):
     _staging_handler: StagingHandler | None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None
+    arrival: ArrivalMode = "zmq"
 
     def __init__(self) -> None:
         super().__init__()
@@ -144,6 +157,66 @@ def _per_call(quick: bool) -> BenchRow:
     )
     # Two method calls per iteration: report per call.
     return ratio_row("contract.per-call", ours / 2, anchor / 2, "ns/call", "<= 1.02")
+
+
+def _member_read(quick: bool) -> BenchRow:
+    def reads(host: Any) -> Any:
+        def loop(n: int) -> None:
+            for _ in range(n):
+                host.kv_args  # noqa: B018 - the read is what is timed
+                host.attn_tp_size  # noqa: B018
+                host._staging_handler  # noqa: B018
+                host._staging_ctx  # noqa: B018
+
+        return loop
+
+    loops = 50_000 if quick else 500_000
+    ours, anchor = interleaved_ns_per_call(
+        reads(_EnforcedHost()), reads(_PlainHost()), loops=loops, repeats=5 if quick else 31
+    )
+    return ratio_row(
+        "contract.member-read",
+        ours / 4,
+        anchor / 4,
+        "ns/read",
+        "<= 1.05",
+        note="four members read per iteration; the enforced host checks assignments only",
+    )
+
+
+def _member_assign(quick: bool) -> list[BenchRow]:
+    handler = _Handler()
+
+    def assigns(host: Any, name: str) -> Any:
+        def loop(n: int) -> None:
+            for _ in range(n):
+                setattr(host, name, handler)
+
+        return loop
+
+    loops = 20_000 if quick else 200_000
+    repeats = 5 if quick else 21
+    enforced, plain = _EnforcedHost(), _PlainHost()
+    rows: list[BenchRow] = []
+    for row, name, note in (
+        (
+            "contract.member-assign",
+            "_staging_handler",
+            "_staging_handler (set_later) assigned with setattr(): its value is checked on "
+            "every assignment (a Protocol of methods: the value's class is verified once)",
+        ),
+        (
+            "contract.member-assign.unwatched",
+            "counter",
+            "an attribute the contract does not watch, assigned with setattr(): the mixin's "
+            "__setattr__ looks the name up and hands the assignment on",
+        ),
+    ):
+        ours, anchor = interleaved_ns_per_call(
+            assigns(enforced, name), assigns(plain, name), loops=loops, repeats=repeats
+        )
+        rows.append(ratio_row(row, ours, anchor, "ns/assign", note=note))
+    return rows
 
 
 def _instance_check(quick: bool) -> BenchRow:
@@ -251,6 +324,7 @@ def _class_body(ns: dict[str, Any]) -> None:
         self._staging_ctx = None
 
     ns["__init__"] = __init__
+    ns["arrival"] = "zmq"
 
 
 def _class_check(quick: bool) -> BenchRow:
@@ -279,6 +353,8 @@ def run(options: BenchOptions) -> list[BenchRow]:
     typing.get_type_hints(StagingHost)  # resolve outside the timed region
     rows = [
         _per_call(quick),
+        _member_read(quick),
+        *_member_assign(quick),
         _instance_check(quick),
         _instance_check_cold(quick),
         _class_check(quick),

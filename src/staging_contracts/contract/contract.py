@@ -25,15 +25,17 @@ subclass: at class creation (``__init_subclass__``) and once per instance, after
 from __future__ import annotations
 
 import enum
-import typing
-from collections.abc import Iterable, Iterator
+import types
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Final
+from typing import Final
 
 from typeguard import TypeCheckError
 
 from .declarations import Declaration, DeclarationKind, find_declaration, provided_methods
+from .members import MemberKind, MemberSpec, protocol_members
 from .problems import ContractError, ContractProblem, ProblemKind
+from .signatures import call_problem
 from .typeforms import Compat, class_label, declared_compatibility, type_name
 from .valuecheck import ValueChecker, compile_checker
 
@@ -45,11 +47,16 @@ __all__ = [
     "Contract",
     "ContractError",
     "ContractProblem",
+    "MemberKind",
     "MemberReport",
     "MemberSpec",
     "MemberStatus",
     "ProblemKind",
 ]
+
+AssignmentCheck = Callable[[object, object], None]
+"""``(host, value) -> None``: checks a value about to be assigned to a member; raises
+:class:`ContractError`."""
 
 
 class MemberStatus(enum.Enum):
@@ -62,19 +69,10 @@ class MemberStatus(enum.Enum):
     UNTYPED = "declared without a type, checked per instance"
     ABSENT = "optional, not declared"
 
-
-@dataclass(frozen=True, slots=True)
-class MemberSpec:
-    """A member of a contract: its name and the type the Protocol declares for it."""
-
-    name: str
-    expected: object
-    optional: bool
-
     @property
-    def expected_name(self) -> str:
-        """The expected type as text."""
-        return type_name(self.expected)
+    def unverified(self) -> bool:
+        """Declared, but what it holds cannot be judged from the class alone."""
+        return self in (MemberStatus.UNRESOLVED, MemberStatus.UNTYPED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +98,12 @@ class ClassReport:
         """True when the class has no problem (abstract classes are not judged)."""
         return self.abstract or not self.problems
 
+    @property
+    def unverified(self) -> tuple[str, ...]:
+        """Members declared in a way the class check cannot judge (no type stated, or one it
+        cannot resolve): only an instance check can tell whether they hold the right thing."""
+        return tuple(row.spec.name for row in self.members if row.status.unverified)
+
 
 # --------------------------------------------------------------------------- the contract
 
@@ -110,41 +114,47 @@ class Contract:
     Built once; immutable afterwards except for the one-time binding to the mixin that
     enforces it. Thread-safe: checks only read.
 
+    Members are the Protocol's annotated attributes, its properties (a value of the getter's
+    return type) and its methods (a callable that takes every call the Protocol's signature
+    allows); see :mod:`.members`.
+
     Args:
-        protocol: a ``typing.Protocol`` class whose annotated attributes are the members.
+        protocol: a ``typing.Protocol`` class; its members (and those of the Protocols it
+            extends) are the contract's.
         optional: names of members that are checked only when present.
+        set_later: names of attribute members the host assigns after construction (a handler
+            attached by the scheduler, a pool handed over at start-up): they may be unset
+            when ``__init__`` returns, and an enforcing mixin checks every assignment to them
+            (a wrong-typed value raises :class:`ContractError` and leaves the old value).
         name: how messages name the contract; defaults to the Protocol's name.
 
     Raises:
-        TypeError: ``protocol`` is not a Protocol, its hints cannot be resolved, or an
-            optional name is not one of its members.
+        TypeError: ``protocol`` is not a Protocol, its hints cannot be resolved, a name in
+            ``optional`` or ``set_later`` is not one of its members, or a ``set_later`` name
+            is a method.
     """
 
     def __init__(
-        self, protocol: type, *, optional: Iterable[str] = (), name: str | None = None
+        self,
+        protocol: type,
+        *,
+        optional: Iterable[str] = (),
+        set_later: Iterable[str] = (),
+        name: str | None = None,
     ) -> None:
-        if not getattr(protocol, "_is_protocol", False):
-            raise TypeError(f"Contract needs a typing.Protocol class, got {protocol!r}")
-        try:
-            hints = typing.get_type_hints(protocol)
-        except Exception as exc:
-            raise TypeError(
-                f"cannot resolve the annotations of {class_label(protocol)}: {exc}"
-            ) from exc
-        optional_names = frozenset(optional)
-        unknown = sorted(optional_names - hints.keys())
-        if unknown:
-            raise TypeError(f"optional names {unknown!r} are not members of {protocol!r}")
+        members = protocol_members(protocol, optional=optional, set_later=set_later)
         self.protocol: Final = protocol
         self.name: Final = name or class_label(protocol)
-        self.members: Final[tuple[MemberSpec, ...]] = tuple(
-            MemberSpec(member, tp, member in optional_names)
-            for member, tp in hints.items()
-            if typing.get_origin(tp) is not ClassVar
-        )
+        self.members: Final[tuple[MemberSpec, ...]] = members
         self._checkers: Final[tuple[tuple[MemberSpec, ValueChecker], ...]] = tuple(
-            (spec, compile_checker(spec.expected)) for spec in self.members
+            (spec, _method_checker if spec.is_method else compile_checker(spec.expected))
+            for spec in self.members
         )
+        self._assignment_checks: Final[Mapping[str, AssignmentCheck]] = {
+            spec.name: self._assignment_check(spec, checker)
+            for spec, checker in self._checkers
+            if spec.set_later
+        }
         self._mixin: type | None = None
 
     def __repr__(self) -> str:
@@ -164,6 +174,22 @@ class Contract:
     def optional(self) -> tuple[str, ...]:
         """Names of the optional members, in Protocol order."""
         return tuple(m.name for m in self.members if m.optional)
+
+    @property
+    def set_later(self) -> tuple[str, ...]:
+        """Names of the members assigned after construction, in Protocol order."""
+        return tuple(m.name for m in self.members if m.set_later)
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """Names of the method members, in Protocol order."""
+        return tuple(m.name for m in self.members if m.is_method)
+
+    @property
+    def assignment_checks(self) -> Mapping[str, AssignmentCheck]:
+        """For each ``set_later`` member, the check an enforcing mixin runs on every
+        assignment to it (read-only; empty when there are none)."""
+        return self._assignment_checks
 
     def bind(self, mixin: type) -> None:
         """Record the mixin that enforces this contract (called once, by :class:`ContractMixin`).
@@ -194,7 +220,11 @@ class Contract:
             status = _status(spec, decl)
             rows.append(MemberReport(spec, decl, status))
             if status is MemberStatus.MISSING:
-                problems.append(ContractProblem(ProblemKind.MISSING, spec.name, spec.expected_name))
+                problems.append(
+                    ContractProblem(
+                        ProblemKind.MISSING, spec.name, spec.expected_name, method=spec.is_method
+                    )
+                )
             elif status is MemberStatus.MISMATCHED and decl is not None:
                 problems.append(
                     ContractProblem(
@@ -203,6 +233,8 @@ class Contract:
                         spec.expected_name,
                         actual=decl.declared_name,
                         where=self._label(decl.owner, cls),
+                        detail=_method_detail(spec, decl),
+                        method=spec.is_method,
                     )
                 )
         problems.extend(self._shadowing_problems(cls))
@@ -257,7 +289,10 @@ class Contract:
         mixin = self._mixin
         if mixin is None or mixin not in cls.__mro__:
             return
-        for method in provided_methods(mixin):
+        methods = list(provided_methods(mixin))
+        if self._assignment_checks:
+            methods.append("__setattr__")  # where the set_later members are checked
+        for method in methods:
             owner = next(k for k in cls.__mro__ if method in k.__dict__)
             if owner not in mixin.__mro__ and not issubclass(owner, mixin):
                 yield ContractProblem(
@@ -267,34 +302,45 @@ class Contract:
     # ----------------------------------------------------------------- per instance
 
     def instance_problems(self, obj: object) -> list[ContractProblem]:
-        """Check each member's current value; return the problems (empty when it conforms)."""
+        """Check each member's current value; return the problems (empty when it conforms).
+
+        An optional member, or one set later, may be unset; a method member must be callable.
+        """
         problems: list[ContractProblem] = []
         for spec, checker in self._checkers:
             try:
                 value = getattr(obj, spec.name)
             except AttributeError:
-                if not spec.optional:
+                if not (spec.optional or spec.set_later):
                     decl = find_declaration(type(obj), spec.name, self._excluded_classes())
                     where = "" if decl is None else self._label(decl.owner, type(obj))
                     problems.append(
                         ContractProblem(
-                            ProblemKind.MISSING, spec.name, spec.expected_name, where=where
+                            ProblemKind.MISSING,
+                            spec.name,
+                            spec.expected_name,
+                            where=where,
+                            method=spec.is_method,
                         )
                     )
                 continue
             try:
                 checker(value)
             except TypeCheckError as exc:
-                problems.append(
-                    ContractProblem(
-                        ProblemKind.MISMATCHED,
-                        spec.name,
-                        spec.expected_name,
-                        actual=type_name(type(value)),
-                        detail=_typeguard_detail(exc),
-                    )
-                )
+                problems.append(self._value_problem(spec, value, exc))
         return problems
+
+    def _value_problem(
+        self, spec: MemberSpec, value: object, exc: TypeCheckError
+    ) -> ContractProblem:
+        return ContractProblem(
+            ProblemKind.MISMATCHED,
+            spec.name,
+            spec.expected_name,
+            actual=type_name(type(value)),
+            detail=_typeguard_detail(exc),
+            method=spec.is_method,
+        )
 
     def check_instance(self, obj: object) -> None:
         """Raise :class:`ContractError` if a member of ``obj`` is unset or of the wrong type.
@@ -315,32 +361,41 @@ class Contract:
     def check_member(self, obj: object, name: str, value: object) -> None:
         """Check that ``value`` may be assigned to member ``name`` of ``obj``.
 
+        **Called by** the enforcing mixin's ``__setattr__`` for each ``set_later`` member
+        (through :attr:`assignment_checks`), and by anyone, from any thread.
+
         Raises:
-            KeyError: ``name`` is not a member of the contract.
+            KeyError: ``name`` is not an attribute member of the contract.
             ContractError: the value's type does not match.
         """
-        for spec, checker in self._checkers:
-            if spec.name != name:
-                continue
+        check = self._assignment_checks.get(name)
+        if check is None:
+            found = [
+                (spec, checker)
+                for spec, checker in self._checkers
+                if spec.name == name and not spec.is_method
+            ]
+            if not found:
+                raise KeyError(name)
+            check = self._assignment_check(*found[0])
+        check(obj, value)
+
+    def _assignment_check(self, spec: MemberSpec, checker: ValueChecker) -> AssignmentCheck:
+        def check(obj: object, value: object) -> None:
             try:
                 checker(value)
             except TypeCheckError as exc:
-                problem = ContractProblem(
-                    ProblemKind.MISMATCHED,
-                    name,
-                    spec.expected_name,
-                    actual=type_name(type(value)),
-                    detail=_typeguard_detail(exc),
-                )
+                problem = self._value_problem(spec, value, exc)
                 raise ContractError(
                     type(obj),
                     [problem],
                     contract_name=self.name,
                     mixin_name=self._mixin_name(),
                     instance=True,
+                    assignment=True,
                 ) from None
-            return
-        raise KeyError(name)
+
+        return check
 
     # ----------------------------------------------------------------- explanation
 
@@ -378,29 +433,41 @@ class Contract:
         for problem in report.problems:
             if problem.kind is ProblemKind.SHADOWED:
                 lines.append(f"! {problem.describe(instance=False)}")
-        if report.abstract:
-            verdict = "abstract (abstract=True): not judged; its subclasses are"
-        elif report.problems:
-            verdict = f"does not conform: {len(report.problems)} problem(s)"
-        else:
-            verdict = "conforms"
-        lines.append(f"verdict: {verdict}")
+        lines.append(f"verdict: {self._verdict(report)}")
         return "\n".join(lines)
+
+    def _verdict(self, report: ClassReport) -> str:
+        """``conforms`` only when the check verified every member, or what is left unverified
+        is verified per instance by the enforcing mixin; otherwise what was verified and what
+        was not."""
+        if report.abstract:
+            return "abstract (abstract=True): not judged; its subclasses are"
+        if report.problems:
+            return f"does not conform: {len(report.problems)} problem(s)"
+        unverified = report.unverified
+        if not unverified:
+            return "conforms"
+        names = ", ".join(repr(name) for name in unverified)
+        if self._enforced_on(report.cls):
+            return f"conforms (the values of {names} are checked per instance)"
+        return (
+            f"every member declared; not verified: {names} (their types cannot be checked "
+            "from the class, and no enforcing mixin checks them per instance)"
+        )
+
+    def _enforced_on(self, cls: type) -> bool:
+        mixin = self._mixin
+        return mixin is not None and mixin in cls.__mro__
 
     def _status_text(self, status: MemberStatus, cls: type, *, abstract: bool) -> str:
         """The status as the table shows it; for a member left to the per-instance check,
         when that check runs on ``cls``, if ever."""
         text = str(status.value)
-        if status not in (MemberStatus.UNRESOLVED, MemberStatus.UNTYPED):
+        if not status.unverified:
             return text
         reason = text.removesuffix(", checked per instance")
-        mixin = self._mixin
-        if mixin is None:
-            return text  # a standalone contract: checked when its user calls check_instance
-        if mixin not in cls.__mro__:
-            return (
-                f"{reason}, never checked: {class_label(cls)} does not mix in {_qualified(mixin)}"
-            )
+        if not self._enforced_on(cls):
+            return f"{reason}: type not checked"
         if abstract:
             return f"{reason}, checked per instance of its subclasses (abstract=True)"
         return text
@@ -415,17 +482,52 @@ def _typeguard_detail(exc: TypeCheckError) -> str:
     return "" if text.startswith("is not an instance of") else text
 
 
+def _method_checker(value: object) -> None:
+    if not callable(value):
+        raise TypeCheckError("is not callable")
+
+
+def _method_detail(spec: MemberSpec, decl: Declaration) -> str:
+    """Why a method declaration cannot stand for the Protocol's method ('' if not a method)."""
+    if spec.is_method and decl.kind is DeclarationKind.METHOD:
+        return call_problem(spec.expected, decl.declared) or ""
+    return ""
+
+
 def _status(spec: MemberSpec, decl: Declaration | None) -> MemberStatus:
     if decl is None:
         return MemberStatus.ABSENT if spec.optional else MemberStatus.MISSING
+    if spec.is_method:
+        return _method_status(spec, decl)
+    if decl.kind is DeclarationKind.METHOD:
+        # a method where a value is expected: fine only if that value may be a callable
+        return _compat_status(declared_compatibility(types.MethodType, spec.expected))
     if not decl.resolved:
         return MemberStatus.UNRESOLVED
     if decl.declared is None and decl.kind is not DeclarationKind.ANNOTATION:
         return MemberStatus.UNTYPED
-    verdict = declared_compatibility(decl.declared, spec.expected)
+    return _compat_status(declared_compatibility(decl.declared, spec.expected))
+
+
+def _compat_status(verdict: Compat) -> MemberStatus:
     if verdict is Compat.NO:
         return MemberStatus.MISMATCHED
     return MemberStatus.OK if verdict is Compat.YES else MemberStatus.UNRESOLVED
+
+
+def _method_status(spec: MemberSpec, decl: Declaration) -> MemberStatus:
+    """A method member: a method whose signature takes the Protocol's calls is OK; a value
+    that is certainly not callable (``name = None``) is mismatched; anything else (an
+    annotation, a slot, a property) is left to the instance check."""
+    if decl.kind is DeclarationKind.METHOD:
+        return (
+            MemberStatus.MISMATCHED
+            if call_problem(spec.expected, decl.declared)
+            else (MemberStatus.OK)
+        )
+    if decl.kind is DeclarationKind.ATTRIBUTE and decl.declared is not None:
+        return MemberStatus.MISMATCHED  # a literal: None, a number, a string
+    return MemberStatus.UNRESOLVED
 
 
 def is_abstract(cls: type) -> bool:

@@ -11,6 +11,7 @@ import types
 from dataclasses import dataclass
 from typing import Final
 
+from .signatures import signature_text
 from .typeforms import resolve_annotation, type_name
 
 __all__ = [
@@ -36,6 +37,9 @@ class DeclarationKind(enum.Enum):
     INIT = "assigned in __init__"
     """``self.<name> = ...`` in ``__init__``, or in a method of the same class that ``__init__``
     calls on ``self`` (then :attr:`Declaration.via` names it)."""
+    METHOD = "method"
+    """A function, ``classmethod``, ``staticmethod`` or other callable object in the class body
+    (:attr:`Declaration.declared` is that value)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +51,8 @@ class Declaration:
     kind: DeclarationKind
     """Annotation, class attribute, property, descriptor, slot or ``__init__`` assignment."""
     declared: object
-    """The declared type (resolved when ``resolved``), or ``None`` when none is stated."""
+    """The declared type (resolved when ``resolved``), or ``None`` when none is stated; for a
+    ``METHOD``, the class body's value (the function)."""
     resolved: bool
     """False for a string or forward reference that cannot be evaluated at class creation."""
     via: str | None = None
@@ -63,7 +68,10 @@ class Declaration:
 
     @property
     def declared_name(self) -> str:
-        """The declared type as text, ``'-'`` when the declaration states no type."""
+        """The declared type as text, ``'-'`` when the declaration states no type; for a
+        method, ``a method (PARAMS)``."""
+        if self.kind is DeclarationKind.METHOD:
+            return f"a method {signature_text(self.declared)}"
         if self.declared is None and self.kind is not DeclarationKind.ANNOTATION:
             return "-"
         return type_name(self.declared)
@@ -229,6 +237,10 @@ def _declaration_from_attribute(owner: type, name: str, attr: object) -> Declara
         return Declaration(owner, DeclarationKind.PROPERTY, declared, resolved)
     if name in _slot_names(owner):
         return Declaration(owner, DeclarationKind.SLOT, None, True)
+    if isinstance(attr, staticmethod | classmethod) or (
+        callable(attr) and not isinstance(attr, type)
+    ):
+        return Declaration(owner, DeclarationKind.METHOD, attr, True)
     if hasattr(type(attr), "__get__") and not callable(attr):
         return Declaration(owner, DeclarationKind.DESCRIPTOR, None, True)
     if type(attr) in _LITERAL_TYPES:

@@ -8,7 +8,9 @@ class it is mixed into:
 * once per instance, after the outermost ``__init__`` (or dataclass ``__post_init__``)
   returns, whatever the ``super().__init__`` chain, and also when ``__init__`` is inherited
   from a base that knows nothing of the mixin;
-* never on method calls.
+* at every assignment to a member the contract marks ``set_later``, through a
+  ``__setattr__`` the mixin gains (a wrong-typed value raises and is not assigned);
+* never on method calls, and never on reads.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from .contract import ABSTRACT_MARK, Contract, is_abstract
 __all__ = ["ContractMixin", "contract_roots"]
 
 _ROOT_MARK: Final = "__contract_root__"
+_NEXT_SETATTR: Final = "_contract_next_setattr_{}"
+"""Class attribute (per enforcing mixin) holding the ``__setattr__`` that follows the mixin's
+in a host's MRO, resolved once at class creation."""
 _constructing = threading.local()
 
 
@@ -94,6 +99,41 @@ def _install_instance_check(cls: type) -> None:
         type.__setattr__(cls, "__init__", _outermost(forward))
 
 
+def _install_assignment_check(mixin: type, contract: Contract) -> None:
+    """Give ``mixin`` a ``__setattr__`` that checks the ``set_later`` members of ``contract``.
+
+    Reads are untouched (no descriptor, no ``__getattribute__``). An assignment to another
+    attribute pays one dictionary lookup; one to a watched member also its value check.
+    """
+    checks = contract.assignment_checks
+    if not checks:
+        return
+    follow = _NEXT_SETATTR.format(id(mixin))
+
+    def __setattr__(self: object, name: str, value: object) -> None:
+        check = checks.get(name)
+        if check is not None:
+            check(self, value)
+        getattr(type(self), follow)(self, name, value)
+
+    __setattr__.__qualname__ = f"{mixin.__qualname__}.__setattr__"
+    __setattr__.__module__ = mixin.__module__
+    type.__setattr__(mixin, "__setattr__", __setattr__)
+    _resolve_next_setattr(mixin)
+
+
+def _resolve_next_setattr(cls: type) -> None:
+    """For each enforcing mixin of ``cls`` that checks assignments, record on ``cls`` the
+    ``__setattr__`` that comes after the mixin's in ``cls``'s MRO (``object``'s, usually)."""
+    mro = cls.__mro__
+    for root in contract_roots(cls):
+        if not root.__dict__["contract"].assignment_checks:
+            continue
+        after = mro[mro.index(root) + 1 :]
+        owner = next(k for k in after if "__setattr__" in k.__dict__)
+        type.__setattr__(cls, _NEXT_SETATTR.format(id(root)), owner.__dict__["__setattr__"])
+
+
 class ContractMixin:
     """Base for mixins that enforce a :class:`Contract` on every class they are mixed into.
 
@@ -102,7 +142,9 @@ class ContractMixin:
     * at class creation, unless created with ``abstract=True`` (for itself only);
     * once per instance, after the outermost ``__init__`` (or dataclass ``__post_init__``)
       returns, whatever the ``super().__init__`` chain;
-    * never on method calls.
+    * at each assignment to a member the contract marks ``set_later`` (the mixin then has a
+      ``__setattr__``; a host that defines its own must call ``super().__setattr__``);
+    * never on method calls or reads.
 
     A host whose ``__init__`` would be inherited from a base listed *before* the mixin gets an
     ``__init__`` of its own that forwards to it, so that the instance check still runs; a
@@ -128,12 +170,14 @@ class ContractMixin:
             type.__setattr__(cls, "contract", contract)
             type.__setattr__(cls, _ROOT_MARK, True)
             _install_instance_check(cls)
+            _install_assignment_check(cls, contract)
             return
         type.__setattr__(cls, ABSTRACT_MARK, abstract)
         if not abstract:
             for root in contract_roots(cls):
                 root.__dict__["contract"].check_class(cls)
         _install_instance_check(cls)
+        _resolve_next_setattr(cls)
 
     if not TYPE_CHECKING:
         # Runtime only, so that type checkers keep seeing the host's own constructor

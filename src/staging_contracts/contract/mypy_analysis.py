@@ -60,10 +60,13 @@ __all__ = [
     "StaticMember",
     "StaticProblem",
     "check_host",
+    "contract_members",
+    "host_instance",
     "init_attributes",
     "init_self_assignments",
     "label",
-    "protocol_attributes",
+    "protocol_member_order",
+    "protocol_members",
     "self_assigned_in_methods",
     "slot_names",
     "stored_names",
@@ -80,12 +83,13 @@ the search for a member's declaration passes over them."""
 
 @dataclass(frozen=True, slots=True)
 class ContractInfos:
-    """A contract as mypy sees it: the enforcing mixin (``StagingManagerMixin``), the full host
-    Protocol (``StagingHost``) and the Protocol of its required members (``StagingHostCore``)."""
+    """A contract as mypy sees it: the enforcing mixin, the host Protocol, and the names
+    its ``Contract(...)`` marks optional and set later."""
 
     mixin: TypeInfo
     protocol: TypeInfo
-    required: TypeInfo
+    optional: frozenset[str] = frozenset()
+    set_later: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +99,8 @@ class StaticMember:
     name: str
     expected: Type
     optional: bool
+    method: bool = False
+    """A method of the Protocol (its expected type is the method's, ``self`` bound)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +127,7 @@ class StaticProblem:
     expected: Type | None = None
     actual: Type | None = None
     where: str = ""
+    method: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,10 +142,10 @@ class HostReport:
 
 
 def contract_members(contract: ContractInfos, host: Instance) -> list[StaticMember]:
-    """The Protocol's data members in definition order (bases first), with expected types.
+    """The Protocol's members in definition order (bases first), with expected types.
 
-    Only annotated attributes count, as ``typing.get_type_hints`` sees them at runtime;
-    ``ClassVar`` members and methods are not part of the contract.
+    Annotated attributes and properties are attribute members, as ``Contract`` reads them at
+    runtime; methods are method members; ``ClassVar`` attributes are not members.
     """
     proto = contract.protocol
     proto_instance = _host_instance(proto)
@@ -149,34 +156,49 @@ def contract_members(contract: ContractInfos, host: Instance) -> list[StaticMemb
     for klass in reversed(proto.mro):
         if not klass.is_protocol:
             continue
-        for name in protocol_attribute_order(klass):
+        for name in protocol_member_order(klass):
             sym = klass.names.get(name)
             node = sym.node if sym is not None else None
-            if name in seen or not isinstance(node, Var) or node.is_classvar:
+            if name in seen or node is None or not _is_member_node(node):
                 continue
             seen.add(name)
             expected = find_member(name, proto_instance, host)
             if expected is None:
                 continue
-            members.append(StaticMember(name, expected, contract.required.get(name) is None))
+            method = _is_method_node(node)
+            members.append(StaticMember(name, expected, name in contract.optional, method))
     return members
 
 
-def protocol_attribute_order(protocol: TypeInfo) -> list[str]:
-    """The Protocol's own data attributes in definition order.
+_INTERNAL_NAMES: Final = frozenset({"__init__", "__new__", "__init_subclass__", "__slots__"})
+
+
+def _is_member_node(node: SymbolNode) -> bool:
+    if isinstance(node, Var):
+        return not node.is_classvar
+    return isinstance(node, FuncBase | Decorator)
+
+
+def _is_method_node(node: SymbolNode) -> bool:
+    """A method (not a property, not an attribute)."""
+    return isinstance(node, FuncBase | Decorator) and _property_getter(node) is None
+
+
+def protocol_member_order(protocol: TypeInfo) -> list[str]:
+    """The Protocol's own members (attributes, properties, methods) in definition order.
 
     mypy's cache keeps neither the order of a class's names nor their lines, so the plugin
     stores the order in the Protocol's metadata while the Protocol is analysed
-    (:func:`protocol_attributes`) and reads it back for a Protocol loaded from the cache.
+    (:func:`protocol_members`) and reads it back for a Protocol loaded from the cache.
     Without either, the names are sorted: the order is then stable, if not the source's.
     """
-    fresh = protocol_attributes(protocol)
+    fresh = protocol_members(protocol)
     if fresh is not None:
         return fresh
-    stored = stored_names(protocol, "attributes")
+    stored = stored_names(protocol, "members")
     if stored is not None:
         return stored
-    return sorted(name for name, sym in protocol.names.items() if isinstance(sym.node, Var))
+    return sorted(name for name, sym in protocol.names.items() if _is_own_member(name, sym))
 
 
 def stored_names(info: TypeInfo, key: str) -> list[str] | None:
@@ -186,14 +208,28 @@ def stored_names(info: TypeInfo, key: str) -> list[str] | None:
     return [str(name) for name in stored] if isinstance(stored, list) else None
 
 
-def protocol_attributes(protocol: TypeInfo) -> list[str] | None:
-    """The data attributes a Protocol's body declares, by source line; ``None`` when unknown."""
+def _is_own_member(name: str, sym: SymbolTableNode) -> bool:
+    if name in _INTERNAL_NAMES or sym.node is None or sym.plugin_generated:
+        return False
+    return _is_member_node(sym.node)
+
+
+def protocol_members(protocol: TypeInfo) -> list[str] | None:
+    """The members a Protocol's body declares, by source line; ``None`` when unknown."""
     found = [
-        (sym.node.line, name) for name, sym in protocol.names.items() if isinstance(sym.node, Var)
+        (_node_line(sym.node), name)
+        for name, sym in protocol.names.items()
+        if _is_own_member(name, sym)
     ]
     if any(line <= 0 for line, _ in found):
         return None
     return [name for _, name in sorted(found)]
+
+
+def _node_line(node: SymbolNode | None) -> int:
+    if isinstance(node, OverloadedFuncDef) and node.items:
+        return node.items[0].line
+    return node.line if node is not None else -1
 
 
 def provided_methods(mixin: TypeInfo) -> list[str]:
@@ -400,9 +436,13 @@ def has_implicit_attributes(info: TypeInfo) -> bool:
     return next(_implicit_attributes(info), None) is not None
 
 
-def _host_instance(host: TypeInfo) -> Instance | None:
+def host_instance(host: TypeInfo) -> Instance | None:
+    """``host`` as an instance type, its type variables filled with themselves."""
     filled = get_proper_type(fill_typevars(host))
     return filled if isinstance(filled, Instance) else None
+
+
+_host_instance = host_instance
 
 
 def _declared_type(host: TypeInfo, owner: TypeInfo, name: str, node: SymbolNode) -> Type | None:
@@ -576,10 +616,16 @@ def label(owner: TypeInfo, host: TypeInfo, mixin: TypeInfo) -> str:
     return owner.fullname if any(k.name == owner.name for k in namesakes) else owner.name
 
 
-def _shadowing(host: TypeInfo, mixin: TypeInfo) -> Iterator[StaticProblem]:
+def _shadowing(host: TypeInfo, contract: ContractInfos) -> Iterator[StaticProblem]:
+    mixin = contract.mixin
     mixin_mro = frozenset(k.fullname for k in mixin.mro)
-    for method in provided_methods(mixin):
-        owner = next((k for k in host.mro if method in k.names), None)
+    before_mixin = host.mro[: host.mro.index(mixin)] if mixin in host.mro else host.mro
+    searched = [(method, host.mro) for method in provided_methods(mixin)]
+    if contract.set_later:
+        # the mixin gains its checking __setattr__ at runtime: only a base before it hides it
+        searched.append(("__setattr__", before_mixin))
+    for method, mro in searched:
+        owner = next((k for k in mro if method in k.names), None)
         if owner is None or owner.fullname in mixin_mro or owner.has_base(mixin.fullname):
             continue
         yield StaticProblem(ProblemKind.SHADOWED, method, where=label(owner, host, mixin))
@@ -602,7 +648,11 @@ def check_host(host: TypeInfo, contract: ContractInfos) -> HostReport:
         rows.append((member, decl))
         if decl is None:
             if not member.optional:
-                problems.append(StaticProblem(ProblemKind.MISSING, member.name, member.expected))
+                problems.append(
+                    StaticProblem(
+                        ProblemKind.MISSING, member.name, member.expected, method=member.method
+                    )
+                )
         elif decl.declared is not None and not _compatible(decl.declared, member.expected):
             problems.append(
                 StaticProblem(
@@ -611,7 +661,8 @@ def check_host(host: TypeInfo, contract: ContractInfos) -> HostReport:
                     member.expected,
                     actual=decl.declared,
                     where=label(decl.owner, host, contract.mixin),
+                    method=member.method,
                 )
             )
-    problems.extend(_shadowing(host, contract.mixin))
+    problems.extend(_shadowing(host, contract))
     return HostReport(tuple(rows), tuple(problems))

@@ -38,7 +38,10 @@ class ContractProblem:
     """The class that declares the member, when known (for an unset member of an instance:
     the class whose declaration, e.g. an ``__init__`` assignment, should have set it)."""
     detail: str = ""
-    """Extra detail from typeguard about where inside the value the mismatch is."""
+    """Extra detail: from typeguard, where inside the value the mismatch is; for a method,
+    which call its signature cannot take."""
+    method: bool = False
+    """The member is a method of the Protocol (its ``expected`` reads ``a method NAME(...)``)."""
 
     def describe(self, *, instance: bool) -> str:
         """One lowercase fragment describing the problem, names quoted with ``!r``."""
@@ -47,15 +50,17 @@ class ContractProblem:
                 f"method {self.member!r} of the mixin is shadowed by base {self.actual!r}, "
                 "which is listed before the mixin"
             )
+        extra = f": {self.detail}" if self.detail else ""
         if instance:
+            noun = "method" if self.method else "attribute"
             if self.kind is ProblemKind.MISSING:
-                return f"attribute {self.member!r} is not set (expected {self.expected})"
-            extra = f": {self.detail}" if self.detail else ""
-            return f"attribute {self.member!r} is {self.actual} (expected {self.expected}){extra}"
+                return f"{noun} {self.member!r} is not set (expected {self.expected})"
+            return f"{noun} {self.member!r} is {self.actual} (expected {self.expected}){extra}"
         if self.kind is ProblemKind.MISSING:
             return f"has no declaration of {self.member!r} (expected {self.expected})"
         return (
-            f"declares {self.member!r} as {self.actual} in {self.where} (expected {self.expected})"
+            f"declares {self.member!r} as {self.actual} in {self.where} "
+            f"(expected {self.expected}){extra}"
         )
 
 
@@ -73,7 +78,9 @@ class ContractError(TypeError):
         missing: names of members not declared (class) or not set (instance).
         mismatched: names of members whose declared type or value type is wrong.
         shadowed: names of mixin methods shadowed by a base listed before the mixin.
-        instance: ``True`` when raised by the per-instance check.
+        instance: ``True`` when raised by the per-instance check or an assignment check.
+        assignment: ``True`` when raised by the check of an assignment to a member (the
+            assignment did not happen: the member keeps its old value).
     """
 
     def __init__(
@@ -84,12 +91,14 @@ class ContractError(TypeError):
         contract_name: str,
         mixin_name: str | None,
         instance: bool = False,
+        assignment: bool = False,
     ) -> None:
         self.cls = cls
         self.problems = tuple(problems)
         self.contract_name = contract_name
         self.mixin_name = mixin_name
-        self.instance = instance
+        self.instance = instance or assignment
+        self.assignment = assignment
         self.missing = self._names(ProblemKind.MISSING)
         self.mismatched = self._names(ProblemKind.MISMATCHED)
         self.shadowed = self._names(ProblemKind.SHADOWED)
@@ -102,6 +111,8 @@ class ContractError(TypeError):
         of_mixin = f" of {self.mixin_name}" if self.mixin_name else ""
         subject = f"{class_label(self.cls)} instance" if self.instance else class_label(self.cls)
         after = " after __init__" if self.instance else ""
+        if self.assignment:
+            after = " (assignment refused; the member keeps its value)"
         lines = [f"{subject} does not satisfy the {self.contract_name} contract{of_mixin}{after}:"]
         lines.extend(f"  - {p.describe(instance=self.instance)}" for p in self.problems)
         lines.append(self._fix())
@@ -109,7 +120,9 @@ class ContractError(TypeError):
 
     def _fix(self) -> str:
         hints: list[str] = []
-        if self.instance:
+        if self.assignment:
+            hints.append("Assign a value of the expected type.")
+        elif self.instance:
             hints.append("Assign each member a value of its expected type before __init__ returns.")
             label = class_label(self.cls)
             declaring = dict.fromkeys(
@@ -125,20 +138,13 @@ class ContractError(TypeError):
                 ]
                 hints.append(
                     f"{', '.join(unset)} {'is' if len(unset) == 1 else 'are'} declared by "
-                    f"{', '.join(declaring)}: did {label}.__init__ call super().__init__()?"
+                    f"{', '.join(declaring)}: did {label}.__init__ call super().__init__()? If "
+                    "a member is assigned only on some paths, or by a later step, the contract "
+                    "should mark it optional or set_later."
                 )
         else:
             if self.missing:
-                first = next(p for p in self.problems if p.kind is ProblemKind.MISSING)
-                hints.append(
-                    "Declare each missing member on the class or one of its bases (annotate "
-                    f"it, e.g. '{first.member}: {first.expected}', or assign it in __init__)"
-                    + (
-                        ", or pass abstract=True for an intermediate base."
-                        if self.mixin_name
-                        else "."
-                    )
-                )
+                hints.append(self._declare_hint())
             if self.mismatched:
                 hints.append("Change each mismatched declaration to the expected type.")
             if self.shadowed:
@@ -150,3 +156,29 @@ class ContractError(TypeError):
                 )
                 hints.append(f"List {mixin} before {bases} in the bases of the class.")
         return "Fix: " + " ".join(hints)
+
+    def _declare_hint(self) -> str:
+        missing = [p for p in self.problems if p.kind is ProblemKind.MISSING]
+        attribute = next((p for p in missing if not p.method), None)
+        method = next((p for p in missing if p.method), None)
+        ways: list[str] = []
+        if attribute is not None:
+            ways.append(
+                f"annotate it, e.g. '{attribute.member}: {attribute.expected}', or assign it "
+                "in __init__"
+            )
+        if method is not None:
+            params = method.expected.removeprefix(f"a method {method.member}")
+            lead = "for a method, define it" if ways else "define it"
+            ways.append(f"{lead}, e.g. 'def {method.member}{_with_self(params)}: ...'")
+        tail = ", or pass abstract=True for an intermediate base." if self.mixin_name else "."
+        return (
+            f"Declare each missing member on the class or one of its bases ({'; '.join(ways)})"
+            + tail
+        )
+
+
+def _with_self(params: str) -> str:
+    """``(a, b)`` -> ``(self, a, b)``; ``()`` -> ``(self)``."""
+    inner = params.removeprefix("(").removesuffix(")")
+    return f"(self, {inner})" if inner else "(self)"

@@ -264,6 +264,11 @@ def _arm_compat(declared: object, expected: object) -> Compat:
         return Compat.YES
     if _is_opaque(declared) or _is_opaque(expected):
         return Compat.UNKNOWN
+    if (
+        typing.get_origin(declared) is typing.Literal
+        or typing.get_origin(expected) is typing.Literal
+    ):
+        return _literal_compat(declared, expected)
     if expected in _NONE_TYPES or declared in _NONE_TYPES:
         return Compat.YES if (expected in _NONE_TYPES and declared in _NONE_TYPES) else Compat.NO
     d_origin = typing.get_origin(declared) or declared
@@ -278,6 +283,27 @@ def _arm_compat(declared: object, expected: object) -> Compat:
     if not _nominal_subclass(d_origin, e_origin):
         return Compat.NO
     return _args_compat(declared, expected)
+
+
+def _literal_compat(declared: object, expected: object) -> Compat:
+    """``Literal`` on either side: the declared values must be among the expected ones, or
+    instances of the expected class; a class declared where values are expected is wider
+    (``str`` for ``Literal['zmq']``) unless its values are known, which they are not here."""
+    if typing.get_origin(declared) is not typing.Literal:
+        return Compat.UNKNOWN
+    values = typing.get_args(declared)
+    if typing.get_origin(expected) is typing.Literal:
+        allowed = typing.get_args(expected)
+        return Compat.YES if all(_among(value, allowed) for value in values) else Compat.NO
+    origin = typing.get_origin(expected) or expected
+    if not isinstance(origin, type) or is_protocol_class(origin):
+        return Compat.UNKNOWN
+    return Compat.YES if all(isinstance(value, origin) for value in values) else Compat.NO
+
+
+def _among(value: object, allowed: tuple[object, ...]) -> bool:
+    """``value`` is one of ``allowed`` by type and value (``True`` is not ``1``)."""
+    return any(type(value) is type(other) and value == other for other in allowed)
 
 
 def _nominal_subclass(declared: type, expected: type) -> bool:

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final, Literal, TypeAlias
+from typing import Final
 
 import torch
 
@@ -40,6 +40,7 @@ from ..control.room_messages import RoomFence, RoomFenced
 from ..control.transport import PeerSockets
 from ..control.wire import ChunkReady, StagingReq
 from ..protocols import (
+    ArrivalMode,
     KVBufferTensors,
     RegionAnswer,
     Transfer,
@@ -71,11 +72,6 @@ logger = logging.getLogger(__name__)
 
 _SESSION_FRAME: Final = {b"STAGING_RSP": 6, b"WATERMARK": 3, RoomFence.KIND: 2}
 """The frame that names the decode session, per message the writer authorises."""
-
-ArrivalMode: TypeAlias = Literal["notification", "zmq"]
-"""How a writer tells decode that its write landed: ``"notification"``, the ``CHUNK_READY``
-fields as the bulk write's notification payload (the engine must support notifications);
-``"zmq"``, a ``CHUNK_READY`` message to decode's listener after the write completed."""
 
 WAIT_SLICE_S: Final = 0.05
 """Longest a wait for a region or the watermark goes without checking fences and liveness."""

@@ -5,6 +5,8 @@ What a backend needs to satisfy the ``StagingHost`` contract of ``StagingManager
 * the mixin listed *before* the common base;
 * the two staging members declared with their types (``kv_args`` and ``attn_tp_size`` come
   from ``CommonKVManager``; ``kv_buffer_tensors`` is optional);
+* its staging capability, ``arrival``: how its prefill writers tell decode that a write
+  landed (by the engine's notification where the engine has them, else ``CHUNK_READY``);
 * staging messages from the control listener handed to ``_dispatch_staging``, and the
   listener's idle work to ``staging_idle``.
 
@@ -22,6 +24,7 @@ import logging
 import os
 
 from staging_contracts import (
+    ArrivalMode,
     DecodeStagingContext,
     KVArgs,
     KVBufferTensors,
@@ -81,6 +84,11 @@ class AcmeKVManager(StagingManagerMixin, CommonKVManager):
             host=host,
         )
         logger.debug("acme %s manager for rank %d", role.value, kv_args.engine_rank)
+
+    @property
+    def arrival(self) -> ArrivalMode:
+        """By the engine's notification where it has them (``LocalEngine``, NIXL)."""
+        return "notification" if self.engine.supports_notifications else "zmq"
 
     def _on_message(self, frames: list[bytes]) -> None:
         if not self._dispatch_staging(frames):
