@@ -73,12 +73,13 @@ def _examples(*lines: str) -> str:
     return "examples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
-_COMMANDS = ("check", "demo", "soak", "bench")
+_COMMANDS = ("check", "explain", "demo", "soak", "bench")
 
 
 def _parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser; only ``command``'s options are built (the others' imports are heavy), all
-    of them when ``command`` is ``None``."""
+    """The parser; only ``command``'s options are built (the others' imports are heavy: torch
+    for ``demo`` and ``soak``), none of them when ``command`` is ``None`` (the top-level
+    ``--help`` lists the commands only, and imports nothing heavy)."""
     parser = _Parser(
         prog="staging-contracts",
         description="Typed staging path for PD-disaggregated LLM serving.",
@@ -92,7 +93,8 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
 
     check = commands.add_parser(
         "check",
-        help="explain how classes satisfy the staging host contract",
+        aliases=["explain"],
+        help="explain how classes satisfy the contract of their enforcing mixin (alias: explain)",
         description=(
             "Import each MODULE:CLASS and print how it satisfies the contract of every "
             "enforcing mixin it uses (the StagingHost contract when it uses none), or of the "
@@ -130,7 +132,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    if command in (None, "demo"):
+    if command == "demo":
         _add_demo(demo)
     demo.set_defaults(run=_run_demo)
 
@@ -145,20 +147,19 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    if command in (None, "soak"):
+    if command == "soak":
         from .cluster.soak_report import SOAK_EPILOG, add_soak_arguments  # noqa: PLC0415
 
         soak.epilog = SOAK_EPILOG
         add_soak_arguments(soak)
     soak.set_defaults(run=_run_soak)
 
-    from .bench import GROUPS  # noqa: PLC0415 - keeps `check` free of benchmark imports
-
+    groups = _bench_groups() if command == "bench" else ("...",)
     bench = commands.add_parser(
         "bench",
         help="run benchmarks against anchors measured in the same run",
         description=(
-            f"Groups: {', '.join(GROUPS)} (default: all). `bench scaling` (on its own) sweeps "
+            f"Groups: {', '.join(groups)} (default: all). `bench scaling` (on its own) sweeps "
             "request length, TP pairs, page size and concurrency per engine, writes "
             "scaling.json and scaling.csv under --out, and charts under --plot."
         ),
@@ -170,7 +171,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("groups", nargs="*", metavar="GROUP", help=", ".join(GROUPS))
+    bench.add_argument("groups", nargs="*", metavar="GROUP", help=", ".join(groups))
     bench.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list")
     bench.add_argument(
         "--out",
@@ -201,6 +202,12 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     bench.set_defaults(run=_run_bench)
     return parser
+
+
+def _bench_groups() -> tuple[str, ...]:
+    from .bench import GROUPS  # noqa: PLC0415 - keeps `check` free of benchmark imports
+
+    return tuple(GROUPS)
 
 
 def _add_demo(demo: argparse.ArgumentParser) -> None:

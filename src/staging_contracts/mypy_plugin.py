@@ -404,12 +404,14 @@ def _describe(problem: StaticProblem, options: Options) -> str:
         )
     if problem.kind is ProblemKind.MISSING:
         return f'has no declaration of "{problem.member}" (expected {_expected(problem, options)})'
-    if problem.expected is None or problem.actual is None:
+    declared = get_proper_type(problem.actual) if problem.actual is not None else None
+    if problem.method and isinstance(declared, CallableType):
+        actual = f'a method "{pretty_callable(declared, options)}"'
+        expected = _expected(problem, options)
+    elif problem.expected is None or problem.actual is None:
         expected, actual = _format(problem.expected, options), _format(problem.actual, options)
     else:
         actual, expected = format_type_distinctly(problem.actual, problem.expected, options=options)
-    if problem.method:
-        expected = f"a method {expected}"
     return f'declares "{problem.member}" as {actual} in {problem.where} (expected {expected})'
 
 

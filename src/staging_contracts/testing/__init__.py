@@ -29,7 +29,9 @@ crosses processes), verifies every decode page bit for bit and returns a
     if not report.ok:
         pytest.fail(report.summary())
 
-Requires pytest.
+Requires pytest. The names below are imported on first use (they need torch and pyzmq), so
+that the ``pytest11`` plugin loaded by every pytest run of an environment costs nothing until
+``--staging-backend`` is given.
 
 May import: ``backends`` and everything below it; never ``cluster``, ``bench`` or ``cli``.
 Imported by: backend authors' tests and the ``pytest11`` entry point.
@@ -37,22 +39,26 @@ Imported by: backend authors' tests and the ``pytest11`` entry point.
 
 from __future__ import annotations
 
-from .decode_setup import DecodeFactory, DecodeSetup, LiveDecodeManager, StartableBackend
-from .factories import EngineUnavailable, FactoryUnavailable, standard_factory
-from .harness import (
-    IDLE_HOOK_HINT,
-    ManagerFactory,
-    ProcessesUnavailable,
-    RankFailed,
-    RoomReport,
-    TransferGeometry,
-    TransferManager,
-    TransferReport,
-    process_local_reason,
-    run_transfer,
-)
-from .kit import NO_FACTORY_MESSAGE, NO_MANAGER_FACTORY_MESSAGE, StagingBackendContract
-from .live import FakePrefill, LiveDecode
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .decode_setup import DecodeFactory, DecodeSetup, LiveDecodeManager, StartableBackend
+    from .factories import EngineUnavailable, FactoryUnavailable, standard_factory
+    from .harness import (
+        IDLE_HOOK_HINT,
+        ManagerFactory,
+        ProcessesUnavailable,
+        RankFailed,
+        RoomReport,
+        TransferGeometry,
+        TransferManager,
+        TransferReport,
+        process_local_reason,
+        run_transfer,
+    )
+    from .kit import NO_FACTORY_MESSAGE, NO_MANAGER_FACTORY_MESSAGE, StagingBackendContract
+    from .live import FakePrefill, LiveDecode
 
 __all__ = [
     "IDLE_HOOK_HINT",
@@ -78,3 +84,43 @@ __all__ = [
     "run_transfer",
     "standard_factory",
 ]
+
+_HOMES = {
+    "DecodeFactory": "decode_setup",
+    "DecodeSetup": "decode_setup",
+    "LiveDecodeManager": "decode_setup",
+    "StartableBackend": "decode_setup",
+    "EngineUnavailable": "factories",
+    "FactoryUnavailable": "factories",
+    "standard_factory": "factories",
+    "IDLE_HOOK_HINT": "harness",
+    "ManagerFactory": "harness",
+    "ProcessesUnavailable": "harness",
+    "RankFailed": "harness",
+    "RoomReport": "harness",
+    "TransferGeometry": "harness",
+    "TransferManager": "harness",
+    "TransferReport": "harness",
+    "process_local_reason": "harness",
+    "run_transfer": "harness",
+    "NO_FACTORY_MESSAGE": "kit",
+    "NO_MANAGER_FACTORY_MESSAGE": "kit",
+    "StagingBackendContract": "kit",
+    "FakePrefill": "live",
+    "LiveDecode": "live",
+}
+"""Where each public name lives: imported on first use (they import torch and pyzmq), so that
+loading the ``pytest11`` plugin of this package costs a pytest run nothing it does not use."""
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

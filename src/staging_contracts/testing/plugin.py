@@ -32,7 +32,10 @@ is not found although it lies in the project (next to the tests or under ``src/`
 on ``sys.path``.
 
 Loaded through the ``pytest11`` entry point of the installed package, or with
-``-p staging_contracts.testing.plugin`` from a source tree.
+``-p staging_contracts.testing.plugin`` from a source tree. Loading it imports neither torch
+nor pyzmq: the kit, its targets and the backends are imported only when a backend is named
+(or a collection error needs the contract's explanation), so that every other pytest run of
+the environment starts as fast as without it.
 """
 
 from __future__ import annotations
@@ -40,13 +43,15 @@ from __future__ import annotations
 import types
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import pytest
 
 from ..contract.problems import ContractError
-from .kit import StagingBackendContract
-from .targets import BackendLoadError, BackendTarget, contract_of
+
+if TYPE_CHECKING:
+    from .kit import StagingBackendContract
+    from .targets import BackendTarget
 
 __all__ = [
     "INI_KEY",
@@ -64,7 +69,7 @@ INI_KEY: Final = "staging_backend"
 NODE_NAME: Final = "staging-backend"
 """The collection node the generated test classes live under."""
 
-_TARGETS: Final = pytest.StashKey[tuple[BackendTarget, ...]]()
+_TARGETS: Final = pytest.StashKey[tuple["BackendTarget", ...]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -102,6 +107,11 @@ def pytest_configure(config: pytest.Config) -> None:
     """
     given: Sequence[str] | None = config.getoption(INI_KEY)
     specs = list(given) if given else list(config.getini(INI_KEY))
+    if not specs:
+        config.stash[_TARGETS] = ()
+        return
+    from .targets import BackendTarget  # noqa: PLC0415 - only when a backend is named
+
     try:
         targets = tuple(BackendTarget.parse(spec) for spec in specs)
     except ValueError as exc:
@@ -135,6 +145,8 @@ def pytest_exception_interact(
     error = call.excinfo.value
     cause = error.__cause__ if isinstance(error, node.CollectError) else error
     if isinstance(cause, ContractError) and not cause.instance:
+        from .targets import contract_of  # noqa: PLC0415 - only on this collection error
+
         explanation = contract_of(cause.cls).explain(cause.cls)
         report.longrepr = (
             f"importing {report.nodeid} failed: the contract rejected a class statement:\n"
@@ -173,6 +185,8 @@ def kit_class(target: BackendTarget, name: str | None = None) -> type[StagingBac
         target: the backend (and factory) to test, imported when the tests run.
         name: the class name; default ``Test<Class>``.
     """
+    from .kit import StagingBackendContract  # noqa: PLC0415 - only when a backend is named
+
     namespace: dict[str, Any] = {
         "__test__": True,
         "__doc__": f"The staging contract kit on {target.spec}.",
@@ -225,6 +239,8 @@ class _KitClass(pytest.Class):
     def collect(self) -> Iterable[pytest.Item | pytest.Collector]:
         """The kit's tests, or one collection error saying why the backend (or its factory:
         importable, and taking a manager factory's arguments) does not load."""
+        from .targets import BackendLoadError  # noqa: PLC0415 - only when a backend is named
+
         try:
             self._target.load_class()
             self._target.load_factory()
