@@ -334,9 +334,10 @@ def test_a_decode_factory_on_the_flag_is_one_collection_error_naming_both_kinds(
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(
         [
-            "*the factory factories:decode_only(setup) does not take the arguments of a manager "
+            "*the factory factories:decode_only(setup) takes the arguments of neither kind of "
             "factory: --staging-backend MODULE:CLASS=MODULE:FACTORY (like demo --backend and "
-            "run_transfer) calls FACTORY(kv_args, *, role=..., attn_tp_size=...)*"
+            "run_transfer) calls a manager factory FACTORY(kv_args, *, role=..., "
+            "attn_tp_size=...)*"
         ]
     )
     assert "make_decode_manager(self, setup)" in result.stdout.str()
@@ -453,13 +454,14 @@ def test_backend_rejected_at_import_is_one_collection_error_with_the_contract_me
 
 
 def test_class_without_the_mixin_fails_the_class_check(kit_dir: pytest.Pytester) -> None:
-    """A backend that does not mix in StagingManagerMixin fails, told where to list it."""
+    """A backend that uses no enforcing mixin fails, told where to list one."""
     result = run(kit_dir, "--staging-backend", "backends:MoriLike", "-k", "class_satisfies")
     result.assert_outcomes(failed=1, deselected=KIT_TESTS - 1)
     result.stdout.fnmatch_lines(
         [
-            "MoriLike does not mix in StagingManagerMixin: list it first in the bases, "
-            "e.g. 'class MoriLike(StagingManagerMixin, CommonKVManager)'.",
+            "MoriLike uses no enforcing mixin: list StagingManagerMixin (or your stack's own "
+            "ContractMixin subclass) first in the bases, e.g. 'class "
+            "MoriLike(StagingManagerMixin, CommonKVManager)'.",
             "",
             "backends.MoriLike against the StagingHost contract of StagingManagerMixin",
         ]

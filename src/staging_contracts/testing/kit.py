@@ -20,20 +20,30 @@ in a test file's subclass, saying exactly why and how to add a factory, and fail
 named by ``--staging-backend``. Any failure to build a manager (or a missing
 ``backend_class``) is reported once, by the first check that needs it, naming what the author
 wrote; the other checks that need it skip, pointing at that test.
+
+**Any contract.** The class and instance checks hold the backend to the contract of whatever
+enforcing mixin it uses: ours (``StagingManagerMixin``) or a serving stack's own
+``ContractMixin`` over its own Protocol. The instance check runs on the managers
+:meth:`StagingBackendContract.make_hosts` builds the host's own way (by default the host
+factory named by ``--staging-backend MODULE:CLASS=MODULE:FACTORY`` when ``FACTORY()`` takes no
+arguments); the checks that need our staging path (the live decode manager, the staged
+transfers, the mixin's logger) skip for a backend that does not use ``StagingManagerMixin``,
+saying so.
 """
 
 from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import ClassVar, NoReturn, cast
 
 import pytest
 
 from ..backends.common import Role
-from ..contract.contract import is_abstract
+from ..contract.contract import Contract, is_abstract
+from ..contract.enforcement import contract_roots
 from ..contract.problems import ContractError
 from ..contract.typeforms import class_label
 from ..control.wire import ALLOC_OVERSIZED, ChunkReady, MalformedMessage, StagingReq
@@ -158,6 +168,34 @@ class StagingBackendContract:
         )
         return make(kv_args, role=role, attn_tp_size=attn_tp_size)
 
+    def make_hosts(self) -> Iterable[object] | None:
+        """Build managers of :attr:`backend_class` the host's own way, for the instance check.
+
+        Override it for a backend whose constructor is a serving stack's own (its arguments,
+        its configuration objects): return the managers to check, each as the host builds it
+        (a prefill and a decode one, with staging on and off, say). The kit checks each
+        against the contract of every enforcing mixin of its class, then closes each that has
+        a ``close()``.
+
+        The default returns what the host factory named by ``--staging-backend
+        MODULE:CLASS=MODULE:FACTORY`` builds when ``FACTORY()`` takes no arguments (one
+        manager, or an iterable of them), else ``None``: the instance check then runs on the
+        live decode manager of our staging path, for a ``StagingManagerMixin`` backend.
+        """
+        target = type(self)._backend_target
+        if target is None:
+            return None
+        try:
+            factory = target.load_host_factory()
+        except BackendLoadError as exc:
+            self._once(f"the factory {target.factory_ref}", str(exc))
+        if factory is None:
+            return None
+        built = factory()
+        if isinstance(built, Iterable) and not isinstance(built, str | bytes):
+            return list(built)
+        return [built]
+
     # ------------------------------------------------------------------ kit internals
 
     @pytest.fixture(autouse=True)
@@ -251,6 +289,28 @@ class StagingBackendContract:
         backend = getattr(cls, "backend_class", None)
         return backend if isinstance(backend, type) else None
 
+    def _contracts(self, cls: type) -> list[Contract]:
+        """The contracts ``cls`` is held to: one per enforcing mixin (ours when none)."""
+        roots = contract_roots(cls)
+        if not roots:
+            return [contract_of(cls)]
+        return [root.__dict__["contract"] for root in roots]
+
+    def _staging_path_or_skip(self, what: str) -> type:
+        """The backend, when it is on our staging path; else skip ``what``, saying why."""
+        cls = self._backend()
+        if not issubclass(cls, StagingManagerMixin):
+            held = ", ".join(
+                f"the {c.name} contract of {_qualified(c.mixin)}" if c.mixin else c.name
+                for c in self._contracts(cls)
+            )
+            pytest.skip(
+                f"{what} needs the staging path of staging_contracts (StagingManagerMixin); "
+                f"{class_label(cls)} is held to {held}, which the class and instance checks "
+                "cover"
+            )
+        return cls
+
     def _backend(self) -> type:
         backend = self._backend_class()
         if backend is None:
@@ -264,7 +324,7 @@ class StagingBackendContract:
     @pytest.fixture
     def staging_live(self) -> Iterator[LiveDecode]:
         """A live decode manager of the backend, with the kit's peers; closed afterwards."""
-        backend = self._backend()
+        backend = self._staging_path_or_skip("this check")
         failure: Exception | None = None
         try:
             manager = self.make_decode_manager(self.decode_setup)
@@ -293,46 +353,47 @@ class StagingBackendContract:
     # ------------------------------------------------------------------ class checks
 
     def test_class_satisfies_the_contract(self) -> None:
-        """The backend mixes in StagingManagerMixin and declares every StagingHost member."""
+        """The backend uses an enforcing mixin and declares every member of its contract."""
         cls = self._backend()
-        contract = contract_of(cls)
-        explanation = contract.explain(cls)
-        if not issubclass(cls, StagingManagerMixin):
+        contracts = self._contracts(cls)
+        explanation = "\n\n".join(contract.explain(cls) for contract in contracts)
+        if not contract_roots(cls):
             kit_fail(
-                f"{class_label(cls)} does not mix in StagingManagerMixin: list it first in the "
-                f"bases, e.g. 'class {cls.__name__}(StagingManagerMixin, CommonKVManager)'.\n\n"
-                f"{explanation}"
+                f"{class_label(cls)} uses no enforcing mixin: list StagingManagerMixin (or your "
+                "stack's own ContractMixin subclass) first in the bases, e.g. 'class "
+                f"{cls.__name__}(StagingManagerMixin, CommonKVManager)'.\n\n{explanation}"
             )
         if is_abstract(cls):
             kit_fail(
                 f"{class_label(cls)} was created with abstract=True: the kit checks concrete "
                 f"backends; name a subclass that satisfies the contract.\n\n{explanation}"
             )
-        report = contract.inspect_class(cls)
-        if report.problems:
-            kit_fail(f"{contract.class_error(report)}\n\n{explanation}")
+        for contract in contracts:
+            report = contract.inspect_class(cls)
+            if report.problems:
+                kit_fail(f"{contract.class_error(report)}\n\n{explanation}")
 
     def test_explanation_covers_every_member(self, request: pytest.FixtureRequest) -> None:
-        """The contract's explanation lists every member and its verdict is 'conforms'."""
+        """Each contract's explanation lists every member and its verdict is 'conforms'."""
         cls = self._backend()
-        contract = contract_of(cls)
-        explanation = contract.explain(cls)
-        if isinstance(request.node, pytest.Item):
-            request.node.add_report_section("call", "staging contract", explanation)
-        rows = explanation.splitlines()
-        unlisted = [
-            member.name
-            for member in contract.members
-            if not any(row.startswith(f"{member.name} ") for row in rows)
-        ]
-        if unlisted:
-            kit_fail(f"the explanation does not list {unlisted!r}:\n{explanation}")
-        if rows[-1] != "verdict: conforms":
-            kit_fail(f"the explanation's verdict is not 'conforms':\n{explanation}")
+        for contract in self._contracts(cls):
+            explanation = contract.explain(cls)
+            if isinstance(request.node, pytest.Item):
+                request.node.add_report_section("call", f"{contract.name} contract", explanation)
+            rows = explanation.splitlines()
+            unlisted = [
+                member.name
+                for member in contract.members
+                if not any(row.startswith(f"{member.name} ") for row in rows)
+            ]
+            if unlisted:
+                kit_fail(f"the explanation does not list {unlisted!r}:\n{explanation}")
+            if not rows[-1].startswith("verdict: conforms"):
+                kit_fail(f"the explanation's verdict is not 'conforms':\n{explanation}")
 
     def test_mixin_logs_under_the_backend_module(self) -> None:
         """The mixin's logger for the backend is the logger of the backend's own module."""
-        cls = self._backend()
+        cls = self._staging_path_or_skip("this check of StagingManagerMixin's logger")
         logger = getattr(cls, "_staging_logger", None)
         if not isinstance(logger, logging.Logger) or logger.name != cls.__module__:
             name = logger.name if isinstance(logger, logging.Logger) else repr(logger)
@@ -343,13 +404,56 @@ class StagingBackendContract:
 
     # ------------------------------------------------------------------ instance checks
 
-    def test_instance_satisfies_the_contract(self, staging_live: LiveDecode) -> None:
-        """A live decode manager holds a value of the declared type in every member."""
-        manager = staging_live.manager
+    @pytest.fixture
+    def kit_hosts(self, request: pytest.FixtureRequest) -> Iterator[list[object]]:
+        """The managers the instance check runs on: those :meth:`make_hosts` builds the host's
+        way (closed afterwards), else the live decode manager of our staging path."""
+        failure: Exception | None = None
         try:
-            contract_of(type(manager)).check_instance(manager)
-        except ContractError as exc:
-            kit_fail(str(exc))
+            hosts = self.make_hosts()
+        except Exception as exc:  # noqa: BLE001 - reported once, naming the author's builder
+            failure = exc
+        if failure is not None:
+            self._build_failed("make_hosts", failure)
+        if hosts is None:
+            self._staging_path_or_skip(
+                "without a host factory (make_hosts, or --staging-backend "
+                "MODULE:CLASS=MODULE:FACTORY with FACTORY() building managers the host's way), "
+                "the instance check"
+            )
+            live: LiveDecode = request.getfixturevalue("staging_live")
+            yield [live.manager]
+            return
+        owned = list(hosts)
+        try:
+            yield owned
+        finally:
+            for host in owned:
+                close = getattr(host, "close", None)
+                if callable(close):
+                    close()
+
+    def test_instance_satisfies_the_contract(self, kit_hosts: list[object]) -> None:
+        """Every manager built the host's way (or the live decode manager of our staging
+        path) holds a value of the declared type in every member of its contract."""
+        backend = self._backend()
+        if not kit_hosts:
+            kit_fail(f"{self._builder('make_hosts')} built no manager to check")
+        problems = []
+        for index, host in enumerate(kit_hosts):
+            if not isinstance(host, backend):
+                problems.append(
+                    f"manager {index} is {_a(type(host).__name__)}, not an instance of "
+                    f"{backend.__name__}"
+                )
+                continue
+            for contract in self._contracts(type(host)):
+                try:
+                    contract.check_instance(host)
+                except ContractError as exc:
+                    problems.append(str(exc) if len(kit_hosts) == 1 else f"manager {index}: {exc}")
+        if problems:
+            kit_fail("\n\n".join(problems))
 
     def test_attach_rejects_a_handler_that_breaks_the_contract(
         self, staging_live: LiveDecode
@@ -522,7 +626,7 @@ class StagingBackendContract:
         :meth:`make_manager`; on failure, the message names the likely cause (the listener's
         idle hook, the message routing, ...) and lists each failed room with its reason.
         """
-        backend = self._backend()
+        backend = self._staging_path_or_skip("the staged transfer check")
         failures: list[Exception] = []
 
         def make(kv_args: KVArgs, *, role: Role, attn_tp_size: int) -> TransferManager:
@@ -555,6 +659,10 @@ class StagingBackendContract:
                 f"the staged transfer from prefill TP {prefill_tp} to decode TP {decode_tp} "
                 f"through {class_label(backend)} failed: {report.diagnosis()}"
             )
+
+
+def _qualified(cls: type | None) -> str:
+    return "?" if cls is None else f"{cls.__module__}.{class_label(cls)}"
 
 
 def _a(noun: str) -> str:

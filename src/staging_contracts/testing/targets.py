@@ -15,6 +15,7 @@ import importlib
 import inspect
 import re
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, cast
 
@@ -25,7 +26,10 @@ from ..contract.problems import ContractError
 from ..mixin import STAGING_CONTRACT
 from .harness import ManagerFactory
 
-__all__ = ["PATH_HINT", "BackendLoadError", "BackendTarget", "contract_of"]
+__all__ = ["PATH_HINT", "BackendLoadError", "BackendTarget", "HostFactory", "contract_of"]
+
+HostFactory = Callable[[], object]
+"""``FACTORY()``: builds managers the host's own way; returns one, or an iterable of them."""
 
 _NAME: Final = r"[A-Za-z_][A-Za-z0-9_]*"
 _REF: Final = rf"{_NAME}(?:\.{_NAME})*:{_NAME}(?:\.{_NAME})*"
@@ -130,20 +134,44 @@ class BackendTarget:
     def load_factory(self) -> ManagerFactory | None:
         """Import the manager factory, if one was named, checked before it is called.
 
-        The factory of ``--staging-backend MODULE:CLASS=MODULE:FACTORY`` is the same kind
-        everywhere: it builds one unstarted manager of either role, called as
-        ``FACTORY(kv_args, *, role=..., attn_tp_size=...)``, like the standard constructor.
-        The kit builds its decode manager with it (and starts it with
-        :meth:`DecodeSetup.start`), and the transfer checks build every rank with it. What it
-        returns is checked to be an instance of the backend class.
+        The factory of ``--staging-backend MODULE:CLASS=MODULE:FACTORY`` is one of two kinds:
+
+        * a **manager factory**, ``FACTORY(kv_args, *, role=..., attn_tp_size=...)``, that
+          builds one unstarted manager of either role, like the standard constructor of our
+          staging backends: the kit builds its decode manager with it (and starts it with
+          :meth:`DecodeSetup.start`), and the transfer checks build every rank with it;
+        * a **host factory**, ``FACTORY()``, that builds managers the host's own way (a
+          serving stack's constructor, its own arguments) and returns one, or an iterable of
+          them: the kit runs the instance check of their contract on each
+          (:meth:`load_host_factory`); this returns ``None`` for it.
+
+        What a manager factory returns is checked to be an instance of the backend class.
 
         Raises:
-            BackendLoadError: it does not import, is not callable, or cannot be called with
-                those arguments (say, a decode factory ``FACTORY(setup)``: the message says
-                which kind is expected and which was given).
+            BackendLoadError: it does not import, is not callable, or takes neither kind's
+                arguments (say, a decode factory ``FACTORY(setup)``: the message says which
+                kinds are expected and which was given).
         """
-        if self.factory_ref is None:
+        kind, obj = self._factory()
+        if kind != "manager":
             return None
+        cls = self.load_class()
+        return cast(ManagerFactory, BackendFactory(self.spec, cls, obj, takes_host=False))
+
+    def load_host_factory(self) -> HostFactory | None:
+        """Import the host factory, ``FACTORY()``, if the named factory is one (see
+        :meth:`load_factory`); ``None`` otherwise.
+
+        Raises:
+            BackendLoadError: as :meth:`load_factory`.
+        """
+        kind, obj = self._factory()
+        return cast(HostFactory, obj) if kind == "host" else None
+
+    def _factory(self) -> tuple[str, Callable[..., object]]:
+        """The named factory and its kind (``"manager"``, ``"host"``, or ``"none"``)."""
+        if self.factory_ref is None:
+            return "none", _no_factory
         obj = _load(self.factory_ref, "factory", path_hint=True)
         if not callable(obj):
             raise BackendLoadError(f"{self.factory_ref}: {type(obj).__name__} is not callable")
@@ -156,16 +184,29 @@ class BackendTarget:
         try:
             signature.bind(None, role=None, attn_tp_size=1)
         except TypeError as exc:
-            raise BackendLoadError(
-                f"the factory {self.factory_ref}{signature} does not take the arguments of a "
-                "manager factory: --staging-backend MODULE:CLASS=MODULE:FACTORY (like demo "
-                "--backend and run_transfer) calls FACTORY(kv_args, *, role=..., "
-                f"attn_tp_size=...) for a new, unstarted manager of either role ({exc}). A "
-                "decode factory FACTORY(setup) is a make_decode_manager(self, setup) on a "
-                "StagingBackendContract subclass in a test file"
-            ) from None
-        cls = self.load_class()
-        return cast(ManagerFactory, BackendFactory(self.spec, cls, obj, takes_host=False))
+            problem = str(exc)
+        else:
+            return "manager", obj
+        try:
+            signature.bind()
+        except TypeError:
+            pass
+        else:
+            return "host", obj
+        raise BackendLoadError(
+            f"the factory {self.factory_ref}{signature} takes the arguments of neither kind "
+            "of factory: --staging-backend MODULE:CLASS=MODULE:FACTORY (like demo --backend "
+            "and run_transfer) calls a manager factory FACTORY(kv_args, *, role=..., "
+            f"attn_tp_size=...) for a new, unstarted manager of either role ({problem}), or "
+            "a host factory FACTORY() that builds managers the host's own way and returns one "
+            "or an iterable of them. A decode factory FACTORY(setup) is a "
+            "make_decode_manager(self, setup) on a StagingBackendContract subclass in a test "
+            "file"
+        ) from None
+
+
+def _no_factory() -> None:
+    """Stands for the factory when none was named."""
 
 
 def _load(ref: str, what: str, *, path_hint: bool) -> object:
