@@ -3,18 +3,18 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS := dev,mooncake,nixl
+EXTRAS := dev,docs,mooncake,nixl
 # Debian packages (installed when missing and we are root): the libraries the Mooncake wheel
 # links against, and iproute2, whose `ip netns` the cross-namespace transfer test needs.
 SYSLIBS := libibverbs1 librdmacm1 libnuma1 iproute2
 
-.PHONY: demo test lint typecheck unit bench mutation setup sysdeps clean
+.PHONY: demo test lint typecheck docs unit bench mutation dist setup sysdeps clean
 
 # The main job: a verified P=4 -> D=2 staged transfer across processes (NIXL by default).
 demo: $(STAMP)
 	$(VENV)/bin/staging-contracts demo
 
-test: $(STAMP) lint typecheck unit
+test: $(STAMP) lint typecheck docs unit
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -22,6 +22,11 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
+
+# The documentation site (mkdocs.yml) into build/site; strict: any warning fails the build.
+# NO_MKDOCS_2_WARNING silences Material's notice about MkDocs 2, printed on every build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 unit: $(STAMP)
 	$(PY) -m pytest
@@ -34,12 +39,19 @@ mutation: $(STAMP)
 	$(PY) -m pip install -q 'mutmut>=3.8,<4'
 	$(PY) scripts/mutation.py $(MODULES)
 
+# The sdist and the wheel into dist/, checked as an index would (the tests build and check
+# their own copies: tests/test_packaging.py).
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --no-isolation --outdir dist .
+	$(VENV)/bin/twine check --strict dist/*
+
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(MAKE) sysdeps
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip 'setuptools>=77'
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	touch $(STAMP)

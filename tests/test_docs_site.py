@@ -1,0 +1,87 @@
+"""The documentation site's sources: the hooks' link rewriting and the API reference's reach.
+
+``make docs`` (part of ``make test``) builds the site itself, in strict mode, which also fails
+on a page missing from the nav or a nav entry without its page.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+from typing import Final
+
+import pytest
+
+from scripts.docs_hooks import site_links
+
+REPO: Final = Path(__file__).resolve().parent.parent
+REFERENCE: Final = REPO / "docs" / "reference"
+DIRECTIVE: Final = re.compile(r"^::: (\S+)$", re.MULTILINE)
+SHOWN_IMPORT: Final = re.compile(r"from (staging_contracts[\w.]*) import")
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A repository with a README, a docs folder and an example folder outside it."""
+    (tmp_path / "docs" / "images").mkdir(parents=True)
+    (tmp_path / "docs" / "guide.md").write_text("# Guide\n")
+    (tmp_path / "docs" / "images" / "chart.png").write_bytes(b"")
+    (tmp_path / "examples" / "acme").mkdir(parents=True)
+    return tmp_path
+
+
+def test_readme_links_into_docs_become_relative_to_the_site_root(repo: Path) -> None:
+    """The README's docs/... links and images lose their docs/ prefix, anchors kept."""
+    text = "See [the guide](docs/guide.md#step-2) and ![chart](docs/images/chart.png)."
+    assert site_links(text, page_dir="", repo=repo) == (
+        "See [the guide](guide.md#step-2) and ![chart](images/chart.png)."
+    )
+
+
+def test_links_outside_docs_become_their_text_when_the_target_exists(repo: Path) -> None:
+    """A docs page's link to an existing repository folder outside docs/ keeps only its text."""
+    text = "The example: [`examples/acme/`](../examples/acme/)."
+    assert site_links(text, page_dir="docs", repo=repo) == "The example: `examples/acme/`."
+
+
+def test_broken_links_are_left_for_the_strict_build_to_report(repo: Path) -> None:
+    """A link to nothing, inside docs/ or out, is left as written (mkdocs then warns)."""
+    text = "[gone](../examples/gone/) [outside](../../elsewhere.md) [typo](guid.md)"
+    assert site_links(text, page_dir="docs", repo=repo) == text
+
+
+def test_external_links_and_anchors_are_untouched(repo: Path) -> None:
+    """URLs, mailto links, absolute paths and in-page anchors stay as they are."""
+    text = "[a](https://example.org/x.md) [b](mailto:x@example.org) [c](#security) [d](/abs)"
+    assert site_links(text, page_dir="", repo=repo) == text
+
+
+def test_links_between_docs_pages_stay_relative_to_the_page(repo: Path) -> None:
+    """A page in docs/reference/ linking ../guide.md keeps that link."""
+    (repo / "docs" / "reference").mkdir()
+    text = "[guide](../guide.md) [chart](../images/chart.png)"
+    assert site_links(text, page_dir="docs/reference", repo=repo) == text
+
+
+def reference_modules() -> list[str]:
+    """Every module an API reference page renders, in page order."""
+    pages = sorted(REFERENCE.glob("*.md"))
+    return [module for page in pages for module in DIRECTIVE.findall(page.read_text())]
+
+
+def test_the_reference_renders_modules_that_import() -> None:
+    """Each ``::: module`` of docs/reference/ names a module of the package that imports."""
+    modules = reference_modules()
+    assert "staging_contracts" in modules
+    assert len(modules) == len(set(modules)), "a module is rendered twice"
+    for module in modules:
+        importlib.import_module(module)
+
+
+def test_the_reference_covers_every_module_the_docs_import_from() -> None:
+    """A module the README or a guide imports from has its API reference."""
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    shown = {m for doc in docs for m in SHOWN_IMPORT.findall(doc.read_text())}
+    assert "staging_contracts.testing" in shown  # the reader finds the imports
+    assert shown - set(reference_modules()) == set()
