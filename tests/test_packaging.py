@@ -128,7 +128,7 @@ def fresh_venv(where: Path) -> Path:
 
 def pip_install(python: Path, target: Path) -> None:
     """Install ``target`` (a wheel or a source folder) into ``python``'s environment, offline."""
-    args = ["install", "--no-deps", "--no-index", "--no-build-isolation", target]
+    args: list[str | Path] = ["install", "--no-deps", "--no-index", "--no-build-isolation", target]
     _ok(_run([sys.executable, "-m", "pip", "--python", python, *args], target.parent))
 
 
@@ -263,7 +263,13 @@ def test_a_users_mypy_needs_no_engine_stubs(wheel_venv: Path, tmp_path: Path) ->
     (tmp_path / "user_backend.py").write_text(USER_BACKEND)
     config = tmp_path / "mypy.ini"
     config.write_text("[mypy]\nstrict = True\nplugins = staging_contracts.mypy_plugin\n")
-    args = ["--config-file", config, "--python-executable", wheel_venv, "user_backend.py"]
+    args: list[str | Path] = [
+        "--config-file",
+        config,
+        "--python-executable",
+        wheel_venv,
+        "user_backend.py",
+    ]
     result = _run(
         [sys.executable, "-m", "mypy", "--cache-dir", tmp_path / "cache", *args], tmp_path
     )
@@ -283,7 +289,7 @@ def test_the_sdist_installs_and_its_tests_run(dists: Dists, tmp_path: Path) -> N
     python = fresh_venv(tmp_path / "venv")
     pip_install(python, tree)
     assert installed_from(python, tree).is_relative_to(tmp_path / "venv")
-    pytest_args = [python, "-m", "pytest", "-p", "no:cacheprovider", "-q"]
+    pytest_args: list[str | Path] = [python, "-m", "pytest", "-p", "no:cacheprovider", "-q"]
     collected = _ok(_run([*pytest_args, "--collect-only"], tree))
     assert "error" not in collected.lower().splitlines()[-1], collected[-2000:]
     passed = _ok(_run([*pytest_args, *SDIST_FAST_TESTS], tree))
