@@ -2,8 +2,8 @@
 
 ``ExampleKVManager`` mixes the staging logic into a common base and declares what the
 contract asks for; ``MoriStyleKVManager`` is a backend without staging support: it declares
-only what the common base has, so it could not be defined with the mixin (see
-``examples/mori_with_staging.py``).
+only what the common base has, so it could not be defined with the mixin (as
+``examples/mori_with_staging.py`` shows with the in-tree Mori backend).
 """
 
 from __future__ import annotations

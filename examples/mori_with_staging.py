@@ -2,14 +2,15 @@
 
 Importing this module raises ``ContractError`` at the ``class`` statement, naming the two
 members Mori does not declare: the mistake surfaces at import, not when the first STAGING_REQ
-arrives on a listener thread.
+arrives on a listener thread. Run it from anywhere to see the error:
+``python examples/mori_with_staging.py`` (it imports only the installed package).
 """
 
 from __future__ import annotations
 
-from examples.hosts import MoriStyleKVManager
 from staging_contracts import StagingManagerMixin
+from staging_contracts.backends.mori import MoriKVManager
 
 
-class MoriWithStaging(StagingManagerMixin, MoriStyleKVManager):  # type: ignore[staging-missing-member]  # the mistake this example shows
+class MoriWithStaging(StagingManagerMixin, MoriKVManager):  # type: ignore[staging-missing-member]  # the mistake this example shows
     """Rejected: Mori declares neither ``_staging_handler`` nor ``_staging_ctx``."""
