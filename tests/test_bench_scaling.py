@@ -571,6 +571,28 @@ def test_plots_are_written_as_png_files(tmp_path: Path) -> None:
     assert all(_is_png(p) for p in plots.write_plots(empty, tmp_path / "empty"))
 
 
+def test_every_text_of_every_chart_fits_inside_its_figure() -> None:
+    """No title, label, tick label, legend entry or note is cut off at the figure's edge,
+    with the full plan's machine note (the longest) and both engines."""
+    pytest.importorskip("matplotlib")
+    made_up = _made_up_result()
+    result = replace(made_up, plan=ScalingPlan.full(), machine={"cpus": 2, "load_before": [9.0]})
+    outside: list[str] = []
+    for name, figure in plots.drawn_charts(result):
+        figure.canvas.draw()
+        renderer = figure.canvas.get_renderer()  # type: ignore[attr-defined]
+        frame = figure.bbox.padded(0.5)  # half a pixel of rounding
+        boxes = [("axes", axes.get_tightbbox(renderer)) for axes in figure.axes]  # drawn only
+        boxes += [(t.get_text(), t.get_window_extent(renderer)) for t in figure.texts]
+        for what, box in boxes:
+            if box is None:
+                continue
+            if box.x0 < frame.x0 or box.x1 > frame.x1 or box.y0 < frame.y0 or box.y1 > frame.y1:
+                title = " / ".join(axes.get_title() for axes in figure.axes)
+                outside.append(f"{name} ({title!r}): {what} spans {box.extents}, not in {frame}")
+    assert outside == []
+
+
 def _pyplot() -> Any:
     """matplotlib.pyplot on the Agg backend (the test is skipped without matplotlib)."""
     matplotlib = pytest.importorskip("matplotlib")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -31,8 +31,9 @@ from .scaling import ScalingResult, ScalingRow
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
-__all__ = ["CHARTS", "DPI", "matplotlib_missing", "write_plots"]
+__all__ = ["CHARTS", "DPI", "FIGSIZE", "drawn_charts", "matplotlib_missing", "write_plots"]
 
 CHARTS: Final = (
     "scaling-throughput.png",
@@ -44,6 +45,9 @@ CHARTS: Final = (
 
 DPI: Final = 100
 """Resolution of the charts (small files: the README shows one)."""
+
+FIGSIZE: Final = (7.0, 4.2)
+"""Size of each chart in inches: every title and label must fit inside it."""
 
 _COLOURS: Final = {"mooncake": "tab:blue", "nixl": "tab:orange"}
 
@@ -64,29 +68,42 @@ def write_plots(result: ScalingResult, directory: str | Path) -> list[Path]:
     Raises:
         ImportError: matplotlib is not installed (see :func:`matplotlib_missing`).
     """
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths: list[Path] = []
+    for name, figure in drawn_charts(result):
+        path = folder / name
+        figure.savefig(path, dpi=DPI)
+        paths.append(path)
+    return paths
+
+
+def drawn_charts(result: ScalingResult) -> Iterator[tuple[str, Figure]]:
+    """Each chart of :data:`CHARTS`, drawn and laid out, with its file name.
+
+    Each figure is closed once the next one is asked for (or the iteration ends), so use it
+    within the loop. :func:`write_plots` saves them; tests measure them.
+
+    Raises:
+        ImportError: matplotlib is not installed (see :func:`matplotlib_missing`).
+    """
     import matplotlib  # noqa: PLC0415 - an optional extra, loaded only to draw
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    folder = Path(directory)
-    folder.mkdir(parents=True, exist_ok=True)
     rows = list(result.rows)
     engines = list(dict.fromkeys(row.engine for row in result.rows))
     machine = _machine_note(result)
-    paths: list[Path] = []
     for name, draw in zip(CHARTS, (_throughput, _latency, _tp_bars, _page_bars), strict=True):
-        figure, axes = plt.subplots(figsize=(7.0, 4.2))
+        figure, axes = plt.subplots(figsize=FIGSIZE)
         try:
             draw(axes, rows, engines)
             figure.text(0.99, 0.01, machine, ha="right", va="bottom", fontsize=7, color="0.4")
             figure.tight_layout(rect=(0, 0.03, 1, 1))
-            path = folder / name
-            figure.savefig(path, dpi=DPI)
-            paths.append(path)
+            yield name, figure
         finally:
             plt.close(figure)
-    return paths
 
 
 def _machine_note(result: ScalingResult) -> str:
@@ -189,7 +206,7 @@ def _latency(axes: Axes, rows: Sequence[ScalingRow], engines: Sequence[str]) -> 
     axes.set_xlabel("concurrent requests")
     axes.set_ylabel("latency per request (s)")
     axes.set_ylim(bottom=0)
-    axes.set_title("Per-request latency (first STAGING_REQ to decode SUCCESS) vs concurrency")
+    axes.set_title("Per-request latency vs concurrency\n(first STAGING_REQ to decode SUCCESS)")
     axes.grid(True, alpha=0.3)
     if any(row.ok for row in drawn):
         axes.legend(fontsize=8)
