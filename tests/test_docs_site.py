@@ -1,4 +1,5 @@
-"""The documentation site's sources: the hooks' link rewriting and the API reference's reach.
+"""The documentation site's sources: the hooks' link rewriting, the docstrings' markup, and the
+API reference's reach.
 
 ``make docs`` (part of ``make test``) builds the site itself, in strict mode, which also fails
 on a page missing from the nav or a nav entry without its page.
@@ -14,6 +15,7 @@ from typing import Final
 
 import pytest
 
+from scripts.docs_griffe import markdown_docstring
 from scripts.docs_hooks import site_links
 
 REPO: Final = Path(__file__).resolve().parent.parent
@@ -63,6 +65,23 @@ def test_links_between_docs_pages_stay_relative_to_the_page(repo: Path) -> None:
     (repo / "docs" / "reference").mkdir()
     text = f"[guide]({UP}/guide.md) [chart]({UP}/images/chart.png)"
     assert site_links(text, page_dir="docs/reference", repo=repo) == text
+
+
+def test_docstring_roles_become_code_spans() -> None:
+    """reST roles render as code: the last component after ``~``, the target otherwise."""
+    text = "Use :class:`~staging_contracts.testing.kit.StagingBackendContract` or :func:`.run`."
+    assert markdown_docstring(text) == "Use `StagingBackendContract` or `run`."
+    assert markdown_docstring(":mod:`staging_contracts.testing.plugin`") == (
+        "`staging_contracts.testing.plugin`"
+    )
+
+
+def test_a_literal_block_introduction_loses_one_colon() -> None:
+    """``name the backend::`` before an indented block reads ``name the backend:``."""
+    text = "Name the backend::\n\n    backend_class = X\n\nA ratio: 2::3 stays."
+    assert markdown_docstring(text) == (
+        "Name the backend:\n\n    backend_class = X\n\nA ratio: 2::3 stays."
+    )
 
 
 def reference_modules() -> list[str]:
