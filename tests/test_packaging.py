@@ -75,7 +75,6 @@ def _env() -> dict[str, str]:
     env.pop("VIRTUAL_ENV", None)
     env["PYTHONNOUSERSITE"] = "1"
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
-    env["NO_MKDOCS_2_WARNING"] = "1"
     return env
 
 
