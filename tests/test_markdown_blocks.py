@@ -181,6 +181,7 @@ MYPKG: Final = {
     "mypkg/__init__.py": "",
     "mypkg/backends.py": """\
 from staging_contracts import (
+    ArrivalMode,
     DecodeStagingContext,
     KVArgs,
     PrefillStagingContext,
@@ -198,6 +199,10 @@ class MyKVManager(StagingManagerMixin, CommonKVManager):
 
     def __init__(self, kv_args: KVArgs, *, role: Role, attn_tp_size: int) -> None:
         super().__init__(kv_args, role=role, attn_tp_size=attn_tp_size, engine=LocalEngine())
+
+    @property
+    def arrival(self) -> ArrivalMode:
+        return "notification"
 
     def _on_message(self, frames: list[bytes]) -> None:
         if not self._dispatch_staging(frames):

@@ -222,6 +222,7 @@ def test_the_installed_wheel_runs_the_demo(wheel_venv: Path, tmp_path: Path) -> 
 
 USER_BACKEND: Final = """\
 from staging_contracts import (
+    ArrivalMode,
     DecodeStagingContext,
     KVArgs,
     PrefillStagingContext,
@@ -242,6 +243,10 @@ class UserKVManager(StagingManagerMixin, CommonKVManager):
         engine = NixlEngine(None, host="127.0.0.1", load_ib_modules=False)
         super().__init__(kv_args, role=role, attn_tp_size=attn_tp_size, engine=engine)
 
+    @property
+    def arrival(self) -> ArrivalMode:
+        return "notification"
+
     def _on_idle(self) -> None:
         staging_idle(self)
 
@@ -252,6 +257,7 @@ def mooncake_session(engine: MooncakeEngine) -> str:
 
 class Incomplete(StagingManagerMixin, CommonKVManager):
     _staging_handler: StagingHandler | None = None
+    _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
 """
 """A user's backend module: typed, importing both engines; ``Incomplete`` lacks a member."""
 
@@ -275,7 +281,7 @@ def test_a_users_mypy_needs_no_engine_stubs(wheel_venv: Path, tmp_path: Path) ->
     lines = result.stdout.strip().splitlines()
     assert result.returncode == 1, result.stdout + result.stderr
     assert len(lines) == 2, result.stdout  # the one error and the summary line
-    assert lines[0].startswith("user_backend.py:30: error: Incomplete does not satisfy")
+    assert lines[0].startswith("user_backend.py:35: error: Incomplete does not satisfy")
     assert lines[0].endswith("[staging-missing-member]")
 
 
