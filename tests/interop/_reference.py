@@ -57,6 +57,7 @@ __all__ = [
     "cache_root",
     "cpu_staging_allocator",
     "ensure_installed",
+    "importing",
     "install_dir",
     "is_installed",
     "load_reference",
@@ -386,7 +387,12 @@ def load_reference(folder: Path) -> Reference:
         return _loaded
 
 
-def _import(folder: Path) -> Reference:
+@contextlib.contextmanager
+def importing(folder: Path) -> Iterator[_StandInFinder]:
+    """While inside, modules of the reference installed in ``folder`` import on this CPU
+    machine: the folder is on ``sys.path`` (appended), the stand-ins are served, and the
+    reference's torch kernels are selected. On leaving, the stand-ins leave ``sys.modules``
+    and ``sys.meta_path`` and the environment is restored (the folder stays on the path)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's compiler modules warn about deprecations
         for name in _TORCH_FIRST:
@@ -399,17 +405,10 @@ def _import(folder: Path) -> Reference:
     environment = dict(os.environ)
     os.environ[_TORCH_KERNELS_SWITCH] = "1"
     sys.meta_path.insert(0, finder)
-    loaded: dict[str, types.ModuleType] = {}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # its import warns about CUDA-only features
-            for key, name in _MODULES.items():
-                try:
-                    loaded[key] = importlib.import_module(name)
-                except Exception as exc:  # any failure of its import chain is reported
-                    raise ReferenceUnavailable(
-                        f"cannot import the reference's {name} from {folder}: {exc!r}"
-                    ) from exc
+            yield finder
     finally:
         sys.meta_path.remove(finder)
         for name in list(sys.modules):
@@ -417,6 +416,18 @@ def _import(folder: Path) -> Reference:
                 del sys.modules[name]
         os.environ.clear()
         os.environ.update(environment)
+
+
+def _import(folder: Path) -> Reference:
+    loaded: dict[str, types.ModuleType] = {}
+    with importing(folder) as finder:
+        for key, name in _MODULES.items():
+            try:
+                loaded[key] = importlib.import_module(name)
+            except Exception as exc:  # any failure of its import chain is reported
+                raise ReferenceUnavailable(
+                    f"cannot import the reference's {name} from {folder}: {exc!r}"
+                ) from exc
     if loaded["staging_buffer"]._USE_TRITON_STAGING:
         raise ReferenceUnavailable("the reference chose its Triton kernels despite the switch")
     logger.info("reference imported from %s; stood in for %s", folder, finder.served)
