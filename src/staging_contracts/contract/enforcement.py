@@ -27,6 +27,9 @@ _ROOT_MARK: Final = "__contract_root__"
 _NEXT_SETATTR: Final = "_contract_next_setattr_{}"
 """Class attribute (per enforcing mixin) holding the ``__setattr__`` that follows the mixin's
 in a host's MRO, resolved once at class creation."""
+_GENERIC: Final = "_contract_setattr_generic_{}"
+"""Class attribute of an enforcing mixin: non-empty once one of its hosts has another
+``__setattr__`` after the mixin in its MRO."""
 _constructing = threading.local()
 
 
@@ -103,35 +106,49 @@ def _install_assignment_check(mixin: type, contract: Contract) -> None:
     """Give ``mixin`` a ``__setattr__`` that checks the ``set_later`` members of ``contract``.
 
     Reads are untouched (no descriptor, no ``__getattribute__``). An assignment to another
-    attribute pays one dictionary lookup; one to a watched member also its value check.
+    attribute pays one dictionary lookup and one call; one to a watched member also its value
+    check. While every host hands assignments on to ``object.__setattr__`` (no other class of
+    their MROs after the mixin defines ``__setattr__``), it is called directly; once a host
+    has another one after the mixin, each assignment looks up the one of its own class.
     """
     checks = contract.assignment_checks
     if not checks:
         return
     follow = _NEXT_SETATTR.format(id(mixin))
+    generic: list[bool] = []  # appended to (once) when a host needs the lookup
+    plain = object.__setattr__
 
     def __setattr__(self: object, name: str, value: object) -> None:
         check = checks.get(name)
         if check is not None:
             check(self, value)
-        getattr(type(self), follow)(self, name, value)
+        if generic:
+            getattr(type(self), follow)(self, name, value)
+        else:
+            plain(self, name, value)
 
     __setattr__.__qualname__ = f"{mixin.__qualname__}.__setattr__"
     __setattr__.__module__ = mixin.__module__
     type.__setattr__(mixin, "__setattr__", __setattr__)
+    type.__setattr__(mixin, _GENERIC.format(id(mixin)), generic)
     _resolve_next_setattr(mixin)
 
 
 def _resolve_next_setattr(cls: type) -> None:
     """For each enforcing mixin of ``cls`` that checks assignments, record on ``cls`` the
-    ``__setattr__`` that comes after the mixin's in ``cls``'s MRO (``object``'s, usually)."""
+    ``__setattr__`` that comes after the mixin's in ``cls``'s MRO (``object``'s, usually);
+    when it is another one, switch that mixin's ``__setattr__`` to looking it up."""
     mro = cls.__mro__
     for root in contract_roots(cls):
         if not root.__dict__["contract"].assignment_checks:
             continue
         after = mro[mro.index(root) + 1 :]
         owner = next(k for k in after if "__setattr__" in k.__dict__)
-        type.__setattr__(cls, _NEXT_SETATTR.format(id(root)), owner.__dict__["__setattr__"])
+        following = owner.__dict__["__setattr__"]
+        type.__setattr__(cls, _NEXT_SETATTR.format(id(root)), following)
+        generic: list[bool] = root.__dict__[_GENERIC.format(id(root))]
+        if following is not object.__dict__["__setattr__"] and not generic:
+            generic.append(True)
 
 
 class ContractMixin:
