@@ -86,6 +86,12 @@ class _StagingReceiver(StagingHostCore, Protocol):
     def _handle_watermark(self, frames: Sequence[bytes]) -> bool: ...
 
 
+def _set_handler(host: StagingHostCore, handler: StagingHandler | None) -> None:
+    """Assign the host's handler by name: ``_staging_handler`` is read-only in the Protocol
+    (so that a host may declare a narrower type); the host's ``__setattr__`` checks it."""
+    setattr(host, "_staging_handler", handler)  # noqa: B010 - read-only in the Protocol
+
+
 def _counters(host: StagingHostCore) -> StagingCounters | None:
     ctx = host._staging_ctx
     return None if ctx is None else ctx.counters
@@ -146,8 +152,7 @@ class StagingManagerMixin(ContractMixin, contract=STAGING_CONTRACT):
             ContractError: ``handler`` does not satisfy :class:`StagingHandler` (checked by
                 the assignment, as every assignment of ``_staging_handler`` is).
         """
-        host: StagingHostCore = self  # assign through the Protocol, not as a mixin attribute
-        host._staging_handler = handler
+        _set_handler(self, handler)
         host_logger(self).debug("staging handler attached: %r", handler)
 
     def detach_staging_handler(self: StagingHostCore) -> None:
@@ -155,8 +160,7 @@ class StagingManagerMixin(ContractMixin, contract=STAGING_CONTRACT):
 
         **Side:** decode. **Called by:** the scheduler at shutdown.
         """
-        host: StagingHostCore = self
-        host._staging_handler = None
+        _set_handler(self, None)
 
     # ------------------------------------------------------------------ decode side
 
