@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Final, Protocol, TypeVar
 
 from .contract.contract import Contract
 from .contract.enforcement import ContractMixin
+from .contract.witness import HostCheck
 from .control.wire import (
     ChunkReady,
     MalformedMessage,
@@ -42,7 +43,7 @@ from .protocols import (
 )
 from .stats import StagingCounters, StagingStats
 
-__all__ = ["STAGING_CONTRACT", "StagingManagerMixin", "host_logger"]
+__all__ = ["STAGING_CONTRACT", "StagingHostCheck", "StagingManagerMixin", "host_logger"]
 
 _M = TypeVar("_M", StagingReq, StagingRsp, WatermarkUpdate, ChunkReady)
 
@@ -69,6 +70,22 @@ STAGING_CONTRACT: Final = Contract(
 )
 """The :class:`StagingHost` contract, as enforced by :class:`StagingManagerMixin`: every
 assignment to ``_staging_handler`` and ``kv_buffer_tensors`` is checked."""
+
+_Host = TypeVar("_Host", bound=StagingHostCore)
+
+
+class StagingHostCheck(HostCheck[_Host]):
+    """The witness of the :class:`StagingHost` contract: a backend states it as the first
+    statement of its body, after the docstring, naming itself::
+
+        class AcmeKVManager(StagingManagerMixin, CommonKVManager):
+            __contract: ClassVar[StagingHostCheck[AcmeKVManager]]
+
+    so that mypy (no plugin needed), pyright, ty and pyrefly report there a backend that does
+    not satisfy :class:`StagingHostCore`: a member missing, a declared type that is not a
+    subtype, no ``arrival`` (a Mori-like backend). Validated at class creation: it must name
+    the class itself (see :mod:`~staging_contracts.contract.witness`).
+    """
 
 
 def host_logger(host: object) -> logging.Logger:
