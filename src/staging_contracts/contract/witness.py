@@ -55,9 +55,11 @@ __all__ = [
     "Witness",
     "mangled_witness_name",
     "own_witnesses",
+    "unwitnessed",
     "witness_class_for",
     "witness_definition",
     "witness_line",
+    "witness_note",
     "witness_problems",
 ]
 
@@ -224,6 +226,39 @@ def _witness(value: object, cls: type) -> Witness:
         except Exception as exc:  # noqa: BLE001 - reported, with its reason
             return Witness(text, error=f"{type(exc).__name__}: {exc}")
     return Witness(text, origin, _bound(origin), named)
+
+
+# --------------------------------------------------------------------------- recommending
+
+
+def unwitnessed(cls: type, protocols: Sequence[type]) -> tuple[type, ...]:
+    """The Protocols, among ``protocols``, for whose contract ``cls`` states no witness."""
+    stated = own_witnesses(cls) or ()
+    return tuple(p for p in protocols if not any(_serves(w, p) for w in stated))
+
+
+def witness_note(cls: type, protocols: Sequence[type]) -> str | None:
+    """A recommendation (not a problem): the witness ``cls`` could state for each contract
+    over ``protocols`` it states none for; ``None`` when it states every one."""
+    missing = unwitnessed(cls, protocols)
+    if not missing:
+        return None
+    label = class_label(cls)
+    checks = [witness_class_for(p) for p in missing]
+    if all(checks):
+        args = [f"{class_label(c)}[{label}]" for c in checks if c is not None]
+        inner = args[0] if len(args) == 1 else f"tuple[{', '.join(args)}]"
+        ask = f"add '{WITNESS_ATTRIBUTE}: ClassVar[{inner}]'"
+    else:
+        undefined = [p for p, c in zip(missing, checks, strict=True) if c is None]
+        ask = "define the witness class of its contract ({}), then state it, naming {}".format(
+            "; ".join(f"'{witness_definition(p)}'" for p in undefined), label
+        )
+    return (
+        f"note: {label} states no witness of its contract: {ask} as the first statement of "
+        "its body (after the docstring), so that every type checker (mypy, pyright, ty, "
+        "pyrefly) reports a broken contract at the class, with no plugin"
+    )
 
 
 # --------------------------------------------------------------------------- judging
