@@ -30,6 +30,7 @@ from staging_contracts.contract.witness import (
     witness_class_for,
     witness_definition,
     witness_line,
+    witness_note,
 )
 from tests.hosts import CommonBase
 
@@ -295,6 +296,20 @@ def test_explain_lists_a_wrong_witness_after_the_table() -> None:
 
     text = STAGING_CONTRACT.explain(Base)
     assert "! its witness 'StagingHostCheck[Staged]' names Staged, not Base" in text
+
+
+def test_a_witness_of_a_class_whose_module_is_gone_is_not_judged() -> None:
+    """After a failed import (the module removed), a report on the class judges no witness."""
+
+    class Orphan(StagingManagerMixin, CommonBase, abstract=True):
+        _staging_handler: StagingHandler | None = None
+        _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+        arrival: ArrivalMode = "zmq"
+
+    Orphan.__module__ = "a_module_whose_import_failed"
+    Orphan.__annotations__["_Orphan__contract"] = "ClassVar[StagingHostCheck[Orphan]]"
+    assert STAGING_CONTRACT.inspect_class(Orphan).problems == ()
+    assert witness_note(Orphan, [StagingHost]) is None
 
 
 # --------------------------------------------------------------------------- the witness classes

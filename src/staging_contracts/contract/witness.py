@@ -159,6 +159,8 @@ class Witness:
     """The type argument: the class the witness names."""
     error: str = ""
     """Why the annotation could not be resolved at class creation ('' when it was)."""
+    unjudged: bool = False
+    """The annotation could not be looked at (its module is not loaded): no verdict."""
 
 
 def own_witnesses(cls: type) -> tuple[Witness, ...] | None:
@@ -171,6 +173,10 @@ def own_witnesses(cls: type) -> tuple[Witness, ...] | None:
     if name not in annotations:
         return None
     raw: object = annotations[name]
+    if isinstance(raw, str) and cls.__module__ not in sys.modules:
+        # The module is gone (its import failed, and a report is made afterwards): the names
+        # the annotation uses cannot be looked up, so there is no verdict on it.
+        return (Witness(raw, unjudged=True),)
     try:
         value = _evaluate(raw, cls)
     except Exception as exc:  # noqa: BLE001 - any failure is reported, with its reason
@@ -234,6 +240,8 @@ def _witness(value: object, cls: type) -> Witness:
 def unwitnessed(cls: type, protocols: Sequence[type]) -> tuple[type, ...]:
     """The Protocols, among ``protocols``, for whose contract ``cls`` states no witness."""
     stated = own_witnesses(cls) or ()
+    if any(w.unjudged for w in stated):
+        return ()
     return tuple(p for p in protocols if not any(_serves(w, p) for w in stated))
 
 
@@ -294,6 +302,8 @@ def witness_problems(
     expected = witness_line(protocol, cls) or ""
     reports_strays = not others or others[0] is protocol
     for witness in witnesses:
+        if witness.unjudged:
+            continue
         if witness.error:
             if reports_strays:
                 yield _problem(witness, expected, f"cannot be resolved: {witness.error}")
