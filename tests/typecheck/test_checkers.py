@@ -117,15 +117,70 @@ def _run(command: Sequence[str]) -> str:
     return done.stdout
 
 
-def _mypy(run: str, files: Sequence[Path], cache: Path) -> list[Report]:
-    config = EXAMPLES / ("mypy-plugin.ini" if run == "plugin" else "mypy.ini")
+_SEARCH_PATH: Final = (REPO / "src", REPO / "stubs", EXAMPLES)
+"""Where every run finds the library (this checkout's, not an installed one), our stubs, and
+the examples' shared module."""
+
+_MYPY_CONFIG: Final = """\
+[mypy]
+strict = True
+warn_unused_ignores = True
+explicit_package_bases = True
+python_version = 3.11
+mypy_path = {search_path}
+{plugins}
+# Heavy third-party packages the examples never need the types of, and the library's own
+# modules (checked by the repository's own mypy run): skipped or followed silently.
+[mypy-torch.*]
+follow_imports = skip
+
+[mypy-numpy.*]
+follow_imports = skip
+
+[mypy-zmq.*]
+follow_imports = skip
+
+[mypy-staging_contracts.*]
+follow_imports = silent
+"""
+
+_PYREFLY_CONFIG: Final = """\
+# Any pyrefly configuration selects its "default" preset, which checks type arguments against
+# their bounds; without one pyrefly uses "basic", which reports none of these mistakes.
+python-version = "3.11"
+search-path = {search_path}
+"""
+
+
+def write_configs(folder: Path) -> dict[str, Path]:
+    """The configuration of each run, as a backend author's project would have it, with this
+    checkout's absolute paths: mypy strict (with and without our plugin), basedpyright in
+    standard mode, pyrefly with a configuration (its default preset)."""
+    search = [str(path) for path in _SEARCH_PATH]
+    configs = {
+        "mypy": folder / "mypy.ini",
+        "plugin": folder / "mypy-plugin.ini",
+        "pyright": folder / "pyrightconfig.json",
+        "pyrefly": folder / "pyrefly.toml",
+    }
+    for run in ("mypy", "plugin"):
+        plugins = "plugins = staging_contracts.mypy_plugin" if run == "plugin" else ""
+        text = _MYPY_CONFIG.format(search_path=":".join(search), plugins=plugins)
+        configs[run].write_text(text)
+    pyright = {"typeCheckingMode": "standard", "pythonVersion": "3.11", "extraPaths": search}
+    configs["pyright"].write_text(json.dumps(pyright, indent=2))
+    configs["pyrefly"].write_text(_PYREFLY_CONFIG.format(search_path=json.dumps(search)))
+    return configs
+
+
+def _mypy(run: str, files: Sequence[Path], work: Path) -> list[Report]:
     out = _run(
         [
             _tool("mypy"),
             "--config-file",
-            str(config),
+            str(work / ("mypy-plugin.ini" if run == "plugin" else "mypy.ini")),
             "--cache-dir",
-            str(cache / run),
+            str(work / f"cache-{run}"),
             "--output",
             "json",
             *map(str, files),
@@ -141,12 +196,12 @@ def _mypy(run: str, files: Sequence[Path], cache: Path) -> list[Report]:
     return reports
 
 
-def _pyright(files: Sequence[Path]) -> list[Report]:
+def _pyright(files: Sequence[Path], work: Path) -> list[Report]:
     out = _run(
         [
             _tool("basedpyright"),
             "--project",
-            str(EXAMPLES / "pyrightconfig.json"),
+            str(work / "pyrightconfig.json"),
             "--pythonpath",
             sys.executable,
             "--outputjson",
@@ -168,7 +223,6 @@ def _pyright(files: Sequence[Path]) -> list[Report]:
 
 
 def _ty(files: Sequence[Path]) -> list[Report]:
-    paths = [REPO / "src", REPO / "stubs", EXAMPLES]
     out = _run(
         [
             _tool("ty"),
@@ -177,7 +231,7 @@ def _ty(files: Sequence[Path]) -> list[Report]:
             sys.executable,
             "--python-version",
             "3.11",
-            *(arg for path in paths for arg in ("--extra-search-path", str(path))),
+            *(arg for path in _SEARCH_PATH for arg in ("--extra-search-path", str(path))),
             "--output-format",
             "concise",
             *map(str, files),
@@ -193,13 +247,13 @@ def _ty(files: Sequence[Path]) -> list[Report]:
     return reports
 
 
-def _pyrefly(files: Sequence[Path]) -> list[Report]:
+def _pyrefly(files: Sequence[Path], work: Path) -> list[Report]:
     out = _run(
         [
             _tool("pyrefly"),
             "check",
             "--config",
-            str(EXAMPLES / "pyrefly.toml"),
+            str(work / "pyrefly.toml"),
             "--python-interpreter-path",
             sys.executable,
             "--output-format",
@@ -223,15 +277,17 @@ def _pyrefly(files: Sequence[Path]) -> list[Report]:
     ]
 
 
-def run_checkers(cache: Path) -> dict[str, list[Report]]:
-    """Every static run over the examples and our backends, at once (each a process)."""
+def run_checkers(work: Path) -> dict[str, list[Report]]:
+    """Every static run over the examples and our backends, at once (each a process), with
+    its configuration and caches in ``work``."""
+    write_configs(work)
     files = [*_files(), *OURS]
     jobs = {
-        "plugin": lambda: _mypy("plugin", files, cache),
-        "mypy": lambda: _mypy("mypy", files, cache),
-        "pyright": lambda: _pyright(files),
+        "plugin": lambda: _mypy("plugin", files, work),
+        "mypy": lambda: _mypy("mypy", files, work),
+        "pyright": lambda: _pyright(files, work),
         "ty": lambda: _ty(files),
-        "pyrefly": lambda: _pyrefly(files),
+        "pyrefly": lambda: _pyrefly(files, work),
     }
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = {run: pool.submit(job) for run, job in jobs.items()}
@@ -356,7 +412,7 @@ def guide_table() -> str:
 @pytest.fixture(scope="module")
 def static_reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Report]]:
     """The five static runs (a few seconds each, all at once)."""
-    return run_checkers(tmp_path_factory.mktemp("mypy-cache"))
+    return run_checkers(tmp_path_factory.mktemp("checkers"))
 
 
 @pytest.fixture(scope="module")
@@ -432,8 +488,8 @@ def _main(argv: Sequence[str]) -> int:
     """Print the table these runs give; with ``--write``, put it into the guide."""
     import tempfile
 
-    with tempfile.TemporaryDirectory() as cache:
-        static = run_checkers(Path(cache))
+    with tempfile.TemporaryDirectory() as work:
+        static = run_checkers(Path(work))
     runtime = [report for path in _files() for report in runtime_reports(path)]
     table = render_table(static, runtime)
     if "--write" in argv:
