@@ -1,15 +1,17 @@
 """``StagingManagerMixin``: the staging logic shared by every transfer backend.
 
-A backend mixes it in *before* its common base::
+A backend mixes it in *before* its common base, and states its witness::
 
     class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
+        __contract: ClassVar[StagingHostCheck[MooncakeKVManager]]
         _staging_handler: StagingHandler | None
         _staging_ctx: DecodeStagingContext | PrefillStagingContext | None
         ...
 
-and must satisfy :class:`~staging_contracts.protocols.StagingHost`. That is enforced by mypy
-(the methods below take ``self: StagingHostCore``), at class creation, and once per instance
-after construction — never on the hot path.
+and must satisfy :class:`~staging_contracts.protocols.StagingHost`. That is enforced by every
+type checker at the witness (:class:`StagingHostCheck`), by mypy's plugin at the class line and
+wherever a method below is called (they take ``self: StagingHostCore``), at class creation,
+and once per instance after construction — never on the hot path.
 """
 
 from __future__ import annotations

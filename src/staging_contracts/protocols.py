@@ -22,7 +22,11 @@ so a Mori-like backend given the mixin is rejected for lacking it). ``_staging_h
 over at start-up): the contract marks them ``set_later``, so every assignment is checked.
 
 A Protocol cannot mark a member optional, so the required part is its own Protocol,
-:class:`StagingHostCore`, which the mixin's methods use as their self-type.
+:class:`StagingHostCore`, which the mixin's methods use as their self-type and which bounds the
+witness a backend states (``__contract: ClassVar[StagingHostCheck[MyKVManager]]``, see
+:class:`~staging_contracts.mixin.StagingHostCheck`). Its members are read-only properties, so
+that a type checker accepts exactly what the class check accepts (a narrower declared type, an
+``__init__`` assignment); a backend declares them as plain attributes or properties.
 """
 
 from __future__ import annotations
