@@ -330,16 +330,19 @@ def _witness_lines(path: Path) -> set[int]:
 
 def runtime_reports(path: Path) -> list[Report]:
     """Import the example: the class statement that raises ``ContractError``, if any."""
-    name = path.stem
+    before = set(sys.modules)
     sys.path.insert(0, str(EXAMPLES))
     try:
-        importlib.import_module(name)
+        importlib.import_module(path.stem)
     except ContractError as exc:
         line = _class_lines(path)[exc.cls.__name__]
         return [Report("runtime", path, line, "ContractError", str(exc))]
     finally:
         sys.path.remove(str(EXAMPLES))
-        sys.modules.pop(name, None)
+        for name in set(sys.modules) - before:  # the example and the one it imports
+            module_file = getattr(sys.modules[name], "__file__", None) or ""
+            if Path(module_file).parent == EXAMPLES:
+                del sys.modules[name]
     return []
 
 
