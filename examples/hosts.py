@@ -8,6 +8,8 @@ only what the common base has, so it could not be defined with the mixin (as
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from staging_contracts import (
     ArrivalMode,
     DecodeStagingContext,
@@ -15,6 +17,7 @@ from staging_contracts import (
     KVArgsRecord,
     PrefillStagingContext,
     StagingHandler,
+    StagingHostCheck,
     StagingManagerMixin,
 )
 
@@ -33,6 +36,7 @@ class ExampleCommonKVManager:
 class ExampleKVManager(StagingManagerMixin, ExampleCommonKVManager):
     """A staging backend: the mixin first, then the common base; the staging members declared."""
 
+    __contract: ClassVar[StagingHostCheck[ExampleKVManager]]
     _staging_handler: StagingHandler | None = None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
     arrival: ArrivalMode = "zmq"

@@ -23,6 +23,41 @@ def test_check_conforming_class_exits_zero(capsys: pytest.CaptureFixture[str]) -
     assert "verdict: conforms" in out
 
 
+def test_check_recommends_the_witness_to_a_backend_without_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A conforming backend that states no witness conforms (exit 0) and gets the line to add;
+    one that states it gets no such note."""
+    (tmp_path / "unwitnessed_backend.py").write_text(UNWITNESSED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["check", "unwitnessed_backend:Acme"]) == 0
+    last = capsys.readouterr().out.splitlines()[-2]
+    assert last == (
+        "note: Acme states no witness of its contract: add '__contract: "
+        "ClassVar[StagingHostCheck[Acme]]' as the first statement of its body (after the "
+        "docstring), so that every type checker (mypy, pyright, ty, pyrefly) reports a broken "
+        "contract at the class, with no plugin (docs/writing-a-backend.md, section 7)"
+    )
+    assert main(["check", "staging_contracts.backends.nixl:NixlKVManager"]) == 0
+    assert "states no witness" not in capsys.readouterr().out
+
+
+UNWITNESSED = """
+from staging_contracts import (
+    ArrivalMode, DecodeStagingContext, KVArgs, PrefillStagingContext, StagingHandler,
+    StagingManagerMixin,
+)
+
+
+class Acme(StagingManagerMixin):
+    _staging_handler: StagingHandler | None = None
+    _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
+    kv_args: KVArgs
+    attn_tp_size: int = 1
+    arrival: ArrivalMode = "zmq"
+"""
+
+
 def test_check_mori_style_class_exits_one(capsys: pytest.CaptureFixture[str]) -> None:
     """A class without the staging members is explained with its problems; exit status 1."""
     assert main(["check", "examples.hosts:MoriStyleKVManager"]) == 1
@@ -220,7 +255,7 @@ def test_check_notes_a_backend_that_keeps_the_default_hooks(
     assert "_on_idle (staging_idle(self) is not called)" in note
     assert "pytest --staging-backend hookless_kv:Hookless" in note
     assert main(["check", "hookless_kv:Routed"]) == 0
-    assert "note: " not in capsys.readouterr().out
+    assert "keeps CommonKVManager" not in capsys.readouterr().out
 
 
 def test_demo_help_gives_every_geometry_option_its_default() -> None:

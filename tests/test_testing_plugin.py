@@ -269,6 +269,28 @@ def test_keyword_selects_generated_tests(kit_dir: pytest.Pytester) -> None:
     result.assert_outcomes(passed=1, deselected=KIT_TESTS - 1)
 
 
+def test_a_backend_without_a_witness_is_recommended_one_after_the_run(
+    kit_dir: pytest.Pytester,
+) -> None:
+    """The class check passes, and the run ends with the witness line the backend could add;
+    a backend that states its witness (local) gets no note."""
+    result = run(kit_dir, "--staging-backend", "backends:Deaf", "-k", "class_satisfies")
+    result.assert_outcomes(passed=1, deselected=KIT_TESTS - 1)
+    result.stdout.fnmatch_lines(
+        [
+            "*- staging-contracts -*",
+            "note: Deaf states no witness of its contract: add "
+            "'__contract: ClassVar[StagingHostCheck[Deaf]]' as the first statement of its body "
+            "(after the docstring), so that every type checker (mypy, pyright, ty, pyrefly) "
+            "reports a broken contract at the class, with no plugin "
+            "(docs/writing-a-backend.md, section 7)",
+        ]
+    )
+    result = run(kit_dir, "--staging-backend", LOCAL, "-k", "class_satisfies")
+    result.assert_outcomes(passed=1, deselected=KIT_TESTS - 1)
+    assert "states no witness" not in result.stdout.str()
+
+
 def test_malformed_backend_name_is_a_usage_error(pytester: pytest.Pytester) -> None:
     """A value that is not NAME or MODULE:CLASS[=MODULE:FACTORY] stops pytest."""
     result = run(pytester, "--staging-backend", "mod:Class=factory")

@@ -15,7 +15,8 @@ from .contract.contract import (
 )
 from .contract.enforcement import ContractMixin
 from .contract.problems import ContractError, ContractProblem, ProblemKind
-from .mixin import STAGING_CONTRACT, StagingManagerMixin
+from .contract.witness import HostCheck
+from .mixin import STAGING_CONTRACT, StagingHostCheck, StagingManagerMixin
 from .protocols import (
     Allocation,
     ArrivalMode,
@@ -52,6 +53,7 @@ __all__ = [
     "ContractMixin",
     "ContractProblem",
     "DecodeStagingContext",
+    "HostCheck",
     "KVArgs",
     "KVArgsRecord",
     "KVBufferTensors",
@@ -67,6 +69,7 @@ __all__ = [
     "StagingCounters",
     "StagingHandler",
     "StagingHost",
+    "StagingHostCheck",
     "StagingHostCore",
     "StagingManagerMixin",
     "StagingReqOutcome",

@@ -20,7 +20,9 @@ from .contract.contract import Contract, is_abstract
 from .contract.enforcement import contract_roots
 from .contract.problems import ContractError
 from .contract.typeforms import class_label
+from .contract.witness import witness_note
 from .mixin import STAGING_CONTRACT
+from .testing.notes import WITNESS_GUIDE
 
 __all__ = ["main"]
 
@@ -308,7 +310,20 @@ def _check_one(target: str, forced: Contract | None = None) -> int:
     note = _hook_note(obj, target)
     if note is not None:
         print(note)
+    note = _witness_note(obj, contracts)
+    if note is not None:
+        print(note)
     return status
+
+
+def _witness_note(cls: type, contracts: Sequence[Contract]) -> str | None:
+    """A note (not a failure) when a concrete host states no witness for a contract it is
+    held to: the line that would make every type checker report it at its class."""
+    if is_abstract(cls):
+        return None
+    held = [c.protocol for c in contracts if c.mixin is not None and c.mixin in cls.__mro__]
+    note = witness_note(cls, held)
+    return None if note is None else f"{note} ({WITNESS_GUIDE})"
 
 
 def _hook_note(cls: type, target: str) -> str | None:

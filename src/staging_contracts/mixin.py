@@ -1,15 +1,17 @@
 """``StagingManagerMixin``: the staging logic shared by every transfer backend.
 
-A backend mixes it in *before* its common base::
+A backend mixes it in *before* its common base, and states its witness::
 
     class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
+        __contract: ClassVar[StagingHostCheck[MooncakeKVManager]]
         _staging_handler: StagingHandler | None
         _staging_ctx: DecodeStagingContext | PrefillStagingContext | None
         ...
 
-and must satisfy :class:`~staging_contracts.protocols.StagingHost`. That is enforced by mypy
-(the methods below take ``self: StagingHostCore``), at class creation, and once per instance
-after construction — never on the hot path.
+and must satisfy :class:`~staging_contracts.protocols.StagingHost`. That is enforced by every
+type checker at the witness (:class:`StagingHostCheck`), by mypy's plugin at the class line and
+wherever a method below is called (they take ``self: StagingHostCore``), at class creation,
+and once per instance after construction — never on the hot path.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, ClassVar, Final, Protocol, TypeVar
 
 from .contract.contract import Contract
 from .contract.enforcement import ContractMixin
+from .contract.witness import HostCheck
 from .control.wire import (
     ChunkReady,
     MalformedMessage,
@@ -42,7 +45,7 @@ from .protocols import (
 )
 from .stats import StagingCounters, StagingStats
 
-__all__ = ["STAGING_CONTRACT", "StagingManagerMixin", "host_logger"]
+__all__ = ["STAGING_CONTRACT", "StagingHostCheck", "StagingManagerMixin", "host_logger"]
 
 _M = TypeVar("_M", StagingReq, StagingRsp, WatermarkUpdate, ChunkReady)
 
@@ -70,6 +73,22 @@ STAGING_CONTRACT: Final = Contract(
 """The :class:`StagingHost` contract, as enforced by :class:`StagingManagerMixin`: every
 assignment to ``_staging_handler`` and ``kv_buffer_tensors`` is checked."""
 
+_Host = TypeVar("_Host", bound=StagingHostCore)
+
+
+class StagingHostCheck(HostCheck[_Host]):
+    """The witness of the :class:`StagingHost` contract: a backend states it as the first
+    statement of its body, after the docstring, naming itself::
+
+        class AcmeKVManager(StagingManagerMixin, CommonKVManager):
+            __contract: ClassVar[StagingHostCheck[AcmeKVManager]]
+
+    so that mypy (no plugin needed), pyright, ty and pyrefly report there a backend that does
+    not satisfy :class:`StagingHostCore`: a member missing, a declared type that is not a
+    subtype, no ``arrival`` (a Mori-like backend). Validated at class creation: it must name
+    the class itself (see :mod:`~staging_contracts.contract.witness`).
+    """
+
 
 def host_logger(host: object) -> logging.Logger:
     """The logger of a staging host's concrete class (its module's logger)."""
@@ -84,6 +103,12 @@ class _StagingReceiver(StagingHostCore, Protocol):
     def _handle_chunk_ready(self, frames: Sequence[bytes]) -> ArrivalOutcome | None: ...
     def _handle_staging_rsp(self, frames: Sequence[bytes]) -> RegionAnswer | None: ...
     def _handle_watermark(self, frames: Sequence[bytes]) -> bool: ...
+
+
+def _set_handler(host: StagingHostCore, handler: StagingHandler | None) -> None:
+    """Assign the host's handler by name: ``_staging_handler`` is read-only in the Protocol
+    (so that a host may declare a narrower type); the host's ``__setattr__`` checks it."""
+    setattr(host, "_staging_handler", handler)  # noqa: B010 - read-only in the Protocol
 
 
 def _counters(host: StagingHostCore) -> StagingCounters | None:
@@ -146,8 +171,7 @@ class StagingManagerMixin(ContractMixin, contract=STAGING_CONTRACT):
             ContractError: ``handler`` does not satisfy :class:`StagingHandler` (checked by
                 the assignment, as every assignment of ``_staging_handler`` is).
         """
-        host: StagingHostCore = self  # assign through the Protocol, not as a mixin attribute
-        host._staging_handler = handler
+        _set_handler(self, handler)
         host_logger(self).debug("staging handler attached: %r", handler)
 
     def detach_staging_handler(self: StagingHostCore) -> None:
@@ -155,8 +179,7 @@ class StagingManagerMixin(ContractMixin, contract=STAGING_CONTRACT):
 
         **Side:** decode. **Called by:** the scheduler at shutdown.
         """
-        host: StagingHostCore = self
-        host._staging_handler = None
+        _set_handler(self, None)
 
     # ------------------------------------------------------------------ decode side
 

@@ -22,7 +22,11 @@ so a Mori-like backend given the mixin is rejected for lacking it). ``_staging_h
 over at start-up): the contract marks them ``set_later``, so every assignment is checked.
 
 A Protocol cannot mark a member optional, so the required part is its own Protocol,
-:class:`StagingHostCore`, which the mixin's methods use as their self-type.
+:class:`StagingHostCore`, which the mixin's methods use as their self-type and which bounds the
+witness a backend states (``__contract: ClassVar[StagingHostCheck[MyKVManager]]``, see
+:class:`~staging_contracts.mixin.StagingHostCheck`). Its members are read-only properties, so
+that a type checker accepts exactly what the class check accepts (a narrower declared type, an
+``__init__`` assignment); a backend declares them as plain attributes or properties.
 """
 
 from __future__ import annotations
@@ -466,16 +470,36 @@ class TransferEngine(Protocol):
 
 
 class StagingHostCore(Protocol):
-    """The members every staging host must declare (the mixin's self-type)."""
+    """The members every staging host must declare (the mixin's self-type).
 
-    _staging_handler: StagingHandler | None
-    """Decode handler; ``None`` until ``attach_staging_handler`` (always ``None`` on prefill)."""
-    _staging_ctx: DecodeStagingContext | PrefillStagingContext | None
-    """Side-specific staging state; ``None`` while staging is disabled."""
-    kv_args: KVArgs
-    """The backend's KV arguments."""
-    attn_tp_size: int
-    """Attention tensor-parallel size of this side."""
+    Every member is read-only here, so that what a host may declare is what the runtime check
+    accepts: a narrower type (``kv_args: KVArgsRecord``, ``_staging_handler:
+    DecodeStagingHandler | None``), a plain attribute, a property, or an ``__init__``
+    assignment. (A writable Protocol attribute would have to be declared with exactly its
+    type.) The library's own two writes, the handler (``attach_staging_handler``) and the
+    context (``enable_*_staging``), assign by name.
+    """
+
+    @property
+    def _staging_handler(self) -> StagingHandler | None:
+        """Decode handler; ``None`` until ``attach_staging_handler`` (always ``None`` on
+        prefill)."""
+        ...
+
+    @property
+    def _staging_ctx(self) -> DecodeStagingContext | PrefillStagingContext | None:
+        """Side-specific staging state; ``None`` while staging is disabled."""
+        ...
+
+    @property
+    def kv_args(self) -> KVArgs:
+        """The backend's KV arguments."""
+        ...
+
+    @property
+    def attn_tp_size(self) -> int:
+        """Attention tensor-parallel size of this side."""
+        ...
 
     @property
     def arrival(self) -> ArrivalMode:
@@ -488,5 +512,7 @@ class StagingHostCore(Protocol):
 class StagingHost(StagingHostCore, Protocol):
     """The full staging host contract: the core members plus the optional ``kv_buffer_tensors``."""
 
-    kv_buffer_tensors: KVBufferTensors | None
-    """The paged KV pool, when the backend exposes it (checked only when present)."""
+    @property
+    def kv_buffer_tensors(self) -> KVBufferTensors | None:
+        """The paged KV pool, when the backend exposes it (checked only when present)."""
+        ...

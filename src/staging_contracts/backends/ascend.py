@@ -7,6 +7,9 @@ transport; elsewhere any Mooncake protocol can be chosen (tests use ``tcp``).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+from ..mixin import StagingHostCheck
 from ..protocols import KVArgs
 from .common import Role
 from .mooncake import MooncakeKVManager
@@ -26,6 +29,8 @@ class AscendKVManager(MooncakeKVManager):
         protocol: Mooncake transport; ``"ascend"`` on Ascend clusters.
         device_name: the NPU device(s) for Mooncake.
     """
+
+    __contract: ClassVar[StagingHostCheck[AscendKVManager]]
 
     def __init__(
         self,

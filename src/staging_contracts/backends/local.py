@@ -7,9 +7,11 @@ use, tests and examples.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from ..control.security import FROM_ENV
 from ..engines.local import LocalEngine
-from ..mixin import StagingManagerMixin
+from ..mixin import StagingHostCheck, StagingManagerMixin
 from ..protocols import (
     ArrivalMode,
     DecodeStagingContext,
@@ -34,6 +36,8 @@ class LocalKVManager(StagingManagerMixin, CommonKVManager):
         pp_size: pipeline-parallel size of this side.
         engine_name: the engine's session id (default: a unique name).
     """
+
+    __contract: ClassVar[StagingHostCheck[LocalKVManager]]
 
     _staging_handler: StagingHandler | None = None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None

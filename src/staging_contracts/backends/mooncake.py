@@ -6,8 +6,10 @@ carry no notification in this design). Requires the ``mooncake`` extra.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from ..engines import load_engine_class
-from ..mixin import StagingManagerMixin
+from ..mixin import StagingHostCheck, StagingManagerMixin
 from ..protocols import (
     ArrivalMode,
     DecodeStagingContext,
@@ -37,6 +39,8 @@ class MooncakeKVManager(StagingManagerMixin, CommonKVManager):
     Raises:
         ImportError: the Mooncake engine is not installed (names the extra to install).
     """
+
+    __contract: ClassVar[StagingHostCheck[MooncakeKVManager]]
 
     _staging_handler: StagingHandler | None = None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None

@@ -16,10 +16,10 @@ arrive on the listener like every other staging message. Requires the ``nixl`` e
 from __future__ import annotations
 
 import logging
-from typing import Final, get_args
+from typing import ClassVar, Final, get_args
 
 from ..engines import load_engine_class
-from ..mixin import StagingManagerMixin
+from ..mixin import StagingHostCheck, StagingManagerMixin
 from ..protocols import (
     ArrivalMode,
     DecodeStagingContext,
@@ -72,6 +72,8 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             ``"cpu"`` or ``"cuda:N"`` (``engines.nixl.memory_kind``: a bare ``"cuda"`` does
             not say which GPU's memory to register).
     """
+
+    __contract: ClassVar[StagingHostCheck[NixlKVManager]]
 
     _staging_handler: StagingHandler | None = None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None

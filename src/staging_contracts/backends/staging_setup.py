@@ -79,6 +79,14 @@ def _give_pool(backend: StagingBackend, kv_buffers: KVBufferTensors) -> None:
     setattr(backend, "kv_buffer_tensors", kv_buffers)  # noqa: B010 - optional member, not in the Protocol
 
 
+def _set_context(
+    backend: StagingBackend, ctx: DecodeStagingContext | PrefillStagingContext
+) -> None:
+    """Assign the host's ``_staging_ctx`` by name: it is read-only in the Protocol (so that a
+    host may declare it the way the runtime check accepts, a narrower type included)."""
+    setattr(backend, "_staging_ctx", ctx)  # noqa: B010 - read-only in the Protocol
+
+
 def enable_decode_staging(
     backend: StagingBackend,
     *,
@@ -104,7 +112,7 @@ def enable_decode_staging(
     allocator = StagingAllocator(ring_bytes, device=kv_args.device)
     backend.engine.register(allocator.base_ptr, ring_bytes)
     _give_pool(backend, kv_buffers)
-    backend._staging_ctx = DecodeStagingContext(allocator)
+    _set_context(backend, DecodeStagingContext(allocator))
     handler = DecodeStagingHandler(
         allocator=allocator,
         kv_buffers=kv_buffers,
@@ -198,7 +206,7 @@ def enable_prefill_staging(
     )
     # only once the writer exists: a refused arrival leaves the backend as it was
     _give_pool(backend, kv_buffers)
-    backend._staging_ctx = PrefillStagingContext(watermarks, regions)
+    _set_context(backend, PrefillStagingContext(watermarks, regions))
     backend.register_control(
         RoomFence.KIND, lambda frames: writer.handle_room_fence(RoomFence.from_frames(frames))
     )

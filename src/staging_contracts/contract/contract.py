@@ -4,8 +4,8 @@ Domain-free. A :class:`Contract` is built once from a Protocol (its members and 
 resolved then, never per check) and answers three questions about a host class:
 
 * :meth:`Contract.check_class` — does the class *declare* every required member, with a
-  declared type that is not clearly incompatible, and does no base listed before the mixin
-  shadow a method the mixin provides?
+  declared type that is not clearly incompatible, does no base listed before the mixin
+  shadow a method the mixin provides, and does the witness it states, if any, name it?
 * :meth:`Contract.check_instance` — after construction, does each member *hold* a value of its
   declared type (typeguard, every item of every collection)?
 * :meth:`Contract.explain` — a table of each member: expected type, where and how it is
@@ -38,6 +38,7 @@ from .problems import ContractError, ContractProblem, ProblemKind
 from .signatures import call_problem
 from .typeforms import Compat, class_label, declared_compatibility, type_name
 from .valuecheck import ValueChecker, compile_checker
+from .witness import witness_problems
 
 ABSTRACT_MARK: Final = "__contract_abstract__"
 """Class attribute set by enforcing mixins on classes created with ``abstract=True``."""
@@ -238,6 +239,7 @@ class Contract:
                     )
                 )
         problems.extend(self._shadowing_problems(cls))
+        problems.extend(witness_problems(cls, self.protocol, _held_protocols(cls)))
         return ClassReport(cls, tuple(rows), tuple(problems), abstract)
 
     def check_class(self, cls: type) -> None:
@@ -403,7 +405,7 @@ class Contract:
         """A table of every member of the contract as ``cls`` declares it, then a verdict.
 
         Columns: member, expected type, declared in, declared as, status. Shadowed mixin
-        methods follow the table.
+        methods and a wrong witness (:mod:`.witness`) follow the table.
         """
         report = self.inspect_class(cls, abstract=is_abstract(cls))
         header = ("member", "expected", "declared in", "declared type", "status")
@@ -431,7 +433,7 @@ class Contract:
             if index == 0:
                 lines.append("  ".join("-" * w for w in widths))
         for problem in report.problems:
-            if problem.kind is ProblemKind.SHADOWED:
+            if problem.kind in (ProblemKind.SHADOWED, ProblemKind.WITNESS):
                 lines.append(f"! {problem.describe(instance=False)}")
         lines.append(f"verdict: {self._verdict(report)}")
         return "\n".join(lines)
@@ -471,6 +473,16 @@ class Contract:
         if abstract:
             return f"{reason}, checked per instance of its subclasses (abstract=True)"
         return text
+
+
+def _held_protocols(cls: type) -> tuple[type, ...]:
+    """The Protocols of the contracts the mixins in ``cls``'s MRO enforce, nearest first."""
+    found: list[type] = []
+    for klass in cls.__mro__:
+        contract = klass.__dict__.get("contract")
+        if isinstance(contract, Contract) and contract.mixin is klass:
+            found.append(contract.protocol)
+    return tuple(found)
 
 
 def _qualified(cls: type) -> str:

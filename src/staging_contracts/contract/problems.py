@@ -20,6 +20,9 @@ class ProblemKind(enum.Enum):
     """The declared type, or the value's type, is incompatible with the Protocol's."""
     SHADOWED = "shadowed"
     """A method the mixin provides resolves to a base listed before the mixin."""
+    WITNESS = "witness"
+    """The witness the class states (``__contract: ClassVar[...]``) names another class,
+    serves another contract, or cannot be resolved (:mod:`.witness`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,9 +32,10 @@ class ContractProblem:
     kind: ProblemKind
     """What is wrong."""
     member: str
-    """The member (or, for ``SHADOWED``, the mixin method) concerned."""
+    """The member (for ``SHADOWED``, the mixin method; for ``WITNESS``, the annotation)."""
     expected: str
-    """The expected type, rendered (empty for ``SHADOWED``)."""
+    """The expected type, rendered (empty for ``SHADOWED``; for ``WITNESS``, the witness line
+    the class should state, or empty when the contract has no witness class)."""
     actual: str = ""
     """The declared type, the value's type, or the shadowing base's name."""
     where: str = ""
@@ -50,6 +54,8 @@ class ContractProblem:
                 f"method {self.member!r} of the mixin is shadowed by base {self.actual!r}, "
                 "which is listed before the mixin"
             )
+        if self.kind is ProblemKind.WITNESS:
+            return f"its witness {self.actual!r} {self.detail}"
         extra = f": {self.detail}" if self.detail else ""
         if instance:
             noun = "method" if self.method else "attribute"
@@ -78,6 +84,7 @@ class ContractError(TypeError):
         missing: names of members not declared (class) or not set (instance).
         mismatched: names of members whose declared type or value type is wrong.
         shadowed: names of mixin methods shadowed by a base listed before the mixin.
+        witness: ``("__contract",)`` when the witness the class states is wrong, else empty.
         instance: ``True`` when raised by the per-instance check or an assignment check.
         assignment: ``True`` when raised by the check of an assignment to a member (the
             assignment did not happen: the member keeps its old value).
@@ -102,6 +109,7 @@ class ContractError(TypeError):
         self.missing = self._names(ProblemKind.MISSING)
         self.mismatched = self._names(ProblemKind.MISMATCHED)
         self.shadowed = self._names(ProblemKind.SHADOWED)
+        self.witness = tuple(dict.fromkeys(self._names(ProblemKind.WITNESS)))
         super().__init__(self._render())
 
     def _names(self, kind: ProblemKind) -> tuple[str, ...]:
@@ -155,6 +163,8 @@ class ContractError(TypeError):
                     )
                 )
                 hints.append(f"List {mixin} before {bases} in the bases of the class.")
+            if self.witness:
+                hints.append(self._witness_hint())
         return "Fix: " + " ".join(hints)
 
     def _declare_hint(self) -> str:
@@ -175,6 +185,19 @@ class ContractError(TypeError):
         return (
             f"Declare each missing member on the class or one of its bases ({'; '.join(ways)})"
             + tail
+        )
+
+    def _witness_hint(self) -> str:
+        witness = [p for p in self.problems if p.kind is ProblemKind.WITNESS]
+        lines = dict.fromkeys(repr(p.expected) for p in witness if p.expected)
+        if not lines:
+            return (
+                "Remove the witness, or define the witness class of the contract (a HostCheck "
+                "subclass bound by its Protocol) and name the class itself in it."
+            )
+        runtime = any(p.detail.startswith("cannot be resolved") for p in witness)
+        return f"State the witness as {', '.join(lines)}" + (
+            ", its names imported at run time (not under TYPE_CHECKING)." if runtime else "."
         )
 
 

@@ -46,6 +46,7 @@ from ..contract.contract import Contract, is_abstract
 from ..contract.enforcement import contract_roots
 from ..contract.problems import ContractError
 from ..contract.typeforms import class_label
+from ..contract.witness import witness_note
 from ..control.wire import ALLOC_OVERSIZED, ChunkReady, MalformedMessage, StagingReq
 from ..decode.rooms import RoomStatus
 from ..mixin import StagingManagerMixin
@@ -61,6 +62,7 @@ from .harness import (
     run_transfer,
 )
 from .live import WAIT_S, LiveDecode, kit_fail
+from .notes import WITNESS_GUIDE, WITNESS_NOTES
 from .targets import BackendLoadError, BackendTarget, contract_of
 
 __all__ = ["NO_FACTORY_MESSAGE", "NO_MANAGER_FACTORY_MESSAGE", "StagingBackendContract"]
@@ -352,8 +354,9 @@ class StagingBackendContract:
 
     # ------------------------------------------------------------------ class checks
 
-    def test_class_satisfies_the_contract(self) -> None:
-        """The backend uses an enforcing mixin and declares every member of its contract."""
+    def test_class_satisfies_the_contract(self, request: pytest.FixtureRequest) -> None:
+        """The backend uses an enforcing mixin and declares every member of its contract (a
+        witness it states names it; one it lacks is recommended at the end of the run)."""
         cls = self._backend()
         contracts = self._contracts(cls)
         explanation = "\n\n".join(contract.explain(cls) for contract in contracts)
@@ -372,6 +375,10 @@ class StagingBackendContract:
             report = contract.inspect_class(cls)
             if report.problems:
                 kit_fail(f"{contract.class_error(report)}\n\n{explanation}")
+        note = witness_note(cls, [contract.protocol for contract in contracts])
+        if note is not None:
+            notes = request.config.stash.setdefault(WITNESS_NOTES, {})
+            notes[f"{cls.__module__}.{cls.__qualname__}"] = f"{note} ({WITNESS_GUIDE})"
 
     def test_explanation_covers_every_member(self, request: pytest.FixtureRequest) -> None:
         """Each contract's explanation lists every member and its verdict is 'conforms'."""

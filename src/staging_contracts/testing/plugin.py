@@ -25,6 +25,10 @@ each backend the plugin adds a test class generated from
 collected: if that fails (the module does not import, or the contract rejects a ``class``
 statement), the class is one collection error that says why, and none of its tests run.
 
+After the run it lists, under ``staging-contracts``, each backend the kit checked that states
+no witness (``__contract: ClassVar[StagingHostCheck[MyKVManager]]``), with the line to add:
+a recommendation, not a failure (see :mod:`~staging_contracts.contract.witness`).
+
 It also shortens two collection errors a backend author meets in a test module of their own:
 a ``class`` statement the contract rejects while the module is imported is reported with the
 contract's message and the class's explanation (no frames of the library), and a module that
@@ -48,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Final
 import pytest
 
 from ..contract.problems import ContractError
+from .notes import WITNESS_NOTES
 
 if TYPE_CHECKING:
     from .kit import StagingBackendContract
@@ -61,6 +66,7 @@ __all__ = [
     "pytest_collection_modifyitems",
     "pytest_configure",
     "pytest_exception_interact",
+    "pytest_terminal_summary",
 ]
 
 INI_KEY: Final = "staging_backend"
@@ -129,6 +135,16 @@ def pytest_collection_modifyitems(
         return
     module = _KitModule.from_parent(session, path=config.rootpath / NODE_NAME, targets=targets)
     items.extend(session.genitems(module))
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """After the run: the witness each checked backend could state (a recommendation)."""
+    notes = config.stash.get(WITNESS_NOTES, {})
+    if not notes:
+        return
+    terminalreporter.section("staging-contracts", sep="-")
+    for note in notes.values():
+        terminalreporter.line(note)
 
 
 def pytest_exception_interact(

@@ -3,6 +3,9 @@
 What a backend needs to satisfy the ``StagingHost`` contract of ``StagingManagerMixin``:
 
 * the mixin listed *before* the common base;
+* its witness, ``__contract: ClassVar[StagingHostCheck[AcmeKVManager]]``, the first statement
+  of its body: every type checker (mypy, pyright, ty, pyrefly) then reports a broken contract
+  on that line, with no plugin;
 * the two staging members declared with their types (``kv_args`` and ``attn_tp_size`` come
   from ``CommonKVManager``; ``kv_buffer_tensors`` is optional);
 * its staging capability, ``arrival``: how its prefill writers tell decode that a write
@@ -22,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from typing import ClassVar
 
 from staging_contracts import (
     ArrivalMode,
@@ -30,6 +34,7 @@ from staging_contracts import (
     KVBufferTensors,
     PrefillStagingContext,
     StagingHandler,
+    StagingHostCheck,
     StagingManagerMixin,
 )
 from staging_contracts.backends.common import CommonKVManager, Role
@@ -58,6 +63,8 @@ class AcmeKVManager(StagingManagerMixin, CommonKVManager):
             ``LocalEngine``, whose peers must live in this process.
         host: address the control listener binds (loopback by default).
     """
+
+    __contract: ClassVar[StagingHostCheck[AcmeKVManager]]
 
     _staging_handler: StagingHandler | None = None
     _staging_ctx: DecodeStagingContext | PrefillStagingContext | None = None
@@ -114,6 +121,8 @@ def over_nixl(
 class AcmeNixlKVManager(AcmeKVManager):
     """``AcmeKVManager`` over a NIXL agent with the standard constructor (registered as
     ``acme-nixl``): what :func:`over_nixl` builds, for ``--backend acme-nixl``."""
+
+    __contract: ClassVar[StagingHostCheck[AcmeNixlKVManager]]
 
     def __init__(
         self, kv_args: KVArgs, *, role: Role, attn_tp_size: int, host: str = "127.0.0.1"
