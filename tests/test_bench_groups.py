@@ -46,6 +46,9 @@ HEAD_SLICE_NOTES = {
 
 CONTRACT_ROWS = [  # name, unit, goal in full mode (quick rows have none)
     ("contract.per-call", "ns/call", "<= 1.02"),
+    ("contract.member-read", "ns/read", "<= 1.05"),
+    ("contract.member-assign", "ns/assign", ""),
+    ("contract.member-assign.unwatched", "ns/assign", ""),
     ("contract.instance-check", "us/check", "<= 0.3"),
     ("contract.instance-check.cold", "us/check", "<= 1.0"),
     ("contract.class-check", "us/class", ""),
