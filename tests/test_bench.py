@@ -25,6 +25,9 @@ def test_bench_contract_writes_json_rows(
     rows = json.loads(out_path.read_text())
     assert [r["name"] for r in rows] == [
         "contract.per-call",
+        "contract.member-read",
+        "contract.member-assign",
+        "contract.member-assign.unwatched",
         "contract.instance-check",
         "contract.instance-check.cold",
         "contract.class-check",
@@ -34,9 +37,9 @@ def test_bench_contract_writes_json_rows(
         assert row["ours"] > 0
         assert row["anchor"] > 0
     # quick: a smoke test, no goal; every note says so first
-    assert [r["goal"] for r in rows] == ["", "", "", ""]
-    assert [r["note"].startswith("quick: smoke only") for r in rows] == [True] * 4
-    assert [r["note"] == "quick: smoke only" for r in rows] == [True, False, False, True]
+    assert [r["goal"] for r in rows] == [""] * 7
+    assert [r["note"].startswith("quick: smoke only") for r in rows] == [True] * 7
+    assert [r["note"] == "quick: smoke only" for r in rows] == [True, False, False, False, False, False, True]
     table = capsys.readouterr().out
     assert table.splitlines()[0].split() == [
         "name",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -150,11 +151,12 @@ class NotAMixin:
 
 
 @pytest.fixture
-def cache_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+def cache_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A module with a second ContractMixin and classes to check against it."""
-    (tmp_path / "cache_contract.py").write_text(CACHE_MODULE)
+    (tmp_path / "cli_cache_contract.py").write_text(CACHE_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    return "cache_contract"
+    yield "cli_cache_contract"
+    sys.modules.pop("cli_cache_contract", None)  # no later test may import this one by name
 
 
 def test_check_against_another_mixin(cache_module: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -162,7 +164,7 @@ def test_check_against_another_mixin(cache_module: str, capsys: pytest.CaptureFi
     assert main(["check", "--mixin", f"{cache_module}:CacheMixin", f"{cache_module}:Good"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0] == (
-        "cache_contract.Good against the CacheHost contract of CacheMixin"
+        "cli_cache_contract.Good against the CacheHost contract of CacheMixin"
     )
     assert "verdict: conforms" in out
     assert "_staging_ctx" not in out
@@ -175,8 +177,8 @@ def test_check_against_another_mixin(cache_module: str, capsys: pytest.CaptureFi
 @pytest.mark.parametrize(
     ("mixin", "message"),
     [
-        ("cache_contract:NotAMixin", "NotAMixin is not an enforcing mixin (a ContractMixin"),
-        ("cache_contract:Missing", "'cache_contract' has no attribute 'Missing'"),
+        ("cli_cache_contract:NotAMixin", "NotAMixin is not an enforcing mixin (a ContractMixin"),
+        ("cli_cache_contract:Missing", "'cli_cache_contract' has no attribute 'Missing'"),
         ("nowhere_mod:Mixin", "cannot import 'nowhere_mod'"),
     ],
 )
