@@ -130,7 +130,7 @@ def test_contract_group_rows() -> None:
     notes = {row.name: row.note for row in rows}
     assert "cache of its Protocol-typed members always hits" in notes["contract.instance-check"]
     assert "first of a host of a new class" in notes["contract.instance-check.cold"]
-    assert "typeguard.check_type(host, StagingHost" in notes["contract.instance-check.cold"]
+    assert "typeguard.check_type(host, HostValues" in notes["contract.instance-check.cold"]
 
 
 def test_cold_hosts_are_unseen_by_the_conformance_cache() -> None:

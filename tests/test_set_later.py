@@ -67,7 +67,7 @@ def test_a_wrong_typed_assignment_raises_and_keeps_the_old_value() -> None:
         ContractError,
         match=(
             r"^Host instance does not satisfy the Attached contract of AttachedMixin "
-            r"\(assignment refused; the member keeps its value\):\n"
+            r"\(assignment refused; the member is unchanged\):\n"
             r"  - attribute 'handler' is str \(expected Handler \| None\)"
         ),
     ) as info:
@@ -211,3 +211,33 @@ def test_set_later_must_name_attribute_members() -> None:
         Contract(WithMethod, set_later=("start",))
     with pytest.raises(TypeError, match=r"^set_later names \['nope'\] are not members"):
         Contract(WithMethod, set_later=("nope",))
+
+
+def test_two_mixins_with_set_later_members_share_a_host_in_either_order() -> None:
+    """Each mixin's __setattr__ hands assignments on, so both checks run whichever is first."""
+
+    class Pooled(Protocol):
+        pool: dict[str, int] | None
+
+    class PoolMixin(ContractMixin, contract=Contract(Pooled, set_later=("pool",))):
+        pass
+
+    class HandlerFirst(AttachedMixin, PoolMixin):
+        handler: Handler | None
+        pool: dict[str, int] | None
+        size: int = 1
+
+    class PoolFirst(PoolMixin, AttachedMixin):
+        handler: Handler | None
+        pool: dict[str, int] | None
+        size: int = 1
+
+    for host_class in (HandlerFirst, PoolFirst):
+        host = host_class()
+        with pytest.raises(ContractError, match=r"attribute 'handler' is int"):
+            host.handler = 1  # type: ignore[assignment]  # the mistake under test
+        with pytest.raises(ContractError, match=r"attribute 'pool' is list"):
+            host.pool = [1]  # type: ignore[assignment]  # the mistake under test
+        host.pool = {"pages": 1}
+        host.handler = GoodHandler()
+        assert host.pool == {"pages": 1}

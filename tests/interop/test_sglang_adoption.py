@@ -188,7 +188,7 @@ def test_a_wrong_typed_assignment_to_a_built_manager_is_refused(
     assert found["error"] == "ContractError"
     assert found["kept"] is True
     assert f"attribute {member!r} is " in found["text"]
-    assert "(assignment refused; the member keeps its value)" in found["text"]
+    assert "(assignment refused; the member is unchanged)" in found["text"]
     assert plain_report["assignments"][member] == {"error": None, "kept": False}
 
 

@@ -40,6 +40,10 @@ from .typeforms import Compat, class_label, declared_compatibility, type_name
 from .valuecheck import ValueChecker, compile_checker
 from .witness import witness_problems
 
+CHAINS_SETATTR: Final = "__contract_chains_setattr__"
+"""Set on the ``__setattr__`` an enforcing mixin gains: it hands every assignment on to the
+next ``__setattr__`` of the host's MRO, so listing it before another mixin hides nothing."""
+
 ABSTRACT_MARK: Final = "__contract_abstract__"
 """Class attribute set by enforcing mixins on classes created with ``abstract=True``."""
 
@@ -296,6 +300,8 @@ class Contract:
             methods.append("__setattr__")  # where the set_later members are checked
         for method in methods:
             owner = next(k for k in cls.__mro__ if method in k.__dict__)
+            if getattr(owner.__dict__[method], CHAINS_SETATTR, False):
+                continue  # another enforcing mixin's check: it hands the assignment on
             if owner not in mixin.__mro__ and not issubclass(owner, mixin):
                 yield ContractProblem(
                     ProblemKind.SHADOWED, method, "", actual=self._label(owner, cls)

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
-from .contract import ABSTRACT_MARK, Contract, is_abstract
+from .contract import ABSTRACT_MARK, CHAINS_SETATTR, Contract, is_abstract
 
 __all__ = ["ContractMixin", "contract_roots"]
 
@@ -129,6 +129,7 @@ def _install_assignment_check(mixin: type, contract: Contract) -> None:
 
     __setattr__.__qualname__ = f"{mixin.__qualname__}.__setattr__"
     __setattr__.__module__ = mixin.__module__
+    setattr(__setattr__, CHAINS_SETATTR, True)
     type.__setattr__(mixin, "__setattr__", __setattr__)
     type.__setattr__(mixin, _GENERIC.format(id(mixin)), generic)
     _resolve_next_setattr(mixin)

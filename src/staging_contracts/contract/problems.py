@@ -120,7 +120,7 @@ class ContractError(TypeError):
         subject = f"{class_label(self.cls)} instance" if self.instance else class_label(self.cls)
         after = " after __init__" if self.instance else ""
         if self.assignment:
-            after = " (assignment refused; the member keeps its value)"
+            after = " (assignment refused; the member is unchanged)"
         lines = [f"{subject} does not satisfy the {self.contract_name} contract{of_mixin}{after}:"]
         lines.extend(f"  - {p.describe(instance=self.instance)}" for p in self.problems)
         lines.append(self._fix())
