@@ -200,3 +200,79 @@ def _class_line(path: Path, name: str) -> int:
 def _unquoted(text: str) -> str:
     """Drop quotes: the runtime quotes names with ``'``, mypy names and types with ``"``."""
     return text.replace("'", "").replace('"', "")
+
+
+_CACHE_PROTOCOL = """\
+from typing import Protocol
+
+from staging_contracts import Contract
+
+
+class XmodCacheHost(Protocol):
+    cache_dir: {type}
+
+
+XMOD_CONTRACT = Contract(XmodCacheHost)
+"""
+
+_CACHE_MIXINS = """\
+from staging_contracts import Contract, ContractMixin
+from xmod_protocol import XMOD_CONTRACT, XmodCacheHost
+
+
+class BoundElsewhere(ContractMixin, contract=XMOD_CONTRACT):
+    pass
+
+
+class CalledHere(ContractMixin, contract=Contract(XmodCacheHost)):
+    pass
+"""
+
+_CACHE_HOSTS = """\
+from xmod_mixins import BoundElsewhere, CalledHere
+
+
+class StrHostOfBound(BoundElsewhere):
+    cache_dir: str = "/tmp"
+
+
+class StrHostOfCalled(CalledHere):
+    cache_dir: str = "/tmp"
+"""
+
+
+def _write_cross_module(host_dir: Path, cache_dir_type: str) -> list[Path]:
+    files = {
+        "xmod_protocol": _CACHE_PROTOCOL.format(type=cache_dir_type),
+        "xmod_mixins": _CACHE_MIXINS,
+        "xmod_hosts": _CACHE_HOSTS,
+    }
+    paths = []
+    for name, text in files.items():
+        path = host_dir / f"{name}.py"
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+        paths.append(path)
+    return paths
+
+
+def test_contracts_bound_and_protocols_defined_in_other_modules_are_read_and_stay_fresh(
+    mypy_cache: Path, host_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mixin naming a contract bound in another module is checked (mypy has freed that
+    module's tree by then, or read it from the cache); editing the Protocol there re-checks
+    the hosts of both mixins with the warm cache, with no stale verdict."""
+    monkeypatch.chdir(ROOT)
+    paths = _write_cross_module(host_dir, "str")
+    output, status = run_mypy(mypy_cache, *paths)
+    assert (output, status) == ("", 0)
+    output, status = run_mypy(mypy_cache, *paths)  # from the cache: still read
+    assert (output, status) == ("", 0)
+
+    paths = _write_cross_module(host_dir, "int")
+    output, status = run_mypy(mypy_cache, *paths)
+    assert status == 1
+    failing = sorted(re.findall(r"error: (\w+) does not satisfy the XmodCacheHost", output))
+    assert failing == ["StrHostOfBound", "StrHostOfCalled"]
+    assert "cannot be read statically" not in output
+    _write_cross_module(host_dir, "str")  # back, for the next run's cache

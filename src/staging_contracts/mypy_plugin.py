@@ -58,6 +58,7 @@ from mypy.checker import TypeChecker
 from mypy.errorcodes import ErrorCode
 from mypy.messages import format_type, format_type_distinctly, pretty_callable
 from mypy.nodes import (
+    GDEF,
     MDEF,
     CallExpr,
     ClassDef,
@@ -69,7 +70,13 @@ from mypy.nodes import (
     Var,
 )
 from mypy.options import Options
-from mypy.plugin import ClassDefContext, MethodContext, Plugin, ReportConfigContext
+from mypy.plugin import (
+    ClassDefContext,
+    DynamicClassDefContext,
+    MethodContext,
+    Plugin,
+    ReportConfigContext,
+)
 from mypy.types import CallableType, PartialType, Type, get_proper_type
 
 from .contract import mypy_analysis, mypy_contracts
@@ -89,7 +96,15 @@ from .contract.mypy_analysis import (
     slot_names,
     stored_names,
 )
-from .contract.mypy_contracts import CONTRACT_MIXIN, ContractFacts, read_contract
+from .contract.mypy_contracts import (
+    CONTRACT_CLASS,
+    CONTRACT_MIXIN,
+    FACTS_KEY,
+    ContractFacts,
+    facts_symbol,
+    read_call,
+    read_contract,
+)
 from .contract.problems import ProblemKind
 
 __all__ = [
@@ -135,6 +150,13 @@ _CODES: Final = {
 
 _ROOT_KEY: Final = "contract_root"
 """Facts key of an enforcing mixin: its :class:`ContractFacts` (JSON)."""
+
+_PROTOCOL_DIGEST_KEY: Final = "contract_protocol"
+"""Facts key of an enforcing mixin: a digest of its Protocol's members and their types.
+
+Kept so that editing the Protocol (in another module, say) changes the mixin's module as
+mypy's cache sees it, and modules whose hosts use the mixin are checked again.
+"""
 
 
 def _source_digest() -> str:
@@ -189,6 +211,14 @@ class StagingContractsPlugin(Plugin):
             return
         for contract in self._contracts_of(info):
             _declare_for_type_checking(ctx, info, contract)
+
+    def get_dynamic_class_hook(
+        self, fullname: str
+    ) -> Callable[[DynamicClassDefContext], None] | None:
+        """Read ``NAME = Contract(...)`` where it is bound, for mixins of other modules."""
+        if fullname == CONTRACT_CLASS:
+            return _remember_contract_binding
+        return None
 
     def get_method_hook(self, fullname: str) -> Callable[[MethodContext], Type] | None:
         """Hook the implicit ``Base.__init_subclass__(**keywords)`` call of class statements."""
@@ -255,6 +285,44 @@ def _remember_contract(ctx: ClassDefContext) -> None:
             )
         return
     _store(ctx.cls.info, _ROOT_KEY, facts.to_json())
+    protocol = ctx.api.lookup_fully_qualified_or_none(facts.protocol)
+    if protocol is not None and isinstance(protocol.node, TypeInfo):
+        _store(ctx.cls.info, _PROTOCOL_DIGEST_KEY, _protocol_digest(protocol.node))
+
+
+def _protocol_digest(protocol: TypeInfo) -> str:
+    """A digest of the members (names and types) of ``protocol`` and its Protocol bases."""
+    digest = hashlib.sha256()
+    for klass in protocol.mro:
+        if not klass.is_protocol:
+            continue
+        digest.update(klass.fullname.encode())
+        for name in sorted(klass.names):
+            node = klass.names[name].node
+            digest.update(f"\0{name}:{type(node).__name__}:{getattr(node, 'type', None)}".encode())
+    return digest.hexdigest()[:16]
+
+
+def _remember_contract_binding(ctx: DynamicClassDefContext) -> None:
+    """Keep the facts of a module-level ``NAME = Contract(...)`` in its module's symbol table
+    (:func:`~staging_contracts.contract.mypy_contracts.facts_symbol`), where a mixin of another
+    module finds them once this module's syntax tree is gone. A binding inside a function is
+    read from the syntax tree of the module being analysed, which is still there."""
+    api = ctx.api
+    is_func_scope = getattr(api, "is_func_scope", None)
+    if not callable(is_func_scope) or is_func_scope():
+        return
+    facts = read_call(ctx.call)
+    if isinstance(facts, str):
+        return  # the mixin that names it says why, once
+    name = facts_symbol(ctx.name)
+    kept = api.lookup_fully_qualified_or_none(api.qualified_name(name))
+    if kept is None or not isinstance(kept.node, TypeInfo):
+        info = api.basic_new_typeinfo(name, api.named_type("builtins.object"), ctx.call.line)
+        api.add_symbol_table_node(name, SymbolTableNode(GDEF, info, plugin_generated=True))
+    else:
+        info = kept.node
+    _store(info, FACTS_KEY, facts.to_json())
 
 
 def _declare_for_type_checking(

@@ -14,9 +14,15 @@ one, at module level or in the function that defines the mixin. The call's first
 names the Protocol; ``optional=`` and ``set_later=`` are literal tuples, lists or sets of
 strings. :func:`read_contract` turns that
 into :class:`ContractFacts`, which the plugin keeps in the mixin's ``TypeInfo.metadata`` (so
-that they survive mypy's cache, and classes of other modules and packages find them). A
-``contract=`` the plugin cannot read statically (built by a function call, say) is reported by
-:func:`read_contract` as the reason, and that mixin's hosts are left to the runtime checks.
+that they survive mypy's cache, and classes of other modules and packages find them).
+
+A name bound to a ``Contract(...)`` at module level is read where it is bound, when mypy
+analyses that module: the plugin keeps its facts in the module's symbol table, under
+:func:`facts_symbol` of the name, because a module's syntax tree is gone (freed after type
+checking, or never built when it comes from the cache) by the time another module's mixin
+names it. A ``contract=`` the plugin cannot read statically (built by a function call, say)
+is reported by :func:`read_contract` as the reason, and that mixin's hosts are left to the
+runtime checks.
 """
 
 from __future__ import annotations
@@ -44,11 +50,15 @@ from mypy.nodes import (
     Var,
 )
 
+from .mypy_analysis import METADATA_KEY
+
 __all__ = [
     "CONTRACT_CLASS",
     "CONTRACT_MIXIN",
     "ContractFacts",
     "ModuleLookup",
+    "facts_symbol",
+    "read_call",
     "read_contract",
 ]
 
@@ -93,6 +103,18 @@ class ContractFacts:
         )
 
 
+FACTS_KEY: Final = "contract_binding"
+"""Metadata key (under the plugin's) of the facts of a module-level ``NAME = Contract(...)``."""
+
+
+def facts_symbol(name: str) -> str:
+    """The symbol-table name under which the facts of ``name = Contract(...)`` are kept.
+
+    Not an identifier, so that it can never be a name of the module's own code.
+    """
+    return f"{name}@staging-contract"
+
+
 def read_contract(keyword: Expression, modules: ModuleLookup, module: str) -> ContractFacts | str:
     """The contract a ``contract=`` class keyword names, or why it cannot be read statically.
 
@@ -102,8 +124,13 @@ def read_contract(keyword: Expression, modules: ModuleLookup, module: str) -> Co
         module: the module of the class statement (where a local name is bound).
     """
     call = _contract_call(keyword, modules, module)
-    if isinstance(call, str):
+    if isinstance(call, str | ContractFacts):
         return call
+    return read_call(call)
+
+
+def read_call(call: CallExpr) -> ContractFacts | str:
+    """The facts of a ``Contract(...)`` call, or why they cannot be read statically."""
     protocol: str | None = None
     lists: dict[str, tuple[str, ...]] = {}
     for arg, kind, name in zip(call.args, call.arg_kinds, call.arg_names, strict=True):
@@ -123,7 +150,9 @@ def read_contract(keyword: Expression, modules: ModuleLookup, module: str) -> Co
     return ContractFacts(protocol, lists.get("optional", ()), lists.get("set_later", ()))
 
 
-def _contract_call(keyword: Expression, modules: ModuleLookup, module: str) -> CallExpr | str:
+def _contract_call(
+    keyword: Expression, modules: ModuleLookup, module: str
+) -> CallExpr | ContractFacts | str:
     if isinstance(keyword, CallExpr):
         if _is_contract(keyword.callee):
             return keyword
@@ -135,6 +164,11 @@ def _contract_call(keyword: Expression, modules: ModuleLookup, module: str) -> C
     tree = modules.get(owner)
     if tree is None:
         return f"module {owner!r} is not in this run"
+    kept = tree.names.get(facts_symbol(var.name))
+    if kept is not None and isinstance(kept.node, TypeInfo):
+        facts = ContractFacts.from_json(kept.node.metadata.get(METADATA_KEY, {}).get(FACTS_KEY))
+        if facts is not None:
+            return facts
     assignment = _assignment_of(tree, var)
     if assignment is None:
         return f"no assignment of {var.name!r} found in {owner!r}"
