@@ -10,6 +10,7 @@ processes call live at module level here: spawned processes import them by refer
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -44,7 +45,14 @@ if NIXL_OK:
     from staging_contracts.backends.nixl import NixlKVManager
 
     class NixlIdleHookless(NixlKVManager):
-        """NIXL with the idle hook emptied: its arrival notifications are never delivered."""
+        """NIXL with the idle hook emptied: its arrival notifications are never delivered.
+
+        Its writes never complete (decode drives no progress), so prefill's close waits for
+        them as long as the write timeout: 3 s here, not the default 30 s.
+        """
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs, write_timeout_s=3.0)
 
         def _on_idle(self) -> None:
             pass

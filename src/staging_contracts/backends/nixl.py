@@ -65,6 +65,9 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             without notifications, so ``enable_prefill_staging(..., arrival="notification")``
             is then refused; ``"notification"`` lets it choose either. It changes nothing on
             decode, which accepts both.
+        write_timeout_s: how long a write may stay in flight before it is reported failed
+            (and, at close, how long close waits for writes still reading this side's
+            memory); the engine's ``write_timeout_s``.
 
     Raises:
         ImportError: NIXL is not installed (names the extra to install).
@@ -90,6 +93,7 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
         agent_name: str | None = None,
         load_ib_modules: bool = False,
         arrival: ArrivalMode = DEFAULT_ARRIVAL,
+        write_timeout_s: float = 30.0,
     ) -> None:
         if arrival not in get_args(ArrivalMode):
             raise ValueError(f"arrival={arrival!r} must be one of {get_args(ArrivalMode)}")
@@ -104,6 +108,7 @@ class NixlKVManager(StagingManagerMixin, CommonKVManager):
             host=host,  # UCX listens on the interface holding host only
             # decode keeps notifications on: it accepts both arrivals and polls the agent
             notifications=role is Role.DECODE or arrival == "notification",
+            write_timeout_s=write_timeout_s,
         )
         super().__init__(
             kv_args,
