@@ -216,10 +216,28 @@ def _assignments(reference: Any) -> dict[str, Any]:
             found[name] = {"error": None, "kept": False}
     manager._staging_handler = None
     found["detach"] = manager._staging_handler is None
+    found["mocks"] = _mock_assignments(reference, manager)
     manager._staging_handler = handler
     prefill, _ = sg.build_manager(reference, sg.ManagerSpec("mooncake", "prefill", True))
     prefill.set_kv_buffer_tensors(pool[:2], pool[2:], sg.PAGE_SIZE, slot_layer_ids=[0, 1])
     found["prefill_pool"] = isinstance(prefill.kv_buffer_tensors, dict)
+    return found
+
+
+def _mock_assignments(reference: Any, manager: Any) -> dict[str, str]:
+    """What SGLang's own unit tests would meet: a bare ``MagicMock()`` handler is refused (it
+    is no ``DecodeStagingHandler``), one made with ``spec=DecodeStagingHandler`` passes."""
+    from unittest import mock
+
+    found: dict[str, str] = {}
+    spec = reference.staging_handler.DecodeStagingHandler
+    for kind, value in (("bare", mock.MagicMock()), ("spec", mock.MagicMock(spec=spec))):
+        try:
+            manager._staging_handler = value
+        except Exception as exc:  # noqa: BLE001 - reported
+            found[kind] = type(exc).__name__
+        else:
+            found[kind] = "passed"
     return found
 
 

@@ -200,6 +200,12 @@ def test_sglang_s_own_assignments_pass(patched_report: dict[str, Any]) -> None:
     assert found["prefill_pool"] is True
 
 
+def test_a_mock_handler_passes_only_with_the_handler_s_spec(patched_report: dict[str, Any]) -> None:
+    """A test double for the handler must be one: ``MagicMock(spec=DecodeStagingHandler)``
+    passes the assignment check, a bare ``MagicMock()`` is refused (integrations README)."""
+    assert patched_report["assignments"]["mocks"] == {"bare": "ContractError", "spec": "passed"}
+
+
 # --------------------------------------------------------------------------- Mori with the mixin
 
 
