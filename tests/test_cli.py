@@ -63,8 +63,37 @@ def test_check_mori_style_class_exits_one(capsys: pytest.CaptureFixture[str]) ->
     """A class without the staging members is explained with its problems; exit status 1."""
     assert main(["check", "examples.hosts:MoriStyleKVManager"]) == 1
     out = capsys.readouterr().out
-    assert "does not use an enforcing mixin" in out
+    assert out.splitlines()[0] == (
+        "examples.hosts:MoriStyleKVManager does not use an enforcing mixin; against the "
+        "StagingHost contract of staging_contracts.StagingManagerMixin:"
+    )
     assert "  - has no declaration of '_staging_ctx'" in out
+
+
+def test_check_that_fails_itself_exits_three(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An error inside check (no verdict) is not "does not conform": exit 3, one line."""
+    from staging_contracts import cli
+
+    def broken(target: str, forced: object = None) -> int:
+        raise RuntimeError("inspection blew up")
+
+    monkeypatch.setattr(cli, "_check_one", broken)
+    assert main(["check", "examples.hosts:ExampleKVManager"]) == 3
+    err = capsys.readouterr().err
+    assert "staging-contracts check: RuntimeError: inspection blew up" in err
+
+
+def test_a_contract_without_a_witness_class_gets_no_witness_note(
+    cache_module: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Whether a contract has a witness class is its author's choice: a host of one that
+    has none (a stack's own contract) is not told to define one."""
+    assert main(["check", f"{cache_module}:GoodHost"]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: conforms" in out
+    assert "witness" not in out
 
 
 def test_check_contract_error_at_import_exits_one(capsys: pytest.CaptureFixture[str]) -> None:
@@ -147,6 +176,10 @@ class Bad:
 
 class NotAMixin:
     pass
+
+
+class GoodHost(CacheMixin):
+    cache_dir: str = "/tmp"
 """
 
 

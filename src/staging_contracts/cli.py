@@ -2,8 +2,8 @@
 
 The CLI is the only place in the package that prints. Bad input is answered at once, in one
 line that names the option and the rule, with exit status 2; an error inside a command is one
-line too (exit 1), and its traceback is shown only with ``--debug`` (or
-``STAGING_CONTRACTS_DEBUG=1``), for bug reports.
+line too (exit 1; exit 3 for ``check``, whose 1 means "does not conform"), and its traceback
+is shown only with ``--debug`` (or ``STAGING_CONTRACTS_DEBUG=1``), for bug reports.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ EXIT_OK = 0
 EXIT_NONCONFORMING = 1
 EXIT_UNIMPORTABLE = 2
 EXIT_USAGE = 2
+EXIT_INTERNAL = 3
+"""``check`` itself failed (a bug, or a class whose inspection raised): no verdict."""
 DEBUG_ENV = "STAGING_CONTRACTS_DEBUG"
 """Set to 1 to show tracebacks, as ``--debug`` does."""
 
@@ -62,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             + ("" if debug else " (run with --debug for the traceback)"),
             file=sys.stderr,
         )
-        return EXIT_NONCONFORMING
+        return EXIT_INTERNAL if args.run is _run_check else EXIT_NONCONFORMING
     return status
 
 
@@ -100,8 +102,10 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         description=(
             "Import each MODULE:CLASS and print how it satisfies the contract of every "
             "enforcing mixin it uses (the StagingHost contract when it uses none), or of the "
-            "mixin named by --mixin. Exit 0 if all conform, 1 if any does not, 2 if a name "
-            "cannot be imported (importing it raised, or it is not a class)."
+            "mixin named by --mixin. Exit 0 if none has a problem these checks can see (each "
+            "verdict says what was not verified, such as types the class does not declare), "
+            "1 if any has one, 2 if a name cannot be imported (importing it raised, or it is "
+            "not a class), 3 if the check itself failed."
         ),
         epilog=_examples(
             "staging-contracts check staging_contracts.backends.nixl:NixlKVManager",
@@ -298,7 +302,10 @@ def _check_one(target: str, forced: Contract | None = None) -> int:
     else:
         contracts = [root.__dict__["contract"] for root in contract_roots(obj)]
     if not contracts:
-        print(f"{target} does not use an enforcing mixin; against the StagingHost contract:")
+        print(
+            f"{target} does not use an enforcing mixin; against the StagingHost contract of "
+            "staging_contracts.StagingManagerMixin:"
+        )
         contracts = [STAGING_CONTRACT]
     status = EXIT_OK
     for contract in contracts:
@@ -330,12 +337,14 @@ def _hook_note(cls: type, target: str) -> str | None:
     """A note (not a failure) when a concrete staging backend on ``CommonKVManager`` keeps
     its base's listener hooks: staging messages and arrivals would never reach the mixin,
     which no class contract can see; the kit's transfer check shows it."""
-    from .backends.common import CommonKVManager  # noqa: PLC0415 - only for this note
     from .mixin import StagingManagerMixin  # noqa: PLC0415
 
     if not issubclass(cls, StagingManagerMixin) or is_abstract(cls):
         return None
-    if not issubclass(cls, CommonKVManager):
+    # a subclass of CommonKVManager has imported it; importing it here would load pyzmq
+    common = sys.modules.get("staging_contracts.backends.common")
+    base = getattr(common, "CommonKVManager", None)
+    if not isinstance(base, type) or not issubclass(cls, base):
         return None
     kept = [
         f"{hook} ({why})"
@@ -343,7 +352,7 @@ def _hook_note(cls: type, target: str) -> str | None:
             ("_on_message", "staging messages are not handed to self._dispatch_staging"),
             ("_on_idle", "staging_idle(self) is not called"),
         )
-        if getattr(cls, hook) is getattr(CommonKVManager, hook)
+        if getattr(cls, hook) is getattr(base, hook)
     ]
     if not kept:
         return None

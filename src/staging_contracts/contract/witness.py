@@ -247,25 +247,20 @@ def unwitnessed(cls: type, protocols: Sequence[type]) -> tuple[type, ...]:
 
 def witness_note(cls: type, protocols: Sequence[type]) -> str | None:
     """A recommendation (not a problem): the witness ``cls`` could state for each contract
-    over ``protocols`` it states none for; ``None`` when it states every one."""
-    missing = unwitnessed(cls, protocols)
-    if not missing:
+    over ``protocols`` that has a witness class (its author defined one) and that ``cls``
+    states none for; ``None`` when there is none to recommend. A contract with no witness
+    class is not mentioned: whether to define one is its author's choice, not the host's."""
+    checks = [c for c in (witness_class_for(p) for p in unwitnessed(cls, protocols)) if c]
+    if not checks:
         return None
     label = class_label(cls)
-    checks = [witness_class_for(p) for p in missing]
-    if all(checks):
-        args = [f"{class_label(c)}[{label}]" for c in checks if c is not None]
-        inner = args[0] if len(args) == 1 else f"tuple[{', '.join(args)}]"
-        ask = f"add '{WITNESS_ATTRIBUTE}: ClassVar[{inner}]'"
-    else:
-        undefined = [p for p, c in zip(missing, checks, strict=True) if c is None]
-        ask = "define the witness class of its contract ({}), then state it, naming {}".format(
-            "; ".join(f"'{witness_definition(p)}'" for p in undefined), label
-        )
+    args = [f"{class_label(c)}[{label}]" for c in checks]
+    inner = args[0] if len(args) == 1 else f"tuple[{', '.join(args)}]"
     return (
-        f"note: {label} states no witness of its contract: {ask} as the first statement of "
-        "its body (after the docstring), so that every type checker (mypy, pyright, ty, "
-        "pyrefly) reports a broken contract at the class, with no plugin"
+        f"note: {label} states no witness of its contract: add "
+        f"'{WITNESS_ATTRIBUTE}: ClassVar[{inner}]' as the first statement of its body (after "
+        "the docstring), so that every type checker (mypy, pyright, ty, pyrefly) reports a "
+        "broken contract at the class, with no plugin"
     )
 
 
