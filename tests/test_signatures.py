@@ -73,7 +73,9 @@ def host(body: str) -> object:
         ("variadic", "def m(self, *a, **k): ..."),
         ("positional_only", "def m(self, x): ..."),
         ("static", "@staticmethod\n    def m(a): ..."),
-        ("klass", "def m(self, a): ..."),
+        ("static", "@classmethod\n    def m(cls, a): ..."),
+        ("klass", "@classmethod\n    def m(cls, a): ..."),
+        ("plain", "@staticmethod\n    def m(a, b=0): ..."),
     ],
 )
 def test_compatible_signatures_have_no_problem(protocol: str, body: str) -> None:
@@ -92,7 +94,9 @@ def test_compatible_signatures_have_no_problem(protocol: str, body: str) -> None
         ("variadic", "def m(self, *args): ...", "cannot be called as (**kwargs)"),
         ("variadic", "def m(self, **kwargs): ...", "cannot be called as (*args, *args)"),
         ("plain", "def m(self, a, b=0, *, c): ...", "cannot be called as (a): missing a required"),
-        ("static", "def m(self): ...", "cannot be called as (a): too many positional"),
+        ("static", "@staticmethod\n    def m(): ...", "cannot be called as (a): too many"),
+        ("static", "def m(self, a): ...", "is a plain method: it cannot be called on the class"),
+        ("klass", "def m(self, a): ...", "is a plain method: it cannot be called on the class"),
     ],
 )
 def test_incompatible_signatures_name_the_call_they_cannot_take(
@@ -108,3 +112,25 @@ def test_no_verdict_without_a_readable_signature() -> None:
     """A host value whose signature cannot be read gets no verdict (no false alarm)."""
     assert call_problem(_raw("plain"), 3) is None
     assert call_problem(3, host("def m(self): ...")) is None
+
+
+def test_an_overloaded_protocol_method_allows_the_calls_of_every_overload() -> None:
+    """Overloads (here with no implementation, as Protocols write them) are what callers
+    see: a host taking the calls of both passes, one taking only the first's does not; the
+    placeholder body's ``(*args, **kwargs)`` is not asked of the host."""
+    from typing import Protocol, overload
+
+    from staging_contracts.contract.members import protocol_members
+
+    class Lookup(Protocol):
+        @overload
+        def get(self, key: int) -> int: ...
+        @overload
+        def get(self, key: str, default: str) -> str: ...
+
+    (member,) = protocol_members(Lookup)
+    assert member.expected_name == "a method get(key) (+1 overloads)"
+    assert call_problem(member.expected, host("def m(self, key, default=None): ...")) is None
+    found = call_problem(member.expected, host("def m(self, key): ..."))
+    assert found is not None
+    assert found.startswith("cannot be called as (key, default): too many positional"), found

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .signatures import signature_text
+from .signatures import overloads_of, signature_text
 from .typeforms import class_label, is_protocol_class, protocol_member_names, type_name
 
 __all__ = ["MemberKind", "MemberSpec", "protocol_members"]
@@ -43,7 +43,8 @@ class MemberSpec:
     name: str
     expected: object
     """For an attribute, the type the Protocol declares; for a method, the Protocol's own
-    function (or ``classmethod``/``staticmethod`` object), whose signature callers use."""
+    function (or ``classmethod``/``staticmethod`` object), whose signature callers use, or
+    its :class:`~staging_contracts.contract.signatures.Overloaded` variants."""
     optional: bool
     """Checked only when the host declares (class) or holds (instance) it."""
     kind: MemberKind = MemberKind.ATTRIBUTE
@@ -117,19 +118,19 @@ def _declared(protocol: type, hints: dict[str, Any]) -> Iterator[tuple[str, Memb
         for name in klass.__dict__:
             if name not in own_names or name in hints:
                 continue
-            current = _most_derived(protocol, name)
+            owner, current = _most_derived(protocol, name)
             if isinstance(current, property):
                 yield name, MemberKind.ATTRIBUTE, _property_type(protocol, current)
             elif _is_method(current):
-                yield name, MemberKind.METHOD, current
+                yield name, MemberKind.METHOD, overloads_of(owner, name) or current
 
 
-def _most_derived(protocol: type, name: str) -> object:
+def _most_derived(protocol: type, name: str) -> tuple[type, object]:
     for klass in protocol.__mro__:
         if name in klass.__dict__:
             found: object = klass.__dict__[name]
-            return found
-    return None
+            return klass, found
+    return protocol, None
 
 
 def _is_method(value: object) -> bool:

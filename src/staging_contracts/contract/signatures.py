@@ -7,15 +7,23 @@ calls (the fewest arguments, every argument by position, every argument by keywo
 positional and keyword arguments where the Protocol takes ``*args`` or ``**kwargs``) with
 :meth:`inspect.Signature.bind`: no code of the host runs. Types of the arguments are not
 compared: that is the type checker's part (the mypy plugin compares them).
+
+An overloaded Protocol method allows the calls of each of its overloads (its runtime body,
+when it has one, is not what callers see). A ``classmethod`` or ``staticmethod`` of the
+Protocol may also be called on the class, so a host's plain method, which cannot, does not
+satisfy it.
 """
 
 from __future__ import annotations
 
 import inspect
+import types
+import typing
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Final
 
-__all__ = ["call_problem", "callable_signature", "signature_text"]
+__all__ = ["Overloaded", "call_problem", "callable_signature", "overloads_of", "signature_text"]
 
 _P = inspect.Parameter
 _POSITIONAL: Final = (_P.POSITIONAL_ONLY, _P.POSITIONAL_OR_KEYWORD)
@@ -56,8 +64,12 @@ def callable_signature(raw: object) -> inspect.Signature | None:
 def signature_text(raw: object) -> str:
     """The parameters of a method as a reader writes a call's shape: ``(a, b, c=None)``.
 
-    Annotations are left out (they are the type checker's part); ``(...)`` when unreadable.
+    Annotations are left out (they are the type checker's part); ``(...)`` when unreadable;
+    the first overload's, with how many more there are, for :class:`Overloaded`.
     """
+    if isinstance(raw, Overloaded):
+        more = len(raw.variants) - 1
+        return signature_text(raw.variants[0]) + (f" (+{more} overloads)" if more else "")
     signature = callable_signature(raw)
     if signature is None:
         return "(...)"
@@ -65,22 +77,62 @@ def signature_text(raw: object) -> str:
     return str(signature.replace(parameters=bare, return_annotation=inspect.Signature.empty))
 
 
+@dataclass(frozen=True, slots=True)
+class Overloaded:
+    """A Protocol method declared with ``@overload``: callers may make the calls of each
+    variant (the function, ``classmethod`` or ``staticmethod`` each overload decorates)."""
+
+    variants: tuple[object, ...]
+
+
+def overloads_of(owner: type, name: str) -> Overloaded | None:
+    """The overloads ``owner``'s body declares for method ``name``, or ``None`` if none."""
+    # typing files overloads under the method's module and qualified name; the class body's
+    # value is the last overload (a placeholder) or the implementation, neither of which
+    # callers see
+    key = types.SimpleNamespace(
+        __module__=owner.__module__, __qualname__=f"{owner.__qualname__}.{name}"
+    )
+    variants = typing.get_overloads(key)  # type: ignore[arg-type]  # reads only those two
+    return Overloaded(tuple(variants)) if variants else None
+
+
 def call_problem(expected: object, declared: object) -> str | None:
     """Why the host's ``declared`` method cannot take a call the Protocol's ``expected`` allows.
+
+    Args:
+        expected: the Protocol's function, ``classmethod`` or ``staticmethod``, or its
+            :class:`Overloaded` variants.
+        declared: the host's class-body value of that name.
 
     Returns:
         ``None`` when every telling call binds, or when either signature cannot be read (no
         verdict without facts); else a fragment naming the call and the reason.
     """
-    want = callable_signature(expected)
+    variants = expected.variants if isinstance(expected, Overloaded) else (expected,)
+    kind = next((k for k in map(_class_callable_kind, variants) if k is not None), None)
+    if kind is not None and inspect.isfunction(declared):
+        return f"is a plain method: it cannot be called on the class, as the Protocol's {kind} can"
     have = callable_signature(declared)
-    if want is None or have is None:
+    if have is None:
         return None
-    for args, kwargs in _telling_calls(want):
-        try:
-            have.bind(*args, **kwargs)
-        except TypeError as exc:
-            return f"cannot be called as {_call_text(args, kwargs)}: {exc}"
+    for variant in variants:
+        want = callable_signature(variant)
+        if want is None:
+            continue
+        for args, kwargs in _telling_calls(want):
+            try:
+                have.bind(*args, **kwargs)
+            except TypeError as exc:
+                return f"cannot be called as {_call_text(args, kwargs)}: {exc}"
+    return None
+
+
+def _class_callable_kind(raw: object) -> str | None:
+    if isinstance(raw, classmethod):
+        return "classmethod"
+    if isinstance(raw, staticmethod):
+        return "staticmethod"
     return None
 
 
