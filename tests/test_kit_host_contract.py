@@ -55,6 +55,11 @@ def build():
     return [Manager(KVArgs(), mode, {"tp": 2}) for mode in ("prefill", "decode")]
 
 
+def build_some(*variants, **options):
+    """A host factory with optional arguments: still one (callable with none)."""
+    return build()
+
+
 def build_wrong():
     return Manager(KVArgs(), "decode", {"tp": "2"})
 '''
@@ -78,6 +83,15 @@ def test_the_class_and_instance_checks_run_on_the_stack_s_own_contract(
     out = result.stdout.str()
     assert "needs the staging path of staging_contracts (StagingManagerMixin); Manager is " in out
     assert "held to the StagingHost contract of stack.StagingMixin" in out
+
+
+def test_a_factory_callable_with_no_argument_is_a_host_factory_whatever_else_it_takes(
+    stack_dir: pytest.Pytester,
+) -> None:
+    """FACTORY(*variants, **options) would also bind a manager factory's call; it is a
+    host factory all the same (a manager factory needs its kv_args)."""
+    result = run(stack_dir, "--staging-backend", "stack:Manager=stack:build_some")
+    result.assert_outcomes(passed=3, skipped=KIT_TESTS - 3)
 
 
 def test_a_wrong_value_from_the_stack_s_constructor_is_reported_by_the_instance_check(

@@ -142,7 +142,8 @@ class BackendTarget:
           :meth:`DecodeSetup.start`), and the transfer checks build every rank with it;
         * a **host factory**, ``FACTORY()``, that builds managers the host's own way (a
           serving stack's constructor, its own arguments) and returns one, or an iterable of
-          them: the kit runs the instance check of their contract on each
+          them (a factory that can be called with no argument is one, whatever else it
+          takes): the kit runs the instance check of their contract on each
           (:meth:`load_host_factory`); this returns ``None`` for it.
 
         What a manager factory returns is checked to be an instance of the backend class.
@@ -181,18 +182,21 @@ class BackendTarget:
             raise BackendLoadError(
                 f"the signature of the factory {self.factory_ref} cannot be read ({exc})"
             ) from None
-        try:
-            signature.bind(None, role=None, attn_tp_size=1)
-        except TypeError as exc:
-            problem = str(exc)
-        else:
-            return "manager", obj
+        # a factory callable with no argument is a host factory, even when it would also
+        # take a manager factory's (FACTORY(*args, **kwargs), FACTORY(variant="a")): a
+        # manager factory cannot build a manager without its kv_args
         try:
             signature.bind()
         except TypeError:
             pass
         else:
             return "host", obj
+        try:
+            signature.bind(None, role=None, attn_tp_size=1)
+        except TypeError as exc:
+            problem = str(exc)
+        else:
+            return "manager", obj
         raise BackendLoadError(
             f"the factory {self.factory_ref}{signature} takes the arguments of neither kind "
             "of factory: --staging-backend MODULE:CLASS=MODULE:FACTORY (like demo --backend "
