@@ -187,7 +187,7 @@ def enable_prefill_staging(
         )
     kv_args = backend.kv_args
     watermarks = WatermarkTracker()
-    regions = RegionAnswerTable()
+    regions = RegionAnswerTable(gated=True)  # answers only for chunks of open rooms asked
     writer = StagingWriter(
         kv_buffers=kv_buffers,
         engine=backend.engine,
