@@ -10,11 +10,14 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import pytest
 
+from staging_contracts.backends.kv_requests import KVPoll, KVReceiver, KVSender
 from staging_contracts.decode.rooms import RoomStatus
 from staging_contracts.protocols import ArrivalOutcome, StagingReqOutcome
+from tests.local_cluster import Geometry, pools_equal, sides, wait_states
 from tests.test_decode_handler import FakeEvent, plan, rig
 
 ROOM_TIMEOUT_S = 30.0
@@ -163,3 +166,38 @@ def test_release_with_a_hung_device_event_is_bounded_and_lets_the_listener_in(
     assert [str(e) for e in errors] == ["room 1: a queued scatter did not complete in 0.5s"]
     assert event.synchronized == 0
     assert r.handler.live_rooms == 2  # room 1 stays, closing: release it again later
+
+
+def test_a_lost_room_meta_is_sent_again_and_the_room_succeeds() -> None:
+    """The first ROOM_META to the prefill rank is lost: decode sends it again (every
+    resend_s, until the writer is heard from) and the request lands bit-exact well before the
+    ROOM_META timeout (main sent it once: the room failed at meta_timeout_s, "decode never
+    sent ROOM_META")."""
+    with sides(Geometry(1, 1, 2), meta_timeout_s=3.0) as s:
+        c = s.cluster
+        peers = c.decode[0].peers
+        send = peers.send
+        lost: list[list[bytes]] = []
+
+        def lossy(endpoint: str, frames: Sequence[bytes]) -> bool:
+            if frames and frames[0] == b"ROOM_META" and not lost:
+                lost.append(list(frames))
+                return True  # "sent", never delivered
+            return send(endpoint, frames)
+
+        peers.send = lossy  # type: ignore[method-assign]
+        request = c.add_request(60, num_pages=4, chunk_pages=2)
+        c.handlers[0].release_room(60)  # registered again below, through the receiver
+        receiver = KVReceiver(s.decode[0], 60)
+        receiver.init(request.decode_pages, chunk_pages=2)
+        sender = KVSender(s.prefill[0], 60)
+        sender.init(4, c.targets)
+        receiver.send_metadata()
+        for chunk in request.chunks():
+            sender.send(chunk.pages, last=chunk.chunk_idx == 1)
+        assert wait_states([sender], timeout=BOUND_S) == [KVPoll.Success]
+        assert wait_states([receiver], timeout=BOUND_S) == [KVPoll.Success]
+        assert len(lost) == 1
+        assert pools_equal(c.decode_pools[0], c.expected_decode_pool(0))
+        receiver.release()
+        sender.release()

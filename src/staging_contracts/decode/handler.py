@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from ..control.liveness import PeerLiveness
+from ..control.resend import DEFAULT_RESEND_S, ResendBox
 from ..control.room_messages import RoomFailed, RoomFence, RoomFenced
 from ..control.transport import PeerSockets
 from ..control.wire import StagingRsp, WatermarkUpdate
@@ -65,6 +66,7 @@ without waking anyone)."""
 
 
 _CHUNK_READY = b"CHUNK_READY"
+_ROOM_META = b"ROOM_META"
 _ROOM_KINDS = frozenset({b"STAGING_REQ", _CHUNK_READY, RoomFailed.KIND, RoomFenced.KIND})
 """Messages whose sender must be one of the room's peers (see ``authorize``)."""
 
@@ -155,6 +157,8 @@ class DecodeStagingHandler:
             instance's own regions free, so one peer cannot pin the ring and starve the
             others. An instance that holds nothing always gets its region. 1.0 (the
             default): no cap, every request is answered (the ring overcommits, SPEC §2).
+        resend_s: how often a room's ``ROOM_META`` (:meth:`announce`) goes again to a
+            writer not heard from yet.
 
     Raises:
         ValueError: the KV pool does not match ``total_kv_heads // decode_tp`` heads, or
@@ -181,7 +185,10 @@ class DecodeStagingHandler:
         accept_anonymous_arrivals: bool = False,
         ring_share: float = 1.0,
         ordering: DeviceOrdering | None = None,
+        resend_s: float = DEFAULT_RESEND_S,
     ) -> None:
+        self._resend = ResendBox(clock, resend_s)
+        """``ROOM_META`` copies (see :meth:`announce`), flushed by :meth:`progress`."""
         self._scatterer = ChunkScatter(
             allocator,
             kv_buffers,
@@ -258,6 +265,7 @@ class DecodeStagingHandler:
             existing = self._rooms.get(plan.room)
             if existing is not None:
                 return existing.status
+            self._resend.cancel_room(plan.room)  # nothing of an earlier opening goes again
             state = RoomState(
                 plan=plan,
                 pages=torch.tensor(
@@ -284,6 +292,26 @@ class DecodeStagingHandler:
                     state, f"prefill writer rank {dead[0].tp_rank} ({dead[0].endpoint}) is dead"
                 )
             return state.status
+
+    def announce(self, room: int, frames: Sequence[bytes]) -> None:
+        """Send a registered room's ``ROOM_META`` to its prefill peers now, and again every
+        ``resend_s`` to each writer not heard from yet (no arrival of its rank), until the
+        room succeeds, fails or is released: one lost ``ROOM_META`` no longer leaves the
+        room waiting for its timeout (prefill handles a copy idempotently).
+
+        **Called by:** the scheduler (``KVReceiver.send_metadata``). **Blocking:** no.
+        """
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is None:
+                return
+            peers = [p.endpoint for p in state.plan.peers]
+            ongoing = state.status in (RoomStatus.REGISTERED, RoomStatus.TRANSFERRING)
+            if ongoing and not state.closing:
+                for endpoint in peers:
+                    self._resend.add(room, endpoint, frames, copies=-1)
+        for endpoint in peers:
+            self._publisher.send(endpoint, list(frames))
 
     def _plan_problem(self, plan: RoomPlan) -> str | None:
         if plan.prefix_tokens % self._page_size:
@@ -406,6 +434,7 @@ class DecodeStagingHandler:
                 self._free(alloc_id)
             state.pending_events.clear()
             del self._rooms[room]
+            self._resend.cancel_room(room)
             self._unwatch(peer.endpoint for peer in state.plan.peers)
         self._publisher.unsubscribe_room(room)
         self._send_fences()
@@ -456,6 +485,8 @@ class DecodeStagingHandler:
                     )
                     freed = True
         self._send_fences()
+        for endpoint, frames in self._resend.take_due():
+            self._publisher.send(endpoint, frames)
         if freed:
             self._broadcast_watermark()
 
@@ -623,6 +654,9 @@ class DecodeStagingHandler:
                     return ArrivalOutcome.DUPLICATE
                 else:
                     region.arrived.add(writer_rank)
+                    for peer in state.plan.peers:  # it had the ROOM_META
+                        if peer.tp_rank == writer_rank:
+                            self._resend.ack(room, peer.endpoint, _ROOM_META)
                 state.last_progress = self._clock()
                 if not region.complete:
                     return ArrivalOutcome.WAITING
@@ -795,6 +829,7 @@ class DecodeStagingHandler:
             and not state.scattering
         ):
             state.status = RoomStatus.SUCCESS
+            self._resend.cancel_room(state.plan.room)
             self._idle.notify_all()
 
     def _reap_events(self, state: RoomState) -> bool:
@@ -811,6 +846,7 @@ class DecodeStagingHandler:
     def _fail(self, state: RoomState, reason: str) -> None:
         state.status = RoomStatus.FAILED
         state.failure = reason
+        self._resend.cancel_room(state.plan.room)
         self._idle.notify_all()
         endpoints = {peer.tp_rank: peer.endpoint for peer in state.plan.peers}
         awaiting: dict[int, str] = {}

@@ -433,6 +433,12 @@ class StagingWriter:
         room is declared dead (on the listener thread)."""
         self._room_lost.append(listener)
 
+    def closed(self, room: int) -> bool:
+        """Whether the room was closed (:meth:`forget_room`) and not opened again since
+        (among the last :data:`FORGOTTEN_ROOMS` closes). **Blocking:** no."""
+        with self._requested_lock:
+            return room in self._forgotten
+
     def fenced(self, room: int, session_id: str) -> bool:
         """Whether decode ``session_id`` fenced ``room`` (it is never written again)."""
         with self._fence_lock:
