@@ -241,6 +241,10 @@ class PrefillTransfers:
 
     def _on_room_meta(self, frames: list[bytes]) -> None:
         meta = RoomMeta.from_frames(frames)
+        if self._writer.closed(meta.room):
+            # A late copy of a closed room's ROOM_META (decode re-sends it): nothing to keep.
+            # A new opening's is sent again until it is heard, after open_room opened it.
+            return
         with self._cond:
             state = self._rooms.setdefault(meta.room, _SendState(meta.num_pages))
             state.chunk_pages = meta.chunk_pages
@@ -544,8 +548,8 @@ class KVReceiver:
         meta = RoomMeta(
             self.room, t.decode_rank, len(self._plan.page_indices), self._plan.chunk_pages
         )
-        for peer in t.peers:
-            t.manager.send(peer.endpoint, meta.to_frames())
+        # Sent now and again to each writer not heard from yet (a lost one is recovered).
+        t.handler.announce(self.room, meta.to_frames())
         self._meta_sent = True
 
     def poll(self) -> KVPoll:

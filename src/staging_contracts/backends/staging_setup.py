@@ -93,14 +93,17 @@ def enable_decode_staging(
     kv_buffers: KVBufferTensors,
     ring_bytes: int,
     scatter_stream: torch.cuda.Stream | None = None,
-    stall_timeout_s: float = 60.0,
+    stall_timeout_s: float = 30.0,
     ring_share: float = 1.0,
+    room_timeout_s: float = 30.0,
 ) -> DecodeStagingHandler:
     """Give a decode backend its staging ring, context and handler.
 
     The ring (one ``uint8`` tensor on ``kv_args.device``) is registered with the engine once.
     ``ring_share`` caps the share of the ring one prefill instance may hold at once (see
     :class:`~staging_contracts.decode.handler.DecodeStagingHandler`; 1.0, no cap, by default).
+    ``stall_timeout_s`` and ``room_timeout_s`` bound a room without progress, with and without
+    a ring region (see the handler).
 
     **Side:** decode. **Called by:** the backend's constructor or the scheduler, before the
     listener starts.
@@ -123,6 +126,7 @@ def enable_decode_staging(
         sender=backend.peers,
         scatter_stream=scatter_stream,
         stall_timeout_s=stall_timeout_s,
+        room_timeout_s=room_timeout_s,
         ring_share=ring_share,
         endpoint=backend.endpoint,
         liveness=backend.liveness,
@@ -187,7 +191,7 @@ def enable_prefill_staging(
         )
     kv_args = backend.kv_args
     watermarks = WatermarkTracker()
-    regions = RegionAnswerTable()
+    regions = RegionAnswerTable(gated=True)  # answers only for chunks of open rooms asked
     writer = StagingWriter(
         kv_buffers=kv_buffers,
         engine=backend.engine,

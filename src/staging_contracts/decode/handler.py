@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from ..control.liveness import PeerLiveness
+from ..control.resend import DEFAULT_RESEND_S, ResendBox
 from ..control.room_messages import RoomFailed, RoomFence, RoomFenced
 from ..control.transport import PeerSockets
 from ..control.wire import StagingRsp, WatermarkUpdate
@@ -49,6 +50,7 @@ from .scatter import ChunkScatter
 
 __all__ = [
     "DEFAULT_FENCE_RESEND_S",
+    "DEFAULT_ROOM_TIMEOUT_S",
     "WAIT_SLICE_S",
     "DecodeStagingHandler",
     "PrefillPeer",
@@ -64,6 +66,7 @@ without waking anyone)."""
 
 
 _CHUNK_READY = b"CHUNK_READY"
+_ROOM_META = b"ROOM_META"
 _ROOM_KINDS = frozenset({b"STAGING_REQ", _CHUNK_READY, RoomFailed.KIND, RoomFenced.KIND})
 """Messages whose sender must be one of the room's peers (see ``authorize``)."""
 
@@ -73,10 +76,21 @@ def _owner(plan: RoomPlan) -> tuple[str, ...]:
     return tuple(sorted(peer.endpoint for peer in plan.peers))
 
 
+def _shown(state: RoomState) -> RoomStatus:
+    """The status the scheduler sees: a failed room whose scatters still run or are queued
+    is ``TRANSFERRING`` until they end (``FAILED`` means no write into its pages can land)."""
+    if state.status is RoomStatus.FAILED and (state.scattering or state.pending_events):
+        return RoomStatus.TRANSFERRING
+    return state.status
+
+
 def _room_of(frame: bytes) -> int | None:
     """A non-negative decimal frame as an int (``None`` if it is not one)."""
     return int(frame) if 0 < len(frame) <= 18 and frame.isdigit() else None
 
+
+DEFAULT_ROOM_TIMEOUT_S = 30.0
+"""Default bound of a room without progress, with or without a ring region."""
 
 DEFAULT_FENCE_RESEND_S = 0.5
 """``ROOM_FENCE`` is sent again this often to a writer that has not answered it."""
@@ -122,7 +136,12 @@ class DecodeStagingHandler:
             (default: the device's; see :mod:`~staging_contracts.staging.ordering`).
         stall_timeout_s: a room that holds a writable ring region without progress for this
             long fails (its regions are fenced, then freed), so one stuck prefill cannot pin
-            the shared ring. Time spent waiting for ring space is not counted.
+            the shared ring. Time spent waiting for ring space is not counted. Default
+            :data:`DEFAULT_ROOM_TIMEOUT_S`.
+        room_timeout_s: a room that holds no region and gets no ``STAGING_REQ`` for this
+            long (from its registration, or from its last request or arrival) fails, so a
+            room whose ``ROOM_META`` or ``ROOM_FAILED`` was lost for good, or whose prefill
+            never starts it, still ends. Default :data:`DEFAULT_ROOM_TIMEOUT_S`.
         clock: monotonic clock (tests pass a fake one).
         endpoint: this rank's control listener, where writers answer ``ROOM_FENCE``.
         liveness: peer liveness of the host; the handler watches each room's writers (and
@@ -138,6 +157,8 @@ class DecodeStagingHandler:
             instance's own regions free, so one peer cannot pin the ring and starve the
             others. An instance that holds nothing always gets its region. 1.0 (the
             default): no cap, every request is answered (the ring overcommits, SPEC §2).
+        resend_s: how often a room's ``ROOM_META`` (:meth:`announce`) goes again to a
+            writer not heard from yet.
 
     Raises:
         ValueError: the KV pool does not match ``total_kv_heads // decode_tp`` heads, or
@@ -155,7 +176,8 @@ class DecodeStagingHandler:
         session_id: str,
         sender: PeerSockets,
         scatter_stream: torch.cuda.Stream | None = None,
-        stall_timeout_s: float = 60.0,
+        stall_timeout_s: float = DEFAULT_ROOM_TIMEOUT_S,
+        room_timeout_s: float = DEFAULT_ROOM_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         endpoint: str = "",
         liveness: PeerLiveness | None = None,
@@ -163,7 +185,10 @@ class DecodeStagingHandler:
         accept_anonymous_arrivals: bool = False,
         ring_share: float = 1.0,
         ordering: DeviceOrdering | None = None,
+        resend_s: float = DEFAULT_RESEND_S,
     ) -> None:
+        self._resend = ResendBox(clock, resend_s)
+        """``ROOM_META`` copies (see :meth:`announce`), flushed by :meth:`progress`."""
         self._scatterer = ChunkScatter(
             allocator,
             kv_buffers,
@@ -181,6 +206,7 @@ class DecodeStagingHandler:
         self._total_heads = total_kv_heads
         self.session_id = session_id
         self._stall_timeout = stall_timeout_s
+        self._room_timeout = room_timeout_s
         self._clock = clock
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -239,6 +265,7 @@ class DecodeStagingHandler:
             existing = self._rooms.get(plan.room)
             if existing is not None:
                 return existing.status
+            self._resend.cancel_room(plan.room)  # nothing of an earlier opening goes again
             state = RoomState(
                 plan=plan,
                 pages=torch.tensor(
@@ -266,6 +293,26 @@ class DecodeStagingHandler:
                 )
             return state.status
 
+    def announce(self, room: int, frames: Sequence[bytes]) -> None:
+        """Send a registered room's ``ROOM_META`` to its prefill peers now, and again every
+        ``resend_s`` to each writer not heard from yet (no arrival of its rank), until the
+        room succeeds, fails or is released: one lost ``ROOM_META`` no longer leaves the
+        room waiting for its timeout (prefill handles a copy idempotently).
+
+        **Called by:** the scheduler (``KVReceiver.send_metadata``). **Blocking:** no.
+        """
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is None:
+                return
+            peers = [p.endpoint for p in state.plan.peers]
+            ongoing = state.status in (RoomStatus.REGISTERED, RoomStatus.TRANSFERRING)
+            if ongoing and not state.closing:
+                for endpoint in peers:
+                    self._resend.add(room, endpoint, frames, copies=-1)
+        for endpoint in peers:
+            self._publisher.send(endpoint, list(frames))
+
     def _plan_problem(self, plan: RoomPlan) -> str | None:
         if plan.prefix_tokens % self._page_size:
             return (
@@ -290,12 +337,16 @@ class DecodeStagingHandler:
     def poll_room(self, room: int) -> RoomStatus | None:
         """The room's status (``None`` if unknown), after completing finished scatters.
 
+        ``FAILED`` means done: a failed room is shown ``TRANSFERRING`` until no scatter into
+        its pages can still land (none runs on a thread, none is queued on the device), so a
+        scheduler that reuses the pages of a failed room never has them overwritten.
+
         **Called by:** the scheduler, any thread.
         """
         self.progress()
         with self._lock:
             state = self._rooms.get(room)
-            return None if state is None else state.status
+            return None if state is None else _shown(state)
 
     def wait_room(self, room: int, timeout_s: float) -> RoomStatus | None:
         """Block until the room succeeded or failed, or ``timeout_s`` passed; its status then
@@ -310,18 +361,22 @@ class DecodeStagingHandler:
             self.progress()
             with self._lock:
                 state = self._rooms.get(room)
-                if state is None or state.status in (RoomStatus.SUCCESS, RoomStatus.FAILED):
-                    return None if state is None else state.status
+                shown = None if state is None else _shown(state)
+                if shown is None or shown in (RoomStatus.SUCCESS, RoomStatus.FAILED):
+                    return shown
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return state.status
+                    return shown
                 self._idle.wait(min(remaining, WAIT_SLICE_S))
 
     def room_failure(self, room: int) -> str | None:
-        """Why a failed room failed (``None`` if it did not, or is unknown)."""
+        """Why a failed room failed (``None`` if it did not, is unknown, or is not shown
+        failed yet: see :meth:`poll_room`)."""
         with self._lock:
             state = self._rooms.get(room)
-            return None if state is None else state.failure
+            if state is None or _shown(state) is not RoomStatus.FAILED:
+                return None
+            return state.failure
 
     def fail_room(self, room: int, reason: str) -> None:
         """Fail a room from outside (e.g. its prefill reported failure); frees its regions."""
@@ -340,11 +395,13 @@ class DecodeStagingHandler:
         once its writers answer, see the module's **Fencing**), frees the rest and broadcasts
         the watermark.
 
-        **Called by:** the scheduler. **Blocking:** until in-flight scatters of the room end.
+        **Called by:** the scheduler. **Blocking:** until in-flight scatters of the room end
+        (at most ``timeout``; the handler's lock is released while it waits, and queued device
+        scatters are polled, never synchronized).
 
         Raises:
-            TimeoutError: a scatter of the room did not finish within ``timeout`` (the room
-                stays registered and closing; call again).
+            TimeoutError: a scatter of the room did not finish (or, on the device, complete)
+                within ``timeout`` (the room stays registered and closing; call again).
         """
         deadline = self._clock() + timeout
         with self._lock:
@@ -357,14 +414,27 @@ class DecodeStagingHandler:
                 if remaining <= 0:
                     raise TimeoutError(f"room {room}: a scatter did not finish in {timeout}s")
                 self._idle.wait(remaining)
-            for event, _ in state.pending_events:
-                self._scatterer.ordering.wait(event)
+            # Queued device scatters: polled (event.query()) until what is left of the bound
+            # passed (in real time: the device completes them in real time), the lock released
+            # between polls (the listener needs it); never an unbounded synchronize.
+            events_deadline = time.monotonic() + max(0.0, deadline - self._clock())
+            while True:
+                self._reap_events(state)
+                if not state.pending_events:
+                    break
+                remaining = events_deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"room {room}: a queued scatter did not complete in {timeout}s"
+                    )
+                self._idle.wait(min(remaining, WAIT_SLICE_S))
             if state.regions:
                 self._fail(state, "released before it finished")
             for alloc_id in state.held_allocations():
                 self._free(alloc_id)
             state.pending_events.clear()
             del self._rooms[room]
+            self._resend.cancel_room(room)
             self._unwatch(peer.endpoint for peer in state.plan.peers)
         self._publisher.unsubscribe_room(room)
         self._send_fences()
@@ -396,6 +466,13 @@ class DecodeStagingHandler:
         with self._lock:
             for state in self._rooms.values():
                 freed |= self._reap_events(state)
+                if self._idle_too_long(state, now):
+                    self._fail(
+                        state,
+                        f"no STAGING_REQ for {self._room_timeout}s (a lost ROOM_META or "
+                        "ROOM_FAILED, or a prefill that never started the room)",
+                    )
+                    continue
                 if state.status is not RoomStatus.TRANSFERRING or not state.regions:
                     continue
                 if not any(self._allocator.is_ready(r.allocation) for r in state.regions.values()):
@@ -408,8 +485,22 @@ class DecodeStagingHandler:
                     )
                     freed = True
         self._send_fences()
+        for endpoint, frames in self._resend.take_due():
+            self._publisher.send(endpoint, frames)
         if freed:
             self._broadcast_watermark()
+
+    def _idle_too_long(self, state: RoomState, now: float) -> bool:
+        """A room that holds no region and has no scatter running, waiting for its next
+        ``STAGING_REQ`` (registered, or between chunks) past ``room_timeout_s`` (lock held)."""
+        return (
+            state.status in (RoomStatus.REGISTERED, RoomStatus.TRANSFERRING)
+            and not state.closing
+            and not state.regions
+            and not state.scattering
+            and not state.pending_events
+            and now - state.last_progress > self._room_timeout
+        )
 
     # ------------------------------------------------------------------ listener side
 
@@ -433,6 +524,8 @@ class DecodeStagingHandler:
             if state is None or state.closing:
                 logger.warning("STAGING_REQ for unknown room %d chunk %d dropped", room, chunk_idx)
                 return StagingReqOutcome.UNKNOWN_ROOM
+            if not state.regions:  # a room waiting for requests got one (room_timeout_s)
+                state.last_progress = self._clock()
             outcome = self._answer_request(state, chunk_idx, num_pages, session_id, pp_rank, out)
         self._flush(out)
         self._send_fences()
@@ -561,6 +654,9 @@ class DecodeStagingHandler:
                     return ArrivalOutcome.DUPLICATE
                 else:
                     region.arrived.add(writer_rank)
+                    for peer in state.plan.peers:  # it had the ROOM_META
+                        if peer.tp_rank == writer_rank:
+                            self._resend.ack(room, peer.endpoint, _ROOM_META)
                 state.last_progress = self._clock()
                 if not region.complete:
                     return ArrivalOutcome.WAITING
@@ -733,6 +829,7 @@ class DecodeStagingHandler:
             and not state.scattering
         ):
             state.status = RoomStatus.SUCCESS
+            self._resend.cancel_room(state.plan.room)
             self._idle.notify_all()
 
     def _reap_events(self, state: RoomState) -> bool:
@@ -743,11 +840,13 @@ class DecodeStagingHandler:
             self._free(item[1])
         if done:
             self._maybe_succeed(state)
+            self._idle.notify_all()  # a failed room may be drained now (see _shown)
         return bool(done)
 
     def _fail(self, state: RoomState, reason: str) -> None:
         state.status = RoomStatus.FAILED
         state.failure = reason
+        self._resend.cancel_room(state.plan.room)
         self._idle.notify_all()
         endpoints = {peer.tp_rank: peer.endpoint for peer in state.plan.peers}
         awaiting: dict[int, str] = {}

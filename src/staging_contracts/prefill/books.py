@@ -85,22 +85,60 @@ class WatermarkTracker:
 class RegionAnswerTable:
     """Regions decode announced, per (room, chunk, decode session); the latest answer wins.
 
-    **Side:** prefill. **Thread-safety:** any thread may record, read or wait.
+    **Gated** (``gated=True``, what :func:`~staging_contracts.backends.staging_setup.
+    enable_prefill_staging` builds): an answer is kept only for a chunk that the writer asked
+    for in the room's current opening (:meth:`expect`, called before each ``STAGING_REQ``
+    goes out) and that was not forgotten since (:meth:`forget_room`, at the room's close).
+    Every other answer (one arriving after its room closed, for a room never asked, or a
+    flood) is dropped, so the table holds at most one answer per chunk asked for by an open
+    room, and a room id opened again never sees an answer of its earlier opening: that
+    opening's answers were all sent before decode registered the room again, so they arrive
+    (in order, on the one socket from that decode rank) before any ``STAGING_REQ`` of the new
+    opening was sent, that is before the new opening expects anything. Ungated (the
+    default, for tests and tools that record answers by hand): every answer is kept.
+
+    **Side:** prefill. **Thread-safety:** any thread may record, expect, read or wait.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, gated: bool = False) -> None:
         self._cond = threading.Condition()
         self._answers: dict[tuple[int, int, str], RegionAnswer] = {}
+        self._expected: set[tuple[int, int, str]] = set()
+        self._gated = gated
         self._listeners: list[Callable[[], None]] = []
+        self.dropped = 0
+        """Answers not kept (gated: no open request of their room asked for them)."""
+
+    @property
+    def gated(self) -> bool:
+        """Whether answers are kept only for chunks expected (fixed at construction)."""
+        return self._gated
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` (on the recording thread, without the lock) after each answer."""
         self._listeners.append(listener)
 
-    def record(self, room: int, chunk_idx: int, session_id: str, answer: RegionAnswer) -> None:
-        """Store an answer and wake waiters."""
+    def expect(self, room: int, chunk_idx: int, session_id: str) -> None:
+        """The writer is asking decode ``session_id`` for the chunk's region: an answer for it
+        is kept from now on until :meth:`forget_room` (idempotent).
+
+        **Called by:** the writer, before it sends ``STAGING_REQ``. **Blocking:** no.
+        """
         with self._cond:
-            self._answers[(room, chunk_idx, session_id)] = answer
+            self._expected.add((room, chunk_idx, session_id))
+
+    def record(self, room: int, chunk_idx: int, session_id: str, answer: RegionAnswer) -> None:
+        """Store an answer and wake waiters; gated, only an expected one (any other is
+        dropped and counted in :attr:`dropped`).
+
+        **Called by:** the listener thread (``STAGING_RSP``), or a test. **Blocking:** no.
+        """
+        key = (room, chunk_idx, session_id)
+        with self._cond:
+            if self._gated and key not in self._expected:
+                self.dropped += 1
+                return
+            self._answers[key] = answer
             self._cond.notify_all()
         for listener in self._listeners:
             listener()
@@ -130,10 +168,18 @@ class RegionAnswerTable:
             self._answers.pop((room, chunk_idx, session_id), None)
 
     def forget_room(self, room: int) -> None:
-        """Drop every answer of a room (done or failed)."""
+        """Drop every answer and expectation of a room (closed, or opened again): gated, no
+        answer of it is kept again until the writer expects one anew."""
         with self._cond:
             for key in [k for k in self._answers if k[0] == room]:
                 del self._answers[key]
+            self._expected = {key for key in self._expected if key[0] != room}
+
+    @property
+    def expected_count(self) -> int:
+        """Chunks expected now (asked for by rooms not forgotten)."""
+        with self._cond:
+            return len(self._expected)
 
     def __len__(self) -> int:
         with self._cond:

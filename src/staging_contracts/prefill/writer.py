@@ -259,6 +259,14 @@ class StagingWriter:
         self._in_flight: tuple[int, str] | None = None
         """(room, decode session) of the engine write running now."""
         self._fence_acks: dict[tuple[int, str], list[Callable[[], None]]] = {}
+        self._drop_after_write: set[tuple[int, str]] = set()
+        """Fences of a closed room whose write was in flight at the close: dropped when the
+        write returns (under ``_fence_lock``)."""
+        self._early_fences: dict[tuple[int, str], None] = {}
+        """Fences that came before this rank opened their room, oldest first (at most
+        :data:`FORGOTTEN_ROOMS`; under ``_fence_lock``)."""
+        """Fences of a closed room whose write was in flight at the close: dropped when the
+        write returns (under ``_fence_lock``)."""
         self._room_lost: list[Callable[[int, str], None]] = []
         self._closed = False
         self.requests_sent = 0
@@ -338,27 +346,43 @@ class StagingWriter:
         that a decode rank that dies before it answers anything is noticed. **Blocking:** no.
         """
         with self._requested_lock:
-            self._forgotten.pop(room, None)
-        self._track(room, targets)
+            reopened = self._forgotten.pop(room, None) is not None
+            if reopened or room not in self._room_targets:
+                # A fresh opening: nothing of an earlier one (an answer that came after its
+                # close) may be used by this one.
+                self._regions.forget_room(room)
+            self._track_locked(room, targets)
 
     def _track(self, room: int, targets: Sequence[DecodeTarget]) -> None:
         """Remember and watch a room's targets, unless the room was forgotten."""
-        new = []
         with self._requested_lock:
-            if room in self._forgotten:
-                return
-            known = self._room_targets.setdefault(room, {})
-            for target in targets:
-                self._session_endpoints[target.session_id] = target.endpoint
-                if target.session_id not in known:
-                    known[target.session_id] = target
-                    if target.liveness:
-                        new.append(target.endpoint)
-        if self._liveness is not None:
-            for endpoint in new:
-                self._liveness.watch(endpoint)
+            self._track_locked(room, targets)
+
+    def _track_locked(self, room: int, targets: Sequence[DecodeTarget]) -> None:
+        """``_track`` with ``_requested_lock`` held. The watches are taken under the lock too,
+        so that a ``forget_room`` racing this call unwatches only after they were taken and
+        leaves no orphan watch (``PeerLiveness.watch`` only counts, under its own lock)."""
+        if room in self._forgotten:
+            return
+        if room not in self._room_targets:
+            with self._fence_lock:  # its early fences are the open room's fences now
+                for key in [k for k in self._early_fences if k[0] == room]:
+                    del self._early_fences[key]
+        known = self._room_targets.setdefault(room, {})
+        for target in targets:
+            self._session_endpoints[target.session_id] = target.endpoint
+            if target.session_id not in known:
+                known[target.session_id] = target
+                if target.liveness and self._liveness is not None:
+                    self._liveness.watch(target.endpoint)
 
     def _request(self, room: int, chunk_idx: int, num_pages: int, target: DecodeTarget) -> None:
+        with self._requested_lock:
+            if room in self._forgotten:  # closed meanwhile: ask nothing, expect nothing
+                return
+            # Before the request goes out, so that its answer is kept (a gated table keeps
+            # only answers of chunks asked for by open rooms).
+            self._regions.expect(room, chunk_idx, target.session_id)
         req = StagingReq(room, chunk_idx, num_pages, target.session_id, self._pp_rank)
         self._sender.send(target.endpoint, req.to_frames())
         self.requests_sent += 1
@@ -378,16 +402,21 @@ class StagingWriter:
             if len(self._forgotten) > FORGOTTEN_ROOMS:
                 del self._forgotten[next(iter(self._forgotten))]
             self._requested = {key for key in self._requested if key[0] != room}
-            endpoints = [
-                t.endpoint for t in self._room_targets.pop(room, {}).values() if t.liveness
-            ]
+            # Under the lock, as the watches were taken (see _track_locked).
+            for target in self._room_targets.pop(room, {}).values():
+                if target.liveness and self._liveness is not None:
+                    self._liveness.unwatch(target.endpoint)
+            self._regions.forget_room(room)
         with self._fence_lock:
-            for key in [k for k in self._fenced if k[0] == room and k != self._in_flight]:
-                del self._fenced[key]
-        self._regions.forget_room(room)
-        if self._liveness is not None:
-            for endpoint in endpoints:
-                self._liveness.unwatch(endpoint)
+            for key in [k for k in self._early_fences if k[0] == room]:
+                del self._early_fences[key]
+            for key in [k for k in self._fenced if k[0] == room]:
+                if key == self._in_flight:
+                    # Kept while the write runs (nothing more of it may start); dropped as
+                    # soon as it returns, so that the room id can be used again.
+                    self._drop_after_write.add(key)
+                else:
+                    del self._fenced[key]
 
     # ------------------------------------------------------------------ fences and liveness
 
@@ -403,6 +432,12 @@ class StagingWriter:
         """Call ``listener(room, reason)`` when decode fences a room or a decode rank of a
         room is declared dead (on the listener thread)."""
         self._room_lost.append(listener)
+
+    def closed(self, room: int) -> bool:
+        """Whether the room was closed (:meth:`forget_room`) and not opened again since
+        (among the last :data:`FORGOTTEN_ROOMS` closes). **Blocking:** no."""
+        with self._requested_lock:
+            return room in self._forgotten
 
     def fenced(self, room: int, session_id: str) -> bool:
         """Whether decode ``session_id`` fenced ``room`` (it is never written again)."""
@@ -421,14 +456,36 @@ class StagingWriter:
         def acknowledge() -> None:
             self._sender.send(fence.reply_to, answer)
 
+        with self._requested_lock:
+            room_open = fence.room in self._room_targets
+            closed = fence.room in self._forgotten
         with self._fence_lock:
-            first = key not in self._fenced
-            self._fenced[key] = fence.reason
-            if self._in_flight == key:
-                self._fence_acks.setdefault(key, []).append(acknowledge)
-                acknowledge_now = False
-            else:
+            in_flight = self._in_flight == key
+            if closed and not in_flight:
+                # Late, for a room closed here: no write of it can start, nothing to keep (a
+                # room id opened again must not find it).
+                first = False
                 acknowledge_now = True
+            else:
+                first = key not in self._fenced
+                self._fenced[key] = fence.reason
+                if closed:  # a closed room's write in flight: kept until it returns
+                    self._drop_after_write.add(key)
+                else:
+                    self._drop_after_write.discard(key)
+                if not room_open and not closed:
+                    # Before this rank opened the room (another writer's request got the
+                    # region): kept for its opening, among a bounded number of such fences.
+                    self._early_fences.pop(key, None)
+                    self._early_fences[key] = None
+                    if len(self._early_fences) > FORGOTTEN_ROOMS:
+                        oldest = next(iter(self._early_fences))
+                        del self._early_fences[oldest]
+                        if oldest != self._in_flight:
+                            self._fenced.pop(oldest, None)
+                if in_flight:
+                    self._fence_acks.setdefault(key, []).append(acknowledge)
+                acknowledge_now = not in_flight
         if acknowledge_now:
             acknowledge()
         if first:
@@ -644,12 +701,16 @@ class StagingWriter:
         notify = arrival.to_notification() if self._arrival == "notification" else None
         remote = target.ring_base + answer.offset + offset_in_region
         key = (room, target.session_id)
+        with self._requested_lock:  # closed since the last wait slice: no write
+            reason = self._forgotten.get(room)
         with self._fence_lock:
-            reason = self._fenced.get(key)
+            fenced = self._fenced.get(key)
+            if fenced is not None:
+                reason = f"decode fenced the room: {fenced}"
             if reason is None:
                 self._in_flight = key
         if reason is not None:
-            raise StagingFailed(room, f"chunk {chunk.chunk_idx}: decode fenced the room: {reason}")
+            raise StagingFailed(room, f"chunk {chunk.chunk_idx}: {reason}")
         try:
             self._engine.write(
                 target.session_id, [Transfer(self._buffer_ptr, remote, nbytes)], notify
@@ -662,6 +723,9 @@ class StagingWriter:
             with self._fence_lock:
                 self._in_flight = None
                 acks = self._fence_acks.pop(key, [])
+                if key in self._drop_after_write:  # its room was closed during the write
+                    self._drop_after_write.discard(key)
+                    self._fenced.pop(key, None)
             for acknowledge in acks:
                 acknowledge()
         if notify is None:

@@ -1,0 +1,106 @@
+"""Re-sends of control messages that have no answer of their own (``ROOM_META``,
+``ROOM_FAILED``, ``CHUNK_READY``), so that one lost frame does not end a room late.
+
+A :class:`ResendBox` holds copies still to send, per (room, endpoint, kind): each goes again
+every ``interval_s`` until its copies are spent, it is acknowledged (:meth:`ResendBox.ack`)
+or its room is cancelled (:meth:`ResendBox.cancel_room`, when the room id is opened again,
+so that no copy of an earlier opening is sent after the new opening's first message: copies
+and the new opening's messages travel on the same socket, in order). Every message re-sent
+this way is idempotent at its receiver. The box is bounded: past ``capacity`` entries the
+oldest goes.
+
+**Thread-safety:** any thread may add, acknowledge, cancel or take what is due.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = ["DEFAULT_RESEND_S", "RESEND_CAPACITY", "ResendBox"]
+
+DEFAULT_RESEND_S: Final = 0.5
+"""How often a copy goes again by default."""
+
+RESEND_CAPACITY: Final = 4096
+"""Most entries a box holds (the oldest goes first past it)."""
+
+
+@dataclass(slots=True)
+class _Entry:
+    endpoint: str
+    frames: list[bytes]
+    copies: int
+    """Copies still to send (``-1``: until acknowledged or cancelled)."""
+    due: float
+
+
+class ResendBox:
+    """Copies of messages to send again, bounded.
+
+    Args:
+        interval_s: time between two copies of one message.
+        clock: monotonic clock (tests pass a fake one).
+        capacity: most entries held.
+    """
+
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        interval_s: float = DEFAULT_RESEND_S,
+        capacity: int = RESEND_CAPACITY,
+    ) -> None:
+        self._clock = clock
+        self._interval = interval_s
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[int, str, bytes, int], _Entry] = {}
+
+    def add(
+        self, room: int, endpoint: str, frames: Sequence[bytes], copies: int, tag: int = 0
+    ) -> None:
+        """Send ``frames`` to ``endpoint`` again ``copies`` more times (``-1``: until
+        :meth:`ack` or :meth:`cancel_room`), the first ``interval_s`` from now. ``tag`` tells
+        apart messages of one kind and room to one endpoint (a chunk index)."""
+        key = (room, endpoint, bytes(frames[0]) if frames else b"", tag)
+        with self._lock:
+            self._entries.pop(key, None)
+            self._entries[key] = _Entry(
+                endpoint, list(frames), copies, self._clock() + self._interval
+            )
+            while len(self._entries) > self._capacity:
+                del self._entries[next(iter(self._entries))]
+
+    def ack(self, room: int, endpoint: str, kind: bytes, tag: int = 0) -> None:
+        """Stop re-sending one message (its receiver answered)."""
+        with self._lock:
+            self._entries.pop((room, endpoint, kind, tag), None)
+
+    def cancel_room(self, room: int, kind: bytes | None = None) -> None:
+        """Stop re-sending a room's messages (of ``kind`` only, when given)."""
+        with self._lock:
+            for key in [k for k in self._entries if k[0] == room and kind in (None, k[2])]:
+                del self._entries[key]
+
+    def take_due(self) -> list[tuple[str, list[bytes]]]:
+        """The copies due now, as (endpoint, frames); spent entries are dropped."""
+        now = self._clock()
+        out: list[tuple[str, list[bytes]]] = []
+        with self._lock:
+            for key, entry in list(self._entries.items()):
+                if entry.due > now:
+                    continue
+                out.append((entry.endpoint, entry.frames))
+                if entry.copies > 0:
+                    entry.copies -= 1
+                if entry.copies == 0:
+                    del self._entries[key]
+                else:
+                    entry.due = now + self._interval
+        return out
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)

@@ -1,0 +1,203 @@
+"""Issue 24, findings 4 and 5 on decode: FAILED means done, and every room ends.
+
+* ``poll_room`` shows ``FAILED`` only once no scatter into the room's pages can still land:
+  one running on the listener thread (CPU) or queued on the device (an event not complete).
+* A room that never gets a ring region (its ``ROOM_META`` or ``ROOM_FAILED`` lost, its prefill
+  never started) fails after ``room_timeout_s``; ``release_room`` polls queued device
+  scatters with its bound and lets the listener in meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import pytest
+
+from staging_contracts.backends.kv_requests import KVPoll, KVReceiver, KVSender
+from staging_contracts.decode.rooms import RoomStatus
+from staging_contracts.protocols import ArrivalOutcome, StagingReqOutcome
+from tests.local_cluster import Geometry, pools_equal, sides, wait_states
+from tests.test_decode_handler import FakeEvent, plan, rig
+
+ROOM_TIMEOUT_S = 30.0
+"""The handler's default room_timeout_s (ROOM_TIMEOUT_S; the issue asks <= 30 s)."""
+
+BOUND_S = 5.0
+"""Longest a test waits for another thread (never reached when the code is right)."""
+
+
+def test_a_room_failed_while_its_scatter_runs_is_failed_only_once_the_scatter_returned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The listener scatters chunk 0 (CPU, on its thread) when the scheduler fails the room:
+    the room shows TRANSFERRING until the scatter returned, then FAILED (main showed FAILED
+    at once, and a scheduler reusing the pages had them overwritten by the scatter)."""
+    r = rig()
+    r.handler.register_room(plan(1, pages=2))
+    assert r.req(1, 0) is StagingReqOutcome.ALLOCATED
+    scatter = r.handler._scatterer.scatter
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_scatter(*args: object) -> object | None:
+        entered.set()
+        release.wait(BOUND_S)
+        return scatter(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(r.handler._scatterer, "scatter", slow_scatter)
+    outcomes: list[ArrivalOutcome] = []
+    listener = threading.Thread(target=lambda: outcomes.append(r.arrive(1, 0, 0)))
+    listener.start()
+    try:
+        assert entered.wait(BOUND_S)
+        r.handler.fail_room(1, "aborted by the scheduler")
+        assert r.handler.poll_room(1) is RoomStatus.TRANSFERRING
+        assert r.handler.wait_room(1, 0.0) is RoomStatus.TRANSFERRING
+        assert r.handler.room_failure(1) is None
+    finally:
+        release.set()
+        listener.join(BOUND_S)
+    assert outcomes == [ArrivalOutcome.COMPLETE]
+    assert r.handler.poll_room(1) is RoomStatus.FAILED
+    assert r.handler.room_failure(1) == "aborted by the scheduler"
+
+
+def test_a_room_failed_while_its_scatter_is_queued_is_failed_once_the_event_completed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A scatter queued on the device (its event not complete) when the room fails: FAILED
+    only once the event completed (main showed FAILED while the copy could still land)."""
+    r = rig()
+    r.handler.register_room(plan(1, pages=4))
+    r.req(1, 0)
+    r.req(1, 1)
+    event = FakeEvent()
+    monkeypatch.setattr(r.handler._scatterer, "scatter", lambda *args: event)
+    assert r.arrive(1, 0, 0) is ArrivalOutcome.COMPLETE
+    r.handler.fail_room(1, "prefill failed the room")
+    assert r.handler.poll_room(1) is RoomStatus.TRANSFERRING
+    assert r.handler.poll_room(1) is RoomStatus.TRANSFERRING
+    event.done = True
+    assert r.handler.poll_room(1) is RoomStatus.FAILED
+    assert r.handler.wait_room(1, 0.0) is RoomStatus.FAILED
+
+
+def test_a_registered_room_that_never_gets_a_request_fails_after_its_bound() -> None:
+    """No STAGING_REQ ever comes (ROOM_META lost, or ROOM_FAILED lost): the room fails after
+    room_timeout_s (30 s by default) from its registration (main kept it open for good)."""
+    r = rig()
+    r.handler.register_room(plan(1))
+    r.clock.now += ROOM_TIMEOUT_S
+    assert r.handler.poll_room(1) is RoomStatus.REGISTERED
+    r.clock.now += 0.001
+    assert r.handler.poll_room(1) is RoomStatus.FAILED
+    failure = r.handler.room_failure(1)
+    assert failure is not None
+    assert failure.startswith("no STAGING_REQ for 30.0s")
+
+
+def test_a_room_between_chunks_fails_after_its_bound_and_a_request_restarts_it() -> None:
+    """Chunk 0 landed, chunk 1 is never asked for: the room fails room_timeout_s after its
+    last progress; each request of a room without a region restarts that bound."""
+    r = rig()
+    r.handler.register_room(plan(1, pages=4))
+    r.clock.now += 20
+    r.req(1, 0)
+    r.arrive(1, 0, 0)
+    r.clock.now += 20
+    assert r.handler.poll_room(1) is RoomStatus.TRANSFERRING
+    r.clock.now += ROOM_TIMEOUT_S - 20 + 0.001
+    assert r.handler.poll_room(1) is RoomStatus.FAILED
+
+
+class HungEvent(FakeEvent):
+    """A device event that never completes; ``synchronize`` blocks (up to a bound)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.touched = threading.Event()
+        self.unblock = threading.Event()
+
+    def query(self) -> bool:
+        self.touched.set()
+        return False
+
+    def synchronize(self) -> None:
+        self.touched.set()
+        self.unblock.wait(BOUND_S)
+
+
+def test_release_with_a_hung_device_event_is_bounded_and_lets_the_listener_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """release_room of a room whose queued scatter never completes raises TimeoutError after
+    its bound, and the listener is served meanwhile (main synchronized the event with no bound
+    while holding the lock the listener needs)."""
+    r = rig()
+    r.handler.register_room(plan(1, pages=2))
+    r.handler.register_room(plan(2, pages=2))
+    r.req(1, 0)
+    event = HungEvent()
+    monkeypatch.setattr(r.handler._scatterer, "scatter", lambda *args: event)
+    r.arrive(1, 0, 0)
+    errors: list[BaseException] = []
+
+    def release() -> None:
+        try:
+            r.handler.release_room(1, timeout=0.5)
+        except TimeoutError as exc:
+            errors.append(exc)
+
+    releaser = threading.Thread(target=release)
+    releaser.start()
+    answered: list[StagingReqOutcome] = []
+    try:
+        assert event.touched.wait(BOUND_S)
+        listener = threading.Thread(target=lambda: answered.append(r.req(2, 0)))
+        listener.start()
+        listener.join(BOUND_S / 2)
+        served = not listener.is_alive()
+    finally:
+        event.unblock.set()
+        releaser.join(BOUND_S)
+        listener.join(BOUND_S)
+    assert served
+    assert answered == [StagingReqOutcome.ALLOCATED]
+    assert [str(e) for e in errors] == ["room 1: a queued scatter did not complete in 0.5s"]
+    assert event.synchronized == 0
+    assert r.handler.live_rooms == 2  # room 1 stays, closing: release it again later
+
+
+def test_a_lost_room_meta_is_sent_again_and_the_room_succeeds() -> None:
+    """The first ROOM_META to the prefill rank is lost: decode sends it again (every
+    resend_s, until the writer is heard from) and the request lands bit-exact well before the
+    ROOM_META timeout (main sent it once: the room failed at meta_timeout_s, "decode never
+    sent ROOM_META")."""
+    with sides(Geometry(1, 1, 2), meta_timeout_s=3.0) as s:
+        c = s.cluster
+        peers = c.decode[0].peers
+        send = peers.send
+        lost: list[list[bytes]] = []
+
+        def lossy(endpoint: str, frames: Sequence[bytes]) -> bool:
+            if frames and frames[0] == b"ROOM_META" and not lost:
+                lost.append(list(frames))
+                return True  # "sent", never delivered
+            return send(endpoint, frames)
+
+        peers.send = lossy  # type: ignore[method-assign]
+        request = c.add_request(60, num_pages=4, chunk_pages=2)
+        c.handlers[0].release_room(60)  # registered again below, through the receiver
+        receiver = KVReceiver(s.decode[0], 60)
+        receiver.init(request.decode_pages, chunk_pages=2)
+        sender = KVSender(s.prefill[0], 60)
+        sender.init(4, c.targets)
+        receiver.send_metadata()
+        for chunk in request.chunks():
+            sender.send(chunk.pages, last=chunk.chunk_idx == 1)
+        assert wait_states([sender], timeout=BOUND_S) == [KVPoll.Success]
+        assert wait_states([receiver], timeout=BOUND_S) == [KVPoll.Success]
+        assert len(lost) == 1
+        assert pools_equal(c.decode_pools[0], c.expected_decode_pool(0))
+        receiver.release()
+        sender.release()
