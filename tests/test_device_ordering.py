@@ -283,10 +283,13 @@ def test_a_region_is_freed_only_after_its_scatter_completed(
         assert frees_after_scatters(log)
 
 
-def test_the_integrity_check_reads_the_region_only_after_its_scatter_completed() -> None:
+def test_the_integrity_check_reads_the_region_only_after_its_scatter_completed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """With integrity on, the handler waits for the scatter's token before it hashes the
     region, and frees it only after (a region checked before its scatter completed could
     still change under the check on CUDA)."""
+    monkeypatch.setenv(INTEGRITY_ENV, "1")
     with local_cluster(Geometry(1, 1, 2)) as cluster:
         handler = cluster.handlers[0]
         assert handler.integrity

@@ -13,6 +13,7 @@ import pytest
 
 from staging_contracts.backends.staging_setup import staging_idle
 from staging_contracts.control.integrity import (
+    DEFAULT_INTEGRITY,
     INTEGRITY_ENV,
     ArrivalKeys,
     ChunkIdentity,
@@ -31,8 +32,11 @@ from tests.local_cluster import Geometry, local_cluster, pools_equal, wait_for
 SECRET = b"integrity tests: a secret of 32 b"
 
 
-def test_without_a_late_write_the_checked_room_is_bit_exact() -> None:
+def test_without_a_late_write_the_checked_room_is_bit_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The same two writers with nothing landing in between: SUCCESS, pool bit-exact."""
+    monkeypatch.setenv(INTEGRITY_ENV, "1")
     with local_cluster(Geometry(2, 1, 4)) as cluster:
         cluster.add_request(502, num_pages=4, chunk_pages=2)
         assert cluster.send_all(cluster.requests) == []
@@ -159,8 +163,8 @@ def test_the_tag_scheme() -> None:
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
-        (None, True),
-        ("", True),
+        (None, False),
+        ("", False),
         ("1", True),
         ("on", True),
         (" TRUE ", True),
@@ -171,9 +175,10 @@ def test_the_tag_scheme() -> None:
     ],
 )
 def test_the_integrity_setting(value: str | None, expected: bool) -> None:
-    """STAGING_CONTRACTS_INTEGRITY: on by default, the usual words either way."""
+    """STAGING_CONTRACTS_INTEGRITY: off by default (its cost), the usual words either way."""
     environ = {} if value is None else {INTEGRITY_ENV: value}
     assert integrity_enabled(None, environ) is expected
+    assert integrity_enabled(None, {}) is DEFAULT_INTEGRITY
     assert integrity_enabled(not expected, environ) is (not expected)
 
 

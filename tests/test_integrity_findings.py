@@ -22,12 +22,18 @@ from tests.integrity_helpers import land_first_then_late_then_second
 from tests.local_cluster import Geometry, local_cluster, pools_equal, wait_for
 
 SECRET = "integrity findings: a secret of 32"
+INTEGRITY_ENV = "STAGING_CONTRACTS_INTEGRITY"
+"""Integrity is off by default (its cost, README): these tests turn it on (a name the code
+before it ignores)."""
 
 
-def test_a_late_write_into_a_region_fails_the_room_with_integrity() -> None:
+def test_a_late_write_into_a_region_fails_the_room_with_integrity(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Finding 1, in-process: bytes that land over a writer's after it wrote (a writer
     declared dead whose write was in flight) are caught before SUCCESS: the room fails, and
     its reason says integrity."""
+    monkeypatch.setenv(INTEGRITY_ENV, "1")
     with local_cluster(Geometry(2, 1, 4)) as cluster:
         handler = cluster.handlers[0]
         cluster.add_request(501, num_pages=2, chunk_pages=2)

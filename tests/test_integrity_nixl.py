@@ -119,6 +119,7 @@ def test_a_paused_writer_s_late_write_fails_the_next_room_with_integrity(
     """Finding 1 through real processes: SIGSTOP past the liveness timeout, SIGCONT once
     the next room's first writer landed in the reused region; that room fails (integrity)."""
     monkeypatch.setenv(SECRET_ENV, SECRET)
+    monkeypatch.setenv("STAGING_CONTRACTS_INTEGRITY", "1")  # off by default; the child too
     g = GEOMETRY
     spawn = multiprocessing.get_context("spawn")
     ours, theirs = spawn.Pipe()

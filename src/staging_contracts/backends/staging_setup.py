@@ -108,7 +108,7 @@ def enable_decode_staging(
     ``ring_share`` caps the share of the ring one prefill instance may hold at once (see
     :class:`~staging_contracts.decode.handler.DecodeStagingHandler`; 1.0, no cap, by default).
     ``integrity`` checks the staged bytes against their tags (``None``:
-    ``STAGING_CONTRACTS_INTEGRITY``, else on); with the cluster secret, arrivals need a valid
+    ``STAGING_CONTRACTS_INTEGRITY``, else off); with the cluster secret, arrivals need a valid
     MAC (the others are dropped and counted in the manager's ``unauthorized``).
 
     **Side:** decode. **Called by:** the backend's constructor or the scheduler, before the
@@ -182,7 +182,7 @@ def enable_prefill_staging(
             ``NixlKVManager(arrival="zmq")``, whose agent has no notifications. Our decode
             accepts both.
         integrity: tag each write with the digest of its staged bytes (``None``:
-            ``STAGING_CONTRACTS_INTEGRITY``, else on); with the cluster secret every arrival
+            ``STAGING_CONTRACTS_INTEGRITY``, else off); with the cluster secret every arrival
             also carries a MAC.
 
     Returns:

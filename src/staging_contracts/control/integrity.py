@@ -51,9 +51,11 @@ INTEGRITY_ENV: Final = "STAGING_CONTRACTS_INTEGRITY"
 """Environment variable that turns the integrity digests on (``1``, ``on``, ``true``) or off
 (``0``, ``off``, ``false``)."""
 
-DEFAULT_INTEGRITY: Final = True
-"""Whether digests are computed and checked when :data:`INTEGRITY_ENV` is unset (README,
-"Integrity": the measured cost)."""
+DEFAULT_INTEGRITY: Final = False
+"""Whether digests are computed and checked when :data:`INTEGRITY_ENV` is unset: off, since
+they cost about 30 % of a staged transfer at memory speed, more than the 10 % that would make
+them the default (``staging.integrity.transfer.*`` rows of ``staging-contracts bench staging``;
+README, "Integrity")."""
 
 INTEGRITY_FAILURE: Final = "integrity"
 """The first word of the failure reason of a room whose staged bytes did not match a tag."""

@@ -149,7 +149,7 @@ class DecodeStagingHandler:
             default): no cap, every request is answered (the ring overcommits, SPEC §2).
         integrity: check each writer's bytes against the digest its arrival carried (on
             CUDA the scatter is then waited for, and the region copied to the host);
-            ``None`` (default): ``STAGING_CONTRACTS_INTEGRITY``, else on.
+            ``None`` (default): ``STAGING_CONTRACTS_INTEGRITY``, else off.
         arrival_keys: the MAC keys derived from the cluster secret: arrivals without a valid
             MAC are not authentic (``authorize`` refuses such a ``CHUNK_READY``,
             ``authentic_notification`` such a notification). ``None``: no secret.

@@ -203,7 +203,7 @@ class StagingWriter:
             by notification where ``engine.supports_notifications``, else over ZMQ.
         integrity: tag each write with the digest of its staged bytes (hashed once the gather
             completed, before the write); ``None`` (default): ``STAGING_CONTRACTS_INTEGRITY``,
-            else on (see :func:`~staging_contracts.control.integrity.integrity_enabled`).
+            else off (see :func:`~staging_contracts.control.integrity.integrity_enabled`).
         arrival_keys: the MAC keys derived from the cluster secret (``None``: no secret, no
             MAC); with them every arrival carries a MAC that decode requires.
 
