@@ -49,7 +49,15 @@ def paused_writer_main(conn: Connection) -> None:
             buffer.copy_(raw.to(torch.int16).view(g.dtype))
         writer = enable_prefill_staging(manager, kv_buffers=pool, max_chunk_pages=2)
         conn.send((manager.endpoint, manager.curve_key))
-        endpoint, key, session, metadata, ring_base, ring_size = _recv(conn)  # type: ignore[misc]  # the parent's tuple
+        told = _recv(conn)
+        if not isinstance(told, tuple):
+            raise TypeError(f"expected the decode's tuple, got {told!r}")
+        endpoint: str = told[0]
+        key: bytes = told[1]
+        session: str = told[2]
+        metadata: bytes = told[3]
+        ring_base: int = told[4]
+        ring_size: int = told[5]
         manager.trust_peer(endpoint, key)
         manager.start()
         manager.engine.add_peer(session, metadata)

@@ -248,10 +248,13 @@ def test_a_hostile_agent_s_notifications_complete_no_room(monkeypatch: pytest.Mo
             made_up = b"\x00".join([*fields, b"0", b"0", b"0" * 16 + b":" + b"0" * 32])
             for payload in (plain, made_up):
                 hostile.write(target.session_id, [], payload)
+
             # Its agent has no progress thread: drive it until its sends went out.
-            assert wait_for(
-                lambda: hostile.progress() is None and decode.unauthorized >= 2, timeout=10
-            )
+            def counted() -> bool:
+                hostile.progress()
+                return decode.unauthorized >= 2
+
+            assert wait_for(counted, timeout=10)
         finally:
             hostile.close()
         assert handler.poll_room(710) is RoomStatus.TRANSFERRING

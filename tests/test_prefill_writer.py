@@ -834,9 +834,7 @@ def test_with_keys_every_arrival_carries_a_mac_for_its_decode_session(clock: Clo
         identity = ChunkIdentity(1, 0, 0, 2, "decode-0", 0, 2)
         assert keys.authentic(identity, arrival.tag)
         assert not keys.authentic(identity._replace(epoch=3), arrival.tag)
-        assert not ArrivalKeys(b"another secret of sixteen bytes").authentic(
-            identity, arrival.tag
-        )
+        assert not ArrivalKeys(b"another secret of sixteen bytes").authentic(identity, arrival.tag)
 
 
 def test_with_notifications_the_arrival_rides_on_the_write(clock: Clock) -> None:

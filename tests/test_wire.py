@@ -75,7 +75,6 @@ def chunk_readies(draw: st.DrawFn) -> ChunkReady:
     return ChunkReady(*head, writer, epoch, tag)
 
 
-
 messages: st.SearchStrategy[Message] = st.one_of(
     staging_reqs, staging_rsps(), watermarks, chunk_readies()
 )

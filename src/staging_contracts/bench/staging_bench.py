@@ -345,9 +345,18 @@ def _integrity_rows(case: _Case, size: _Size) -> list[BenchRow]:
     for rank in writers:  # the digests the writers would have sent for these bytes
         staged = scatterer.writer_bytes(allocation, case.prefill_tp, size.chunk_pages, rank)
         region.digests[rank] = chunk_digest(identity(rank), host_view(staged))
-    pairs = {
-        "tag": (lambda: (gather(), tag()), gather),
-        "check": (lambda: (scatter(), check()), scatter),
+
+    def gather_and_tag() -> None:
+        gather()
+        tag()
+
+    def scatter_and_check() -> None:
+        scatter()
+        check()
+
+    pairs: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {
+        "tag": (gather_and_tag, gather),
+        "check": (scatter_and_check, scatter),
         "transfer": (lambda: transfer(True), lambda: transfer(False)),
     }
     what = {
