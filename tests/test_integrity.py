@@ -134,6 +134,30 @@ def test_with_the_secret_a_notification_without_a_valid_mac_is_dropped_and_count
         assert pools_equal(cluster.decode_pools[0], cluster.expected_decode_pool(0))
 
 
+def test_a_malformed_tag_is_counted_and_the_listener_keeps_serving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A notification whose tag is not one (with or without the secret) is malformed: counted
+    as such, dropped, and the next arrivals are still delivered."""
+    monkeypatch.setenv(SECRET_ENV, SECRET.decode())
+    with local_cluster(Geometry(1, 1, 2)) as cluster:
+        decode, handler = cluster.decode[0], cluster.handlers[0]
+        request = cluster.add_request(506, num_pages=2, chunk_pages=2)
+        (chunk,) = request.chunks()
+        session = handler.session_id.encode()
+        bad = b"\x00".join([b"CHUNK_READY", b"506", b"0", b"0", b"2", session, b"0", b"0", b"xyz"])
+        pending = [[Notification("peer", bad)]]
+        monkeypatch.setattr(
+            decode.engine, "poll_notifications", lambda: pending.pop() if pending else []
+        )
+        staging_idle(decode)
+        assert wait_for(lambda: decode.staging_stats().malformed == 1)
+        monkeypatch.undo()
+        assert decode.unauthorized == 0
+        cluster.writers[0].send_chunk(506, chunk, cluster.targets)
+        assert cluster.wait_rooms([506]) == {506: [RoomStatus.SUCCESS]}
+
+
 def test_the_tag_scheme() -> None:
     """Digests bind every field of the identity; the MAC binds the digest and the session's
     key; parse_tag splits what make_tag joins."""

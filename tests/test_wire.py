@@ -1389,3 +1389,14 @@ def test_an_empty_watermark_session_frame_is_no_extra_frame_allowance() -> None:
     """The empty frame takes the session's place; a fifth frame after it is still extra."""
     with pytest.raises(MalformedMessage, match=r"^WATERMARK frame 4: unexpected extra frame"):
         decode_message([b"WATERMARK", b"3", b"4096", b"", b""])
+
+
+def test_an_epoch_needs_a_writer_rank_and_a_tag_an_epoch() -> None:
+    """The optional frames of CHUNK_READY come in order, so a record that skips one cannot be
+    built (it could not be encoded)."""
+    with pytest.raises(ValueError, match=r"'epoch' needs a writer_rank"):
+        ChunkReady(1, 0, 0, 1, "s", None, 3)
+    with pytest.raises(ValueError, match=r"'tag' needs an epoch"):
+        ChunkReady(1, 0, 0, 1, "s", 0, None, "0" * 16)
+    with pytest.raises(ValueError, match=r"'tag' must be a 16-hex-digit digest"):
+        ChunkReady(1, 0, 0, 1, "s", 0, 0, "-")
