@@ -22,6 +22,11 @@ STAGING_ROWS = [  # name, unit, goal in full mode (quick rows have none)
     ("staging.scatter.p1d4-gqa", "GB/s", ">= 0.5"),
     ("staging.gather", "GB/s", ">= 0.5"),
     ("staging.scatter", "GB/s", ">= 0.5"),
+    *(
+        (f"staging.integrity.{what}.{case}", "ms/chunk", "<= 1.1" if what == "transfer" else "")
+        for case in ("p4d2", "p2d4-gqa", "p1d4-gqa")
+        for what in ("tag", "check", "transfer")
+    ),
     ("staging.alloc-scaling", "ns/assign+free (@100k, @10 live)", "<= 1.2"),
     ("staging.alloc-scaling.anchor", "ns/assign+free (@100k, @10 live)", ""),
 ]
@@ -96,6 +101,20 @@ def test_staging_notes_state_the_case(staging_rows: list[BenchRow]) -> None:
         assert "all 8 heads" in notes[name]
         assert "not the ranks' fused pools" in notes[name]
     assert notes["staging.alloc-scaling"] == QUICK
+
+
+def test_integrity_rows_state_what_they_compare(staging_rows: list[BenchRow]) -> None:
+    """Each integrity row names its case and what it adds to which work; the transfer rows
+    include the engine's write (a copy_ into the ring)."""
+    notes = {row.name: row.note for row in staging_rows if ".integrity." in row.name}
+    assert len(notes) == 9
+    for name, note in notes.items():
+        assert note.endswith("; 1 torch thread, cpu"), name
+        assert "tokens x" in note, name
+    assert "XXH3-64 digest" in notes["staging.integrity.tag.p4d2"]
+    assert "ArrivalVerifier.check of each writer's bytes" in notes["staging.integrity.check.p4d2"]
+    assert "2 writers" in notes["staging.integrity.check.p4d2"]
+    assert "copy_ into the ring" in notes["staging.integrity.transfer.p1d4-gqa"]
 
 
 def test_staging_group_restores_torch_threads() -> None:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from staging_contracts import ArrivalOutcome
+from staging_contracts.control.integrity import INTEGRITY_ENV
 from staging_contracts.control.transport import PeerSockets
 from staging_contracts.decode.handler import DecodeStagingHandler, PrefillPeer, RoomPlan, RoomStatus
 from staging_contracts.prefill.writer import ChunkSpec, StagingWriter
@@ -252,9 +253,13 @@ def decode(monkeypatch: pytest.MonkeyPatch) -> Decode:
     return Decode(handler, ordering, log)
 
 
-def test_a_region_is_freed_only_after_its_scatter_completed() -> None:
+def test_a_region_is_freed_only_after_its_scatter_completed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Until the scatter's token completes: the region stays live, no watermark moves, the
-    room is not SUCCESS; then progress frees it and the room succeeds."""
+    room is not SUCCESS; then progress frees it and the room succeeds (integrity off: its
+    check waits for the token at once, see the next test)."""
+    monkeypatch.setenv(INTEGRITY_ENV, "0")
     with local_cluster(Geometry(1, 1, 2)) as cluster:
         handler = cluster.handlers[0]
         log: list[str] = []
@@ -275,6 +280,31 @@ def test_a_region_is_freed_only_after_its_scatter_completed() -> None:
         assert wait_for(lambda: handler.poll_room(401) is RoomStatus.SUCCESS)
         assert handler.allocator.live_count == 0
         assert handler.allocator.get_watermark() != watermark
+        assert frees_after_scatters(log)
+
+
+def test_the_integrity_check_reads_the_region_only_after_its_scatter_completed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With integrity on, the handler waits for the scatter's token before it hashes the
+    region, and frees it only after (a region checked before its scatter completed could
+    still change under the check on CUDA)."""
+    monkeypatch.setenv(INTEGRITY_ENV, "1")
+    with local_cluster(Geometry(1, 1, 2)) as cluster:
+        handler = cluster.handlers[0]
+        assert handler.integrity
+        log: list[str] = []
+        ordering = RecordingOrdering(log)
+        handler._scatterer.ordering = ordering
+        handler._free = _logged(log, "free", handler._free)  # type: ignore[method-assign]
+        pools = handler._scatterer._pools
+        pools.scatter = _logged(log, "scatter", pools.scatter)  # type: ignore[method-assign]
+        verifier = handler._verifier
+        verifier.check = _logged(log, "checked", verifier.check)  # type: ignore[method-assign]
+        request = cluster.add_request(402, num_pages=2, chunk_pages=2)
+        cluster.send_all([request])
+        assert wait_for(lambda: handler.poll_room(402) is RoomStatus.SUCCESS)
+        assert log.index("waited") < log.index("checked") < log.index("free")
         assert frees_after_scatters(log)
 
 

@@ -112,6 +112,7 @@ def make_writer(
         total_kv_heads=GEOMETRY.total_heads,
         max_chunk_pages=4,
         arrival=arrival,
+        integrity=False,
     )
     layout = compute_staging_layout(1, 1, 0, 2, 2 * GEOMETRY.page_size, 16, GEOMETRY.layers)
     regions.record(7, 0, TARGET.session_id, RegionAnswer(0, 0, layout.total_bytes))
@@ -126,7 +127,8 @@ def stage_one_chunk(writer: StagingWriter, log: list[Event]) -> list[Event]:
     return list(log)
 
 
-ARRIVAL = ChunkReady(7, 0, 0, 2, TARGET.session_id, 0)
+ARRIVAL = ChunkReady(7, 0, 0, 2, TARGET.session_id, 0, 0)
+"""Chunk 0 of room 7 by writer 0 into a region of epoch (round) 0; integrity off: no tag."""
 
 
 @pytest.mark.parametrize(
@@ -168,7 +170,16 @@ def test_zmq_arrival_sends_chunk_ready_after_the_write_even_where_notifications_
         ("write", (TARGET.session_id, 1, None)),
         ("send", (TARGET.endpoint, ARRIVAL.to_frames())),
     ]
-    assert ARRIVAL.to_frames() == [b"CHUNK_READY", b"7", b"0", b"0", b"2", b"decode-0", b"0"]
+    assert ARRIVAL.to_frames() == [
+        b"CHUNK_READY",
+        b"7",
+        b"0",
+        b"0",
+        b"2",
+        b"decode-0",
+        b"0",
+        b"0",
+    ]
 
 
 def test_notification_arrival_travels_with_the_write_and_sends_nothing_else() -> None:

@@ -17,10 +17,17 @@ from typing import cast
 import pytest
 import torch
 
+from staging_contracts.control.integrity import ArrivalKeys, ChunkIdentity, chunk_digest
 from staging_contracts.control.liveness import PeerLiveness
 from staging_contracts.control.room_messages import RoomFence, RoomFenced
 from staging_contracts.control.transport import PeerSockets
-from staging_contracts.control.wire import ChunkReady, StagingReq, StagingRsp, WatermarkUpdate
+from staging_contracts.control.wire import (
+    ChunkReady,
+    StagingReq,
+    StagingRsp,
+    WatermarkUpdate,
+    decode_message,
+)
 from staging_contracts.prefill import writer as writer_module
 from staging_contracts.prefill.books import RegionAnswerTable, WatermarkTracker
 from staging_contracts.prefill.writer import (
@@ -240,8 +247,11 @@ def make_rig(
     ring_size: int = 1 << 16,
     stream: torch.cuda.Stream | None = None,
     arrival: ArrivalMode | None = None,
+    integrity: bool = False,
+    arrival_keys: ArrivalKeys | None = None,
 ) -> Rig:
-    """A writer of the geometry with a random KV pool and its fakes."""
+    """A writer of the geometry with a random KV pool and its fakes (integrity off unless
+    asked: the arrivals then carry the epoch, and a tag only with ``arrival_keys``)."""
     geometry = Geometry(prefill_tp, decode_tp, heads)
     pool = geometry.empty_pool(prefill_tp, rank)
     gen = torch.Generator().manual_seed(rank)
@@ -271,6 +281,8 @@ def make_rig(
         stream=stream,
         liveness=liveness,
         arrival=arrival,
+        integrity=integrity,
+        arrival_keys=arrival_keys,
     )
     rig = Rig(
         writer,
@@ -599,7 +611,7 @@ def test_a_fence_during_the_write_is_answered_when_it_returns(r: Rig) -> None:
     assert r.writer.send_chunk(1, ChunkSpec(0, 0, (1, 2)), r.targets) == 1024
     assert seen == [[StagingReq.WIRE_TYPE, b"1"], [RoomFenced.KIND, b"2"]]
     fenced = RoomFenced(1, "decode-0", 0).to_frames()
-    ready = ChunkReady(1, 0, 0, 2, "decode-0", 0).to_frames()
+    ready = ChunkReady(1, 0, 0, 2, "decode-0", 0, 0).to_frames()
     assert r.sender.take() == [
         ("tcp://reply:0", fenced),
         ("tcp://reply:0", fenced),
@@ -782,12 +794,53 @@ def test_send_chunk_writes_the_gathered_heads_and_signals_arrival(r: Rig) -> Non
     assert r.engine.payloads == [expected_gather(r, (7, 2), 0, 2)]
     assert r.sender.take() == [
         ("tcp://decode:0", req(1, 3, 2)),
-        ("tcp://decode:0", ChunkReady(1, 3, 6, 2, "decode-0", 0).to_frames()),
+        ("tcp://decode:0", ChunkReady(1, 3, 6, 2, "decode-0", 0, 0).to_frames()),
     ]
     assert r.writer.requests_sent == 1
     r.answer(1, 4, 0, 512)
     assert r.writer.send_chunk(1, ChunkSpec(4, 8, (9,)), r.targets) == 512
     assert r.writer.bytes_written == 1536
+
+
+def test_the_arrival_carries_the_digest_of_the_written_bytes_and_the_region_epoch(
+    clock: Clock,
+) -> None:
+    """Integrity on: the tag's digest is that of exactly the bytes written, bound to the
+    chunk's identity and the epoch (round) of the region decode answered; no MAC without
+    keys."""
+    rig = make_rig(clock, integrity=True)
+    rig.answer(1, 3, 2048, 3072, rnd=5)
+    rig.watermarks.observe("decode-0", Watermark(5, 0))
+    rig.writer.send_chunk(1, ChunkSpec(3, 6, (7, 2)), rig.targets)
+    (payload,) = rig.engine.payloads
+    identity = ChunkIdentity(1, 3, 6, 2, "decode-0", 0, 5)
+    sent = rig.sender.sent[-1][1]
+    assert decode_message(sent) == ChunkReady(
+        1, 3, 6, 2, "decode-0", 0, 5, chunk_digest(identity, payload)
+    )
+    other = ChunkIdentity(1, 3, 6, 2, "decode-0", 0, 4)
+    assert chunk_digest(other, payload) != chunk_digest(identity, payload)
+
+
+def test_with_keys_every_arrival_carries_a_mac_for_its_decode_session(clock: Clock) -> None:
+    """With the secret's keys the tag ends with a MAC that the decode session's key checks;
+    with integrity off the digest is '-' and the MAC still there."""
+    keys = ArrivalKeys(b"a secret of at least sixteen bytes")
+    for integrity in (True, False):
+        rig = make_rig(clock, integrity=integrity, arrival_keys=keys)
+        rig.answer(1, 0, 0, 1024, rnd=2)
+        rig.watermarks.observe("decode-0", Watermark(2, 0))
+        rig.writer.send_chunk(1, ChunkSpec(0, 0, (1, 2)), rig.targets)
+        arrival = decode_message(rig.sender.sent[-1][1])
+        assert isinstance(arrival, ChunkReady)
+        assert arrival.tag is not None
+        digest, _, mac = arrival.tag.partition(":")
+        assert (digest == "-") is not integrity
+        assert len(mac) == 32
+        identity = ChunkIdentity(1, 0, 0, 2, "decode-0", 0, 2)
+        assert keys.authentic(identity, arrival.tag)
+        assert not keys.authentic(identity._replace(epoch=3), arrival.tag)
+        assert not ArrivalKeys(b"another secret of sixteen bytes").authentic(identity, arrival.tag)
 
 
 def test_with_notifications_the_arrival_rides_on_the_write(clock: Clock) -> None:
@@ -796,7 +849,7 @@ def test_with_notifications_the_arrival_rides_on_the_write(clock: Clock) -> None
     rig.answer(1, 0, 0, 1024)
     rig.writer.send_chunk(1, ChunkSpec(0, 0, (1, 2)), rig.targets)
     ((_, _, notify),) = rig.engine.writes
-    assert notify == ChunkReady(1, 0, 0, 2, "decode-0", 0).to_notification()
+    assert notify == ChunkReady(1, 0, 0, 2, "decode-0", 0, 0).to_notification()
     assert rig.sender.kinds() == [StagingReq.WIRE_TYPE]
 
 
@@ -825,7 +878,7 @@ def test_a_second_writer_writes_after_the_first_in_the_region(clock: Clock) -> N
     assert transfers == [Transfer(rig.writer._buffer_ptr, 1_000_000 + 4096 + offset, 1024)]
     assert rig.sender.sent[-1] == (
         "tcp://decode:0",
-        ChunkReady(1, 0, 0, 2, "decode-0", 1).to_frames(),
+        ChunkReady(1, 0, 0, 2, "decode-0", 1, 0).to_frames(),
     )
 
 
@@ -1216,7 +1269,7 @@ def test_zmq_arrivals_can_be_chosen_with_a_notifying_engine(clock: Clock) -> Non
     assert rig.engine.writes[0][2] is None
     assert rig.sender.sent[-1] == (
         "tcp://decode:0",
-        ChunkReady(1, 0, 0, 2, "decode-0", 0).to_frames(),
+        ChunkReady(1, 0, 0, 2, "decode-0", 0, 0).to_frames(),
     )
 
 

@@ -58,9 +58,25 @@ def staging_rsps(draw: st.DrawFn) -> StagingRsp:
 
 staging_reqs = st.builds(StagingReq, nonneg, nonneg, positive, sessions, ranks)
 watermarks = st.builds(WatermarkUpdate, nonneg, nonneg, st.just("") | sessions)
-chunk_readies = st.builds(ChunkReady, nonneg, nonneg, nonneg, positive, sessions, ranks)
+TAG = "0123456789abcdef:" + "0123456789abcdef" * 2
+"""A tag with a digest and a MAC (the longest form)."""
+tags = st.from_regex(r"\A(?:[0-9a-f]{16}|-:[0-9a-f]{32}|[0-9a-f]{16}:[0-9a-f]{32})\Z")
+
+
+@st.composite
+def chunk_readies(draw: st.DrawFn) -> ChunkReady:
+    """A valid arrival: the optional writer rank, epoch and tag each only after the one
+    before."""
+    head = (draw(nonneg), draw(nonneg), draw(nonneg), draw(positive), draw(sessions))
+    optional = draw(st.integers(0, 3))
+    writer = draw(st.integers(0, I64_MAX)) if optional >= 1 else None
+    epoch = draw(st.integers(0, I64_MAX)) if optional >= 2 else None
+    tag = draw(tags) if optional >= 3 else None
+    return ChunkReady(*head, writer, epoch, tag)
+
+
 messages: st.SearchStrategy[Message] = st.one_of(
-    staging_reqs, staging_rsps(), watermarks, chunk_readies
+    staging_reqs, staging_rsps(), watermarks, chunk_readies()
 )
 
 # Frames that look plausible often enough to get past frame 0 and the frame count.
@@ -119,11 +135,20 @@ LAYOUTS: list[tuple[list[bytes], Message, int, tuple[str, ...], str]] = [
         "WATERMARK takes 3 or 4 frames",
     ),
     (
-        [b"CHUNK_READY", b"7", b"1", b"8", b"4", b"sess", b"3"],
-        ChunkReady(7, 1, 8, 4, "sess", 3),
+        [b"CHUNK_READY", b"7", b"1", b"8", b"4", b"sess", b"3", b"5", TAG.encode()],
+        ChunkReady(7, 1, 8, 4, "sess", 3, 5, TAG),
         6,
-        ("room", "chunk_idx", "page_start", "num_pages", "session_id", "writer_rank"),
-        "CHUNK_READY takes 6 or 7 frames",
+        (
+            "room",
+            "chunk_idx",
+            "page_start",
+            "num_pages",
+            "session_id",
+            "writer_rank",
+            "epoch",
+            "tag",
+        ),
+        "CHUNK_READY takes 6 to 9 frames",
     ),
 ]
 """Per message: all its frames, the record, the fewest frames, the field of each frame from 1
@@ -315,7 +340,7 @@ def test_every_message_round_trips_through_frames(message: Message) -> None:
 
 
 @FUZZ
-@given(chunk_readies)
+@given(chunk_readies())
 def test_every_chunk_ready_round_trips_through_a_notification(message: ChunkReady) -> None:
     """Every valid CHUNK_READY survives to_notification then decode_notification."""
     payload = message.to_notification()
@@ -417,7 +442,17 @@ MALFORMED: list[tuple[list[object], str, int | None, str | None]] = [
     ),
     ([*RSP, b"x"], r"^STAGING_RSP frame 7: unexpected extra frame", 7, None),
     ([*WM, b"x"], r"^WATERMARK frame 4: unexpected extra frame", 4, None),
-    ([*CR, b"x"], r"^CHUNK_READY frame 7: unexpected extra frame", 7, None),
+    ([*CR, b"5", TAG.encode(), b"x"], r"^CHUNK_READY frame 9: unexpected extra frame", 9, None),
+    ([*CR, b"x"], r"^CHUNK_READY frame 7 \('epoch'\): not an ASCII decimal", 7, "epoch"),
+    ([*CR, b"5", b"-"], r"^CHUNK_READY frame 8 \('tag'\): must be a 16-hex-digit digest", 8, "tag"),
+    ([*CR, b"5", b""], r"^CHUNK_READY frame 8 \('tag'\): must be a 16-hex-digit digest", 8, "tag"),
+    (
+        [*CR, b"5", TAG.upper().encode()],
+        r"^CHUNK_READY frame 8 \('tag'\): must be a 16-hex-digit digest",
+        8,
+        "tag",
+    ),
+    ([*CR, b"-1"], r"^CHUNK_READY frame 7 \('epoch'\): must be >= 0, got -1$", 7, "epoch"),
     ([*WM, *([b"1"] * 100_000)], r"^WATERMARK frame 4: unexpected extra frame", 4, None),
     # frame type
     ([b"HELLO", b"1"], r"^frame 0 \('type'\): unknown message type b'HELLO'$", 0, "type"),
@@ -913,9 +948,9 @@ MALFORMED_NOTIFICATIONS: list[tuple[object, str, int | None, str | None]] = [
     ),
     (b"CHUNK_READY", r"^CHUNK_READY frame 1 \('room'\): missing", 1, "room"),
     (
-        b"CHUNK_READY\x001\x000\x000\x001\x00s\x003\x00x",
-        r"^CHUNK_READY frame 7: unexpected extra frame",
-        7,
+        b"CHUNK_READY\x001\x000\x000\x001\x00s\x003\x005\x00" + TAG.encode() + b"\x00x",
+        r"^CHUNK_READY frame 9: unexpected extra frame",
+        9,
         None,
     ),
     (
@@ -945,7 +980,7 @@ MALFORMED_NOTIFICATIONS: list[tuple[object, str, int | None, str | None]] = [
     ("CHUNK_READY\x001\x000\x000\x001\x00s", r"^not a bytes-like frame: str$", None, None),
     (
         b"CHUNK_READY\x00" + b"1" * (MAX_MESSAGE_BYTES - 12),
-        r"^CHUNK_READY frame 2 \('chunk_idx'\): missing \(CHUNK_READY takes 6 or 7 frames, "
+        r"^CHUNK_READY frame 2 \('chunk_idx'\): missing \(CHUNK_READY takes 6 to 9 frames, "
         r"got 2\)$",
         2,
         "chunk_idx",
@@ -1354,3 +1389,14 @@ def test_an_empty_watermark_session_frame_is_no_extra_frame_allowance() -> None:
     """The empty frame takes the session's place; a fifth frame after it is still extra."""
     with pytest.raises(MalformedMessage, match=r"^WATERMARK frame 4: unexpected extra frame"):
         decode_message([b"WATERMARK", b"3", b"4096", b"", b""])
+
+
+def test_an_epoch_needs_a_writer_rank_and_a_tag_an_epoch() -> None:
+    """The optional frames of CHUNK_READY come in order, so a record that skips one cannot be
+    built (it could not be encoded)."""
+    with pytest.raises(ValueError, match=r"'epoch' needs a writer_rank"):
+        ChunkReady(1, 0, 0, 1, "s", None, 3)
+    with pytest.raises(ValueError, match=r"'tag' needs an epoch"):
+        ChunkReady(1, 0, 0, 1, "s", 0, None, "0" * 16)
+    with pytest.raises(ValueError, match=r"'tag' must be a 16-hex-digit digest"):
+        ChunkReady(1, 0, 0, 1, "s", 0, 0, "-")

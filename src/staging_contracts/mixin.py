@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, ClassVar, Final, Protocol, TypeVar
+from typing import Any, ClassVar, Final, Protocol, TypeVar, cast
 
 from .contract.contract import Contract
 from .contract.enforcement import ContractMixin
@@ -360,19 +360,50 @@ def _attached_handler(
     return handler
 
 
+class _TaggedArrivals(Protocol):
+    """A handler that says ``accepts_arrival_tags = True``: it takes ``epoch`` and ``tag``."""
+
+    def handle_chunk_arrival(
+        self,
+        room: int,
+        chunk_idx: int,
+        *,
+        page_start: int,
+        num_pages: int,
+        session_id: str,
+        writer_rank: int | None,
+        epoch: int | None,
+        tag: str | None,
+    ) -> ArrivalOutcome: ...
+
+
 def _deliver_arrival(
     host: StagingHostCore, arrival: ChunkReady, counters: StagingCounters | None
 ) -> ArrivalOutcome | None:
     handler = _attached_handler(host, counters, arrival)
     if handler is None:
         return None
-    outcome = handler.handle_chunk_arrival(
-        arrival.room,
-        arrival.chunk_idx,
-        page_start=arrival.page_start,
-        num_pages=arrival.num_pages,
-        session_id=arrival.session_id,
-        writer_rank=arrival.writer_rank,
-    )
+    if arrival.epoch is not None and getattr(handler, "accepts_arrival_tags", False) is True:
+        # A handler of ours takes the region epoch and the integrity tag; a handler that
+        # does not say so gets the fields the StagingHandler protocol names.
+        outcome = cast(_TaggedArrivals, handler).handle_chunk_arrival(
+            arrival.room,
+            arrival.chunk_idx,
+            page_start=arrival.page_start,
+            num_pages=arrival.num_pages,
+            session_id=arrival.session_id,
+            writer_rank=arrival.writer_rank,
+            epoch=arrival.epoch,
+            tag=arrival.tag,
+        )
+    else:
+        outcome = handler.handle_chunk_arrival(
+            arrival.room,
+            arrival.chunk_idx,
+            page_start=arrival.page_start,
+            num_pages=arrival.num_pages,
+            session_id=arrival.session_id,
+            writer_rank=arrival.writer_rank,
+        )
     _count(counters, _ARRIVAL_COUNTER[outcome])
     return outcome

@@ -8,14 +8,17 @@ a base class every backend would have to inherit in a particular order.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
+from ..control.integrity import ArrivalKeys
 from ..control.liveness import PeerLiveness
 from ..control.room_messages import RoomFence, RoomFenced
-from ..control.transport import PeerSockets
+from ..control.security import ControlSecurity
+from ..control.transport import LogThrottle, PeerSockets
 from ..control.wire import MalformedMessage
 from ..decode.handler import DecodeStagingHandler
 from ..prefill.books import RegionAnswerTable, WatermarkTracker
@@ -57,6 +60,8 @@ class StagingBackend(StagingHostCore, Protocol):
     peers: PeerSockets
     liveness: PeerLiveness
     pp_size: int
+    security: ControlSecurity | None
+    unauthorized: int
 
     @property
     def endpoint(self) -> str: ...
@@ -96,6 +101,7 @@ def enable_decode_staging(
     stall_timeout_s: float = 30.0,
     ring_share: float = 1.0,
     room_timeout_s: float = 30.0,
+    integrity: bool | None = None,
 ) -> DecodeStagingHandler:
     """Give a decode backend its staging ring, context and handler.
 
@@ -103,7 +109,9 @@ def enable_decode_staging(
     ``ring_share`` caps the share of the ring one prefill instance may hold at once (see
     :class:`~staging_contracts.decode.handler.DecodeStagingHandler`; 1.0, no cap, by default).
     ``stall_timeout_s`` and ``room_timeout_s`` bound a room without progress, with and without
-    a ring region (see the handler).
+    a ring region (see the handler). ``integrity`` checks the staged bytes against their tags
+    (``None``: ``STAGING_CONTRACTS_INTEGRITY``, else off); with the cluster secret, arrivals
+    need a valid MAC (the others are dropped and counted in the manager's ``unauthorized``).
 
     **Side:** decode. **Called by:** the backend's constructor or the scheduler, before the
     listener starts.
@@ -130,6 +138,8 @@ def enable_decode_staging(
         ring_share=ring_share,
         endpoint=backend.endpoint,
         liveness=backend.liveness,
+        integrity=integrity,
+        arrival_keys=_arrival_keys(backend),
     )
     backend.attach_staging_handler(handler)
 
@@ -151,6 +161,7 @@ def enable_prefill_staging(
     timeouts: PrefillTimeouts | None = None,
     stream: torch.cuda.Stream | None = None,
     arrival: ArrivalMode | None = None,
+    integrity: bool | None = None,
 ) -> StagingWriter:
     """Give a prefill backend its staging context and writer.
 
@@ -173,6 +184,9 @@ def enable_prefill_staging(
             and ``LocalKVManager``, ``"zmq"`` for Mooncake, Ascend and
             ``NixlKVManager(arrival="zmq")``, whose agent has no notifications. Our decode
             accepts both.
+        integrity: tag each write with the digest of its staged bytes (``None``:
+            ``STAGING_CONTRACTS_INTEGRITY``, else off); with the cluster secret every arrival
+            also carries a MAC.
 
     Returns:
         The writer (one per rank; its staging buffer is registered with the engine).
@@ -207,6 +221,8 @@ def enable_prefill_staging(
         stream=stream,
         liveness=backend.liveness,
         arrival=backend.arrival if arrival is None else arrival,
+        integrity=integrity,
+        arrival_keys=_arrival_keys(backend),
     )
     # only once the writer exists: a refused arrival leaves the backend as it was
     _give_pool(backend, kv_buffers)
@@ -219,20 +235,46 @@ def enable_prefill_staging(
     return writer
 
 
+def _arrival_keys(backend: StagingBackend) -> ArrivalKeys | None:
+    security = backend.security
+    return None if security is None else security.arrival_keys
+
+
+_forged_log = LogThrottle(logger, "unauthenticated notifications")
+_forged_lock = threading.Lock()
+"""Guards ``_forged_log``: every listener thread of the process may drop a forged one."""
+
+
+def _note_forged(peer: str) -> None:
+    with _forged_lock:
+        admitted = _forged_log.admit()
+    if admitted:
+        logger.warning("notification from %s without a valid MAC: dropped", peer)
+
+
 def staging_idle(backend: StagingBackend) -> None:
     """The listener's idle work for a staging backend.
 
     Delivers the engine's arrival notifications (NIXL) to the mixin, pings watched peers and
     declares silent ones dead (peer liveness), and every ``PROGRESS_INTERVAL_S`` lets the
-    decode handler free finished scatters, fail stalled rooms and re-send fences. A malformed
-    notification is counted and logged, any other error delivering one is logged with its
-    cause, and the remaining notifications are still delivered; the listener keeps serving.
+    decode handler free finished scatters, fail stalled rooms and re-send fences. With the
+    cluster secret a notification without a valid MAC is dropped and counted in
+    ``unauthorized`` (whoever sent it). A malformed notification is counted and logged, any
+    other error delivering one is logged with its cause, and the remaining notifications are
+    still delivered; the listener keeps serving.
 
     **Called by:** the backend's ``_on_idle``, on the listener thread.
     """
     engine = backend.engine
+    handler = backend._staging_handler
     if engine.supports_notifications:
         for note in engine.poll_notifications():
+            if isinstance(handler, DecodeStagingHandler) and not handler.authentic_notification(
+                note.payload
+            ):
+                backend.unauthorized += 1
+                _note_forged(note.peer)
+                continue
             try:
                 backend._handle_chunk_notification(note.payload)
             except MalformedMessage as exc:
@@ -240,6 +282,5 @@ def staging_idle(backend: StagingBackend) -> None:
             except Exception:  # one bad arrival must not lose the others of the batch
                 logger.exception("delivering a notification from %s failed", note.peer)
     backend.liveness.tick()
-    handler = backend._staging_handler
     if isinstance(handler, DecodeStagingHandler):
         handler.progress(min_interval_s=PROGRESS_INTERVAL_S)

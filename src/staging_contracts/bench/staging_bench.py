@@ -29,6 +29,18 @@ larger than the chunk; each row's note states heads, rows, bytes, threads and de
   ``kernels.gather_chunk`` and ``kernels.scatter_chunk`` (pools re-checked per call) of all
   8 heads of 32 pools allocated one by one (layer by layer, not fused): whole contiguous page
   rows, not a case the ranks' fused pools run;
+* ``staging.integrity.tag.<case>`` / ``staging.integrity.check.<case>`` /
+  ``staging.integrity.transfer.<case>`` — the cost of the integrity tags
+  (:mod:`~staging_contracts.control.integrity`), each against the same work without them,
+  measured alternately in the same run (ratio = with / without, in ms per chunk): the tag is
+  the gather above plus the writer's digest of its staged bytes (``chunk_digest`` over
+  ``host_view`` of the buffer, as ``StagingWriter`` does); the check is the scatter above
+  plus ``ArrivalVerifier.check`` of every writer's bytes in the region (as
+  ``DecodeStagingHandler`` runs it after the scatter); the transfer is prefill rank 0's
+  gather, a ``copy_`` of its bytes into the ring region (the engine's write, at memory speed:
+  the fastest an engine can be, so the dearest the tags can look) and decode's scatter of the
+  region, with the tag and the check against without (goal <= 1.1: integrity is on by
+  default only if it costs at most 10 % of the staged transfer);
 * ``staging.alloc-scaling`` — our ``assign`` + ``free`` at 100,000 live allocations against
   the same at 10 (ratio, goal <= 1.2: flat);
 * ``staging.alloc-scaling.anchor`` — the same two figures for a straightforward list-based
@@ -45,9 +57,13 @@ from typing import Final, NamedTuple
 
 import torch
 
+from ..control.integrity import ChunkIdentity, chunk_digest
+from ..decode.integrity import ArrivalVerifier
+from ..decode.rooms import ChunkRegion, PrefillPeer, RoomPlan
 from ..decode.scatter import ChunkScatter
 from ..protocols import Allocation, KVBufferTensors, Watermark
 from ..staging.allocator import StagingAllocator
+from ..staging.host_view import host_view
 from ..staging.kernels import PagedKVPools, gather_chunk, scatter_chunk
 from ..staging.layout import (
     WriterPlacement,
@@ -253,6 +269,125 @@ def _scatter_row(case: _Case, size: _Size) -> BenchRow:
     return _ratio(f"staging.scatter.{case.name}", size, nbytes, scatter, note)
 
 
+def _integrity_rows(case: _Case, size: _Size) -> list[BenchRow]:
+    """Tag at gather, check at scatter, and both in the staged transfer, each against the
+    same work without them (prefill rank 0 and decode rank 0 of ``case``)."""
+    prefill_heads = max(1, case.kv_heads // case.prefill_tp)
+    decode_heads = max(1, case.kv_heads // case.decode_tp)
+    prefill_pool = _one_allocation(size, prefill_heads)
+    pools = PagedKVPools(prefill_pool.k_buffers, prefill_pool.v_buffers, prefill_pool.page_size)
+    head = compute_head_slice_params(case.prefill_tp, case.decode_tp, 0, 0, case.kv_heads)
+    head_bytes = _HEAD_DIM * pools.geometry.element_size
+    layout = compute_staging_layout(
+        case.prefill_tp, case.decode_tp, 0, case.kv_heads, size.tokens, head_bytes, size.layers
+    )
+    nbytes = layout.writer_bytes[0]
+    buffer = torch.zeros(nbytes, dtype=torch.uint8, device=size.device)
+    ordering = ordering_for(size.device, None)
+    page_list = size.pages()
+    allocator = StagingAllocator(layout.total_bytes, device=size.device)
+    scatterer = ChunkScatter(
+        allocator,
+        _one_allocation(size, decode_heads),
+        decode_tp=case.decode_tp,
+        decode_rank=0,
+        total_kv_heads=case.kv_heads,
+    )
+    allocation = allocator.assign(layout.total_bytes)
+    if allocation is None:
+        raise RuntimeError(f"a ring of {layout.total_bytes} bytes refused a region of as many")
+    pages = torch.tensor(page_list, dtype=torch.int64, device=size.device)
+    session = "decode-0"
+    writers = range(layout.num_writers)
+    plan = RoomPlan(
+        0,
+        tuple(page_list),
+        size.chunk_pages,
+        case.prefill_tp,
+        tuple(PrefillPeer(rank, f"tcp://prefill:{rank}") for rank in writers),
+    )
+    region = ChunkRegion(allocation, size.chunk_pages, 0, layout.num_writers)
+    verifier = ArrivalVerifier(scatterer, session_id=session, integrity=True, keys=None)
+
+    def identity(rank: int) -> ChunkIdentity:
+        return ChunkIdentity(0, 0, 0, size.chunk_pages, session, rank, allocation.round)
+
+    target = allocator.buffer[allocation.offset : allocation.offset + nbytes]
+
+    def gather() -> None:
+        chunk_pages = torch.tensor(page_list, dtype=torch.int64, device=size.device)
+        pools.gather(chunk_pages, head.src_head_start, head.num_heads, buffer)
+        ordering.gathered()
+
+    def tag() -> None:
+        chunk_digest(identity(0), host_view(buffer))
+
+    def scatter() -> None:
+        scatterer.scatter(allocation, pages, case.prefill_tp)
+
+    def check() -> None:
+        if verifier.check(plan, 0, region) is not None:
+            raise RuntimeError("the integrity check of unchanged bytes failed")
+
+    def transfer(tagged: bool) -> None:
+        gather()
+        if tagged:
+            tag()
+        target.copy_(buffer)
+        scatter()
+        if tagged:
+            check()
+
+    # Writer 0's part of the region holds what it gathers, so copying the gather in keeps
+    # every digest valid; each writer's part is checked, as the handler does.
+    gather()
+    target.copy_(buffer)
+    for rank in writers:  # the digests the writers would have sent for these bytes
+        staged = scatterer.writer_bytes(allocation, case.prefill_tp, size.chunk_pages, rank)
+        region.digests[rank] = chunk_digest(identity(rank), host_view(staged))
+
+    def gather_and_tag() -> None:
+        gather()
+        tag()
+
+    def scatter_and_check() -> None:
+        scatter()
+        check()
+
+    pairs: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {
+        "tag": (gather_and_tag, gather),
+        "check": (scatter_and_check, scatter),
+        "transfer": (lambda: transfer(True), lambda: transfer(False)),
+    }
+    what = {
+        "tag": f"gather of {_mib(nbytes)} + XXH3-64 digest of it (StagingWriter), against the "
+        "gather alone",
+        "check": f"scatter of a {_mib(layout.total_bytes)} region of "
+        f"{_plural(layout.num_writers, 'writer')} + ArrivalVerifier.check of each writer's "
+        "bytes, against the scatter alone",
+        "transfer": f"gather of {_mib(nbytes)} + copy_ into the ring (the engine's write at "
+        f"memory speed) + scatter of the {_mib(layout.total_bytes)} region, with the tag and "
+        "the check against without",
+    }
+    rows = []
+    for name, (ours, anchor) in pairs.items():
+        seconds = alternating_seconds(
+            {"ours": ours, "anchor": anchor}, repeats=size.repeats, sync=size.sync()
+        )
+        rows.append(
+            ratio_row(
+                f"staging.integrity.{name}.{case.name}",
+                seconds["ours"] * 1e3,
+                seconds["anchor"] * 1e3,
+                "ms/chunk",
+                "<= 1.1" if name == "transfer" else "",
+                note=f"P={case.prefill_tp} -> D={case.decode_tp}, {case.kv_heads} KV heads, "
+                f"{size.tokens} tokens x {size.layers} layers: {what[name]}; {size.where()}",
+            )
+        )
+    return rows
+
+
 def _all_heads_rows(size: _Size) -> list[BenchRow]:
     """The former rows: every head of 32 pools allocated one by one, checked per call."""
     pool_tokens = size.pool_pages * _PAGE_SIZE
@@ -296,6 +431,8 @@ def _bandwidths(options: BenchOptions) -> list[BenchRow]:
             rows.append(_gather_row(case, size))
             rows.append(_scatter_row(case, size))
         rows.extend(_all_heads_rows(size))
+        for case in _CASES:
+            rows.extend(_integrity_rows(case, size))
     return rows
 
 

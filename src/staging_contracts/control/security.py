@@ -13,7 +13,10 @@ machine can read). With it:
 * each message then carries its sender's identity (the ``User-Id`` ZMQ sets from the key),
   which the listener maps to the sender's endpoint for authorisation per room;
 * the bootstrap server and its clients use key pairs derived from the secret
-  (:meth:`CurveKeys.derive`), so that only holders of the secret can query or register.
+  (:meth:`CurveKeys.derive`), so that only holders of the secret can query or register;
+* arrivals (``CHUNK_READY`` and NIXL notifications) carry a MAC keyed per decode session from
+  the secret (:class:`~staging_contracts.control.integrity.ArrivalKeys`, held by
+  :attr:`ControlSecurity.arrival_keys`), which decode requires.
 
 Without a secret the control plane runs unauthenticated, on loopback only
 (:func:`check_insecure_bind`).
@@ -33,6 +36,8 @@ from typing import Final
 
 import zmq
 from zmq.utils import z85
+
+from .integrity import ArrivalKeys
 
 __all__ = [
     "FROM_ENV",
@@ -322,6 +327,8 @@ class ControlSecurity:
         self.directory = KeyDirectory()
         """The peers this participant trusts (learned from the bootstrap)."""
         self._context = context or zmq.Context.instance()
+        self.arrival_keys = ArrivalKeys(cluster_secret)
+        """The MAC keys of arrivals, derived from the secret (the secret is not kept)."""
         self.domain = f"staging-contracts-{id(self):x}"
         """The ZAP domain of this participant's listener."""
 

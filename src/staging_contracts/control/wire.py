@@ -4,7 +4,10 @@ Four messages cross between prefill and decode on ZMQ PUSH → PULL sockets. Eac
 record whose constructor validates every field, so an invalid message can be neither built
 locally nor decoded from the wire. The frames are byte-identical to what the reference staging
 path (sglang's PD disaggregation) sends: frame 0 is the type name, integers are ASCII decimal,
-session ids are ASCII, optional frames come last and only when set. One leniency: the
+session ids are ASCII, optional frames come last and only when set. ``CHUNK_READY`` has two
+optional frames of ours after the writer rank, its region ``epoch`` and integrity ``tag``
+(version 1 of the integrity scheme, see :mod:`~staging_contracts.control.integrity`); the
+reference sends neither and ignores them, and a message without them is accepted. One leniency: the
 reference's decode sends ``WATERMARK`` with an empty session frame
 (``[b"WATERMARK", b"3", b"4096", b""]``), which decodes as "no session", the same as an absent
 frame; an empty session is refused in every other message.
@@ -27,6 +30,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "MAX_SESSION_BYTES",
     "MESSAGE_TYPES",
+    "MAX_TAG_BYTES",
     "NOTIFICATION_SEPARATOR",
     "NO_ANSWER_YET",
     "ChunkReady",
@@ -61,6 +65,14 @@ _I64_MAX: Final = 2**63 - 1
 _INT_RE: Final = re.compile(rb"-?[0-9]{1,20}")
 _LONG_INT_RE: Final = re.compile(rb"-?[0-9]{21,}")
 _SESSION_STR_RE: Final = re.compile(r"[\x20-\x7e]{1,256}")
+_TAG_RE: Final = re.compile(r"(?:[0-9a-f]{16}|-)(?::[0-9a-f]{32})?")
+MAX_TAG_BYTES: Final = 49
+"""Longest ``CHUNK_READY`` tag: a 16-hex-digit digest, ``:``, a 32-hex-digit MAC."""
+_TAG_RULE: Final = (
+    "must be a 16-hex-digit digest or '-', then optionally ':' and a 32-hex-digit MAC "
+    "(lowercase), not '-' alone"
+)
+_TEXT_FIELDS: Final = frozenset({"session_id", "tag"})
 _SHOW_BYTES: Final = 40
 _SESSION_RULE: Final = f"must be 1-{MAX_SESSION_BYTES} characters of printable ASCII"
 
@@ -137,6 +149,15 @@ def _check_session(record: str, field: str, value: object) -> None:
         raise _FieldError(record, field, f"must be a str, got {type(value).__name__}")
     if _SESSION_STR_RE.fullmatch(value) is None:
         raise _FieldError(record, field, f"{_SESSION_RULE}, got {_show(value)}")
+
+
+def _check_optional_tag(record: str, field: str, value: object) -> None:
+    if value is None:
+        return
+    if type(value) is not str:
+        raise _FieldError(record, field, f"must be a str, got {type(value).__name__}")
+    if value == "-" or _TAG_RE.fullmatch(value) is None:
+        raise _FieldError(record, field, f"{_TAG_RULE}, got {_show(value)}")
 
 
 def _show(value: bytes | str) -> str:
@@ -361,11 +382,13 @@ class ChunkReady(_Record):
 
     **Side:** sent by a prefill transfer worker after its write completes, received by
     decode's listener thread. On Mooncake it travels as frames (``CHUNK_READY``, room,
-    chunk_idx, page_start, num_pages, session_id and, when set, writer_rank); on NIXL as the
-    bulk write's notification payload (``to_notification``).
+    chunk_idx, page_start, num_pages, session_id and, when set, writer_rank, epoch and tag,
+    each optional one only after the one before it); on NIXL as the bulk write's notification
+    payload (``to_notification``). The reference sends at most the writer rank.
 
     Raises:
-        ValueError: a field is out of range or of the wrong type (the message names it).
+        ValueError: a field is out of range or of the wrong type (the message names it), or
+            an optional field is set without the one before it.
     """
 
     WIRE_TYPE: ClassVar[bytes] = b"CHUNK_READY"
@@ -382,6 +405,14 @@ class ChunkReady(_Record):
     """The decode session written to: 1-256 printable ASCII."""
     writer_rank: int | None = None
     """The writer's unique prefill rank (``>= 0``), or ``None``."""
+    epoch: int | None = None
+    """The region's epoch as the writer was answered: its ring round (``>= 0``; every later
+    region that covers any of its bytes has a higher round), or ``None`` (the reference)."""
+    tag: str | None = None
+    """The integrity tag of the staged bytes (see
+    :mod:`~staging_contracts.control.integrity`): a 16-hex-digit digest (``-`` when the
+    writer computed none), then ``:`` and a 32-hex-digit MAC when a cluster secret is set;
+    ``None`` (the reference)."""
 
     def __post_init__(self) -> None:
         _check_int("ChunkReady", "room", self.room, 0)
@@ -390,6 +421,12 @@ class ChunkReady(_Record):
         _check_int("ChunkReady", "num_pages", self.num_pages, 1)
         _check_session("ChunkReady", "session_id", self.session_id)
         _check_optional_rank("ChunkReady", "writer_rank", self.writer_rank)
+        _check_optional_rank("ChunkReady", "epoch", self.epoch)
+        _check_optional_tag("ChunkReady", "tag", self.tag)
+        if self.epoch is not None and self.writer_rank is None:
+            raise _FieldError("ChunkReady", "epoch", "needs a writer_rank (frames are ordered)")
+        if self.tag is not None and self.epoch is None:
+            raise _FieldError("ChunkReady", "tag", "needs an epoch (frames are ordered)")
 
     def to_frames(self) -> list[bytes]:
         """Encode as multipart frames (Mooncake).
@@ -407,6 +444,10 @@ class ChunkReady(_Record):
         ]
         if self.writer_rank is not None:
             frames.append(b"%d" % self.writer_rank)
+            if self.epoch is not None:
+                frames.append(b"%d" % self.epoch)
+                if self.tag is not None:
+                    frames.append(self.tag.encode("ascii"))
         return frames
 
     def to_notification(self) -> bytes:
@@ -449,11 +490,12 @@ class _Codec:
         self.build: Callable[..., Message] = cls
         self.name = cls.WIRE_TYPE.decode("ascii")
         self.fields = tuple(field.name for field in fields)
-        self.is_int = tuple(name != "session_id" for name in self.fields)
+        self.is_int = tuple(name not in _TEXT_FIELDS for name in self.fields)
         self.index = {name: i + 1 for i, name in enumerate(self.fields)}
         self.max_frames = len(fields) + 1
         self.min_frames = self.max_frames - optional
-        alternative = f"{self.min_frames} or " if optional else ""
+        joiner = " to " if optional > 1 else " or "
+        alternative = f"{self.min_frames}{joiner}" if optional else ""
         self.counts = f"{self.name} takes {alternative}{self.max_frames} frames"
         # Only an optional session may be empty on the wire (WATERMARK): "" is its "absent".
         self.empty_session = any(
@@ -536,7 +578,8 @@ def _decode_body(codec: _Codec, frames: Sequence[object], count: int, size: int)
             values.append(int(raw))
         else:  # the record checks length and printability of a non-empty session
             if not raw and not codec.empty_session:
-                raise MalformedMessage(f"{_SESSION_RULE}, got ''", index, field, name)
+                rule = _TAG_RULE if field == "tag" else _SESSION_RULE
+                raise MalformedMessage(f"{rule}, got ''", index, field, name)
             try:
                 values.append(raw.decode("ascii"))
             except UnicodeDecodeError:

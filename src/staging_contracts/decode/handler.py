@@ -17,6 +17,13 @@ freed once each has answered ``ROOM_FENCED`` (no write of the room in flight, no
 has been declared dead by peer liveness. So no region is ever reused while a writer of its
 old room can still write into it.
 
+**Integrity.** An arrival counts only if it is authentic (with a cluster secret: a valid MAC,
+see :mod:`~staging_contracts.decode.integrity`) and names the region's current epoch (its
+ring round; a stale one is dropped). Once a region is complete and scattered, each writer's
+bytes in it are checked against the digest its arrival carried, before the region is freed; a
+mismatch fails the room with a reason starting ``integrity``, so a late write that landed in
+the region (a paused writer that came back) never makes a room report SUCCESS.
+
 Every send is non-blocking (:class:`~staging_contracts.control.transport.PeerSockets`): a dead
 prefill never blocks a decode thread.
 """
@@ -32,6 +39,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..control.integrity import INTEGRITY_FAILURE, ArrivalKeys, integrity_enabled
 from ..control.liveness import PeerLiveness
 from ..control.resend import DEFAULT_RESEND_S, ResendBox
 from ..control.room_messages import RoomFailed, RoomFence, RoomFenced
@@ -44,6 +52,7 @@ from ..staging.layout import (
     validate_tp_pair,
 )
 from ..staging.ordering import DeviceOrdering
+from .integrity import ArrivalVerifier
 from .publisher import PrefillPublisher
 from .rooms import ChunkRegion, PrefillPeer, RoomPlan, RoomState, RoomStatus
 from .scatter import ChunkScatter
@@ -159,6 +168,12 @@ class DecodeStagingHandler:
             default): no cap, every request is answered (the ring overcommits, SPEC §2).
         resend_s: how often a room's ``ROOM_META`` (:meth:`announce`) goes again to a
             writer not heard from yet.
+        integrity: check each writer's bytes against the digest its arrival carried (on
+            CUDA the scatter is then waited for, and the region copied to the host);
+            ``None`` (default): ``STAGING_CONTRACTS_INTEGRITY``, else off.
+        arrival_keys: the MAC keys derived from the cluster secret: arrivals without a valid
+            MAC are not authentic (``authorize`` refuses such a ``CHUNK_READY``,
+            ``authentic_notification`` such a notification). ``None``: no secret.
 
     Raises:
         ValueError: the KV pool does not match ``total_kv_heads // decode_tp`` heads, or
@@ -186,6 +201,8 @@ class DecodeStagingHandler:
         ring_share: float = 1.0,
         ordering: DeviceOrdering | None = None,
         resend_s: float = DEFAULT_RESEND_S,
+        integrity: bool | None = None,
+        arrival_keys: ArrivalKeys | None = None,
     ) -> None:
         self._resend = ResendBox(clock, resend_s)
         """``ROOM_META`` copies (see :meth:`announce`), flushed by :meth:`progress`."""
@@ -205,6 +222,12 @@ class DecodeStagingHandler:
         self._decode_rank = decode_rank
         self._total_heads = total_kv_heads
         self.session_id = session_id
+        self._verifier = ArrivalVerifier(
+            self._scatterer,
+            session_id=session_id,
+            integrity=integrity_enabled(integrity),
+            keys=arrival_keys,
+        )
         self._stall_timeout = stall_timeout_s
         self._room_timeout = room_timeout_s
         self._clock = clock
@@ -226,6 +249,22 @@ class DecodeStagingHandler:
         """Ring bytes held per prefill instance (its writers' endpoints)."""
         self._owners: dict[int, tuple[tuple[str, ...], int]] = {}
         """Allocation id -> (its prefill instance, its bytes)."""
+
+    accepts_arrival_tags = True
+    """``handle_chunk_arrival`` takes ``epoch`` and ``tag`` (the mixin passes them)."""
+
+    @property
+    def integrity(self) -> bool:
+        """Whether the staged bytes are checked against their digests (fixed)."""
+        return self._verifier.integrity
+
+    def authentic_notification(self, payload: bytes) -> bool:
+        """Whether a NIXL notification may complete a chunk: always without a secret; with
+        one, only with a valid MAC (the caller drops it otherwise, counted as unauthorized).
+
+        **Called by:** the listener thread, before the notification is handed to the mixin.
+        """
+        return self._verifier.authentic_notification(payload)
 
     @property
     def decode_tp(self) -> int:
@@ -618,12 +657,17 @@ class DecodeStagingHandler:
         num_pages: int,
         session_id: str,
         writer_rank: int | None,
+        epoch: int | None = None,
+        tag: str | None = None,
     ) -> ArrivalOutcome:
-        """Count one writer's arrival; scatter, free and broadcast once all writers arrived.
+        """Count one writer's arrival; scatter, check, free and broadcast once all writers
+        arrived.
 
         Arrivals are de-duplicated by writer rank; the geometry must agree with the region's;
         a writer that does not feed this rank, or a failed scatter, fails the room (the
-        arrival is never silently lost).
+        arrival is never silently lost). An ``epoch`` other than the region's (a stale
+        arrival) is dropped (``UNKNOWN``); the digest in ``tag`` is checked against the
+        writer's bytes after the scatter, and a mismatch fails the room (``integrity``).
 
         **Called by:** the listener thread (``CHUNK_READY`` or an engine notification).
         **Blocking:** on CPU, for the scatter.
@@ -646,8 +690,22 @@ class DecodeStagingHandler:
                 self._fail(state, problem)
                 logger.warning("room %d chunk %d: arrival rejected: %s", room, chunk_idx, problem)
                 rejected = True
+            elif epoch is not None and epoch != region.allocation.round:
+                logger.warning(
+                    "room %d chunk %d: arrival of writer %s for region epoch %d dropped (the "
+                    "region's is %d)",
+                    room,
+                    chunk_idx,
+                    writer_rank,
+                    epoch,
+                    region.allocation.round,
+                )
+                return ArrivalOutcome.UNKNOWN
             else:
                 rejected = False
+                digest = self._verifier.digest_of(tag)
+                if digest is not None and writer_rank is not None:
+                    region.digests.setdefault(writer_rank, digest)
                 if writer_rank is None:
                     region.anonymous += 1
                 elif writer_rank in region.arrived:
@@ -716,17 +774,36 @@ class DecodeStagingHandler:
                 self._idle.notify_all()
             self._broadcast_watermark()
             return ArrivalOutcome.REJECTED
+        problem = self._check_region(state, chunk_idx, region, event)
         with self._lock:
             state.scattering -= 1
             if event is None:
                 self._free(alloc.alloc_id)
             else:
                 state.pending_events.append((event, alloc.alloc_id))
+            if problem is not None and state.status is not RoomStatus.FAILED:
+                self._fail(state, problem)
             self._maybe_succeed(state)
             self._idle.notify_all()
-        if event is None:
+        if event is None or problem is not None:
+            self._send_fences()
             self._broadcast_watermark()
-        return ArrivalOutcome.COMPLETE
+        return ArrivalOutcome.COMPLETE if problem is None else ArrivalOutcome.REJECTED
+
+    def _check_region(
+        self, state: RoomState, chunk_idx: int, region: ChunkRegion, event: object | None
+    ) -> str | None:
+        """The integrity check of a scattered region (``None``: it passed or has no digests);
+        on CUDA the scatter is waited for first (bounded by the device)."""
+        if not region.digests:
+            return None
+        try:
+            if event is not None:
+                self._scatterer.ordering.wait(event)
+            return self._verifier.check(state.plan, chunk_idx, region)
+        except Exception as exc:  # a check that cannot run must not pass the room
+            logger.exception("room %d chunk %d: integrity check failed", state.plan.room, chunk_idx)
+            return f"{INTEGRITY_FAILURE}: chunk {chunk_idx}: the check could not run: {exc}"
 
     def _failed_scatter_token(self, room: int, chunk_idx: int) -> tuple[object | None, bool]:
         """The ordering's token for what a scatter enqueued before it raised, and whether
@@ -751,7 +828,9 @@ class DecodeStagingHandler:
         ``STAGING_REQ``, ``CHUNK_READY`` and ``ROOM_FAILED`` of a room are accepted only from
         that room's registered prefill peers, and a ``CHUNK_READY`` naming a writer rank only
         from that writer; ``ROOM_FENCED`` only from the writer it names, for a fence that
-        waits for it. A message for a room this rank does not know, or that cannot be parsed,
+        waits for it. With a cluster secret a ``CHUNK_READY`` must also carry a valid MAC
+        (see :mod:`~staging_contracts.decode.integrity`), whatever its room. A message for a
+        room this rank does not know, or that cannot be parsed,
         is let through (the handler drops the first, the codec rejects the second); other
         kinds are not this handler's to judge.
 
@@ -760,6 +839,8 @@ class DecodeStagingHandler:
         kind = bytes(frames[0]) if frames else b""
         if kind not in _ROOM_KINDS or len(frames) < 2:
             return True
+        if kind == _CHUNK_READY and not self._verifier.authentic_frames(frames):
+            return False
         room = _room_of(frames[1])
         if room is None:
             return True

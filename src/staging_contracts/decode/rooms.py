@@ -85,6 +85,8 @@ class ChunkRegion:
     """Writer ranks that signalled arrival."""
     anonymous: int = 0
     """Arrivals without a writer rank (reference-style single writers)."""
+    digests: dict[int, str] = field(default_factory=dict)
+    """Writer rank -> the digest its arrival's tag gave for its bytes (checked after scatter)."""
 
     @property
     def complete(self) -> bool:

@@ -16,7 +16,12 @@ import torch
 from ..protocols import Allocation, KVBufferTensors
 from ..staging.allocator import StagingAllocator
 from ..staging.kernels import PagedKVPools, PoolGeometry
-from ..staging.layout import WriterPlacement, compute_staging_layout, writer_placements
+from ..staging.layout import (
+    WriterPlacement,
+    compute_staging_layout,
+    writer_index,
+    writer_placements,
+)
 from ..staging.ordering import DeviceOrdering, ordering_for
 
 __all__ = ["ChunkScatter"]
@@ -111,6 +116,25 @@ class ChunkScatter:
             )
             self._layouts[key] = layout
         return layout
+
+    def writer_bytes(
+        self, allocation: Allocation, prefill_tp: int, num_pages: int, writer_rank: int
+    ) -> torch.Tensor:
+        """The bytes of one writer (prefill rank ``writer_rank``) in a chunk region: a view of
+        the ring (for its integrity check).
+
+        Raises:
+            ValueError: ``writer_rank`` is not a rank of a prefill of TP size ``prefill_tp``.
+        """
+        layout = self._layout(prefill_tp, num_pages)
+        index = writer_index(prefill_tp, self._decode_tp, writer_rank)
+        start = allocation.offset + layout.writers[index].byte_offset
+        end = (
+            allocation.offset + layout.writers[index + 1].byte_offset
+            if index + 1 < len(layout.writers)
+            else allocation.offset + layout.total_bytes
+        )
+        return self._allocator.buffer[start:end]
 
     def scatter(
         self, allocation: Allocation, pages: torch.Tensor, prefill_tp: int

@@ -8,6 +8,11 @@ buffer, write it with the engine in one bulk write, and signal arrival: the writ
 notification where the engine has them, else ``CHUNK_READY`` over ZMQ once the write completed
 (``arrival="zmq"`` chooses the latter with any engine: the reference's NIXL decode reads only it).
 
+**Integrity.** Each arrival carries the region's epoch (its ring round) and a tag of the staged
+bytes (:mod:`~staging_contracts.control.integrity`): their digest, unless integrity is off, and
+with a cluster secret a MAC keyed for the decode session, so that decode can tell the writer's
+arrival from a forged one and its bytes from any that landed in the region since.
+
 Every failure of a chunk (decode refused it, no answer before the deadline, an engine error)
 raises :class:`StagingFailed` for that room; the worker thread that called lives on.
 
@@ -35,6 +40,13 @@ from typing import Final
 
 import torch
 
+from ..control.integrity import (
+    ArrivalKeys,
+    ChunkIdentity,
+    chunk_digest,
+    integrity_enabled,
+    make_tag,
+)
 from ..control.liveness import PeerLiveness
 from ..control.room_messages import RoomFence, RoomFenced
 from ..control.transport import PeerSockets
@@ -48,6 +60,7 @@ from ..protocols import (
     TransferError,
     Watermark,
 )
+from ..staging.host_view import host_view
 from ..staging.kernels import PagedKVPools
 from ..staging.layout import (
     compute_head_slice_params,
@@ -188,10 +201,15 @@ class StagingWriter:
             :mod:`~staging_contracts.staging.ordering`).
         arrival: how arrivals are signalled (see :data:`ArrivalMode`); ``None`` (default):
             by notification where ``engine.supports_notifications``, else over ZMQ.
+        integrity: tag each write with the digest of its staged bytes (hashed once the gather
+            completed, before the write); ``None`` (default): ``STAGING_CONTRACTS_INTEGRITY``,
+            else off (see :func:`~staging_contracts.control.integrity.integrity_enabled`).
+        arrival_keys: the MAC keys derived from the cluster secret (``None``: no secret, no
+            MAC); with them every arrival carries a MAC that decode requires.
 
     Raises:
-        ValueError: ``arrival="notification"`` with an engine without notifications, or an
-            unknown ``arrival``.
+        ValueError: ``arrival="notification"`` with an engine without notifications, an
+            unknown ``arrival``, or an unreadable ``STAGING_CONTRACTS_INTEGRITY``.
     """
 
     def __init__(
@@ -212,8 +230,12 @@ class StagingWriter:
         liveness: PeerLiveness | None = None,
         ordering: DeviceOrdering | None = None,
         arrival: ArrivalMode | None = None,
+        integrity: bool | None = None,
+        arrival_keys: ArrivalKeys | None = None,
     ) -> None:
         self._arrival = _arrival_mode(engine, arrival)
+        self._integrity = integrity_enabled(integrity)
+        self._arrival_keys = arrival_keys
         self._pools = PagedKVPools(kv_buffers.k_buffers, kv_buffers.v_buffers, kv_buffers.page_size)
         self._geometry = self._pools.geometry
         if max_chunk_pages < 1:
@@ -286,6 +308,11 @@ class StagingWriter:
     def arrival(self) -> ArrivalMode:
         """How this writer signals that a write landed (fixed at construction)."""
         return self._arrival
+
+    @property
+    def integrity(self) -> bool:
+        """Whether writes are tagged with the digest of their staged bytes (fixed)."""
+        return self._integrity
 
     @property
     def buffer_bytes(self) -> int:
@@ -690,14 +717,7 @@ class StagingWriter:
             # that raised part-way must not leave copies into the buffer behind, to land in
             # the middle of the next chunk's write from it.
             self._ordering.gathered()
-        arrival = ChunkReady(
-            room,
-            chunk.chunk_idx,
-            chunk.page_start,
-            num_pages,
-            target.session_id,
-            self._prefill_rank,
-        )
+        arrival = self._arrival_of(room, chunk, target, answer.round, nbytes)
         notify = arrival.to_notification() if self._arrival == "notification" else None
         remote = target.ring_base + answer.offset + offset_in_region
         key = (room, target.session_id)
@@ -731,6 +751,33 @@ class StagingWriter:
         if notify is None:
             self._sender.send(target.endpoint, arrival.to_frames())
         return nbytes
+
+    def _arrival_of(
+        self, room: int, chunk: ChunkSpec, target: DecodeTarget, epoch: int, nbytes: int
+    ) -> ChunkReady:
+        """The arrival of a gathered chunk: its identity, the region's epoch and its tag."""
+        identity = ChunkIdentity(
+            room,
+            chunk.chunk_idx,
+            chunk.page_start,
+            len(chunk.pages),
+            target.session_id,
+            self._prefill_rank,
+            epoch,
+        )
+        digest = (
+            chunk_digest(identity, host_view(self._buffer[:nbytes])) if self._integrity else None
+        )
+        return ChunkReady(
+            room,
+            chunk.chunk_idx,
+            chunk.page_start,
+            len(chunk.pages),
+            target.session_id,
+            self._prefill_rank,
+            epoch,
+            make_tag(identity, digest, self._arrival_keys),
+        )
 
     def _await_region(
         self, room: int, chunk_idx: int, num_pages: int, target: DecodeTarget, deadline: float

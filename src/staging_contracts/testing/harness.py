@@ -438,6 +438,8 @@ class _ArrivalTally:
             num_pages: int,
             session_id: str,
             writer_rank: int | None,
+            epoch: int | None = None,
+            tag: str | None = None,
         ) -> ArrivalOutcome:
             outcome = accept(
                 room,
@@ -446,6 +448,8 @@ class _ArrivalTally:
                 num_pages=num_pages,
                 session_id=session_id,
                 writer_rank=writer_rank,
+                epoch=epoch,
+                tag=tag,
             )
             if outcome in (ArrivalOutcome.WAITING, ArrivalOutcome.COMPLETE):
                 with self._lock:
