@@ -27,6 +27,7 @@ from staging_contracts.backends.local import LocalKVManager
 from staging_contracts.backends.staging_setup import enable_decode_staging, enable_prefill_staging
 from staging_contracts.decode.handler import DecodeStagingHandler, RoomPlan, RoomStatus, peers_for
 from staging_contracts.prefill.writer import ChunkSpec, DecodeTarget, PrefillTimeouts, StagingWriter
+from staging_contracts.protocols import ArrivalMode
 
 
 def rank_heads(total_heads: int, tp: int, rank: int) -> list[int]:
@@ -270,6 +271,7 @@ def local_cluster(
     ring_bytes: int = 1 << 20,
     max_chunk_pages: int = 8,
     timeouts: PrefillTimeouts | None = None,
+    arrival: ArrivalMode | None = None,
 ) -> Iterator[LocalCluster]:
     """Build, start and finally close a cluster."""
     g = geometry
@@ -290,7 +292,11 @@ def local_cluster(
         ]
         writers = [
             enable_prefill_staging(
-                m, kv_buffers=pool, max_chunk_pages=max_chunk_pages, timeouts=timeouts
+                m,
+                kv_buffers=pool,
+                max_chunk_pages=max_chunk_pages,
+                timeouts=timeouts,
+                arrival=arrival,
             )
             for m, pool in zip(prefill, prefill_pools, strict=True)
         ]
@@ -331,9 +337,13 @@ def sides(
     ring_bytes: int = 1 << 20,
     timeouts: PrefillTimeouts | None = None,
     meta_timeout_s: float = 2.0,
+    arrival: ArrivalMode | None = None,
 ) -> Iterator[Sides]:
-    """Per-request transfers for every rank of a local cluster."""
-    with local_cluster(geometry, ring_bytes=ring_bytes, timeouts=timeouts) as cluster:
+    """Per-request transfers for every rank of a local cluster (``arrival``: the writers'
+    arrival mode, ``None``: the manager's)."""
+    with local_cluster(
+        geometry, ring_bytes=ring_bytes, timeouts=timeouts, arrival=arrival
+    ) as cluster:
         endpoints = [m.endpoint for m in cluster.prefill]
         prefill = [
             PrefillTransfers(m, w, meta_timeout_s=meta_timeout_s)

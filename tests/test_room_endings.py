@@ -201,3 +201,39 @@ def test_a_lost_room_meta_is_sent_again_and_the_room_succeeds() -> None:
         assert pools_equal(c.decode_pools[0], c.expected_decode_pool(0))
         receiver.release()
         sender.release()
+
+
+def test_a_lost_chunk_ready_is_sent_again_and_the_room_succeeds_on_decode() -> None:
+    """The first CHUNK_READY to the decode rank is lost and prefill releases the request at
+    its Success, as a scheduler does: the writer sends the arrival again (every 0.5 s, until
+    decode's watermark passes the region) and decode succeeds bit-exact at once (main sent
+    it once: prefill reported Success, decode failed at stall_timeout_s, 30 s)."""
+    with sides(Geometry(1, 1, 2), arrival="zmq") as s:
+        c = s.cluster
+        peers = c.prefill[0].peers
+        send = peers.send
+        lost: list[list[bytes]] = []
+
+        def lossy(endpoint: str, frames: Sequence[bytes]) -> bool:
+            if frames and frames[0] == b"CHUNK_READY" and not lost:
+                lost.append(list(frames))
+                return True  # "sent", never delivered
+            return send(endpoint, frames)
+
+        peers.send = lossy  # type: ignore[method-assign]
+        request = c.add_request(61, num_pages=4, chunk_pages=2)
+        c.handlers[0].release_room(61)  # registered again below, through the receiver
+        receiver = KVReceiver(s.decode[0], 61)
+        receiver.init(request.decode_pages, chunk_pages=2)
+        sender = KVSender(s.prefill[0], 61)
+        sender.init(4, c.targets)
+        receiver.send_metadata()
+        for chunk in request.chunks():
+            sender.send(chunk.pages, last=chunk.chunk_idx == 1)
+        assert wait_states([sender], timeout=BOUND_S) == [KVPoll.Success]
+        sender.release()  # the room ends on prefill: its arrivals still go again
+        assert wait_states([receiver], timeout=BOUND_S) == [KVPoll.Success]
+        assert len(lost) == 1
+        assert c.writers[0].arrivals_resent >= 1
+        assert pools_equal(c.decode_pools[0], c.expected_decode_pool(0))
+        receiver.release()

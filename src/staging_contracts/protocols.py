@@ -32,7 +32,7 @@ that a type checker accepts exactly what the class check accepts (a narrower dec
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, TypeAlias, runtime_checkable
 
@@ -312,6 +312,9 @@ class PrefillStagingContext:
     """Regions announced by ``STAGING_RSP`` messages."""
     counters: StagingCounters = field(default_factory=StagingCounters)
     """What the mixin's message handling counted."""
+    idle: Callable[[], object] | None = None
+    """Periodic work of the writer (re-sends of ``CHUNK_READY``), run by the listener's
+    idle hook (``staging_idle``) on the listener thread; ``None``: none."""
 
 
 # --------------------------------------------------------------------------- handler

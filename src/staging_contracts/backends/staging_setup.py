@@ -226,7 +226,7 @@ def enable_prefill_staging(
     )
     # only once the writer exists: a refused arrival leaves the backend as it was
     _give_pool(backend, kv_buffers)
-    _set_context(backend, PrefillStagingContext(watermarks, regions))
+    _set_context(backend, PrefillStagingContext(watermarks, regions, idle=writer.resend_arrivals))
     backend.register_control(
         RoomFence.KIND, lambda frames: writer.handle_room_fence(RoomFence.from_frames(frames))
     )
@@ -257,7 +257,8 @@ def staging_idle(backend: StagingBackend) -> None:
 
     Delivers the engine's arrival notifications (NIXL) to the mixin, pings watched peers and
     declares silent ones dead (peer liveness), and every ``PROGRESS_INTERVAL_S`` lets the
-    decode handler free finished scatters, fail stalled rooms and re-send fences. With the
+    decode handler free finished scatters, fail stalled rooms and re-send fences; on prefill
+    it runs the writer's idle work (re-sends of unacknowledged ``CHUNK_READY``). With the
     cluster secret a notification without a valid MAC is dropped and counted in
     ``unauthorized`` (whoever sent it). A malformed notification is counted and logged, any
     other error delivering one is logged with its cause, and the remaining notifications are
@@ -284,3 +285,6 @@ def staging_idle(backend: StagingBackend) -> None:
     backend.liveness.tick()
     if isinstance(handler, DecodeStagingHandler):
         handler.progress(min_interval_s=PROGRESS_INTERVAL_S)
+    ctx = backend._staging_ctx
+    if isinstance(ctx, PrefillStagingContext) and ctx.idle is not None:
+        ctx.idle()  # re-sends of CHUNK_READY not yet acknowledged

@@ -101,6 +101,11 @@ class ResendBox:
                     entry.due = now + self._interval
         return out
 
+    def keys(self) -> frozenset[tuple[int, str, bytes, int]]:
+        """The (room, endpoint, kind, tag) of every entry held now."""
+        with self._lock:
+            return frozenset(self._entries)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)

@@ -70,6 +70,7 @@ from ..staging.layout import (
     writer_index,
 )
 from ..staging.ordering import DeviceOrdering, ordering_for
+from .arrival_resends import ArrivalResends
 from .books import RegionAnswerTable, WatermarkTracker
 
 __all__ = [
@@ -246,6 +247,7 @@ class StagingWriter:
         self._sender = sender
         self._watermarks = watermarks
         self._regions = regions
+        self._resends = ArrivalResends(watermarks, sender)
         self._prefill_tp = prefill_tp
         self._prefill_rank = prefill_rank
         self._total_heads = total_kv_heads
@@ -376,8 +378,9 @@ class StagingWriter:
             reopened = self._forgotten.pop(room, None) is not None
             if reopened or room not in self._room_targets:
                 # A fresh opening: nothing of an earlier one (an answer that came after its
-                # close) may be used by this one.
+                # close) may be used by this one; no arrival of it goes again.
                 self._regions.forget_room(room)
+                self._resends.cancel_room(room)
             self._track_locked(room, targets)
 
     def _track(self, room: int, targets: Sequence[DecodeTarget]) -> None:
@@ -750,6 +753,9 @@ class StagingWriter:
                 acknowledge()
         if notify is None:
             self._sender.send(target.endpoint, arrival.to_frames())
+            # Again until decode's watermark shows the region consumed (a lost one is
+            # recovered in a re-send interval, not at the room's timeout).
+            self._resends.add(arrival, target.endpoint, answer.offset)
         return nbytes
 
     def _arrival_of(
@@ -845,6 +851,25 @@ class StagingWriter:
                 )
                 self._request(room, chunk_idx, num_pages, target)
                 asked = now
+
+    def resend_arrivals(self) -> int:
+        """Send again each ``CHUNK_READY`` that is due and whose region decode's watermark
+        has not passed yet (see :mod:`~staging_contracts.prefill.arrival_resends`); the
+        number sent.
+
+        **Called by:** the staging idle hook, on the listener thread. **Blocking:** no.
+        """
+        return self._resends.flush()
+
+    @property
+    def arrivals_resent(self) -> int:
+        """``CHUNK_READY`` copies sent so far (first sends not counted)."""
+        return self._resends.sent
+
+    @property
+    def arrivals_awaited(self) -> int:
+        """``CHUNK_READY`` messages whose region decode has not shown consumed yet."""
+        return len(self._resends)
 
     def close(self) -> None:
         """Deregister the staging buffer; safe to call twice."""
