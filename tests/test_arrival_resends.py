@@ -1,6 +1,7 @@
 """Issue 24, finding 6 on prefill: a lost ``CHUNK_READY`` is sent again until decode's
-watermark shows its region consumed, the copies are bounded, and a room opened again sends
-no copy of its earlier opening (see ``staging_contracts.prefill.arrival_resends``)."""
+watermark shows its region consumed, the copies are bounded, and a room opened again, closed
+(for a region shared with other writers) or fenced by decode sends no more copies (see
+``staging_contracts.prefill.arrival_resends``)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def box(copies: int = 4) -> tuple[ArrivalResends, WatermarkTracker, Sent, Clock]
 def test_a_chunk_ready_goes_again_each_interval_until_the_watermark_passes_its_region() -> None:
     resends, marks, sent, clock = box()
     message = arrival()
-    resends.add(message, D0, offset=4096)
+    resends.add(message, D0, offset=4096, sole_writer=True)
     assert resends.flush() == 0  # not due yet: the first copy went with the write
     clock.now += 0.5
     assert resends.flush() == 1
@@ -61,7 +62,7 @@ def test_a_chunk_ready_goes_again_each_interval_until_the_watermark_passes_its_r
 
 def test_copies_are_bounded() -> None:
     resends, _, sent, clock = box(copies=3)
-    resends.add(arrival(), D0, offset=0)
+    resends.add(arrival(), D0, offset=0, sole_writer=True)
     for _ in range(10):
         clock.now += 0.5
         resends.flush()
@@ -71,8 +72,8 @@ def test_copies_are_bounded() -> None:
 
 def test_a_room_opened_again_sends_no_copy_of_its_earlier_opening() -> None:
     resends, _, sent, clock = box()
-    resends.add(arrival(room=1), D0, offset=0)
-    resends.add(arrival(room=2), D0, offset=1024)
+    resends.add(arrival(room=1), D0, offset=0, sole_writer=True)
+    resends.add(arrival(room=2), D0, offset=1024, sole_writer=True)
     resends.cancel_room(1)
     clock.now += 0.5
     resends.flush()
@@ -82,7 +83,30 @@ def test_a_room_opened_again_sends_no_copy_of_its_earlier_opening() -> None:
 def test_an_arrival_without_an_epoch_is_not_sent_again() -> None:
     """No epoch, no region to tell a late copy by: sent once, as before."""
     resends, _, sent, clock = box()
-    resends.add(arrival(epoch=None), D0, offset=0)
+    resends.add(arrival(epoch=None), D0, offset=0, sole_writer=True)
     clock.now += 0.5
     assert resends.flush() == 0
     assert sent.sent == []
+
+
+def test_closing_the_room_stops_only_the_copies_of_shared_regions() -> None:
+    """A sole writer's copies outlive the room's close on prefill (ordering keeps them ahead
+    of any later opening's request); a shared region's stop there."""
+    resends, _, sent, clock = box()
+    resends.add(arrival(room=1, chunk=0), D0, offset=0, sole_writer=True)
+    resends.add(arrival(room=1, chunk=1), D0, offset=1024, sole_writer=False)
+    resends.close_room(1)
+    clock.now += 0.5
+    resends.flush()
+    assert [ChunkReady.from_frames(f).chunk_idx for _, f in sent.sent] == [0]
+
+
+def test_a_fence_from_the_decode_session_stops_its_copies() -> None:
+    resends, _, sent, clock = box()
+    resends.add(arrival(room=1), D0, offset=0, sole_writer=True)
+    resends.add(arrival(room=2), D0, offset=1024, sole_writer=True)
+    resends.cancel_session(1, "another-session")
+    resends.cancel_session(1, SESSION)
+    clock.now += 0.5
+    resends.flush()
+    assert [ChunkReady.from_frames(f).room for _, f in sent.sent] == [2]

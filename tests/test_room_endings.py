@@ -237,3 +237,41 @@ def test_a_lost_chunk_ready_is_sent_again_and_the_room_succeeds_on_decode() -> N
         assert c.writers[0].arrivals_resent >= 1
         assert pools_equal(c.decode_pools[0], c.expected_decode_pool(0))
         receiver.release()
+
+
+def test_a_lost_chunk_ready_of_a_shared_region_is_sent_again_while_the_room_is_open() -> None:
+    """Two writers per region (prefill TP 2, decode TP 1): writer 0's first CHUNK_READY is
+    lost; while the requests are open on prefill it goes again, and decode succeeds at once
+    (main: decode failed at stall_timeout_s)."""
+    with sides(Geometry(2, 1, 4), arrival="zmq") as s:
+        c = s.cluster
+        peers = c.prefill[0].peers
+        send = peers.send
+        lost: list[list[bytes]] = []
+
+        def lossy(endpoint: str, frames: Sequence[bytes]) -> bool:
+            if frames and frames[0] == b"CHUNK_READY" and not lost:
+                lost.append(list(frames))
+                return True  # "sent", never delivered
+            return send(endpoint, frames)
+
+        peers.send = lossy  # type: ignore[method-assign]
+        request = c.add_request(62, num_pages=4, chunk_pages=2)
+        c.handlers[0].release_room(62)  # registered again below, through the receiver
+        receiver = KVReceiver(s.decode[0], 62)
+        receiver.init(request.decode_pages, chunk_pages=2)
+        senders = [KVSender(p, 62) for p in s.prefill]
+        for sender in senders:
+            sender.init(4, c.targets)
+        receiver.send_metadata()
+        for sender in senders:
+            for chunk in request.chunks():
+                sender.send(chunk.pages, last=chunk.chunk_idx == 1)
+        assert wait_states(senders, timeout=BOUND_S) == [KVPoll.Success] * 2
+        assert wait_states([receiver], timeout=BOUND_S) == [KVPoll.Success]
+        assert len(lost) == 1
+        assert c.writers[0].arrivals_resent >= 1
+        assert pools_equal(c.decode_pools[0], c.expected_decode_pool(0))
+        for sender in senders:
+            sender.release()
+        receiver.release()

@@ -66,6 +66,7 @@ from ..staging.layout import (
     compute_head_slice_params,
     compute_staging_layout,
     decode_ranks_for_prefill,
+    num_writers,
     validate_tp_pair,
     writer_index,
 )
@@ -437,6 +438,7 @@ class StagingWriter:
                 if target.liveness and self._liveness is not None:
                     self._liveness.unwatch(target.endpoint)
             self._regions.forget_room(room)
+        self._resends.close_room(room)
         with self._fence_lock:
             for key in [k for k in self._early_fences if k[0] == room]:
                 del self._early_fences[key]
@@ -481,6 +483,9 @@ class StagingWriter:
         **Called by:** the listener thread (``ROOM_FENCE``). **Blocking:** no.
         """
         key = (fence.room, fence.session_id)
+        # Decode gave the room up: no arrival of it goes there again (before the answer, so
+        # that every copy already sent travels ahead of it).
+        self._resends.cancel_session(fence.room, fence.session_id)
         answer = RoomFenced(fence.room, fence.session_id, self._prefill_rank).to_frames()
 
         def acknowledge() -> None:
@@ -755,7 +760,8 @@ class StagingWriter:
             self._sender.send(target.endpoint, arrival.to_frames())
             # Again until decode's watermark shows the region consumed (a lost one is
             # recovered in a re-send interval, not at the room's timeout).
-            self._resends.add(arrival, target.endpoint, answer.offset)
+            sole = num_writers(self._prefill_tp, decode_tp) == 1
+            self._resends.add(arrival, target.endpoint, answer.offset, sole_writer=sole)
         return nbytes
 
     def _arrival_of(
