@@ -1,5 +1,7 @@
-"""Re-sends of control messages that have no answer of their own (``ROOM_META``,
-``ROOM_FAILED``, ``CHUNK_READY``), so that one lost frame does not end a room late.
+"""Re-sends of control messages that have no answer of their own (``ROOM_META`` here,
+``CHUNK_READY`` through :mod:`~staging_contracts.prefill.arrival_resends`), so that one lost
+frame does not end a room late. ``ROOM_FAILED`` is not re-sent (see
+:mod:`~staging_contracts.control.room_messages`).
 
 A :class:`ResendBox` holds copies still to send, per (room, endpoint, kind): each goes again
 every ``interval_s`` until its copies are spent, it is acknowledged (:meth:`ResendBox.ack`)

@@ -3,7 +3,14 @@
 * ``ROOM_META`` (decode → prefill): decode rank ``decode_rank`` has registered ``room`` for
   ``num_pages`` pages on a grid of ``chunk_pages`` pages; the prefill may start writing.
 * ``ROOM_FAILED`` (either direction): the sender gave ``room`` up; the receiver fails it too,
-  so one failed request never waits for a timeout on the other side.
+  so one failed request never waits for a timeout on the other side. Sent once, never
+  re-sent: it names only the room id and nothing answers it, so a copy that arrives after
+  the receiver ended the room and registered the id again would fail that new opening, and
+  no ordering rules this out (the new registration travels the other way, on the other
+  side's socket). A lost one is recovered otherwise: decode fails the room at its own bound
+  (``room_timeout_s`` / ``stall_timeout_s``); prefill through decode's ``ROOM_FENCE``
+  (re-sent until ``ROOM_FENCED``) when decode held regions of it, else the refusal of its
+  next ``STAGING_REQ`` or its deadline.
 * ``ROOM_FENCE`` (decode → prefill): decode session ``session_id`` failed ``room`` and keeps
   its ring regions until each writer confirms that it will not write into them again; the
   writer answers ``ROOM_FENCED`` at ``reply_to``.
