@@ -23,6 +23,14 @@ ring round; a stale one is dropped). Once a region is complete and scattered, ea
 bytes in it are checked against the digest its arrival carried, before the region is freed; a
 mismatch fails the room with a reason starting ``integrity``, so a late write that landed in
 the region (a paused writer that came back) never makes a room report SUCCESS.
+**A fair ring.** A prefill instance that reserves regions and never writes them cannot hold
+the ring: a room holding a writable region with no arrival for ``stall_timeout_s`` (10 s by
+default) fails, and so, at once, does every other room of the same instance that never had an
+arrival and holds only regions reserved as long ago (else regions it reserved rounds ahead
+would each take their own turn, and a tenant behind them wait once per round). A fence that a
+live writer leaves unanswered for ``fence_timeout_s`` (10 s by default) frees its regions
+anyway. So another tenant's region is writable within about ``stall_timeout_s +
+fence_timeout_s`` (20 s by default) of the last arrival of the instance that blocks it.
 
 Every send is non-blocking (:class:`~staging_contracts.control.transport.PeerSockets`): a dead
 prefill never blocks a decode thread.
@@ -59,7 +67,9 @@ from .scatter import ChunkScatter
 
 __all__ = [
     "DEFAULT_FENCE_RESEND_S",
+    "DEFAULT_FENCE_TIMEOUT_S",
     "DEFAULT_ROOM_TIMEOUT_S",
+    "DEFAULT_STALL_TIMEOUT_S",
     "WAIT_SLICE_S",
     "DecodeStagingHandler",
     "PrefillPeer",
@@ -99,10 +109,18 @@ def _room_of(frame: bytes) -> int | None:
 
 
 DEFAULT_ROOM_TIMEOUT_S = 30.0
-"""Default bound of a room without progress, with or without a ring region."""
+"""Default bound of a room without progress that holds no ring region (``room_timeout_s``)."""
 
 DEFAULT_FENCE_RESEND_S = 0.5
 """``ROOM_FENCE`` is sent again this often to a writer that has not answered it."""
+
+DEFAULT_STALL_TIMEOUT_S = 10.0
+"""A room holding a writable ring region with no arrival for this long fails (its regions are
+taken back)."""
+
+DEFAULT_FENCE_TIMEOUT_S = 10.0
+"""A fence still waiting for a live writer's ``ROOM_FENCED`` after this long frees its regions
+anyway (a writer that answers PINGs but not ROOM_FENCE would otherwise hold them for good)."""
 
 
 @dataclass(slots=True)
@@ -115,6 +133,8 @@ class _Fence:
     awaiting: dict[int, str]
     """Writer rank -> its endpoint, for the writers that have not answered ``ROOM_FENCED``."""
     last_sent: float = float("-inf")
+    started: float = 0.0
+    """When the fence was set up (it frees its regions ``fence_timeout_s`` later at most)."""
 
 
 class _Outgoing(NamedTuple):
@@ -145,8 +165,9 @@ class DecodeStagingHandler:
             (default: the device's; see :mod:`~staging_contracts.staging.ordering`).
         stall_timeout_s: a room that holds a writable ring region without progress for this
             long fails (its regions are fenced, then freed), so one stuck prefill cannot pin
-            the shared ring. Time spent waiting for ring space is not counted. Default
-            :data:`DEFAULT_ROOM_TIMEOUT_S`.
+            the shared ring; the instance's other rooms that never had an arrival and hold
+            only regions reserved as long ago fail with it (see **A fair ring**). Time spent
+            waiting for ring space is not counted. Default :data:`DEFAULT_STALL_TIMEOUT_S`.
         room_timeout_s: a room that holds no region and gets no ``STAGING_REQ`` for this
             long (from its registration, or from its last request or arrival) fails, so a
             room whose ``ROOM_META`` or ``ROOM_FAILED`` was lost for good, or whose prefill
@@ -157,6 +178,8 @@ class DecodeStagingHandler:
             each fence's) while it needs them. ``None``: no watching (a dead writer's fence
             then holds its regions until the writer answers).
         fence_resend_s: how often an unanswered ``ROOM_FENCE`` is sent again.
+        fence_timeout_s: a fence unanswered this long by live writers frees its regions
+            anyway. Default :data:`DEFAULT_FENCE_TIMEOUT_S`.
         accept_anonymous_arrivals: count arrivals without a writer rank in regions of several
             writers (the reference's prefill sends none). Off by default: such arrivals cannot
             be told apart, so a duplicate could start the scatter before every writer landed;
@@ -191,12 +214,13 @@ class DecodeStagingHandler:
         session_id: str,
         sender: PeerSockets,
         scatter_stream: torch.cuda.Stream | None = None,
-        stall_timeout_s: float = DEFAULT_ROOM_TIMEOUT_S,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         room_timeout_s: float = DEFAULT_ROOM_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         endpoint: str = "",
         liveness: PeerLiveness | None = None,
         fence_resend_s: float = DEFAULT_FENCE_RESEND_S,
+        fence_timeout_s: float = DEFAULT_FENCE_TIMEOUT_S,
         accept_anonymous_arrivals: bool = False,
         ring_share: float = 1.0,
         ordering: DeviceOrdering | None = None,
@@ -240,6 +264,12 @@ class DecodeStagingHandler:
         self._endpoint = endpoint
         self._liveness = liveness
         self._fence_resend = fence_resend_s
+        if not (stall_timeout_s > 0 and fence_timeout_s > 0):
+            raise ValueError(
+                f"stall_timeout_s={stall_timeout_s!r} and fence_timeout_s={fence_timeout_s!r} "
+                "must be > 0"
+            )
+        self._fence_timeout = fence_timeout_s
         self._fences: dict[int, _Fence] = {}
         self._accept_anonymous = accept_anonymous_arrivals
         if not 0 < ring_share <= 1:
@@ -247,8 +277,8 @@ class DecodeStagingHandler:
         self._quota_bytes = None if ring_share == 1 else ring_share * allocator.total_size
         self._usage: dict[tuple[str, ...], int] = {}
         """Ring bytes held per prefill instance (its writers' endpoints)."""
-        self._owners: dict[int, tuple[tuple[str, ...], int]] = {}
-        """Allocation id -> (its prefill instance, its bytes)."""
+        self._owners: dict[int, tuple[tuple[str, ...], int, float]] = {}
+        """Allocation id -> (its prefill instance, its bytes, when it was assigned)."""
 
     accepts_arrival_tags = True
     """``handle_chunk_arrival`` takes ``epoch`` and ``tag`` (the mixin passes them)."""
@@ -490,7 +520,9 @@ class DecodeStagingHandler:
 
         A room stalls when it holds a region its writers could write (the watermark says it
         is free) and no writer arrived for ``stall_timeout_s``; a room whose regions all wait
-        for ring space held by other rooms is not stalled.
+        for ring space held by other rooms is not stalled. A stalled room's instance loses its
+        other never-written rooms too, and fences older than ``fence_timeout_s`` free their
+        regions (see **A fair ring**).
 
         **Called by:** the listener's idle hook and ``poll_room``; any thread.
 
@@ -503,6 +535,7 @@ class DecodeStagingHandler:
             return
         self._last_pass = now
         with self._lock:
+            stalled: dict[tuple[str, ...], int] = {}
             for state in self._rooms.values():
                 freed |= self._reap_events(state)
                 if self._idle_too_long(state, now):
@@ -522,7 +555,11 @@ class DecodeStagingHandler:
                         state,
                         f"no progress for {self._stall_timeout}s while holding a writable region",
                     )
+                    stalled.setdefault(_owner(state.plan), state.plan.room)
                     freed = True
+            if stalled:
+                self._take_back_idle(stalled, now)
+            freed |= self._expire_fences(now)
         self._send_fences()
         for endpoint, frames in self._resend.take_due():
             self._publisher.send(endpoint, frames)
@@ -540,6 +577,52 @@ class DecodeStagingHandler:
             and not state.pending_events
             and now - state.last_progress > self._room_timeout
         )
+
+    def _take_back_idle(self, stalled: dict[tuple[str, ...], int], now: float) -> None:
+        """Fail the rooms of stalled prefill instances that never had an arrival and hold
+        only regions reserved ``stall_timeout_s`` ago or more (lock held): regions reserved
+        rounds ahead would otherwise each wait for their own stall, one after the other."""
+        for state in self._rooms.values():
+            room = stalled.get(_owner(state.plan))
+            if (
+                room is None
+                or state.status is not RoomStatus.TRANSFERRING
+                or not state.regions
+                or state.consumed
+            ):
+                continue
+            if all(self._idle_region(region, now) for region in state.regions.values()):
+                self._fail(
+                    state,
+                    f"taken back with room {room}: its prefill instance left a writable region "
+                    f"unwritten for {self._stall_timeout}s, and this room's regions were never "
+                    "written either",
+                )
+
+    def _idle_region(self, region: ChunkRegion, now: float) -> bool:
+        """A region nobody wrote, reserved at least ``stall_timeout_s`` ago (lock held)."""
+        if region.arrived or region.anonymous:
+            return False
+        owner = self._owners.get(region.allocation.alloc_id)
+        return owner is not None and now - owner[2] >= self._stall_timeout
+
+    def _expire_fences(self, now: float) -> bool:
+        """Free the fences that waited ``fence_timeout_s`` for live writers (lock held)."""
+        freed = False
+        for fence in list(self._fences.values()):
+            if now - fence.started <= self._fence_timeout:
+                continue
+            logger.warning(
+                "room %d: writers %s did not answer ROOM_FENCE in %gs; its regions are freed",
+                fence.room,
+                sorted(fence.awaiting),
+                self._fence_timeout,
+            )
+            # Epoch hook: bump the epoch of each of fence.allocations here (before they are
+            # freed), so that a late write of this room is refused at arrival or caught by
+            # the integrity check instead of landing in the next room's bytes.
+            freed |= self._clear_fence(fence, list(fence.awaiting))
+        return freed
 
     # ------------------------------------------------------------------ listener side
 
@@ -622,7 +705,7 @@ class DecodeStagingHandler:
                 refusal = StagingRsp.oversized(plan.room, chunk_idx, session_id).to_frames()
                 out.extend(_Outgoing(p.endpoint, refusal) for p in peers)
                 return StagingReqOutcome.OVERSIZED
-            self._owners[allocation.alloc_id] = (owner, size)
+            self._owners[allocation.alloc_id] = (owner, size, self._clock())
             self._usage[owner] = held + size
             region = ChunkRegion(
                 allocation=allocation,
@@ -946,7 +1029,9 @@ class DecodeStagingHandler:
         if awaiting:
             fence = self._fences.get(state.plan.room)
             if fence is None:
-                fence = self._fences[state.plan.room] = _Fence(state.plan.room, reason, [], {})
+                fence = self._fences[state.plan.room] = _Fence(
+                    state.plan.room, reason, [], {}, started=self._clock()
+                )
                 self._watch(awaiting.values())
             else:
                 self._watch(e for r, e in awaiting.items() if r not in fence.awaiting)
