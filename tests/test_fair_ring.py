@@ -120,3 +120,31 @@ def test_only_the_stalled_instance_s_never_written_rooms_are_taken_back() -> Non
     assert handler.room_failure(3) == "no progress for 10.0s while holding a writable region"
     assert handler.poll_room(2) is RoomStatus.TRANSFERRING
     assert handler.poll_room(4) is RoomStatus.TRANSFERRING
+
+
+def test_registrations_per_prefill_instance_are_capped_without_keeping_the_refused() -> None:
+    """Main kept every registered room, without a cap; now past ``max_rooms_per_peer`` of one
+    instance a room is refused with a reason, keeps no state (a flood of refusals leaves the
+    room table as it was), other instances still register, and a released room makes room."""
+    handler, _, _ = default_handler(4 * REGION)
+    handler._max_rooms_per_peer = 3  # the default, DEFAULT_MAX_ROOMS_PER_PEER, is 1024
+    for room in (1, 2, 3):
+        assert handler.register_room(plan(room, pages=2, endpoints=(P0,))) is RoomStatus.REGISTERED
+    for room in range(100, 5100):
+        assert handler.register_room(plan(room, pages=2, endpoints=(P0,))) is RoomStatus.FAILED
+    assert handler.live_rooms == 3
+    assert handler.poll_room(5099) is None
+    assert handler.room_failure(5099) == (
+        f"registration refused: prefill instance {P0} already has 3 rooms registered "
+        "(max_rooms_per_peer=3)"
+    )
+    assert len(handler._refused) <= 1024
+    assert handler.register_room(plan(7, pages=2, endpoints=(P1,))) is RoomStatus.REGISTERED
+    handler.release_room(5099)  # a refused room: nothing to tear down
+    handler.release_room(1)
+    assert handler.register_room(plan(8, pages=2, endpoints=(P0,))) is RoomStatus.REGISTERED
+    assert handler.register_room(plan(9, pages=2, endpoints=(P0,))) is RoomStatus.FAILED
+    for room in (2, 3, 7, 8):
+        handler.release_room(room)
+    assert handler.live_rooms == 0
+    assert handler._rooms_per_peer == {}

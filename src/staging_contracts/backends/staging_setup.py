@@ -22,6 +22,7 @@ from ..control.transport import LogThrottle, PeerSockets
 from ..control.wire import MalformedMessage
 from ..decode.handler import (
     DEFAULT_FENCE_TIMEOUT_S,
+    DEFAULT_MAX_ROOMS_PER_PEER,
     DEFAULT_ROOM_TIMEOUT_S,
     DEFAULT_STALL_TIMEOUT_S,
     DecodeStagingHandler,
@@ -108,6 +109,7 @@ def enable_decode_staging(
     room_timeout_s: float = DEFAULT_ROOM_TIMEOUT_S,
     integrity: bool | None = None,
     fence_timeout_s: float = DEFAULT_FENCE_TIMEOUT_S,
+    max_rooms_per_peer: int = DEFAULT_MAX_ROOMS_PER_PEER,
 ) -> DecodeStagingHandler:
     """Give a decode backend its staging ring, context and handler.
 
@@ -122,6 +124,7 @@ def enable_decode_staging(
     A room that leaves a writable region unwritten for ``stall_timeout_s`` has its regions
     taken back, and ``fence_timeout_s`` (10 s) frees a fence that live writers left unanswered
     that long (the handler's **A fair ring**).
+    ``max_rooms_per_peer`` (1024) caps the rooms registered at once for one prefill instance.
 
     **Side:** decode. **Called by:** the backend's constructor or the scheduler, before the
     listener starts.
@@ -147,6 +150,7 @@ def enable_decode_staging(
         room_timeout_s=room_timeout_s,
         ring_share=ring_share,
         fence_timeout_s=fence_timeout_s,
+        max_rooms_per_peer=max_rooms_per_peer,
         endpoint=backend.endpoint,
         liveness=backend.liveness,
         integrity=integrity,

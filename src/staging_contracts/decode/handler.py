@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -68,6 +69,7 @@ from .scatter import ChunkScatter
 __all__ = [
     "DEFAULT_FENCE_RESEND_S",
     "DEFAULT_FENCE_TIMEOUT_S",
+    "DEFAULT_MAX_ROOMS_PER_PEER",
     "DEFAULT_ROOM_TIMEOUT_S",
     "DEFAULT_STALL_TIMEOUT_S",
     "WAIT_SLICE_S",
@@ -117,6 +119,13 @@ DEFAULT_FENCE_RESEND_S = 0.5
 DEFAULT_STALL_TIMEOUT_S = 10.0
 """A room holding a writable ring region with no arrival for this long fails (its regions are
 taken back)."""
+
+DEFAULT_MAX_ROOMS_PER_PEER = 1024
+"""Most rooms registered at once whose writers are one prefill instance; registering one more
+fails that room at once (it is not kept)."""
+
+MAX_REFUSALS_KEPT = 1024
+"""Most refused registrations whose reason ``room_failure`` still tells (the oldest go first)."""
 
 DEFAULT_FENCE_TIMEOUT_S = 10.0
 """A fence still waiting for a live writer's ``ROOM_FENCED`` after this long frees its regions
@@ -180,6 +189,9 @@ class DecodeStagingHandler:
         fence_resend_s: how often an unanswered ``ROOM_FENCE`` is sent again.
         fence_timeout_s: a fence unanswered this long by live writers frees its regions
             anyway. Default :data:`DEFAULT_FENCE_TIMEOUT_S`.
+        max_rooms_per_peer: most rooms registered at once for one prefill instance (the set
+            of a room's writers); one more is refused by ``register_room`` (see there).
+            Default :data:`DEFAULT_MAX_ROOMS_PER_PEER`.
         accept_anonymous_arrivals: count arrivals without a writer rank in regions of several
             writers (the reference's prefill sends none). Off by default: such arrivals cannot
             be told apart, so a duplicate could start the scatter before every writer landed;
@@ -221,6 +233,7 @@ class DecodeStagingHandler:
         liveness: PeerLiveness | None = None,
         fence_resend_s: float = DEFAULT_FENCE_RESEND_S,
         fence_timeout_s: float = DEFAULT_FENCE_TIMEOUT_S,
+        max_rooms_per_peer: int = DEFAULT_MAX_ROOMS_PER_PEER,
         accept_anonymous_arrivals: bool = False,
         ring_share: float = 1.0,
         ordering: DeviceOrdering | None = None,
@@ -270,6 +283,13 @@ class DecodeStagingHandler:
                 "must be > 0"
             )
         self._fence_timeout = fence_timeout_s
+        if max_rooms_per_peer < 1:
+            raise ValueError(f"max_rooms_per_peer={max_rooms_per_peer!r} must be >= 1")
+        self._max_rooms_per_peer = max_rooms_per_peer
+        self._rooms_per_peer: dict[tuple[str, ...], int] = {}
+        """Registered rooms per prefill instance (its writers' endpoints)."""
+        self._refused: OrderedDict[int, str] = OrderedDict()
+        """Rooms whose registration was refused -> why (the latest MAX_REFUSALS_KEPT)."""
         self._fences: dict[int, _Fence] = {}
         self._accept_anonymous = accept_anonymous_arrivals
         if not 0 < ring_share <= 1:
@@ -325,6 +345,11 @@ class DecodeStagingHandler:
         Idempotent: registering a known room again keeps its in-flight state. A prefix that is
         not page-aligned, or a plan that does not fit this rank, fails that room only.
 
+        A room past ``max_rooms_per_peer`` rooms of its prefill instance is refused: it is
+        not kept (``poll_room`` says ``None``, ``room_failure`` says why, ``release_room`` is
+        a no-op), so refusals cost no state but their reasons (the latest
+        :data:`MAX_REFUSALS_KEPT`); it may be registered again once rooms were released.
+
         **Called by:** the scheduler. **Blocking:** no.
 
         Returns:
@@ -335,6 +360,8 @@ class DecodeStagingHandler:
             if existing is not None:
                 return existing.status
             self._resend.cancel_room(plan.room)  # nothing of an earlier opening goes again
+            if self._refuse_registration(plan):
+                return RoomStatus.FAILED
             state = RoomState(
                 plan=plan,
                 pages=torch.tensor(
@@ -381,6 +408,24 @@ class DecodeStagingHandler:
                     self._resend.add(room, endpoint, frames, copies=-1)
         for endpoint in peers:
             self._publisher.send(endpoint, list(frames))
+
+    def _refuse_registration(self, plan: RoomPlan) -> bool:
+        """Count the room against its prefill instance, or refuse it past the cap (lock held)."""
+        self._refused.pop(plan.room, None)
+        owner = _owner(plan)
+        held = self._rooms_per_peer.get(owner, 0)
+        if held < self._max_rooms_per_peer:
+            self._rooms_per_peer[owner] = held + 1
+            return False
+        reason = (
+            f"registration refused: prefill instance {', '.join(owner) or '(none)'} already "
+            f"has {held} rooms registered (max_rooms_per_peer={self._max_rooms_per_peer})"
+        )
+        self._refused[plan.room] = reason
+        while len(self._refused) > MAX_REFUSALS_KEPT:
+            self._refused.popitem(last=False)
+        logger.warning("room %d: %s", plan.room, reason)
+        return True
 
     def _plan_problem(self, plan: RoomPlan) -> str | None:
         if plan.prefix_tokens % self._page_size:
@@ -439,11 +484,13 @@ class DecodeStagingHandler:
                 self._idle.wait(min(remaining, WAIT_SLICE_S))
 
     def room_failure(self, room: int) -> str | None:
-        """Why a failed room failed (``None`` if it did not, is unknown, or is not shown
-        failed yet: see :meth:`poll_room`)."""
+        """Why a failed room failed, or its registration was refused (``None`` if it did not,
+        is unknown, or is not shown failed yet: see :meth:`poll_room`)."""
         with self._lock:
             state = self._rooms.get(room)
-            if state is None or _shown(state) is not RoomStatus.FAILED:
+            if state is None:
+                return self._refused.get(room)
+            if _shown(state) is not RoomStatus.FAILED:
                 return None
             return state.failure
 
@@ -476,6 +523,7 @@ class DecodeStagingHandler:
         with self._lock:
             state = self._rooms.get(room)
             if state is None:
+                self._refused.pop(room, None)
                 return
             state.closing = True
             while state.scattering:
@@ -504,6 +552,12 @@ class DecodeStagingHandler:
             state.pending_events.clear()
             del self._rooms[room]
             self._resend.cancel_room(room)
+            owner = _owner(state.plan)
+            left = self._rooms_per_peer.get(owner, 1) - 1
+            if left > 0:
+                self._rooms_per_peer[owner] = left
+            else:
+                self._rooms_per_peer.pop(owner, None)
             self._unwatch(peer.endpoint for peer in state.plan.peers)
         self._publisher.unsubscribe_room(room)
         self._send_fences()
