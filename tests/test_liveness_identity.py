@@ -41,9 +41,7 @@ def secret_env(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def managers(request: pytest.FixtureRequest) -> Iterator[list[LocalKVManager]]:
     """Three decode managers (a watcher, a peer that will die, a forger), started."""
-    made = [
-        LocalKVManager(G.kv_args(1, 0), role=Role.DECODE, attn_tp_size=1) for _ in range(3)
-    ]
+    made = [LocalKVManager(G.kv_args(1, 0), role=Role.DECODE, attn_tp_size=1) for _ in range(3)]
     try:
         yield made
     finally:

@@ -1,13 +1,14 @@
 """ZMQ plumbing for the control plane: peer sockets that never block, and a listener thread.
 
 One ZMQ context per process (``zmq.Context.instance()``); one PUSH socket per peer endpoint,
-created on first use, at most :data:`DEFAULT_MAX_PEER_SOCKETS` of them (the least recently used
-is closed past that, and any unused for :data:`DEFAULT_PEER_IDLE_S` is reaped); one PULL socket per listener, bound to loopback by default. A listener
-thread drains its socket in bounded batches and hands each multipart message to a dispatch
-function; between batches it runs its idle work, so a flood of messages delays that work by
-at most :data:`IDLE_INTERVAL_S`. Bad input (:class:`~.wire.MalformedMessage`) is counted and
-logged and the thread keeps serving, and so is any other exception a dispatch raises; the
-logging is rate-limited (:class:`LogThrottle`), the counts are exact (:class:`ListenerStats`).
+created on first use, at most :data:`DEFAULT_MAX_PEER_SOCKETS` of them (the least recently
+used is closed past that, and any unused for :data:`DEFAULT_PEER_IDLE_S` is reaped); one PULL
+socket per listener, bound to loopback by default. A listener thread drains its socket in
+bounded batches and hands each multipart message to a dispatch function; between batches it
+runs its idle work, so a flood of messages delays that work by at most
+:data:`IDLE_INTERVAL_S`. Bad input (:class:`~.wire.MalformedMessage`) is counted and logged and
+the thread keeps serving, and so is any other exception a dispatch raises; the logging is
+rate-limited (:class:`LogThrottle`), the counts are exact (:class:`ListenerStats`).
 
 Size limits hold before any byte reaches Python: a listener's socket sets ``ZMQ_MAXMSGSIZE``
 (:data:`MAX_FRAME_BYTES`), so ZMQ drops a larger frame, and the connection that sent it, while
