@@ -192,10 +192,17 @@ class Received(NamedTuple):
     """How many more frames it had (0 for a message within the bound)."""
     user_id: str | None = None
     """The ``User-Id`` ZMQ gave it (CURVE: the sender's public key), when asked for."""
+    peer: str | None = None
+    """The sender's IP address (ZMQ's ``Peer-Address``), when asked for."""
 
 
 def recv_frames(
-    sock: zmq.Socket[bytes], *, max_frames: int = MAX_FRAMES, flags: int = 0, user_id: bool = False
+    sock: zmq.Socket[bytes],
+    *,
+    max_frames: int = MAX_FRAMES,
+    flags: int = 0,
+    user_id: bool = False,
+    peer_address: bool = False,
 ) -> Received:
     """Receive one multipart message, keeping at most ``max_frames`` of its frames.
 
@@ -207,20 +214,25 @@ def recv_frames(
             received as ZMQ frames (no copy into Python) and dropped.
         flags: for the first frame (e.g. ``zmq.NOBLOCK``); the rest are already there.
         user_id: also read the message's ``User-Id`` property (set by ZAP authentication).
+        peer_address: also read the message's ``Peer-Address`` property (the sender's IP).
 
     Returns:
         The first ``max_frames`` frames, how many more the message had (0 for a message
-        within the bound), and its ``User-Id`` when asked for.
+        within the bound), its ``User-Id`` and its sender's address when asked for.
 
     Raises:
         zmq.Again: with ``zmq.NOBLOCK``, no message was waiting.
     """
-    user = None
-    if user_id:
+    user = peer = None
+    if user_id or peer_address:
         first = sock.recv(flags, copy=False)
         frames = [first.bytes]
-        value = first.get("User-Id")
-        user = value if isinstance(value, str) and value else None
+        if user_id:
+            value = first.get("User-Id")
+            user = value if isinstance(value, str) and value else None
+        if peer_address:
+            value = first.get("Peer-Address")
+            peer = value if isinstance(value, str) and value else None
     else:
         frames = [sock.recv(flags)]
     while sock.getsockopt(zmq.RCVMORE):
@@ -231,8 +243,8 @@ def recv_frames(
         while sock.getsockopt(zmq.RCVMORE):
             sock.recv(copy=False)
             dropped += 1
-        return Received(frames, dropped, user)
-    return Received(frames, 0, user)
+        return Received(frames, dropped, user, peer)
+    return Received(frames, 0, user, peer)
 
 
 class _PeerSocket:
@@ -624,7 +636,7 @@ class Listener:
             if self._stop.is_set():
                 return
             try:
-                frames, dropped, user = recv_frames(
+                frames, dropped, user, _ = recv_frames(
                     self._socket,
                     max_frames=self._max_frames,
                     flags=_NOBLOCK,
