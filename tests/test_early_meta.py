@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from staging_contracts.backends.kv_requests import KVPoll, PrefillTransfers
 from staging_contracts.control.room_messages import RoomMeta
+from staging_contracts.prefill.writer import DecodeTarget
 from staging_contracts.protocols import KVArgs
 from tests.test_kv_requests import FakeHost
 from tests.test_prefill_writer import Clock, make_rig
@@ -22,7 +23,9 @@ class SenderHost(FakeHost):
         return self.sender
 
 
-def rig_transfers(early_meta_per_peer: int = 256) -> tuple[SenderHost, PrefillTransfers, list]:
+def rig_transfers(
+    early_meta_per_peer: int = 256,
+) -> tuple[SenderHost, PrefillTransfers, list[DecodeTarget]]:
     rig = make_rig(Clock())
     host = SenderHost(rig.geometry.kv_args(1, 0))
     transfers = PrefillTransfers(

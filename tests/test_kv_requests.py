@@ -224,9 +224,6 @@ class FakeHost:
     def add_authorizer(self, authorizer: Callable[[list[bytes], str], bool]) -> None:
         del authorizer
 
-    def message_sender(self) -> str | None:
-        return None
-
 
 def test_a_room_failed_and_closed_after_its_chunk_was_taken_does_not_hold_the_worker(
     monkeypatch: pytest.MonkeyPatch,

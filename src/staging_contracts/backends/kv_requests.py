@@ -57,8 +57,6 @@ class ControlHost(Protocol):
 
     def add_authorizer(self, authorizer: Callable[[list[bytes], str], bool]) -> None: ...
 
-    def message_sender(self) -> str | None: ...
-
 
 # --------------------------------------------------------------------------- prefill
 
@@ -136,8 +134,10 @@ class PrefillTransfers:
     **ROOM_META before the room is opened** (decode was quicker than this rank's
     ``KVSender.init``) creates no room: it is held aside, at most ``early_meta_per_peer`` per
     sender (the oldest of that sender's go first) and for ``meta_timeout_s``, and applied when
-    the room is opened, only if it came from the decode rank it names (with a secret); the
-    others are dropped and counted in :attr:`early_meta_dropped`. So nobody can pre-fail
+    the room is opened, only if it came from the decode rank it names (with a secret, read from
+    the manager's ``message_sender()``, which ``CommonKVManager`` has; a host without it is
+    taken as unauthenticated); the others are dropped and counted in
+    :attr:`early_meta_dropped`. So nobody can pre-fail
     another tenant's room, and a flood of them costs a bounded amount of memory.
 
     Args:
@@ -162,6 +162,10 @@ class PrefillTransfers:
         self._cond = threading.Condition()
         self._rooms: dict[int, _SendState] = {}
         self._early_cap = early_meta_per_peer
+        sender_of = getattr(manager, "message_sender", None)
+        self._sender_of: Callable[[], str | None] | None = (
+            sender_of if callable(sender_of) else None
+        )
         self._early: dict[str | None, OrderedDict[tuple[int, int], _EarlyMeta]] = {}
         """Sender -> its early ROOM_META by (room, decode rank), oldest first (lock held)."""
         self._early_rooms: dict[int, set[tuple[str | None, int]]] = {}
@@ -292,7 +296,8 @@ class PrefillTransfers:
         with self._cond:
             state = self._rooms.get(meta.room)
             if state is None:
-                self._hold_early(meta, self._manager.message_sender())
+                sender = None if self._sender_of is None else self._sender_of()
+                self._hold_early(meta, sender)
                 return
             state.chunk_pages = meta.chunk_pages
             state.ready.add(meta.decode_rank)
