@@ -171,7 +171,8 @@ class PrefillTransfers:
         self._early_rooms: dict[int, set[tuple[str | None, int]]] = {}
         """Room -> (sender, decode rank) of each early ROOM_META held for it (lock held)."""
         self.early_meta_held = 0
-        """Early ``ROOM_META`` received and held (each also counts when applied or dropped)."""
+        """Early ``ROOM_META`` received (each held until applied at open, replaced by a copy
+        decode sent again, or dropped)."""
         self.early_meta_dropped = 0
         """Early ``ROOM_META`` dropped: evicted past the cap, expired, or (with a secret) not
         from the decode rank it names once the room opened."""
@@ -319,8 +320,7 @@ class PrefillTransfers:
         self._expire_early(now)
         held = self._early.setdefault(sender, OrderedDict())
         key = (meta.room, meta.decode_rank)
-        if held.pop(key, None) is not None:
-            self.early_meta_dropped += 1  # replaced by the newer one
+        held.pop(key, None)  # a copy decode sent again replaces the one held (and its time)
         held[key] = _EarlyMeta(meta, sender, now)
         self._early_rooms.setdefault(meta.room, set()).add((sender, meta.decode_rank))
         self.early_meta_held += 1

@@ -672,9 +672,9 @@ class DecodeStagingHandler:
                 sorted(fence.awaiting),
                 self._fence_timeout,
             )
-            # Epoch hook: bump the epoch of each of fence.allocations here (before they are
-            # freed), so that a late write of this room is refused at arrival or caught by
-            # the integrity check instead of landing in the next room's bytes.
+            # The epoch needs no bump here: a region's epoch is its ring round, and whatever
+            # is assigned over these bytes next has a later round, so a late arrival of this
+            # room is dropped as stale; late bytes fail that room's integrity check (when on).
             freed |= self._clear_fence(fence, list(fence.awaiting))
         return freed
 
