@@ -51,9 +51,10 @@ def req(handler: DecodeStagingHandler, room: int, chunk: int = 0) -> None:
 
 def test_an_instance_that_reserves_and_never_writes_delays_another_tenant_at_most_30s() -> None:
     """An instance reserves regions four rounds ahead (one per room) and never writes nor
-    answers ROOM_FENCE, but stays alive: the tenant behind it waited 240 s on main (four
-    stalls of 60 s, then fences held for good); now its region is writable within 30 s, the
-    instance's rooms fail with a reason that says why, and the tenant's room succeeds."""
+    answers ROOM_FENCE, but stays alive: the tenant behind it waited for good on main (one
+    stall per round, 60 s then 30 s each, and then fences the writer never answers held the
+    regions); now its region is writable within 30 s, the instance's rooms fail with a reason
+    that says why, and the tenant's room succeeds."""
     handler, clock, allocator = default_handler(REGION)
     hog_rooms = [1, 2, 3, 4]
     for room in hog_rooms:
