@@ -276,9 +276,10 @@ class PeerSockets:
 
     **Bounded.** At most ``max_sockets`` sockets are open at once: opening one more closes the
     least recently used (counted in :attr:`evicted`; what it still queued is dropped, and a later
-    send to that peer reconnects). A socket not used for ``idle_s`` is closed at the next send
-    to any peer. So endpoints that arrive in messages (without a secret, anyone on the machine
-    can name any) cost at most ``max_sockets`` sockets, never ZMQ's whole context.
+    send to that peer reconnects). A socket not used for ``idle_s`` is closed by a later send
+    to any peer (they are looked for every ``idle_s / 4``, so within ``1.25 * idle_s``). So
+    endpoints that arrive in messages (without a secret, anyone on the machine can name any)
+    cost at most ``max_sockets`` sockets, never ZMQ's whole context.
 
     With ``security``, every socket is a CURVE client of its peer, with the peer's key from
     the security's directory; a message to a peer whose key is unknown is never sent in the
@@ -321,6 +322,8 @@ class PeerSockets:
         self.idle_s = idle_s
         """Seconds unused after which a socket is reaped."""
         self._clock = clock
+        self._next_reap = float("-inf")
+        """When idle sockets are looked for next (at most every ``idle_s / 4``)."""
         self.dropped = 0
         """Messages dropped because a peer's queue was full."""
         self.untrusted = 0
@@ -345,13 +348,14 @@ class PeerSockets:
                 if self._closed:
                     raise RuntimeError("PeerSockets is closed")
                 now = self._clock()
+                if now >= self._next_reap:
+                    self._next_reap = now + self.idle_s / 4
+                    self._reap(now, closing)
                 entry = self._sockets.get(endpoint)
                 if entry is not None:
                     entry.used = now
                     self._sockets.move_to_end(endpoint)
-                    self._reap(now, closing)
                     return entry
-                self._reap(now, closing)
                 sock = self._context.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, self._hwm)
@@ -390,18 +394,19 @@ class PeerSockets:
         Raises:
             RuntimeError: after :meth:`close`.
         """
-        for _ in range(2):  # a second time only if the socket was closed under us
-            entry = self._socket(endpoint)
-            if entry is None:
-                self.untrusted += 1
-                if endpoint not in self._dropping and len(self._dropping) < self.max_sockets:
-                    self._dropping.add(endpoint)
-                    logger.warning("no CURVE key known for peer %s: not sending to it", endpoint)
-                return False
+        entry = self._socket(endpoint)
+        if entry is not None:
             with entry.lock:
-                if entry.closed:
-                    continue
-                return self._send_on(entry.sock, endpoint, frames)
+                if not entry.closed:
+                    return self._send_on(entry.sock, endpoint, frames)
+            entry = self._socket(endpoint)  # closed under us (evicted, reaped): reopen once
+            if entry is not None:
+                with entry.lock:
+                    return not entry.closed and self._send_on(entry.sock, endpoint, frames)
+        self.untrusted += 1
+        if endpoint not in self._dropping and len(self._dropping) < self.max_sockets:
+            self._dropping.add(endpoint)
+            logger.warning("no CURVE key known for peer %s: not sending to it", endpoint)
         return False
 
     def _send_on(self, sock: zmq.Socket[bytes], endpoint: str, frames: Sequence[bytes]) -> bool:
