@@ -144,12 +144,13 @@ def test_a_bad_wait_is_refused(server: BootstrapServer, wait_s: object) -> None:
     assert answer == {"ok": False, "error": "wait_s must be a number in [0, 300.0]"}
 
 
-def dealer(endpoint: str) -> zmq.Socket[bytes]:
-    """A DEALER socket: many requests in flight on one connection."""
+def dealer(endpoint: str, source: str | None = None) -> zmq.Socket[bytes]:
+    """A DEALER socket: many requests in flight on one connection (from the loopback address
+    ``source``, e.g. ``127.0.0.2``, when given: another peer to the server)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
+    sock.connect(endpoint if source is None else endpoint.replace("//", f"//{source}:0;", 1))
     return sock
 
 
@@ -166,20 +167,25 @@ def collect(sock: zmq.Socket[bytes], count: int, timeout: float) -> list[dict[st
 
 
 def test_held_requests_are_bounded_and_cheap_to_hold(server: BootstrapServer) -> None:
-    """Past MAX_WAITERS a waiting request is refused at once; holding the rest costs ~no CPU."""
+    """Past MAX_WAITERS a waiting request is refused at once; holding the rest costs ~no CPU.
+    (The holders come from four peer addresses: one may hold MAX_WAITERS_PER_PEER.)"""
     clients = 8  # (one peer's answers are capped by ZMQ's queue of 1000 per peer)
-    holders = [dealer(server.endpoint) for _ in range(clients)]
-    late = dealer(server.endpoint)
+    holders = [dealer(server.endpoint, f"127.0.0.{2 + i % 4}") for i in range(clients)]
+    late = dealer(server.endpoint, "127.0.0.6")
     extra = 5
     query = json.dumps({"op": "query", "role": "decode", "count": 2, "wait_s": 60}).encode()
-    busy = f"server busy: {MAX_WAITERS} requests already wait (MAX_WAITERS); retry later"
+    busy = {
+        "ok": False,
+        "error": f"server busy: {MAX_WAITERS} requests already wait; retry later",
+        "busy": True,
+    }
     try:
         for index in range(MAX_WAITERS):
             holders[index % clients].send_multipart([b"", query])
         assert wait_until(lambda: server.waiting == MAX_WAITERS)
         for _ in range(extra):
             late.send_multipart([b"", query])
-        assert collect(late, extra, 5.0) == [{"ok": False, "error": busy}] * extra
+        assert collect(late, extra, 5.0) == [busy] * extra
         assert server.waiting == MAX_WAITERS
 
         cpu = time.process_time()

@@ -169,11 +169,9 @@ def test_page_count_disagreement_fails_the_request() -> None:
         receiver = KVReceiver(s.decode[0], 55)
         receiver.init(request.decode_pages, chunk_pages=2)
         receiver.send_metadata()
-        deadline = time.monotonic() + 5
-        unknown = (KVPoll.Failed, "unknown room")
-        while s.prefill[0].status(55) == unknown and time.monotonic() < deadline:
-            time.sleep(0.005)  # until ROOM_META has reached the prefill
-        assert s.prefill[0].status(55) == (KVPoll.Bootstrapping, None)
+        # until ROOM_META has reached the prefill, which holds it aside (no room yet)
+        assert wait_for(lambda: s.prefill[0].early_meta_held == 1)
+        assert s.prefill[0].status(55) == (KVPoll.Failed, "unknown room")
         sender = KVSender(s.prefill[0], 55)
         sender.init(3, c.targets)
         assert sender.poll() is KVPoll.Failed

@@ -127,10 +127,20 @@ class CommonKVManager:
         self.unauthorized = 0
         """Messages from authenticated peers that an authoriser refused (dropped)."""
         self._closed = False
-        self.liveness = PeerLiveness(self.peers, self.listener.endpoint)
-        """Which peers are alive (``PING``/``PONG``; ticked by the staging idle hook)."""
+        self.liveness = PeerLiveness(
+            self.peers,
+            self.listener.endpoint,
+            identity=None if self.security is None else self.message_sender,
+        )
+        """Which peers are alive (``PING``/``PONG``, counted by the authenticated sender with a
+        secret; ticked by the staging idle hook)."""
         self.register_control(Ping.KIND, self.liveness.on_ping)
         self.register_control(Pong.KIND, self.liveness.on_pong)
+
+    def message_sender(self) -> str | None:
+        """The authenticated sender (its endpoint) of the message being dispatched; ``None``
+        without a secret. **Called by:** control handlers, on the listener thread."""
+        return self.listener.sender
 
     @property
     def endpoint(self) -> str:

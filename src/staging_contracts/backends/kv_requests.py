@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
@@ -97,6 +98,20 @@ class _Job:
     """When ``STAGING_REQ`` was last re-sent for it."""
 
 
+DEFAULT_EARLY_META_PER_PEER: Final = 256
+"""Most ``ROOM_META`` for rooms not opened yet that prefill holds per sender (decode rank, or
+everyone alike without a secret); past it the oldest of that sender's is dropped."""
+
+
+@dataclass(frozen=True, slots=True)
+class _EarlyMeta:
+    """A ``ROOM_META`` that came before its room was opened: held, not applied."""
+
+    meta: RoomMeta
+    sender: str | None
+    received: float
+
+
 WORKER_SLICE_S: Final = 0.01
 """The worker re-checks waiting chunks at least this often (and at once when decode answers,
 a watermark moves, a room is lost or a chunk is queued)."""
@@ -116,20 +131,51 @@ class PrefillTransfers:
     **Side:** prefill. **Thread-safety:** senders may be used from any thread; the listener
     thread delivers ``ROOM_META`` and ``ROOM_FAILED``.
 
+    **ROOM_META before the room is opened** (decode was quicker than this rank's
+    ``KVSender.init``) creates no room: it is held aside, at most ``early_meta_per_peer`` per
+    sender (the oldest of that sender's go first) and for ``meta_timeout_s``, and applied when
+    the room is opened, only if it came from the decode rank it names (with a secret, read from
+    the manager's ``message_sender()``, which ``CommonKVManager`` has; a host without it is
+    taken as unauthenticated); the others are dropped and counted in
+    :attr:`early_meta_dropped`. So nobody can pre-fail
+    another tenant's room, and a flood of them costs a bounded amount of memory.
+
     Args:
         manager: the prefill manager (its listener must route control messages).
         writer: the rank's staging writer.
-        meta_timeout_s: how long a chunk waits for decode's ``ROOM_META`` before the room fails.
+        meta_timeout_s: how long a chunk waits for decode's ``ROOM_META`` before the room
+            fails; also how long an early ``ROOM_META`` is held.
+        early_meta_per_peer: most early ``ROOM_META`` held per sender.
     """
 
     def __init__(
-        self, manager: ControlHost, writer: StagingWriter, *, meta_timeout_s: float = 30.0
+        self,
+        manager: ControlHost,
+        writer: StagingWriter,
+        *,
+        meta_timeout_s: float = 30.0,
+        early_meta_per_peer: int = DEFAULT_EARLY_META_PER_PEER,
     ) -> None:
         self._manager = manager
         self._writer = writer
         self._meta_timeout = meta_timeout_s
         self._cond = threading.Condition()
         self._rooms: dict[int, _SendState] = {}
+        self._early_cap = early_meta_per_peer
+        sender_of = getattr(manager, "message_sender", None)
+        self._sender_of: Callable[[], str | None] | None = (
+            sender_of if callable(sender_of) else None
+        )
+        self._early: dict[str | None, OrderedDict[tuple[int, int], _EarlyMeta]] = {}
+        """Sender -> its early ROOM_META by (room, decode rank), oldest first (lock held)."""
+        self._early_rooms: dict[int, set[tuple[str | None, int]]] = {}
+        """Room -> (sender, decode rank) of each early ROOM_META held for it (lock held)."""
+        self.early_meta_held = 0
+        """Early ``ROOM_META`` received (each held until applied at open, replaced by a copy
+        decode sent again, or dropped)."""
+        self.early_meta_dropped = 0
+        """Early ``ROOM_META`` dropped: evicted past the cap, expired, or (with a secret) not
+        from the decode rank it names once the room opened."""
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         manager.register_control(RoomMeta.KIND, self._on_room_meta)
         manager.register_control(RoomFailed.KIND, self._on_room_failed)
@@ -165,11 +211,14 @@ class PrefillTransfers:
             state = self._rooms.setdefault(room, _SendState(num_pages))
             state.decode = targets
             state.fed = fed
-            if state.num_pages != num_pages:  # decode's ROOM_META came first and disagrees
-                self._fail(
-                    room, state, f"decode expects {state.num_pages} pages, prefill {num_pages}"
-                )
-                return
+            for meta in self._take_early(room, targets):
+                state.chunk_pages = meta.chunk_pages
+                state.ready.add(meta.decode_rank)
+                if meta.num_pages != num_pages:  # decode's ROOM_META came first and disagrees
+                    self._fail(
+                        room, state, f"decode expects {meta.num_pages} pages, prefill {num_pages}"
+                    )
+                    return
             self._check_meta(state)
             prefetch = self._take_prefetch(state)
             self._cond.notify_all()
@@ -246,7 +295,11 @@ class PrefillTransfers:
             # A new opening's is sent again until it is heard, after open_room opened it.
             return
         with self._cond:
-            state = self._rooms.setdefault(meta.room, _SendState(meta.num_pages))
+            state = self._rooms.get(meta.room)
+            if state is None:
+                sender = None if self._sender_of is None else self._sender_of()
+                self._hold_early(meta, sender)
+                return
             state.chunk_pages = meta.chunk_pages
             state.ready.add(meta.decode_rank)
             if meta.num_pages != state.num_pages:
@@ -260,6 +313,68 @@ class PrefillTransfers:
             prefetch = self._take_prefetch(state)
             self._cond.notify_all()
         self._prefetch(meta.room, prefetch)
+
+    def _hold_early(self, meta: RoomMeta, sender: str | None) -> None:
+        """Hold a ROOM_META of a room not opened yet, within its sender's cap (lock held)."""
+        now = time.monotonic()
+        self._expire_early(now)
+        held = self._early.setdefault(sender, OrderedDict())
+        key = (meta.room, meta.decode_rank)
+        held.pop(key, None)  # a copy decode sent again replaces the one held (and its time)
+        held[key] = _EarlyMeta(meta, sender, now)
+        self._early_rooms.setdefault(meta.room, set()).add((sender, meta.decode_rank))
+        self.early_meta_held += 1
+        while len(held) > self._early_cap:
+            self._drop_oldest(sender, held)
+
+    def _drop_oldest(
+        self, sender: str | None, held: OrderedDict[tuple[int, int], _EarlyMeta]
+    ) -> None:
+        """Drop a sender's oldest early ROOM_META (lock held)."""
+        (room, rank), _ = held.popitem(last=False)
+        self.early_meta_dropped += 1
+        held_for_room = self._early_rooms.get(room)
+        if held_for_room is not None:
+            held_for_room.discard((sender, rank))
+            if not held_for_room:
+                del self._early_rooms[room]
+
+    def _expire_early(self, now: float) -> None:
+        """Drop the early ROOM_META held longer than ``meta_timeout_s`` (lock held)."""
+        for sender, held in list(self._early.items()):
+            while held:
+                oldest = next(iter(held.values()))
+                if now - oldest.received <= self._meta_timeout:
+                    break
+                self._drop_oldest(sender, held)
+            if not held:
+                del self._early[sender]
+
+    def _take_early(self, room: int, targets: Sequence[DecodeTarget]) -> list[RoomMeta]:
+        """The held ROOM_META of a room being opened, each from the decode rank it names
+        (with a secret; without one, whoever sent it); the rest of the room's are dropped
+        (lock held)."""
+        self._expire_early(time.monotonic())
+        taken: list[RoomMeta] = []
+        for sender, rank in self._early_rooms.pop(room, set()):
+            held = self._early.get(sender)
+            early = None if held is None else held.pop((room, rank), None)
+            if held is not None and not held:
+                del self._early[sender]
+            if early is None:
+                continue
+            named = targets[rank].endpoint if rank < len(targets) else None
+            if sender is None or sender == named:
+                taken.append(early.meta)
+                continue
+            self.early_meta_dropped += 1
+            logger.warning(
+                "room %d: early ROOM_META naming decode rank %d came from %s: dropped",
+                room,
+                rank,
+                sender,
+            )
+        return taken
 
     @staticmethod
     def _check_meta(state: _SendState) -> None:

@@ -20,7 +20,13 @@ from ..control.room_messages import RoomFence, RoomFenced
 from ..control.security import ControlSecurity
 from ..control.transport import LogThrottle, PeerSockets
 from ..control.wire import MalformedMessage
-from ..decode.handler import DecodeStagingHandler
+from ..decode.handler import (
+    DEFAULT_FENCE_TIMEOUT_S,
+    DEFAULT_MAX_ROOMS_PER_PEER,
+    DEFAULT_ROOM_TIMEOUT_S,
+    DEFAULT_STALL_TIMEOUT_S,
+    DecodeStagingHandler,
+)
 from ..prefill.books import RegionAnswerTable, WatermarkTracker
 from ..prefill.writer import ArrivalMode, PrefillTimeouts, StagingWriter
 from ..protocols import (
@@ -98,20 +104,27 @@ def enable_decode_staging(
     kv_buffers: KVBufferTensors,
     ring_bytes: int,
     scatter_stream: torch.cuda.Stream | None = None,
-    stall_timeout_s: float = 30.0,
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     ring_share: float = 1.0,
-    room_timeout_s: float = 30.0,
+    room_timeout_s: float = DEFAULT_ROOM_TIMEOUT_S,
     integrity: bool | None = None,
+    fence_timeout_s: float = DEFAULT_FENCE_TIMEOUT_S,
+    max_rooms_per_peer: int = DEFAULT_MAX_ROOMS_PER_PEER,
 ) -> DecodeStagingHandler:
     """Give a decode backend its staging ring, context and handler.
 
     The ring (one ``uint8`` tensor on ``kv_args.device``) is registered with the engine once.
     ``ring_share`` caps the share of the ring one prefill instance may hold at once (see
     :class:`~staging_contracts.decode.handler.DecodeStagingHandler`; 1.0, no cap, by default).
-    ``stall_timeout_s`` and ``room_timeout_s`` bound a room without progress, with and without
-    a ring region (see the handler). ``integrity`` checks the staged bytes against their tags
-    (``None``: ``STAGING_CONTRACTS_INTEGRITY``, else off); with the cluster secret, arrivals
-    need a valid MAC (the others are dropped and counted in the manager's ``unauthorized``).
+    ``stall_timeout_s`` (10 s) and ``room_timeout_s`` (30 s) bound a room without progress,
+    with and without a ring region (see the handler). ``integrity`` checks the staged bytes
+    against their tags (``None``: ``STAGING_CONTRACTS_INTEGRITY``, else off); with the cluster
+    secret, arrivals need a valid MAC (the others are dropped and counted in the manager's
+    ``unauthorized``).
+    A room that leaves a writable region unwritten for ``stall_timeout_s`` has its regions
+    taken back, and ``fence_timeout_s`` (10 s) frees a fence that live writers left unanswered
+    that long (the handler's **A fair ring**).
+    ``max_rooms_per_peer`` (1024) caps the rooms registered at once for one prefill instance.
 
     **Side:** decode. **Called by:** the backend's constructor or the scheduler, before the
     listener starts.
@@ -136,6 +149,8 @@ def enable_decode_staging(
         stall_timeout_s=stall_timeout_s,
         room_timeout_s=room_timeout_s,
         ring_share=ring_share,
+        fence_timeout_s=fence_timeout_s,
+        max_rooms_per_peer=max_rooms_per_peer,
         endpoint=backend.endpoint,
         liveness=backend.liveness,
         integrity=integrity,

@@ -15,9 +15,13 @@ request, and its log lines about bad requests are rate-limited. A frame over
 Waiting is done by the server: :func:`query_ranks` and :func:`wait_barrier` send one request
 with ``wait_s``, which the server answers as soon as it is satisfied (or when ``wait_s`` ran
 out), so no rank polls with a new connection every few milliseconds, taking CPU from the
-ranks still transferring. At most :data:`MAX_WAITERS` requests are held at once; they are
-re-checked only after a registration or an arrival changed something, with a count
-comparison each, and their deadlines sit in a heap.
+ranks still transferring. At most :data:`MAX_WAITERS` requests are held at once, and at most
+:data:`MAX_WAITERS_PER_PEER` of one peer address (so one process cannot take every slot from
+the ranks of other hosts); they are re-checked only after a registration or an arrival changed
+something, with a count comparison each, and their deadlines sit in a heap. A request refused
+for want of a slot is answered ``busy``, and :func:`query_ranks` and :func:`wait_barrier` try
+again with a bounded backoff (:data:`RETRY_FIRST_S` doubling up to :data:`RETRY_MAX_S`) until
+their own timeout.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import itertools
 import json
 import logging
 import math
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -53,7 +58,11 @@ __all__ = [
     "MAX_RANKS",
     "MAX_REQUEST_BYTES",
     "MAX_WAITERS",
+    "MAX_WAITERS_PER_PEER",
     "MAX_WAIT_S",
+    "RETRY_FIRST_S",
+    "RETRY_MAX_S",
+    "BootstrapBusy",
     "BootstrapError",
     "BootstrapServer",
     "RankInfo",
@@ -77,7 +86,15 @@ MAX_WAIT_S: Final = 300.0
 """Longest ``wait_s`` the server holds a request for."""
 MAX_WAITERS: Final = 1024
 """Most requests the server holds at once (a cluster holds at most one per rank). Past it, a
-request that would wait gets an error answer at once, and the client may retry."""
+request that would wait gets a ``busy`` answer at once, and the client retries."""
+MAX_WAITERS_PER_PEER: Final = 256
+"""Most requests held at once for one peer address (ZMQ's ``Peer-Address``, the sender's IP):
+a quarter of :data:`MAX_WAITERS`, so that one host (one local process, without a secret)
+cannot hold every slot; ranks of one host hold one each."""
+RETRY_FIRST_S: Final = 0.05
+"""First pause of a client before it asks again after a ``busy`` answer."""
+RETRY_MAX_S: Final = 2.0
+"""Longest pause between two tries (the pause doubles from :data:`RETRY_FIRST_S`)."""
 MAX_RANKS: Final = 1 << 16
 """Bound (exclusive) on a rank's ``tp_rank``; also on a query's ``count`` and a barrier's
 ``wait_for`` (inclusive)."""
@@ -104,6 +121,10 @@ _MAX_ERROR_CHARS: Final = 200
 
 class BootstrapError(RuntimeError):
     """The bootstrap server did not answer, or refused a request."""
+
+
+class BootstrapBusy(BootstrapError):
+    """The bootstrap server could not hold the request now (no waiter slot): ask again."""
 
 
 def _show(value: object) -> str:
@@ -315,6 +336,8 @@ class _Waiter:
     identity: bytes
     request: _Request
     deadline: float
+    peer: str = ""
+    """The sender's address (its share of the slots)."""
 
 
 def _error(text: str) -> dict[str, Any]:
@@ -334,6 +357,14 @@ class BootstrapServer:
         host: address to bind (loopback by default).
         log_burst: log lines per interval about bad requests (then a summary).
         log_interval_s: the interval of that rate limit.
+        secret: the cluster secret; :data:`FROM_ENV` (the default) reads it from the
+            environment, ``None`` runs unauthenticated.
+        allow_insecure: bind a non-loopback ``host`` even without a secret.
+        max_waiters: most requests held at once.
+        max_waiters_per_peer: most requests held at once for one peer address.
+
+    Raises:
+        ValueError: a bound on waiters is below 1.
     """
 
     def __init__(
@@ -344,7 +375,20 @@ class BootstrapServer:
         log_interval_s: float = LOG_INTERVAL_S,
         secret: bytes | str | None = FROM_ENV,
         allow_insecure: bool = False,
+        max_waiters: int = MAX_WAITERS,
+        max_waiters_per_peer: int = MAX_WAITERS_PER_PEER,
     ) -> None:
+        if max_waiters < 1 or max_waiters_per_peer < 1:
+            raise ValueError(
+                f"max_waiters={max_waiters} and max_waiters_per_peer={max_waiters_per_peer} "
+                "must be >= 1"
+            )
+        self.max_waiters = max_waiters
+        """Most requests held at once."""
+        self.max_waiters_per_peer = max_waiters_per_peer
+        """Most requests held at once for one peer address."""
+        self._per_peer: dict[str, int] = {}
+        """Peer address -> requests of it held now."""
         cluster_secret = resolve_secret(secret)
         if cluster_secret is None:
             check_insecure_bind(host, allow_insecure=allow_insecure)
@@ -421,7 +465,7 @@ class BootstrapServer:
 
     @property
     def waiting(self) -> int:
-        """Requests held now (at most :data:`MAX_WAITERS`)."""
+        """Requests held now (at most ``max_waiters``)."""
         return len(self._waiters)
 
     def infos(self, role: str) -> list[RankInfo]:
@@ -460,21 +504,21 @@ class BootstrapServer:
     def _serve_batch(self) -> None:
         for _ in range(_SERVE_BATCH):
             try:
-                frames, extra, _ = recv_frames(
-                    self._socket, max_frames=_ENVELOPE_FRAMES, flags=zmq.NOBLOCK
+                frames, extra, _, peer = recv_frames(
+                    self._socket, max_frames=_ENVELOPE_FRAMES, flags=zmq.NOBLOCK, peer_address=True
                 )
             except zmq.Again:
                 return
             identity = frames[0]
             try:
-                self._serve(frames, extra)
+                self._serve(frames, extra, peer or "")
             except Exception:  # a bug: answer it, log it, keep serving
                 self.requests_refused += 1
                 if self._failed_log.admit():
                     logger.exception("bootstrap: request failed; the server keeps serving")
                 self._reply(identity, _error("internal error in the bootstrap server"))
 
-    def _serve(self, frames: list[bytes], extra: int) -> None:
+    def _serve(self, frames: list[bytes], extra: int, peer: str = "") -> None:
         identity = frames[0]
         self.requests_served += 1
         if extra or len(frames) != _ENVELOPE_FRAMES or frames[1]:
@@ -492,22 +536,43 @@ class BootstrapServer:
             return
         self._apply(request)
         if request.wait_s > 0 and not self._satisfied(request):
-            if len(self._waiters) >= MAX_WAITERS:
-                self._refuse(
-                    identity,
-                    f"server busy: {MAX_WAITERS} requests already wait (MAX_WAITERS); retry later",
-                )
+            busy = self._busy(peer)
+            if busy is not None:
+                self._refuse(identity, busy, busy=True)
                 return
             sequence = next(self._sequence)
             deadline = time.monotonic() + request.wait_s
-            self._waiters[sequence] = _Waiter(identity, request, deadline)
+            self._waiters[sequence] = _Waiter(identity, request, deadline, peer)
+            self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
             heapq.heappush(self._deadlines, (deadline, sequence))
         else:
             self._reply(identity, self._answer(request))
 
-    def _refuse(self, identity: bytes, why: str) -> None:
+    def _busy(self, peer: str) -> str | None:
+        """Why a request of ``peer`` cannot be held now (``None``: it can)."""
+        if len(self._waiters) >= self.max_waiters:
+            return f"server busy: {self.max_waiters} requests already wait; retry later"
+        held = self._per_peer.get(peer, 0)
+        if held >= self.max_waiters_per_peer:
+            return (
+                f"server busy: {held} requests of {peer or 'this peer'} already wait "
+                f"(max_waiters_per_peer); retry later"
+            )
+        return None
+
+    def _release(self, waiter: _Waiter) -> None:
+        """A held request is answered: its slot returns to its peer."""
+        left = self._per_peer.get(waiter.peer, 1) - 1
+        if left > 0:
+            self._per_peer[waiter.peer] = left
+        else:
+            self._per_peer.pop(waiter.peer, None)
+
+    def _refuse(self, identity: bytes, why: str, *, busy: bool = False) -> None:
         self.requests_refused += 1
         answer = _error(why)
+        if busy:
+            answer["busy"] = True
         if self._rejected_log.admit():
             logger.warning("bootstrap request rejected: %s", answer["error"])
         self._reply(identity, answer)
@@ -575,6 +640,7 @@ class BootstrapServer:
             heapq.heapify(self._deadlines)
 
     def _reply_waiter(self, waiter: _Waiter, bodies: dict[tuple[str, str, int], bytes]) -> None:
+        self._release(waiter)
         request = waiter.request
         key = (request.op, request.key, request.want)
         body = bodies.get(key)
@@ -589,6 +655,7 @@ class BootstrapServer:
             self._send(waiter.identity, body)
         self._waiters.clear()
         self._deadlines.clear()
+        self._per_peer.clear()
 
     def _encode(self, answer: dict[str, Any]) -> bytes:
         body = json.dumps(answer).encode()
@@ -630,9 +697,29 @@ def _request(endpoint: str, doc: dict[str, Any], timeout: float) -> dict[str, An
         answer = json.loads(raw)
     except ValueError:
         raise BootstrapError(f"bootstrap server {endpoint} sent a malformed answer") from None
+    if isinstance(answer, dict) and answer.get("busy") is True:
+        raise BootstrapBusy(f"bootstrap server refused: {answer}")
     if not isinstance(answer, dict) or not answer.get("ok"):
         raise BootstrapError(f"bootstrap server refused: {answer}")
     return answer
+
+
+def _retrying(
+    endpoint: str, doc: dict[str, Any], deadline: float, pause: list[float]
+) -> dict[str, Any] | None:
+    """``_request`` with the time left; ``None`` after a ``busy`` answer, once the client
+    paused (``pause[0]``, doubled each time up to :data:`RETRY_MAX_S`, never past
+    ``deadline``)."""
+    try:
+        return _request(endpoint, doc, _request_timeout(deadline))
+    except BootstrapBusy:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise
+        # A little jitter, so that ranks refused together do not all come back together.
+        time.sleep(min(left, pause[0] * random.uniform(0.5, 1.0)))
+        pause[0] = min(pause[0] * 2, RETRY_MAX_S)
+        return None
 
 
 def register_rank(
@@ -653,18 +740,26 @@ def register_rank(
 def query_ranks(endpoint: str, role: str, count: int, timeout: float = 60.0) -> list[RankInfo]:
     """Wait until ``count`` ranks of ``role`` have registered; return them by rank.
 
+    A ``busy`` answer (the server holds as many requests as it may) is retried with a bounded
+    backoff until ``timeout``.
+
     Raises:
-        BootstrapError: they did not all register within ``timeout``.
+        BootstrapError: they did not all register within ``timeout`` (:class:`BootstrapBusy`
+            if the server was still busy then).
     """
     deadline = time.monotonic() + timeout
+    pause = [RETRY_FIRST_S]
     while True:
         request = {"op": "query", "role": role, "count": count, "wait_s": _wait_s(deadline)}
-        answer = _request(endpoint, request, _request_timeout(deadline))
+        answer = _retrying(endpoint, request, deadline, pause)
+        if answer is None:
+            continue
         infos = answer.get("infos")
         if isinstance(infos, list):
             return [RankInfo.from_json(doc) for doc in infos]
         if time.monotonic() >= deadline:
-            raise BootstrapError(f"{count} {role} ranks did not register within {timeout}s")
+            busy = " (the server was busy: no waiter slot)" if pause[0] > RETRY_FIRST_S else ""
+            raise BootstrapError(f"{count} {role} ranks did not register within {timeout}s{busy}")
 
 
 def arrive(endpoint: str, barrier: str, party: str, timeout: float = 10.0) -> None:
@@ -679,10 +774,14 @@ def arrive(endpoint: str, barrier: str, party: str, timeout: float = 10.0) -> No
 def wait_barrier(endpoint: str, barrier: str, count: int, timeout: float = 60.0) -> None:
     """Block until ``count`` parties reached ``barrier``.
 
+    A ``busy`` answer is retried with a bounded backoff until ``timeout``.
+
     Raises:
-        BootstrapError: they did not within ``timeout``.
+        BootstrapError: they did not within ``timeout`` (:class:`BootstrapBusy` if the server
+            was still busy then).
     """
     deadline = time.monotonic() + timeout
+    pause = [RETRY_FIRST_S]
     while True:
         request = {
             "op": "count",
@@ -690,11 +789,16 @@ def wait_barrier(endpoint: str, barrier: str, count: int, timeout: float = 60.0)
             "wait_for": count,
             "wait_s": _wait_s(deadline),
         }
-        answer = _request(endpoint, request, _request_timeout(deadline))
+        answer = _retrying(endpoint, request, deadline, pause)
+        if answer is None:
+            continue
         if int(answer.get("count", 0)) >= count:
             return
         if time.monotonic() >= deadline:
-            raise BootstrapError(f"barrier {barrier!r} did not reach {count} within {timeout}s")
+            busy = " (the server was busy: no waiter slot)" if pause[0] > RETRY_FIRST_S else ""
+            raise BootstrapError(
+                f"barrier {barrier!r} did not reach {count} within {timeout}s{busy}"
+            )
 
 
 def _wait_s(deadline: float) -> float:

@@ -207,7 +207,7 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
 
 _REASON_GROUPS: Final = (
     ("peer dead", ("is dead",)),
-    ("stalled", ("no progress for",)),
+    ("stalled", ("no progress for", "taken back with room")),
     ("no ROOM_META", ("never sent room_meta",)),
     ("prefill deadline", ("before the deadline", "never became writable", "without progress")),
     ("engine error", ("engine write failed",)),

@@ -16,6 +16,16 @@ its silence (their chunk deadlines still bound every wait).
 A peer heard from again after being declared dead is alive again (a new process on the same
 endpoint); the rooms already failed stay failed.
 
+**Liveness by identity.** With the cluster secret, every message carries its sender's
+authenticated identity (the endpoint its CURVE key was published with, see
+:attr:`~.transport.Listener.sender`), given as ``identity``: a ``PING`` or ``PONG`` then counts
+for that sender only, and a ``PING`` is answered at that sender's endpoint. The endpoint a
+``PING`` (``reply_to``) or ``PONG`` names is not trusted: one that names another peer is counted
+in :attr:`PeerLiveness.forged` and credits nobody but its real sender, so no authenticated peer
+can keep a dead one "alive". Without a secret (loopback only, unauthenticated) the named
+endpoint is all there is; the sockets such names open are bounded by
+:class:`~.transport.PeerSockets`.
+
 **Threads:** ``tick`` runs on the listener thread (its idle hook); ``watch``, ``unwatch``,
 ``heard`` and ``is_dead`` from any thread.
 """
@@ -51,6 +61,10 @@ class PeerLiveness:
         timeout_s: seconds of silence after which a watched peer is dead; must exceed
             ``interval_s``.
         clock: monotonic clock (tests pass a fake one).
+        identity: the authenticated sender of the message being dispatched (called on the
+            listener thread, during ``on_ping``/``on_pong``; ``None`` from it: unknown, the
+            message is dropped and counted in :attr:`forged`). ``None`` (no secret): the
+            endpoint the message names is taken as its sender.
 
     Raises:
         ValueError: ``interval_s`` is not positive or ``timeout_s`` does not exceed it.
@@ -64,6 +78,7 @@ class PeerLiveness:
         interval_s: float = DEFAULT_PEER_INTERVAL_S,
         timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        identity: Callable[[], str | None] | None = None,
     ) -> None:
         if not interval_s > 0 or not timeout_s > interval_s:
             raise ValueError(
@@ -82,6 +97,10 @@ class PeerLiveness:
         self._dead: set[str] = set()
         self._last_ping = float("-inf")
         self._subscribers: list[Callable[[str], None]] = []
+        self._identity = identity
+        self.forged = 0
+        """``PING``/``PONG`` (with ``identity``) whose named endpoint is not their sender's,
+        or whose sender is unknown: they count for no one but their real sender."""
 
     def subscribe(self, on_dead: Callable[[str], None]) -> None:
         """Call ``on_dead(endpoint)`` (on the listener thread) when a watched peer dies."""
@@ -125,14 +144,35 @@ class PeerLiveness:
             return frozenset(self._watchers)
 
     def on_ping(self, frames: list[bytes]) -> None:
-        """Answer a ``PING`` (listener thread). Raises ``MalformedMessage`` on bad frames."""
+        """Answer a ``PING`` (listener thread). Raises ``MalformedMessage`` on bad frames.
+
+        With ``identity``, the answer goes to the authenticated sender, whatever
+        ``reply_to`` says."""
         ping = Ping.from_frames(frames)
-        self.heard(ping.reply_to)
-        self._sender.send(ping.reply_to, Pong(self.endpoint).to_frames())
+        sender = self._speaker(ping.reply_to)
+        if sender is not None:
+            self.heard(sender)
+            self._sender.send(sender, Pong(self.endpoint).to_frames())
 
     def on_pong(self, frames: list[bytes]) -> None:
-        """Note a ``PONG`` (listener thread). Raises ``MalformedMessage`` on bad frames."""
-        self.heard(Pong.from_frames(frames).endpoint)
+        """Note a ``PONG`` (listener thread). Raises ``MalformedMessage`` on bad frames.
+
+        With ``identity``, it counts for the authenticated sender only."""
+        sender = self._speaker(Pong.from_frames(frames).endpoint)
+        if sender is not None:
+            self.heard(sender)
+
+    def _speaker(self, named: str) -> str | None:
+        """Who a ``PING``/``PONG`` naming ``named`` speaks for: its authenticated sender
+        (with ``identity``), else ``named``; ``None`` when the sender is unknown."""
+        if self._identity is None:
+            return named
+        sender = self._identity()
+        if sender != named:
+            with self._lock:
+                self.forged += 1
+            logger.debug("liveness message naming %s came from %s", named, sender)
+        return sender
 
     def tick(self) -> list[str]:
         """Ping the watched peers when due; declare the silent ones dead and tell subscribers.

@@ -1,12 +1,14 @@
 """ZMQ plumbing for the control plane: peer sockets that never block, and a listener thread.
 
 One ZMQ context per process (``zmq.Context.instance()``); one PUSH socket per peer endpoint,
-created on first use; one PULL socket per listener, bound to loopback by default. A listener
-thread drains its socket in bounded batches and hands each multipart message to a dispatch
-function; between batches it runs its idle work, so a flood of messages delays that work by
-at most :data:`IDLE_INTERVAL_S`. Bad input (:class:`~.wire.MalformedMessage`) is counted and
-logged and the thread keeps serving, and so is any other exception a dispatch raises; the
-logging is rate-limited (:class:`LogThrottle`), the counts are exact (:class:`ListenerStats`).
+created on first use, at most :data:`DEFAULT_MAX_PEER_SOCKETS` of them (the least recently
+used is closed past that, and any unused for :data:`DEFAULT_PEER_IDLE_S` is reaped); one PULL
+socket per listener, bound to loopback by default. A listener thread drains its socket in
+bounded batches and hands each multipart message to a dispatch function; between batches it
+runs its idle work, so a flood of messages delays that work by at most
+:data:`IDLE_INTERVAL_S`. Bad input (:class:`~.wire.MalformedMessage`) is counted and logged and
+the thread keeps serving, and so is any other exception a dispatch raises; the logging is
+rate-limited (:class:`LogThrottle`), the counts are exact (:class:`ListenerStats`).
 
 Size limits hold before any byte reaches Python: a listener's socket sets ``ZMQ_MAXMSGSIZE``
 (:data:`MAX_FRAME_BYTES`), so ZMQ drops a larger frame, and the connection that sent it, while
@@ -20,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, NamedTuple
@@ -32,6 +35,8 @@ if TYPE_CHECKING:
     from .security import ControlSecurity
 
 __all__ = [
+    "DEFAULT_MAX_PEER_SOCKETS",
+    "DEFAULT_PEER_IDLE_S",
     "DEFAULT_SEND_HWM",
     "DRAIN_BATCH",
     "IDLE_INTERVAL_S",
@@ -52,6 +57,15 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SEND_HWM: Final = 4096
 """Messages queued per peer before sends to it are dropped (a dead or stalled peer)."""
+
+DEFAULT_MAX_PEER_SOCKETS: Final = 512
+"""Most sockets a :class:`PeerSockets` keeps open at once; past it, the least recently used one
+is closed (a later send to it reconnects). Well under ZMQ's default of 1023 sockets per context,
+so that endpoints named by messages (a ``PING``'s ``reply_to`` without a secret) can never use
+the context up; a rank talks to far fewer peers."""
+
+DEFAULT_PEER_IDLE_S: Final = 60.0
+"""A socket not used for this long is closed (reaped) at the next send to any peer."""
 
 MAX_FRAME_BYTES: Final = 2 * MAX_MESSAGE_BYTES
 """Largest frame a listener's socket accepts (``ZMQ_MAXMSGSIZE``), 8 KiB: the codec's limit on
@@ -178,10 +192,17 @@ class Received(NamedTuple):
     """How many more frames it had (0 for a message within the bound)."""
     user_id: str | None = None
     """The ``User-Id`` ZMQ gave it (CURVE: the sender's public key), when asked for."""
+    peer: str | None = None
+    """The sender's IP address (ZMQ's ``Peer-Address``), when asked for."""
 
 
 def recv_frames(
-    sock: zmq.Socket[bytes], *, max_frames: int = MAX_FRAMES, flags: int = 0, user_id: bool = False
+    sock: zmq.Socket[bytes],
+    *,
+    max_frames: int = MAX_FRAMES,
+    flags: int = 0,
+    user_id: bool = False,
+    peer_address: bool = False,
 ) -> Received:
     """Receive one multipart message, keeping at most ``max_frames`` of its frames.
 
@@ -193,20 +214,25 @@ def recv_frames(
             received as ZMQ frames (no copy into Python) and dropped.
         flags: for the first frame (e.g. ``zmq.NOBLOCK``); the rest are already there.
         user_id: also read the message's ``User-Id`` property (set by ZAP authentication).
+        peer_address: also read the message's ``Peer-Address`` property (the sender's IP).
 
     Returns:
         The first ``max_frames`` frames, how many more the message had (0 for a message
-        within the bound), and its ``User-Id`` when asked for.
+        within the bound), its ``User-Id`` and its sender's address when asked for.
 
     Raises:
         zmq.Again: with ``zmq.NOBLOCK``, no message was waiting.
     """
-    user = None
-    if user_id:
+    user = peer = None
+    if user_id or peer_address:
         first = sock.recv(flags, copy=False)
         frames = [first.bytes]
-        value = first.get("User-Id")
-        user = value if isinstance(value, str) and value else None
+        if user_id:
+            value = first.get("User-Id")
+            user = value if isinstance(value, str) and value else None
+        if peer_address:
+            value = first.get("Peer-Address")
+            peer = value if isinstance(value, str) and value else None
     else:
         frames = [sock.recv(flags)]
     while sock.getsockopt(zmq.RCVMORE):
@@ -217,8 +243,28 @@ def recv_frames(
         while sock.getsockopt(zmq.RCVMORE):
             sock.recv(copy=False)
             dropped += 1
-        return Received(frames, dropped, user)
-    return Received(frames, 0, user)
+        return Received(frames, dropped, user, peer)
+    return Received(frames, 0, user, peer)
+
+
+class _PeerSocket:
+    """One peer's socket, its lock and when it was last used."""
+
+    __slots__ = ("closed", "lock", "sock", "used")
+
+    def __init__(self, sock: zmq.Socket[bytes], used: float) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.used = used
+        self.closed = False
+        """Set (under ``lock``) once evicted, reaped or forgotten: a sender that took the
+        entry just before must open a new one."""
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.sock.close(linger=0)
+        _opened(-1)
 
 
 class PeerSockets:
@@ -228,6 +274,13 @@ class PeerSockets:
     **Blocking:** never: a send to a peer whose queue is full (dead, stalled, not yet
     reachable beyond ``hwm`` messages) is dropped and counted, and ``send`` returns ``False``.
 
+    **Bounded.** At most ``max_sockets`` sockets are open at once: opening one more closes the
+    least recently used (counted in :attr:`evicted`; what it still queued is dropped, and a later
+    send to that peer reconnects). A socket not used for ``idle_s`` is closed by a later send
+    to any peer (they are looked for every ``idle_s / 4``, so within ``1.25 * idle_s``). So
+    endpoints that arrive in messages (without a secret, anyone on the machine can name any)
+    cost at most ``max_sockets`` sockets, never ZMQ's whole context.
+
     With ``security``, every socket is a CURVE client of its peer, with the peer's key from
     the security's directory; a message to a peer whose key is unknown is never sent in the
     clear: it is dropped, counted in ``untrusted`` and logged once per peer.
@@ -236,6 +289,12 @@ class PeerSockets:
         hwm: messages queued per peer before further sends to it are dropped.
         context: the ZMQ context (default: the process-wide instance).
         security: this participant's CURVE keys and trusted peers (``None``: plain TCP).
+        max_sockets: most sockets open at once (>= 1).
+        idle_s: a socket unused for this long is reaped (> 0).
+        clock: monotonic clock (tests pass a fake one).
+
+    Raises:
+        ValueError: ``max_sockets < 1`` or ``idle_s <= 0``.
     """
 
     def __init__(
@@ -244,36 +303,90 @@ class PeerSockets:
         hwm: int = DEFAULT_SEND_HWM,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         security: ControlSecurity | None = None,
+        max_sockets: int = DEFAULT_MAX_PEER_SOCKETS,
+        idle_s: float = DEFAULT_PEER_IDLE_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if max_sockets < 1 or not idle_s > 0:
+            raise ValueError(f"max_sockets={max_sockets} must be >= 1 and idle_s={idle_s} > 0")
         self._context = context or zmq.Context.instance()
         self._hwm = hwm
         self._lock = threading.Lock()
-        self._sockets: dict[str, tuple[zmq.Socket[bytes], threading.Lock]] = {}
+        self._sockets: OrderedDict[str, _PeerSocket] = OrderedDict()
+        """Endpoint -> its socket, least recently used first."""
         self._closed = False
         self._dropping: set[str] = set()
         self._security = security
+        self.max_sockets = max_sockets
+        """Most sockets open at once."""
+        self.idle_s = idle_s
+        """Seconds unused after which a socket is reaped."""
+        self._clock = clock
+        self._next_reap = float("-inf")
+        """When idle sockets are looked for next (at most every ``idle_s / 4``)."""
         self.dropped = 0
         """Messages dropped because a peer's queue was full."""
         self.untrusted = 0
         """Messages not sent because the peer's CURVE key is unknown (with ``security``)."""
+        self.evicted = 0
+        """Sockets closed to stay within ``max_sockets`` (least recently used first)."""
+        self.reaped = 0
+        """Sockets closed for being unused for ``idle_s``."""
+        self.peak = 0
+        """The most sockets open at once so far (at most ``max_sockets``)."""
 
-    def _socket(self, endpoint: str) -> tuple[zmq.Socket[bytes], threading.Lock] | None:
+    @property
+    def open_count(self) -> int:
+        """Sockets open now."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError("PeerSockets is closed")
-            entry = self._sockets.get(endpoint)
-            if entry is None:
+            return len(self._sockets)
+
+    def _socket(self, endpoint: str) -> _PeerSocket | None:
+        closing: list[_PeerSocket] = []
+        try:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("PeerSockets is closed")
+                now = self._clock()
+                if now >= self._next_reap:
+                    self._next_reap = now + self.idle_s / 4
+                    self._reap(now, closing)
+                entry = self._sockets.get(endpoint)
+                if entry is not None:
+                    entry.used = now
+                    self._sockets.move_to_end(endpoint)
+                    return entry
                 sock = self._context.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, self._hwm)
                 if self._security is not None and not self._security.connect(sock, endpoint):
                     sock.close(linger=0)
                     return None
+                while len(self._sockets) >= self.max_sockets:
+                    old, victim = self._sockets.popitem(last=False)
+                    self._dropping.discard(old)
+                    closing.append(victim)
+                    self.evicted += 1
                 sock.connect(endpoint)
                 _opened(+1)
-                entry = (sock, threading.Lock())
-                self._sockets[endpoint] = entry
-            return entry
+                entry = self._sockets[endpoint] = _PeerSocket(sock, now)
+                self.peak = max(self.peak, len(self._sockets))
+                return entry
+        finally:
+            for victim in closing:
+                victim.close()
+
+    def _reap(self, now: float, closing: list[_PeerSocket]) -> None:
+        """Take out the sockets unused for ``idle_s`` (lock held; closed by the caller)."""
+        sockets = self._sockets
+        while sockets:
+            endpoint, oldest = next(iter(sockets.items()))
+            if now - oldest.used < self.idle_s:
+                return
+            del sockets[endpoint]
+            self._dropping.discard(endpoint)
+            closing.append(oldest)
+            self.reaped += 1
 
     def send(self, endpoint: str, frames: Sequence[bytes]) -> bool:
         """Queue one multipart message for ``endpoint``; ``False`` if it was dropped.
@@ -282,52 +395,58 @@ class PeerSockets:
             RuntimeError: after :meth:`close`.
         """
         entry = self._socket(endpoint)
-        if entry is None:
-            self.untrusted += 1
+        if entry is not None:
+            with entry.lock:
+                if not entry.closed:
+                    return self._send_on(entry.sock, endpoint, frames)
+            entry = self._socket(endpoint)  # closed under us (evicted, reaped): reopen once
+            if entry is not None:
+                with entry.lock:
+                    return not entry.closed and self._send_on(entry.sock, endpoint, frames)
+        self.untrusted += 1
+        if endpoint not in self._dropping and len(self._dropping) < self.max_sockets:
+            self._dropping.add(endpoint)
+            logger.warning("no CURVE key known for peer %s: not sending to it", endpoint)
+        return False
+
+    def _send_on(self, sock: zmq.Socket[bytes], endpoint: str, frames: Sequence[bytes]) -> bool:
+        """Send on a peer's socket (its lock held)."""
+        try:
+            # Frame by frame with plain int flags: pyzmq's send_multipart builds Frame
+            # objects and combines enum flags per frame, several times the cost for the
+            # small control messages. ZMQ refuses a multipart message at its first frame
+            # or not at all, so a full queue never leaves half a message behind.
+            last = len(frames) - 1
+            for index, frame in enumerate(frames):
+                sock.send(frame, _NOBLOCK_MORE if index < last else _NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
             if endpoint not in self._dropping:
                 self._dropping.add(endpoint)
-                logger.warning("no CURVE key known for peer %s: not sending to it", endpoint)
+                logger.warning("peer %s is not keeping up: dropping its messages", endpoint)
             return False
-        sock, lock = entry
-        with lock:
-            try:
-                # Frame by frame with plain int flags: pyzmq's send_multipart builds Frame
-                # objects and combines enum flags per frame, several times the cost for the
-                # small control messages. ZMQ refuses a multipart message at its first frame
-                # or not at all, so a full queue never leaves half a message behind.
-                last = len(frames) - 1
-                for index, frame in enumerate(frames):
-                    sock.send(frame, _NOBLOCK_MORE if index < last else _NOBLOCK)
-            except zmq.Again:
-                self.dropped += 1
-                if endpoint not in self._dropping:
-                    self._dropping.add(endpoint)
-                    logger.warning("peer %s is not keeping up: dropping its messages", endpoint)
-                return False
-            if endpoint in self._dropping:
-                self._dropping.discard(endpoint)
-                logger.info("peer %s takes messages again", endpoint)
+        if endpoint in self._dropping:
+            self._dropping.discard(endpoint)
+            logger.info("peer %s takes messages again", endpoint)
         return True
 
     def forget(self, endpoint: str) -> None:
         """Close the socket to one peer (e.g. a failed one); a later send reconnects."""
         with self._lock:
             entry = self._sockets.pop(endpoint, None)
+            self._dropping.discard(endpoint)
         if entry is not None:
-            with entry[1]:
-                entry[0].close(linger=0)
-            _opened(-1)
+            entry.close()
 
     def close(self) -> None:
         """Close every socket; safe to call twice."""
         with self._lock:
             entries = list(self._sockets.values())
             self._sockets.clear()
+            self._dropping.clear()
             self._closed = True
-        for sock, lock in entries:
-            with lock:
-                sock.close(linger=0)
-            _opened(-1)
+        for entry in entries:
+            entry.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -522,7 +641,7 @@ class Listener:
             if self._stop.is_set():
                 return
             try:
-                frames, dropped, user = recv_frames(
+                frames, dropped, user, _ = recv_frames(
                     self._socket,
                     max_frames=self._max_frames,
                     flags=_NOBLOCK,

@@ -23,6 +23,14 @@ ring round; a stale one is dropped). Once a region is complete and scattered, ea
 bytes in it are checked against the digest its arrival carried, before the region is freed; a
 mismatch fails the room with a reason starting ``integrity``, so a late write that landed in
 the region (a paused writer that came back) never makes a room report SUCCESS.
+**A fair ring.** A prefill instance that reserves regions and never writes them cannot hold
+the ring: a room holding a writable region with no arrival for ``stall_timeout_s`` (10 s by
+default) fails, and so, at once, does every other room of the same instance that never had an
+arrival and holds only regions reserved as long ago (else regions it reserved rounds ahead
+would each take their own turn, and a tenant behind them wait once per round). A fence that a
+live writer leaves unanswered for ``fence_timeout_s`` (10 s by default) frees its regions
+anyway. So another tenant's region is writable within about ``stall_timeout_s +
+fence_timeout_s`` (20 s by default) of the last arrival of the instance that blocks it.
 
 Every send is non-blocking (:class:`~staging_contracts.control.transport.PeerSockets`): a dead
 prefill never blocks a decode thread.
@@ -33,6 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -59,7 +68,10 @@ from .scatter import ChunkScatter
 
 __all__ = [
     "DEFAULT_FENCE_RESEND_S",
+    "DEFAULT_FENCE_TIMEOUT_S",
+    "DEFAULT_MAX_ROOMS_PER_PEER",
     "DEFAULT_ROOM_TIMEOUT_S",
+    "DEFAULT_STALL_TIMEOUT_S",
     "WAIT_SLICE_S",
     "DecodeStagingHandler",
     "PrefillPeer",
@@ -99,10 +111,25 @@ def _room_of(frame: bytes) -> int | None:
 
 
 DEFAULT_ROOM_TIMEOUT_S = 30.0
-"""Default bound of a room without progress, with or without a ring region."""
+"""Default bound of a room without progress that holds no ring region (``room_timeout_s``)."""
 
 DEFAULT_FENCE_RESEND_S = 0.5
 """``ROOM_FENCE`` is sent again this often to a writer that has not answered it."""
+
+DEFAULT_STALL_TIMEOUT_S = 10.0
+"""A room holding a writable ring region with no arrival for this long fails (its regions are
+taken back)."""
+
+DEFAULT_MAX_ROOMS_PER_PEER = 1024
+"""Most rooms registered at once whose writers are one prefill instance; registering one more
+fails that room at once (it is not kept)."""
+
+MAX_REFUSALS_KEPT = 1024
+"""Most refused registrations whose reason ``room_failure`` still tells (the oldest go first)."""
+
+DEFAULT_FENCE_TIMEOUT_S = 10.0
+"""A fence still waiting for a live writer's ``ROOM_FENCED`` after this long frees its regions
+anyway (a writer that answers PINGs but not ROOM_FENCE would otherwise hold them for good)."""
 
 
 @dataclass(slots=True)
@@ -115,6 +142,8 @@ class _Fence:
     awaiting: dict[int, str]
     """Writer rank -> its endpoint, for the writers that have not answered ``ROOM_FENCED``."""
     last_sent: float = float("-inf")
+    started: float = 0.0
+    """When the fence was set up (it frees its regions ``fence_timeout_s`` later at most)."""
 
 
 class _Outgoing(NamedTuple):
@@ -145,8 +174,9 @@ class DecodeStagingHandler:
             (default: the device's; see :mod:`~staging_contracts.staging.ordering`).
         stall_timeout_s: a room that holds a writable ring region without progress for this
             long fails (its regions are fenced, then freed), so one stuck prefill cannot pin
-            the shared ring. Time spent waiting for ring space is not counted. Default
-            :data:`DEFAULT_ROOM_TIMEOUT_S`.
+            the shared ring; the instance's other rooms that never had an arrival and hold
+            only regions reserved as long ago fail with it (see **A fair ring**). Time spent
+            waiting for ring space is not counted. Default :data:`DEFAULT_STALL_TIMEOUT_S`.
         room_timeout_s: a room that holds no region and gets no ``STAGING_REQ`` for this
             long (from its registration, or from its last request or arrival) fails, so a
             room whose ``ROOM_META`` or ``ROOM_FAILED`` was lost for good, or whose prefill
@@ -157,6 +187,11 @@ class DecodeStagingHandler:
             each fence's) while it needs them. ``None``: no watching (a dead writer's fence
             then holds its regions until the writer answers).
         fence_resend_s: how often an unanswered ``ROOM_FENCE`` is sent again.
+        fence_timeout_s: a fence unanswered this long by live writers frees its regions
+            anyway. Default :data:`DEFAULT_FENCE_TIMEOUT_S`.
+        max_rooms_per_peer: most rooms registered at once for one prefill instance (the set
+            of a room's writers); one more is refused by ``register_room`` (see there).
+            Default :data:`DEFAULT_MAX_ROOMS_PER_PEER`.
         accept_anonymous_arrivals: count arrivals without a writer rank in regions of several
             writers (the reference's prefill sends none). Off by default: such arrivals cannot
             be told apart, so a duplicate could start the scatter before every writer landed;
@@ -191,12 +226,14 @@ class DecodeStagingHandler:
         session_id: str,
         sender: PeerSockets,
         scatter_stream: torch.cuda.Stream | None = None,
-        stall_timeout_s: float = DEFAULT_ROOM_TIMEOUT_S,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         room_timeout_s: float = DEFAULT_ROOM_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         endpoint: str = "",
         liveness: PeerLiveness | None = None,
         fence_resend_s: float = DEFAULT_FENCE_RESEND_S,
+        fence_timeout_s: float = DEFAULT_FENCE_TIMEOUT_S,
+        max_rooms_per_peer: int = DEFAULT_MAX_ROOMS_PER_PEER,
         accept_anonymous_arrivals: bool = False,
         ring_share: float = 1.0,
         ordering: DeviceOrdering | None = None,
@@ -240,6 +277,19 @@ class DecodeStagingHandler:
         self._endpoint = endpoint
         self._liveness = liveness
         self._fence_resend = fence_resend_s
+        if not (stall_timeout_s > 0 and fence_timeout_s > 0):
+            raise ValueError(
+                f"stall_timeout_s={stall_timeout_s!r} and fence_timeout_s={fence_timeout_s!r} "
+                "must be > 0"
+            )
+        self._fence_timeout = fence_timeout_s
+        if max_rooms_per_peer < 1:
+            raise ValueError(f"max_rooms_per_peer={max_rooms_per_peer!r} must be >= 1")
+        self._max_rooms_per_peer = max_rooms_per_peer
+        self._rooms_per_peer: dict[tuple[str, ...], int] = {}
+        """Registered rooms per prefill instance (its writers' endpoints)."""
+        self._refused: OrderedDict[int, str] = OrderedDict()
+        """Rooms whose registration was refused -> why (the latest MAX_REFUSALS_KEPT)."""
         self._fences: dict[int, _Fence] = {}
         self._accept_anonymous = accept_anonymous_arrivals
         if not 0 < ring_share <= 1:
@@ -247,8 +297,8 @@ class DecodeStagingHandler:
         self._quota_bytes = None if ring_share == 1 else ring_share * allocator.total_size
         self._usage: dict[tuple[str, ...], int] = {}
         """Ring bytes held per prefill instance (its writers' endpoints)."""
-        self._owners: dict[int, tuple[tuple[str, ...], int]] = {}
-        """Allocation id -> (its prefill instance, its bytes)."""
+        self._owners: dict[int, tuple[tuple[str, ...], int, float]] = {}
+        """Allocation id -> (its prefill instance, its bytes, when it was assigned)."""
 
     accepts_arrival_tags = True
     """``handle_chunk_arrival`` takes ``epoch`` and ``tag`` (the mixin passes them)."""
@@ -295,6 +345,11 @@ class DecodeStagingHandler:
         Idempotent: registering a known room again keeps its in-flight state. A prefix that is
         not page-aligned, or a plan that does not fit this rank, fails that room only.
 
+        A room past ``max_rooms_per_peer`` rooms of its prefill instance is refused: it is
+        not kept (``poll_room`` says ``None``, ``room_failure`` says why, ``release_room`` is
+        a no-op), so refusals cost no state but their reasons (the latest
+        :data:`MAX_REFUSALS_KEPT`); it may be registered again once rooms were released.
+
         **Called by:** the scheduler. **Blocking:** no.
 
         Returns:
@@ -305,6 +360,8 @@ class DecodeStagingHandler:
             if existing is not None:
                 return existing.status
             self._resend.cancel_room(plan.room)  # nothing of an earlier opening goes again
+            if self._refuse_registration(plan):
+                return RoomStatus.FAILED
             state = RoomState(
                 plan=plan,
                 pages=torch.tensor(
@@ -351,6 +408,24 @@ class DecodeStagingHandler:
                     self._resend.add(room, endpoint, frames, copies=-1)
         for endpoint in peers:
             self._publisher.send(endpoint, list(frames))
+
+    def _refuse_registration(self, plan: RoomPlan) -> bool:
+        """Count the room against its prefill instance, or refuse it past the cap (lock held)."""
+        self._refused.pop(plan.room, None)
+        owner = _owner(plan)
+        held = self._rooms_per_peer.get(owner, 0)
+        if held < self._max_rooms_per_peer:
+            self._rooms_per_peer[owner] = held + 1
+            return False
+        reason = (
+            f"registration refused: prefill instance {', '.join(owner) or '(none)'} already "
+            f"has {held} rooms registered (max_rooms_per_peer={self._max_rooms_per_peer})"
+        )
+        self._refused[plan.room] = reason
+        while len(self._refused) > MAX_REFUSALS_KEPT:
+            self._refused.popitem(last=False)
+        logger.warning("room %d: %s", plan.room, reason)
+        return True
 
     def _plan_problem(self, plan: RoomPlan) -> str | None:
         if plan.prefix_tokens % self._page_size:
@@ -409,11 +484,13 @@ class DecodeStagingHandler:
                 self._idle.wait(min(remaining, WAIT_SLICE_S))
 
     def room_failure(self, room: int) -> str | None:
-        """Why a failed room failed (``None`` if it did not, is unknown, or is not shown
-        failed yet: see :meth:`poll_room`)."""
+        """Why a failed room failed, or its registration was refused (``None`` if it did not,
+        is unknown, or is not shown failed yet: see :meth:`poll_room`)."""
         with self._lock:
             state = self._rooms.get(room)
-            if state is None or _shown(state) is not RoomStatus.FAILED:
+            if state is None:
+                return self._refused.get(room)
+            if _shown(state) is not RoomStatus.FAILED:
                 return None
             return state.failure
 
@@ -446,6 +523,7 @@ class DecodeStagingHandler:
         with self._lock:
             state = self._rooms.get(room)
             if state is None:
+                self._refused.pop(room, None)
                 return
             state.closing = True
             while state.scattering:
@@ -474,6 +552,12 @@ class DecodeStagingHandler:
             state.pending_events.clear()
             del self._rooms[room]
             self._resend.cancel_room(room)
+            owner = _owner(state.plan)
+            left = self._rooms_per_peer.get(owner, 1) - 1
+            if left > 0:
+                self._rooms_per_peer[owner] = left
+            else:
+                self._rooms_per_peer.pop(owner, None)
             self._unwatch(peer.endpoint for peer in state.plan.peers)
         self._publisher.unsubscribe_room(room)
         self._send_fences()
@@ -490,7 +574,9 @@ class DecodeStagingHandler:
 
         A room stalls when it holds a region its writers could write (the watermark says it
         is free) and no writer arrived for ``stall_timeout_s``; a room whose regions all wait
-        for ring space held by other rooms is not stalled.
+        for ring space held by other rooms is not stalled. A stalled room's instance loses its
+        other never-written rooms too, and fences older than ``fence_timeout_s`` free their
+        regions (see **A fair ring**).
 
         **Called by:** the listener's idle hook and ``poll_room``; any thread.
 
@@ -503,6 +589,7 @@ class DecodeStagingHandler:
             return
         self._last_pass = now
         with self._lock:
+            stalled: dict[tuple[str, ...], int] = {}
             for state in self._rooms.values():
                 freed |= self._reap_events(state)
                 if self._idle_too_long(state, now):
@@ -522,7 +609,11 @@ class DecodeStagingHandler:
                         state,
                         f"no progress for {self._stall_timeout}s while holding a writable region",
                     )
+                    stalled.setdefault(_owner(state.plan), state.plan.room)
                     freed = True
+            if stalled:
+                self._take_back_idle(stalled, now)
+            freed |= self._expire_fences(now)
         self._send_fences()
         for endpoint, frames in self._resend.take_due():
             self._publisher.send(endpoint, frames)
@@ -540,6 +631,52 @@ class DecodeStagingHandler:
             and not state.pending_events
             and now - state.last_progress > self._room_timeout
         )
+
+    def _take_back_idle(self, stalled: dict[tuple[str, ...], int], now: float) -> None:
+        """Fail the rooms of stalled prefill instances that never had an arrival and hold
+        only regions reserved ``stall_timeout_s`` ago or more (lock held): regions reserved
+        rounds ahead would otherwise each wait for their own stall, one after the other."""
+        for state in self._rooms.values():
+            room = stalled.get(_owner(state.plan))
+            if (
+                room is None
+                or state.status is not RoomStatus.TRANSFERRING
+                or not state.regions
+                or state.consumed
+            ):
+                continue
+            if all(self._idle_region(region, now) for region in state.regions.values()):
+                self._fail(
+                    state,
+                    f"taken back with room {room}: its prefill instance left a writable region "
+                    f"unwritten for {self._stall_timeout}s, and this room's regions were never "
+                    "written either",
+                )
+
+    def _idle_region(self, region: ChunkRegion, now: float) -> bool:
+        """A region nobody wrote, reserved at least ``stall_timeout_s`` ago (lock held)."""
+        if region.arrived or region.anonymous:
+            return False
+        owner = self._owners.get(region.allocation.alloc_id)
+        return owner is not None and now - owner[2] >= self._stall_timeout
+
+    def _expire_fences(self, now: float) -> bool:
+        """Free the fences that waited ``fence_timeout_s`` for live writers (lock held)."""
+        freed = False
+        for fence in list(self._fences.values()):
+            if now - fence.started <= self._fence_timeout:
+                continue
+            logger.warning(
+                "room %d: writers %s did not answer ROOM_FENCE in %gs; its regions are freed",
+                fence.room,
+                sorted(fence.awaiting),
+                self._fence_timeout,
+            )
+            # The epoch needs no bump here: a region's epoch is its ring round, and whatever
+            # is assigned over these bytes next has a later round, so a late arrival of this
+            # room is dropped as stale; late bytes fail that room's integrity check (when on).
+            freed |= self._clear_fence(fence, list(fence.awaiting))
+        return freed
 
     # ------------------------------------------------------------------ listener side
 
@@ -622,7 +759,7 @@ class DecodeStagingHandler:
                 refusal = StagingRsp.oversized(plan.room, chunk_idx, session_id).to_frames()
                 out.extend(_Outgoing(p.endpoint, refusal) for p in peers)
                 return StagingReqOutcome.OVERSIZED
-            self._owners[allocation.alloc_id] = (owner, size)
+            self._owners[allocation.alloc_id] = (owner, size, self._clock())
             self._usage[owner] = held + size
             region = ChunkRegion(
                 allocation=allocation,
@@ -946,7 +1083,9 @@ class DecodeStagingHandler:
         if awaiting:
             fence = self._fences.get(state.plan.room)
             if fence is None:
-                fence = self._fences[state.plan.room] = _Fence(state.plan.room, reason, [], {})
+                fence = self._fences[state.plan.room] = _Fence(
+                    state.plan.room, reason, [], {}, started=self._clock()
+                )
                 self._watch(awaiting.values())
             else:
                 self._watch(e for r, e in awaiting.items() if r not in fence.awaiting)
