@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import random
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -42,6 +43,7 @@ from staging_contracts.control.room_messages import (
     RoomFenced,
     RoomMeta,
 )
+from staging_contracts.control.security import SECRET_ENV, SECRET_FILE_ENV
 from staging_contracts.control.transport import MAX_FRAMES, PeerSockets
 from staging_contracts.control.wire import MESSAGE_TYPES, MalformedMessage, decode_message
 from staging_contracts.engines import engine_available
@@ -61,7 +63,15 @@ def test_parse_faults_all_none_and_a_list_in_the_fixed_order() -> None:
     assert parse_faults("none") == ()
     assert parse_faults("") == ()
     assert parse_faults(" kill-decode , drop,drop ") == ("drop", "kill-decode")
-    assert FAULT_ORDER == ("drop", "flood", "stall", "stall-long", "kill-prefill", "kill-decode")
+    assert FAULT_ORDER == (
+        "drop",
+        "flood",
+        "stall",
+        "stall-long",
+        "pause",
+        "kill-prefill",
+        "kill-decode",
+    )
 
 
 def test_an_unknown_fault_is_refused_naming_every_valid_one() -> None:
@@ -434,11 +444,54 @@ def test_a_short_soak_with_every_fault_finds_nothing_corrupt_hung_or_leaked() ->
     (flood,) = result.floods
     assert flood.sent == config.flood_frames
     assert flood.counted == flood.sent
-    short, long = sorted(result.stalls, key=lambda s: s.duration_s)
+    paused = [s for s in result.stalls if s.fault == "pause"]
+    assert sorted(s.role for s in paused) == ["decode", "prefill"]
+    short, long = sorted(
+        (s for s in result.stalls if s.fault != "pause"), key=lambda s: s.duration_s
+    )
     assert short.duration_s == soak.SHORT_STALL_S
     assert long.duration_s == config.liveness_timeout_s + soak.LONG_STALL_EXTRA_S
     assert long.rooms_in_flight > 0
     assert long.rooms_failed > 0  # declared dead while stopped: its rooms fail
+
+
+def test_the_pause_fault_turns_the_integrity_check_on_in_every_rank() -> None:
+    assert SoakConfig(faults=("pause",)).rank_settings().integrity is True
+    assert SoakConfig(faults=("stall",)).rank_settings().integrity is None
+    assert reason_group("integrity: chunk 2 of room 7 does not match its tag") == "integrity"
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)
+@pytest.mark.timeout(120)
+def test_a_pause_soak_with_the_secret_stops_both_roles_and_finds_nothing_corrupt_or_hung(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 24: a writer (and then decode) SIGSTOPped past the liveness timeout and
+    continued, over NIXL with the cluster secret and integrity on: rooms in flight fail (the
+    peer was declared dead) but none is corrupt or hung, and nothing is left held."""
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    monkeypatch.setenv(SECRET_ENV, secrets.token_hex(32))
+    config = SoakConfig(
+        duration_s=1.0,
+        faults=("pause",),
+        settle_s=0.5,
+        room_bound_s=30.0,
+        liveness_timeout_s=1.5,
+    )
+    result = run_soak(config, progress=print)
+    print(format_summary(result))
+
+    paused = sorted(result.stalls, key=lambda s: s.role)
+    assert [(s.role, s.fault) for s in paused] == [("decode", "pause"), ("prefill", "pause")]
+    for stall in paused:
+        assert stall.duration_s > config.liveness_timeout_s
+        assert stall.rooms_in_flight > 0, stall
+    assert result.corrupt == 0, result.corrupt_details
+    assert result.hung == 0, result.hung_details
+    assert result.rooms_started == result.rooms_succeeded + result.rooms_failed
+    assert not {"rank error", "other"} & set(result.failed_by_reason), result.failure_examples
+    assert result.ok, result.problems
 
 
 @pytest.mark.nixl

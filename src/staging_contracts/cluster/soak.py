@@ -299,6 +299,7 @@ class _Driver:
             "flood": 3.0,
             "stall": SHORT_STALL_S,
             "stall-long": liveness + LONG_STALL_EXTRA_S,
+            "pause": 2 * (liveness + LONG_STALL_EXTRA_S + self.config.settle_s),
         }.get(fault, liveness + self.startup_s + 2.0)
 
     def shutdown(self) -> None:
@@ -328,8 +329,15 @@ class _Driver:
         elif fault in ("stall", "stall-long"):
             long = fault == "stall-long"
             self._stall(
-                self.config.liveness_timeout_s + LONG_STALL_EXTRA_S if long else SHORT_STALL_S
+                self.config.liveness_timeout_s + LONG_STALL_EXTRA_S if long else SHORT_STALL_S,
+                "prefill",
+                fault,
             )
+        elif fault == "pause":  # both roles, each past the liveness timeout
+            seconds = self.config.liveness_timeout_s + LONG_STALL_EXTRA_S
+            self._stall(seconds, "prefill", fault)
+            self._wait(_never, self.config.settle_s)
+            self._stall(seconds, "decode", fault)
         elif fault in ("kill-prefill", "kill-decode"):
             self._kill(fault.removeprefix("kill-"))
         self.injected[fault] += 1
@@ -417,8 +425,10 @@ class _Driver:
             + (f" in {restart:.1f} s" if restart is not None else ""),
         )
 
-    def _stall(self, seconds: float) -> None:
-        rank = self._victim("prefill")
+    def _stall(self, seconds: float, role: str, fault: str) -> None:
+        """Stop a ``role`` rank (``SIGSTOP``) with rooms in flight that need it, for
+        ``seconds``, then continue it (``SIGCONT``) and count the rooms that failed."""
+        rank = self._victim(role)
         self._await_needed(rank)
         in_flight = self._unsettled()
         at = time.monotonic()
@@ -435,12 +445,12 @@ class _Driver:
         # failed from the stop until now.
         failed = sum(r.outcome == "failed" and r.settled_at >= at for r in self.rooms.values())
         self.stalls.append(
-            StallRecord(rank.key[1], at - self.start, seconds, len(in_flight), failed)
+            StallRecord(rank.key[1], at - self.start, seconds, len(in_flight), failed, role, fault)
         )
         self._say(
             at,
-            f"stalled prefill {rank.key[1]} for {seconds:.1f} s with {len(in_flight)} rooms "
-            f"in flight; {failed} failed meanwhile",
+            f"{fault}: stopped {role} {rank.key[1]} for {seconds:.1f} s with "
+            f"{len(in_flight)} rooms in flight; {failed} failed meanwhile",
         )
 
     def _flood(self) -> None:

@@ -117,6 +117,9 @@ class RankSettings:
     then the room is reported ``failed``."""
     drop_share: float = 0.0
     """Share of outgoing control messages the ``drop`` fault discards (0: none)."""
+    integrity: bool | None = None
+    """Check staged bytes against their integrity tags (both sides); ``None``: as
+    ``STAGING_CONTRACTS_INTEGRITY`` says in the rank process."""
     seed: int = 0
     """Seeds the ``drop`` draws (mixed with the role, rank and process id)."""
     log_level: int = logging.ERROR
@@ -495,6 +498,7 @@ class _DecodeServer(_RankServer):
             kv_buffers=self.pool,
             ring_bytes=ring_bytes(self.config),
             stall_timeout_s=settings.stall_timeout_s,
+            integrity=settings.integrity,
         )
         self.common.start()
         self.transfers: DecodeTransfers | None = None
@@ -594,6 +598,7 @@ class _PrefillServer(_RankServer):
             kv_buffers=self.pool,
             max_chunk_pages=self.config.chunk_pages,
             timeouts=settings.prefill_timeouts,
+            integrity=settings.integrity,
         )
         self.transfers = PrefillTransfers(
             self.common, self.writer, meta_timeout_s=settings.meta_timeout_s

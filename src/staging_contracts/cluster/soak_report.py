@@ -61,6 +61,11 @@ FAULTS: Final[Mapping[str, str]] = MappingProxyType(
         "stall": "SIGSTOP a prefill rank for 2 s (under the liveness timeout), then SIGCONT",
         "stall-long": "SIGSTOP a prefill rank for the liveness timeout + 1.5 s: it is declared "
         "dead while it still holds its writes, then it comes back (SIGCONT)",
+        "pause": "SIGSTOP a prefill rank, then a decode rank, each for the liveness timeout + "
+        "1.5 s, then SIGCONT: a paused writer whose regions were reused comes back with its "
+        "writes in flight. With this fault listed the ranks run with the integrity check on "
+        "(STAGING_CONTRACTS_INTEGRITY=1), so that a late landing fails its room instead of "
+        "passing as success",
         "kill-prefill": "SIGKILL a prefill rank with rooms in flight, time until the survivors "
         "fail those rooms, start a new process for it (rooms keep coming to the survivors "
         "meanwhile)",
@@ -215,6 +220,7 @@ _REASON_GROUPS: Final = (
     ("released early", ("released before it finished",)),
     ("rank error", ("rank error",)),
     ("fenced", ("fenced the room",)),
+    ("integrity", ("integrity",)),
 )
 
 
@@ -325,6 +331,13 @@ class SoakConfig:
             ring_chunks=self.ring_chunks,
         )
 
+    @property
+    def integrity(self) -> bool:
+        """Whether the ranks check staged bytes against their integrity tags: on with the
+        ``pause`` fault (a paused writer's late landing must fail its room), else as
+        ``STAGING_CONTRACTS_INTEGRITY`` says in each rank process."""
+        return "pause" in self.faults
+
     def rank_settings(self) -> RankSettings:
         """What every rank process is started with."""
         return RankSettings(
@@ -335,6 +348,7 @@ class SoakConfig:
             meta_timeout_s=self.meta_timeout_s,
             room_bound_s=self.room_bound_s,
             drop_share=self.drop_share if "drop" in self.faults else 0.0,
+            integrity=True if self.integrity else None,
             seed=self.seed,
             log_level=self.log_level,
         )
@@ -366,7 +380,8 @@ class KillRecord:
 
 @dataclass(frozen=True, slots=True)
 class StallRecord:
-    """One prefill rank stopped (``SIGSTOP``) and continued."""
+    """One rank stopped (``SIGSTOP``) and continued (``stall``, ``stall-long``: a prefill
+    rank; ``pause``: a prefill rank, then a decode rank)."""
 
     rank: int
     at_s: float
@@ -377,6 +392,10 @@ class StallRecord:
     rooms_failed: int
     """Rooms that failed from the stop until shortly after it continued (those issued
     during the stop included)."""
+    role: str = "prefill"
+    """The stopped rank's role."""
+    fault: str = "stall"
+    """The fault that stopped it: ``stall``, ``stall-long`` or ``pause``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -534,8 +553,9 @@ def format_summary(result: SoakResult) -> str:
         rows.append(
             (
                 "stall",
-                f"prefill {stall.rank} at {stall.at_s:.1f} s for {stall.duration_s:.1f} s: "
-                f"{stall.rooms_in_flight} rooms in flight, {stall.rooms_failed} failed meanwhile",
+                f"{stall.fault}: {stall.role} {stall.rank} at {stall.at_s:.1f} s for "
+                f"{stall.duration_s:.1f} s: {stall.rooms_in_flight} rooms in flight, "
+                f"{stall.rooms_failed} failed meanwhile",
             )
         )
     for kill in result.kills:
