@@ -27,6 +27,7 @@ from staging_contracts.cluster.soak_report import (
     FAULT_ORDER,
     FAULTS,
     FloodRecord,
+    ForgeRecord,
     KillRecord,
     SoakConfig,
     SoakResult,
@@ -69,6 +70,7 @@ def test_parse_faults_all_none_and_a_list_in_the_fixed_order() -> None:
         "stall",
         "stall-long",
         "pause",
+        "forge",
         "kill-prefill",
         "kill-decode",
     )
@@ -164,6 +166,8 @@ def passing_result(**changes: object) -> SoakResult:
         kills=(KillRecord("prefill", 0, 12.0, 4, 4, 3.0, 5.5),),
         stalls=(StallRecord(1, 8.0, 2.0, 4, 0),),
         floods=(FloodRecord("decode 0", 5.0, 20000, 20000, 0.6),),
+        forges=(ForgeRecord("decode 0", 9.0, 4, 64, 64),),
+        unauthorized=64,
         faults_injected=dict.fromkeys(FAULT_ORDER, 1),
         control_sent=5000,
         control_dropped=100,
@@ -200,6 +204,10 @@ def test_a_clean_result_passes() -> None:
         ({"unexpected_exits": ("decode 0 (pid 1) exited with -11",)}, "died by themselves"),
         ({"rank_errors": ("prefill 1: KeyError",)}, "1 commands failed"),
         ({"rooms_succeeded": 0}, "no room succeeded"),
+        (
+            {"forges": (ForgeRecord("decode 0", 9.0, 4, 64, 60),)},
+            "4 forged arrivals not counted unauthorized",
+        ),
     ],
 )
 def test_each_problem_fails_the_soak(changes: dict[str, object], problem: str) -> None:
@@ -222,6 +230,8 @@ def test_the_summary_has_every_figure_the_issue_asks_for() -> None:
     assert re.search(r"^listener restarts +0$", text, re.M)
     assert re.search(r"^control dropped +100 of 5000 messages", text, re.M)
     assert "20000 malformed messages in 0.6 s, 20000 counted" in text
+    assert "decode 0 at 9.0 s: 64 forged notifications for 4 rooms in flight, 64 counted" in text
+    assert re.search(r"^unauthorized +64 arrivals dropped", text, re.M)
     assert lines[-1].split() == ["verdict", "PASS"]
 
 
@@ -400,10 +410,15 @@ def test_a_room_whose_last_chunk_is_staged_first_succeeds_on_prefill() -> None:
 @pytest.mark.nixl
 @pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)
 @pytest.mark.timeout(240)
-def test_a_short_soak_with_every_fault_finds_nothing_corrupt_hung_or_leaked() -> None:
-    """Every fault once, over NIXL, 2 prefill -> 1 decode ranks: nothing corrupt, every kill
-    detected within the liveness (or ROOM_META) bound while rooms were in flight, the rings
-    and fences empty at the end, every listener alive; and rooms did succeed."""
+def test_a_short_soak_with_every_fault_finds_nothing_corrupt_hung_or_leaked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every fault once, over NIXL with the cluster secret (``forge`` needs it), 2 prefill
+    -> 1 decode ranks: nothing corrupt, every kill detected within the liveness (or
+    ROOM_META) bound while rooms were in flight, every forged arrival counted unauthorized,
+    the rings and fences empty at the end, every listener alive; and rooms did succeed."""
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    monkeypatch.setenv(SECRET_ENV, secrets.token_hex(32))
     # A room still open 30 s after it was issued is hung: generous, for a loaded CI machine
     # (stalls, kills and timeouts of 3-10 s each can add up for one room).
     config = SoakConfig(duration_s=5.0, settle_s=1.0, room_bound_s=30.0)
@@ -441,6 +456,8 @@ def test_a_short_soak_with_every_fault_finds_nothing_corrupt_hung_or_leaked() ->
         assert kill.detect_s is not None, kill
         assert 0 < kill.detect_s < bound, kill
         assert kill.restart_s is not None, kill
+    (forge,) = result.forges
+    assert forge.counted == forge.sent > 0, forge
     (flood,) = result.floods
     assert flood.sent == config.flood_frames
     assert flood.counted == flood.sent
@@ -491,6 +508,32 @@ def test_a_pause_soak_with_the_secret_stops_both_roles_and_finds_nothing_corrupt
     assert result.hung == 0, result.hung_details
     assert result.rooms_started == result.rooms_succeeded + result.rooms_failed
     assert not {"rank error", "other"} & set(result.failed_by_reason), result.failure_examples
+    assert result.ok, result.problems
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)
+@pytest.mark.timeout(120)
+def test_a_forge_soak_with_the_secret_drops_and_counts_every_forged_arrival(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 24, finding 2: a hostile NIXL agent holding decode's engine metadata sends
+    arrivals for the rooms in flight; with the secret every one is dropped and counted
+    ``unauthorized``, and no room completes on them (0 corrupt)."""
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    monkeypatch.setenv(SECRET_ENV, secrets.token_hex(32))
+    config = SoakConfig(duration_s=1.0, faults=("forge",), settle_s=0.5, room_bound_s=30.0)
+    result = run_soak(config, progress=print)
+    print(format_summary(result))
+
+    (forge,) = result.forges
+    assert forge.rooms > 0, forge
+    assert forge.sent == forge.rooms * 2 * config.prefill_tp * len(list(config.transfer().chunks()))
+    assert forge.counted == forge.sent, forge
+    assert result.unauthorized >= forge.sent
+    assert result.faults_injected == {"forge": 1}
+    assert result.corrupt == 0, result.corrupt_details
+    assert result.hung == 0, result.hung_details
     assert result.ok, result.problems
 
 

@@ -55,10 +55,12 @@ from ..control.security import check_insecure_bind, load_cluster_secret
 from ..control.transport import MAX_FRAMES
 from ..control.wire import MESSAGE_TYPES
 from .bootstrap import RankInfo
+from .soak_forge import Forger, forged_arrivals
 from .soak_rank import soak_rank_main
 from .soak_report import (
     FAULT_ORDER,
     FloodRecord,
+    ForgeRecord,
     KillRecord,
     SoakConfig,
     SoakResult,
@@ -233,6 +235,8 @@ class _Driver:
         """The new process of each kill (``None``: it did not take its peers in time)."""
         self.stalls: list[StallRecord] = []
         self.floods: list[FloodRecord] = []
+        self.forges: list[ForgeRecord] = []
+        self.forger: Forger | None = None
         self.injected: Counter[str] = Counter()
         self.listener_deaths: set[int] = set()
         self.unexpected: list[str] = []
@@ -260,6 +264,9 @@ class _Driver:
         self.issuing = True
         run_from = time.monotonic()
         cycle = [name for name in FAULT_ORDER if name in config.faults and name != "drop"]
+        if "forge" in cycle and not _can_forge(config):
+            logger.warning("forge skipped: it needs the nixl backend and the cluster secret")
+            cycle.remove("forge")
         turn = 0
         while True:
             remaining = config.duration_s - (time.monotonic() - run_from)
@@ -297,6 +304,7 @@ class _Driver:
         liveness = self.config.liveness_timeout_s
         return {
             "flood": 3.0,
+            "forge": 3.0,
             "stall": SHORT_STALL_S,
             "stall-long": liveness + LONG_STALL_EXTRA_S,
             "pause": 2 * (liveness + LONG_STALL_EXTRA_S + self.config.settle_s),
@@ -320,12 +328,17 @@ class _Driver:
                 rank.commands = None
         self.ended = time.monotonic()
         self.inbox.close(linger=0)
+        if self.forger is not None:
+            self.forger.close()
+            self.forger = None
 
     # ------------------------------------------------------------------ faults
 
     def _inject(self, fault: str) -> None:
         if fault == "flood":
             self._flood()
+        elif fault == "forge":
+            self._forge()
         elif fault in ("stall", "stall-long"):
             long = fault == "stall-long"
             self._stall(
@@ -491,6 +504,45 @@ class _Driver:
         label = f"{rank.key[0]} {rank.key[1]}"
         self.floods.append(FloodRecord(label, at - self.start, total, counted, seconds))
         self._say(at, f"flooded {label} with {total} malformed messages; it counted {counted}")
+
+    def _forge(self) -> None:
+        """Send a decode rank forged arrivals for the rooms in flight from a hostile agent
+        that holds its engine metadata, and wait (bounded) until it counted them
+        ``unauthorized``."""
+        rank = self._victim("decode")
+        self._await_needed(rank)
+        info = rank.info
+        if info is None:
+            return
+        if self.forger is None:
+            self.forger = Forger(self.config.host)
+        before = int(self._status([rank.key]).get(rank.key, {}).get("unauthorized", 0))
+        rooms = [room.room for room in self._unsettled()]
+        chunks = list(self.config.transfer().chunks())
+        payloads = forged_arrivals(rooms, chunks, info.session_id, self.config.prefill_tp, self.rng)
+        at = time.monotonic()
+        sent = self.forger.send(info.session_id, info.metadata, payloads)
+        counted = 0
+
+        def counted_all() -> bool:
+            nonlocal counted
+            if self.forger is not None:
+                self.forger.progress()
+            answer = self._status([rank.key]).get(rank.key)
+            if answer is not None:
+                counted = int(answer.get("unauthorized", 0)) - before
+            return counted >= sent
+
+        deadline = time.monotonic() + STATUS_S
+        while not counted_all() and time.monotonic() < deadline:
+            self._wait(_never, 0.25)
+        label = f"{rank.key[0]} {rank.key[1]}"
+        self.forges.append(ForgeRecord(label, at - self.start, len(rooms), sent, counted))
+        self._say(
+            at,
+            f"forged {sent} arrivals to {label} for {len(rooms)} rooms in flight; "
+            f"{counted} counted unauthorized",
+        )
 
     # ------------------------------------------------------------------ the pump
 
@@ -821,6 +873,8 @@ class _Driver:
             ),
             stalls=tuple(self.stalls),
             floods=tuple(self.floods),
+            forges=tuple(self.forges),
+            unauthorized=sum(int(s.get("unauthorized", 0)) for s in self.last_status.values()),
             faults_injected={name: self.injected[name] for name in self.config.faults},
             control_sent=sent,
             control_dropped=dropped,
@@ -834,6 +888,11 @@ class _Driver:
             unexpected_exits=tuple(self.unexpected),
             rank_errors=tuple(self.errors),
         )
+
+
+def _can_forge(config: SoakConfig) -> bool:
+    """Whether ``forge`` applies: NIXL notifications, authenticated with the secret."""
+    return config.backend == "nixl" and load_cluster_secret() is not None
 
 
 def _never() -> bool:

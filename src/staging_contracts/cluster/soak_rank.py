@@ -466,6 +466,7 @@ class _RankServer(CommandLoop):
             "listener_malformed": listener.malformed,
             "listener_errors": listener.errors,
             "staging_malformed": stats.malformed,
+            "unauthorized": self.manager.unauthorized,
             "control_sent": self.drops.sent,
             "control_dropped": self.drops.dropped,
             "room_threads": sum(t.is_alive() for t in self.threads),

@@ -40,6 +40,7 @@ __all__ = [
     "FAULT_ORDER",
     "SOAK_EPILOG",
     "FloodRecord",
+    "ForgeRecord",
     "KillRecord",
     "SoakConfig",
     "SoakResult",
@@ -66,6 +67,10 @@ FAULTS: Final[Mapping[str, str]] = MappingProxyType(
         "writes in flight. With this fault listed the ranks run with the integrity check on "
         "(STAGING_CONTRACTS_INTEGRITY=1), so that a late landing fails its room instead of "
         "passing as success",
+        "forge": "a hostile NIXL agent in the driver loads a decode rank's engine metadata and "
+        "sends it forged arrival notifications for the rooms in flight (no tag, a made-up "
+        "MAC); decode must drop and count every one (unauthorized). Needs nixl and "
+        "STAGING_CONTRACTS_SECRET; skipped (injected 0 times) otherwise",
         "kill-prefill": "SIGKILL a prefill rank with rooms in flight, time until the survivors "
         "fail those rooms, start a new process for it (rooms keep coming to the survivors "
         "meanwhile)",
@@ -399,6 +404,22 @@ class StallRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class ForgeRecord:
+    """One burst of forged arrival notifications at a decode rank (``forge``)."""
+
+    target: str
+    """``"decode 0"``, ..."""
+    at_s: float
+    """When the burst began, in seconds since the soak started."""
+    rooms: int
+    """Rooms in flight the notifications named."""
+    sent: int
+    """Forged notifications sent."""
+    counted: int
+    """Of those, counted ``unauthorized`` by the target meanwhile (should equal ``sent``)."""
+
+
+@dataclass(frozen=True, slots=True)
 class FloodRecord:
     """One burst of malformed frames at a rank's control listener."""
 
@@ -442,6 +463,10 @@ class SoakResult:
     kills: tuple[KillRecord, ...]
     stalls: tuple[StallRecord, ...]
     floods: tuple[FloodRecord, ...]
+    forges: tuple[ForgeRecord, ...]
+    unauthorized: int
+    """Arrivals the ranks dropped for a missing or bad MAC (over every process, as last
+    reported)."""
     faults_injected: dict[str, int]
     """Fault name -> times injected (``drop``: 1 when it dropped any message)."""
     control_sent: int
@@ -492,6 +517,9 @@ class SoakResult:
             )
         if not self.idle_reached:
             out.append("the ranks did not all report idle at the end")
+        uncounted = sum(forge.sent - forge.counted for forge in self.forges)
+        if uncounted > 0:
+            out.append(f"{uncounted} forged arrivals not counted unauthorized")
         if self.listener_restarts:
             out.append(f"{self.listener_restarts} control listeners died")
         if self.unexpected_exits:
@@ -549,6 +577,16 @@ def format_summary(result: SoakResult) -> str:
                 f"{flood.seconds:.1f} s, {flood.counted} counted",
             )
         )
+    for forge in result.forges:
+        rows.append(
+            (
+                "forge",
+                f"{forge.target} at {forge.at_s:.1f} s: {forge.sent} forged notifications for "
+                f"{forge.rooms} rooms in flight, {forge.counted} counted unauthorized",
+            )
+        )
+    if result.forges or result.unauthorized:
+        rows.append(("unauthorized", f"{result.unauthorized} arrivals dropped (no valid MAC)"))
     for stall in result.stalls:
         rows.append(
             (
