@@ -413,12 +413,13 @@ def test_a_room_whose_last_chunk_is_staged_first_succeeds_on_prefill() -> None:
 def test_a_short_soak_with_every_fault_finds_nothing_corrupt_hung_or_leaked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every fault once, over NIXL with the cluster secret (``forge`` needs it), 2 prefill
-    -> 1 decode ranks: nothing corrupt, every kill detected within the liveness (or
-    ROOM_META) bound while rooms were in flight, every forged arrival counted unauthorized,
-    the rings and fences empty at the end, every listener alive; and rooms did succeed."""
+    """Every fault once, over NIXL without the cluster secret (the flood's sockets have no
+    CURVE keys; ``forge`` needs the secret, so it is skipped: it has a soak of its own),
+    2 prefill -> 1 decode ranks: nothing corrupt, every kill detected within the liveness
+    (or ROOM_META) bound while rooms were in flight, the rings and fences empty at the end,
+    every listener alive; and rooms did succeed."""
     monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
-    monkeypatch.setenv(SECRET_ENV, secrets.token_hex(32))
+    monkeypatch.delenv(SECRET_ENV, raising=False)
     # A room still open 30 s after it was issued is hung: generous, for a loaded CI machine
     # (stalls, kills and timeouts of 3-10 s each can add up for one room).
     config = SoakConfig(duration_s=5.0, settle_s=1.0, room_bound_s=30.0)
@@ -428,7 +429,8 @@ def test_a_short_soak_with_every_fault_finds_nothing_corrupt_hung_or_leaked(
     print(format_summary(result))
     print(f"wall time {wall:.1f} s")
 
-    assert result.faults_injected == dict.fromkeys(FAULT_ORDER, 1), result.faults_injected
+    expected = {**dict.fromkeys(FAULT_ORDER, 1), "forge": 0}
+    assert result.faults_injected == expected, result.faults_injected
     assert result.control_dropped > 0
     assert result.rooms_succeeded >= 5
     # Every room accounted for: succeeded, or failed for a fault's reason (none for a
@@ -456,8 +458,7 @@ def test_a_short_soak_with_every_fault_finds_nothing_corrupt_hung_or_leaked(
         assert kill.detect_s is not None, kill
         assert 0 < kill.detect_s < bound, kill
         assert kill.restart_s is not None, kill
-    (forge,) = result.forges
-    assert forge.counted == forge.sent > 0, forge
+    assert result.forges == ()
     (flood,) = result.floods
     assert flood.sent == config.flood_frames
     assert flood.counted == flood.sent
