@@ -473,6 +473,15 @@ def test_a_short_soak_with_every_fault_finds_nothing_corrupt_hung_or_leaked(
     assert long.rooms_failed > 0  # declared dead while stopped: its rooms fail
 
 
+def test_prefill_instances_are_counted_and_named_in_the_summary() -> None:
+    with pytest.raises(ValueError, match="prefill_instances=0 must be >= 1"):
+        SoakConfig(prefill_instances=0)
+    config = SoakConfig(prefill_instances=2)
+    text = format_summary(passing_result(config=config))
+    assert re.search(r"^engine +nixl, 2 instances of 2 prefill -> 1 decode$", text, re.M)
+    assert reason_group("no STAGING_REQ for 30.0s (a lost ROOM_META ...)") == "room bound"
+
+
 def test_the_pause_fault_turns_the_integrity_check_on_in_every_rank() -> None:
     assert SoakConfig(faults=("pause",)).rank_settings().integrity is True
     assert SoakConfig(faults=("stall",)).rank_settings().integrity is None
@@ -490,18 +499,22 @@ def test_a_pause_soak_with_the_secret_stops_both_roles_and_finds_nothing_corrupt
     peer was declared dead) but none is corrupt or hung, and nothing is left held."""
     monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
     monkeypatch.setenv(SECRET_ENV, secrets.token_hex(32))
+    # Two prefill instances (tenants) share decode's ring, so that a paused writer of one
+    # can reach a region since given to the other. The default room bound (45 s): after a
+    # pause a decode room can end only at its 30 s room timeout (no STAGING_REQ).
     config = SoakConfig(
         duration_s=1.0,
         faults=("pause",),
         settle_s=0.5,
-        room_bound_s=30.0,
         liveness_timeout_s=1.5,
+        prefill_instances=2,
     )
     result = run_soak(config, progress=print)
     print(format_summary(result))
 
     paused = sorted(result.stalls, key=lambda s: s.role)
     assert [(s.role, s.fault) for s in paused] == [("decode", "pause"), ("prefill", "pause")]
+    assert result.config.prefill_instances == 2
     for stall in paused:
         assert stall.duration_s > config.liveness_timeout_s
         assert stall.rooms_in_flight > 0, stall

@@ -212,8 +212,10 @@ class _Driver:
         self.inbox_endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
         self.spawn = multiprocessing.get_context("spawn")
         self.keys: list[RankKey] = [("decode", d) for d in range(config.decode_tp)] + [
-            ("prefill", p) for p in range(config.prefill_tp)
+            ("prefill", p) for p in range(config.prefill_tp * config.prefill_instances)
         ]
+        self.next_instance = 0
+        """The prefill instance the next room goes to (in turn)."""
         self.ranks: dict[RankKey, _Rank] = {}
         self.retired: list[_Rank] = []
         self.rooms: dict[int, _Room] = {}
@@ -748,24 +750,29 @@ class _Driver:
         """
         if not self.issuing or self._answering_peers():
             return
-        live = {key: r for key, r in self.ranks.items() if r.peered and not r.gone}
-        if not live:
+        up = {key: r for key, r in self.ranks.items() if r.peered and not r.gone}
+        if not up:
             return
         for _ in range(self.config.rooms_in_flight):  # bounded, even if each fails at once
             if len(self._unsettled()) >= self.config.rooms_in_flight or not self.free:
                 break
+            instance = self.next_instance
+            self.next_instance = (instance + 1) % self.config.prefill_instances
+            keys = self._room_keys(instance)
+            live = {key: rank for key, rank in up.items() if key in keys}
             index = self.free.pop(0)
             room = _Room(
                 self.next_room,
                 index,
                 time.monotonic(),
                 {key: rank.pid or 0 for key, rank in live.items()},
-                lost=set(self.keys) - set(live),
+                lost=set(keys) - set(live),
             )
             self.next_room += 1
             self.rooms[room.room] = room
-            for key in self.keys:  # decode first: it registers the room before prefill asks
+            for key in keys:  # decode first: it registers the room before prefill asks
                 command = {"cmd": "room", "room": room.room, "index": index}
+                command["instance"] = instance
                 if key in live and not self._send(live[key], command):
                     room.reports[key] = {
                         "state": "failed",
@@ -773,6 +780,14 @@ class _Driver:
                         "t": time.monotonic(),
                     }
             self._maybe_settle(room)
+
+    def _room_keys(self, instance: int) -> list[RankKey]:
+        """The ranks a room of prefill ``instance`` needs: every decode rank (first) and
+        that instance's prefill ranks."""
+        tp = self.config.prefill_tp
+        return [key for key in self.keys if key[0] == "decode"] + [
+            ("prefill", instance * tp + r) for r in range(tp)
+        ]
 
     def _maybe_settle(self, room: _Room) -> None:
         if room.outcome is None and not room.waiting():

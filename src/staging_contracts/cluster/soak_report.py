@@ -167,6 +167,14 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tp", type=int, default=default.prefill_tp, metavar="P")
     parser.add_argument("--decode-tp", type=int, default=default.decode_tp, metavar="D")
     parser.add_argument(
+        "--prefill-instances",
+        type=int,
+        default=default.prefill_instances,
+        metavar="N",
+        help="prefill instances of P ranks each, sharing decode's ring; rooms go to them in "
+        f"turn (default {default.prefill_instances})",
+    )
+    parser.add_argument(
         "--rooms-in-flight",
         type=int,
         default=default.rooms_in_flight,
@@ -208,6 +216,7 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
         seed=args.seed,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        prefill_instances=args.prefill_instances,
         rooms_in_flight=args.rooms_in_flight,
         drop_share=args.drop_share,
         liveness_timeout_s=args.liveness_timeout,
@@ -226,6 +235,7 @@ _REASON_GROUPS: Final = (
     ("rank error", ("rank error",)),
     ("fenced", ("fenced the room",)),
     ("integrity", ("integrity",)),
+    ("room bound", ("no staging_req for",)),
 )
 
 
@@ -267,6 +277,10 @@ class SoakConfig:
     """Seeds the workload, the drops, the flood frames and which rank each fault hits."""
     prefill_tp: int = 2
     decode_tp: int = 1
+    prefill_instances: int = 1
+    """Prefill instances (tenants) of ``prefill_tp`` ranks each; rooms go to them in turn,
+    and every instance's rooms share decode's ring (so that a paused writer of one can
+    reach a region since given to another)."""
     rooms_in_flight: int = 4
     """Rooms the driver keeps issued and not yet ended."""
     drop_share: float = 0.02
@@ -305,6 +319,8 @@ class SoakConfig:
             raise ValueError(f"unknown faults {unknown}; valid: {', '.join(FAULT_ORDER)}")
         if not self.duration_s > 0:
             raise ValueError(f"duration_s={self.duration_s!r} must be > 0")
+        if self.prefill_instances < 1:
+            raise ValueError(f"prefill_instances={self.prefill_instances} must be >= 1")
         if self.rooms_in_flight < 1 or self.flood_frames < 2:
             raise ValueError(
                 f"rooms_in_flight={self.rooms_in_flight} must be >= 1 and "
@@ -536,12 +552,19 @@ class SoakResult:
         return not self.problems
 
 
+def _prefill_text(config: SoakConfig) -> str:
+    """``2 prefill``, or ``2 instances of 2 prefill``."""
+    if config.prefill_instances == 1:
+        return f"{config.prefill_tp} prefill"
+    return f"{config.prefill_instances} instances of {config.prefill_tp} prefill"
+
+
 def format_summary(result: SoakResult) -> str:
     """The soak's summary, one fact per line."""
     config = result.config
     failed = result.failed_by_reason
     rows: list[tuple[str, str]] = [
-        ("engine", f"{config.backend}, {config.prefill_tp} prefill -> {config.decode_tp} decode"),
+        ("engine", f"{config.backend}, {_prefill_text(config)} -> {config.decode_tp} decode"),
         ("ran", f"{result.elapsed_s:.1f} s, faults: {', '.join(config.faults) or 'none'}"),
         ("times", "seconds since the soak started (as the progress lines)"),
         (
