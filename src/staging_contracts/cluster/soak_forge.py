@@ -93,7 +93,11 @@ class Forger:
         if self.engine is None:
             from ..engines.nixl import NixlEngine  # noqa: PLC0415 - only where NIXL is used
 
-            self.engine = NixlEngine(host=self.host, write_timeout_s=FORGE_WRITE_TIMEOUT_S)
+            # As the ranks' backends: no InfiniBand modules (their destructor crashes the
+            # driver at exit on hosts with the system's ibverbs providers).
+            self.engine = NixlEngine(
+                host=self.host, write_timeout_s=FORGE_WRITE_TIMEOUT_S, load_ib_modules=False
+            )
         if self.known.get(session_id) != metadata:
             self.engine.add_peer(session_id, metadata)
             self.known[session_id] = metadata
