@@ -482,6 +482,14 @@ def test_prefill_instances_are_counted_and_named_in_the_summary() -> None:
     assert reason_group("no STAGING_REQ for 30.0s (a lost ROOM_META ...)") == "room bound"
 
 
+def test_the_summary_says_when_forge_was_skipped() -> None:
+    skipped = passing_result(
+        forges=(), unauthorized=0, faults_injected={**dict.fromkeys(FAULT_ORDER, 1), "forge": 0}
+    )
+    assert re.search(r"^forge +skipped: it needs nixl", format_summary(skipped), re.M)
+    assert "skipped" not in format_summary(passing_result())
+
+
 def test_the_pause_fault_turns_the_integrity_check_on_in_every_rank() -> None:
     assert SoakConfig(faults=("pause",)).rank_settings().integrity is True
     assert SoakConfig(faults=("stall",)).rank_settings().integrity is None

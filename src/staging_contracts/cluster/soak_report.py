@@ -608,6 +608,8 @@ def format_summary(result: SoakResult) -> str:
                 f"{forge.rooms} rooms in flight, {forge.counted} counted unauthorized",
             )
         )
+    if "forge" in config.faults and not result.faults_injected.get("forge"):
+        rows.append(("forge", "skipped: it needs nixl and STAGING_CONTRACTS_SECRET"))
     if result.forges or result.unauthorized:
         rows.append(("unauthorized", f"{result.unauthorized} arrivals dropped (no valid MAC)"))
     for stall in result.stalls:
