@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import random
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from staging_contracts.cluster.soak_report import (
     FAULT_ORDER,
     FAULTS,
     FloodRecord,
+    ForgeRecord,
     KillRecord,
     SoakConfig,
     SoakResult,
@@ -42,6 +44,7 @@ from staging_contracts.control.room_messages import (
     RoomFenced,
     RoomMeta,
 )
+from staging_contracts.control.security import SECRET_ENV, SECRET_FILE_ENV
 from staging_contracts.control.transport import MAX_FRAMES, PeerSockets
 from staging_contracts.control.wire import MESSAGE_TYPES, MalformedMessage, decode_message
 from staging_contracts.engines import engine_available
@@ -61,7 +64,16 @@ def test_parse_faults_all_none_and_a_list_in_the_fixed_order() -> None:
     assert parse_faults("none") == ()
     assert parse_faults("") == ()
     assert parse_faults(" kill-decode , drop,drop ") == ("drop", "kill-decode")
-    assert FAULT_ORDER == ("drop", "flood", "stall", "stall-long", "kill-prefill", "kill-decode")
+    assert FAULT_ORDER == (
+        "drop",
+        "flood",
+        "stall",
+        "stall-long",
+        "pause",
+        "forge",
+        "kill-prefill",
+        "kill-decode",
+    )
 
 
 def test_an_unknown_fault_is_refused_naming_every_valid_one() -> None:
@@ -154,6 +166,8 @@ def passing_result(**changes: object) -> SoakResult:
         kills=(KillRecord("prefill", 0, 12.0, 4, 4, 3.0, 5.5),),
         stalls=(StallRecord(1, 8.0, 2.0, 4, 0),),
         floods=(FloodRecord("decode 0", 5.0, 20000, 20000, 0.6),),
+        forges=(ForgeRecord("decode 0", 9.0, 4, 64, 64),),
+        unauthorized=64,
         faults_injected=dict.fromkeys(FAULT_ORDER, 1),
         control_sent=5000,
         control_dropped=100,
@@ -190,6 +204,10 @@ def test_a_clean_result_passes() -> None:
         ({"unexpected_exits": ("decode 0 (pid 1) exited with -11",)}, "died by themselves"),
         ({"rank_errors": ("prefill 1: KeyError",)}, "1 commands failed"),
         ({"rooms_succeeded": 0}, "no room succeeded"),
+        (
+            {"forges": (ForgeRecord("decode 0", 9.0, 4, 64, 60),)},
+            "4 forged arrivals not counted unauthorized",
+        ),
     ],
 )
 def test_each_problem_fails_the_soak(changes: dict[str, object], problem: str) -> None:
@@ -212,6 +230,8 @@ def test_the_summary_has_every_figure_the_issue_asks_for() -> None:
     assert re.search(r"^listener restarts +0$", text, re.M)
     assert re.search(r"^control dropped +100 of 5000 messages", text, re.M)
     assert "20000 malformed messages in 0.6 s, 20000 counted" in text
+    assert "decode 0 at 9.0 s: 64 forged notifications for 4 rooms in flight, 64 counted" in text
+    assert re.search(r"^unauthorized +64 arrivals dropped", text, re.M)
     assert lines[-1].split() == ["verdict", "PASS"]
 
 
@@ -390,10 +410,16 @@ def test_a_room_whose_last_chunk_is_staged_first_succeeds_on_prefill() -> None:
 @pytest.mark.nixl
 @pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)
 @pytest.mark.timeout(240)
-def test_a_short_soak_with_every_fault_finds_nothing_corrupt_hung_or_leaked() -> None:
-    """Every fault once, over NIXL, 2 prefill -> 1 decode ranks: nothing corrupt, every kill
-    detected within the liveness (or ROOM_META) bound while rooms were in flight, the rings
-    and fences empty at the end, every listener alive; and rooms did succeed."""
+def test_a_short_soak_with_every_fault_finds_nothing_corrupt_hung_or_leaked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every fault once, over NIXL without the cluster secret (the flood's sockets have no
+    CURVE keys; ``forge`` needs the secret, so it is skipped: it has a soak of its own),
+    2 prefill -> 1 decode ranks: nothing corrupt, every kill detected within the liveness
+    (or ROOM_META) bound while rooms were in flight, the rings and fences empty at the end,
+    every listener alive; and rooms did succeed."""
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    monkeypatch.delenv(SECRET_ENV, raising=False)
     # A room still open 30 s after it was issued is hung: generous, for a loaded CI machine
     # (stalls, kills and timeouts of 3-10 s each can add up for one room).
     config = SoakConfig(duration_s=5.0, settle_s=1.0, room_bound_s=30.0)
@@ -403,7 +429,8 @@ def test_a_short_soak_with_every_fault_finds_nothing_corrupt_hung_or_leaked() ->
     print(format_summary(result))
     print(f"wall time {wall:.1f} s")
 
-    assert result.faults_injected == dict.fromkeys(FAULT_ORDER, 1), result.faults_injected
+    expected = {**dict.fromkeys(FAULT_ORDER, 1), "forge": 0}
+    assert result.faults_injected == expected, result.faults_injected
     assert result.control_dropped > 0
     assert result.rooms_succeeded >= 5
     # Every room accounted for: succeeded, or failed for a fault's reason (none for a
@@ -431,14 +458,105 @@ def test_a_short_soak_with_every_fault_finds_nothing_corrupt_hung_or_leaked() ->
         assert kill.detect_s is not None, kill
         assert 0 < kill.detect_s < bound, kill
         assert kill.restart_s is not None, kill
+    assert result.forges == ()
     (flood,) = result.floods
     assert flood.sent == config.flood_frames
     assert flood.counted == flood.sent
-    short, long = sorted(result.stalls, key=lambda s: s.duration_s)
+    paused = [s for s in result.stalls if s.fault == "pause"]
+    assert sorted(s.role for s in paused) == ["decode", "prefill"]
+    short, long = sorted(
+        (s for s in result.stalls if s.fault != "pause"), key=lambda s: s.duration_s
+    )
     assert short.duration_s == soak.SHORT_STALL_S
     assert long.duration_s == config.liveness_timeout_s + soak.LONG_STALL_EXTRA_S
     assert long.rooms_in_flight > 0
     assert long.rooms_failed > 0  # declared dead while stopped: its rooms fail
+
+
+def test_prefill_instances_are_counted_and_named_in_the_summary() -> None:
+    with pytest.raises(ValueError, match="prefill_instances=0 must be >= 1"):
+        SoakConfig(prefill_instances=0)
+    config = SoakConfig(prefill_instances=2)
+    text = format_summary(passing_result(config=config))
+    assert re.search(r"^engine +nixl, 2 instances of 2 prefill -> 1 decode$", text, re.M)
+    assert reason_group("no STAGING_REQ for 30.0s (a lost ROOM_META ...)") == "room bound"
+
+
+def test_the_summary_says_when_forge_was_skipped() -> None:
+    skipped = passing_result(
+        forges=(), unauthorized=0, faults_injected={**dict.fromkeys(FAULT_ORDER, 1), "forge": 0}
+    )
+    assert re.search(r"^forge +skipped: it needs nixl", format_summary(skipped), re.M)
+    assert "skipped" not in format_summary(passing_result())
+
+
+def test_the_pause_fault_turns_the_integrity_check_on_in_every_rank() -> None:
+    assert SoakConfig(faults=("pause",)).rank_settings().integrity is True
+    assert SoakConfig(faults=("stall",)).rank_settings().integrity is None
+    assert reason_group("integrity: chunk 2 of room 7 does not match its tag") == "integrity"
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)
+@pytest.mark.timeout(120)
+def test_a_pause_soak_with_the_secret_stops_both_roles_and_finds_nothing_corrupt_or_hung(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 24: a writer (and then decode) SIGSTOPped past the liveness timeout and
+    continued, over NIXL with the cluster secret and integrity on: rooms in flight fail (the
+    peer was declared dead) but none is corrupt or hung, and nothing is left held."""
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    monkeypatch.setenv(SECRET_ENV, secrets.token_hex(32))
+    # Two prefill instances (tenants) share decode's ring, so that a paused writer of one
+    # can reach a region since given to the other. The default room bound (45 s): after a
+    # pause a decode room can end only at its 30 s room timeout (no STAGING_REQ).
+    config = SoakConfig(
+        duration_s=1.0,
+        faults=("pause",),
+        settle_s=0.5,
+        liveness_timeout_s=1.5,
+        prefill_instances=2,
+    )
+    result = run_soak(config, progress=print)
+    print(format_summary(result))
+
+    paused = sorted(result.stalls, key=lambda s: s.role)
+    assert [(s.role, s.fault) for s in paused] == [("decode", "pause"), ("prefill", "pause")]
+    assert result.config.prefill_instances == 2
+    for stall in paused:
+        assert stall.duration_s > config.liveness_timeout_s
+        assert stall.rooms_in_flight > 0, stall
+    assert result.corrupt == 0, result.corrupt_details
+    assert result.hung == 0, result.hung_details
+    assert result.rooms_started == result.rooms_succeeded + result.rooms_failed
+    assert not {"rank error", "other"} & set(result.failed_by_reason), result.failure_examples
+    assert result.ok, result.problems
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)
+@pytest.mark.timeout(120)
+def test_a_forge_soak_with_the_secret_drops_and_counts_every_forged_arrival(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 24, finding 2: a hostile NIXL agent holding decode's engine metadata sends
+    arrivals for the rooms in flight; with the secret every one is dropped and counted
+    ``unauthorized``, and no room completes on them (0 corrupt)."""
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    monkeypatch.setenv(SECRET_ENV, secrets.token_hex(32))
+    config = SoakConfig(duration_s=1.0, faults=("forge",), settle_s=0.5, room_bound_s=30.0)
+    result = run_soak(config, progress=print)
+    print(format_summary(result))
+
+    (forge,) = result.forges
+    assert forge.rooms > 0, forge
+    assert forge.sent == forge.rooms * 2 * config.prefill_tp * len(list(config.transfer().chunks()))
+    assert forge.counted == forge.sent, forge
+    assert result.unauthorized >= forge.sent
+    assert result.faults_injected == {"forge": 1}
+    assert result.corrupt == 0, result.corrupt_details
+    assert result.hung == 0, result.hung_details
+    assert result.ok, result.problems
 
 
 @pytest.mark.nixl

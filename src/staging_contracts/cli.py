@@ -397,8 +397,9 @@ def _run_soak(args: argparse.Namespace) -> int:
         print(f"staging-contracts soak: {exc}", file=sys.stderr)
         return EXIT_UNIMPORTABLE
     _progress(
-        f"soak over {config.backend}: {config.prefill_tp} prefill -> {config.decode_tp} decode "
-        f"ranks, {config.duration_s:g} s, faults: {', '.join(config.faults) or 'none'}"
+        f"soak over {config.backend}: {config.prefill_instances} x {config.prefill_tp} prefill "
+        f"-> {config.decode_tp} decode ranks, {config.duration_s:g} s, "
+        f"faults: {', '.join(config.faults) or 'none'}"
     )
     try:
         result = run_soak(config, progress=_progress)

@@ -55,10 +55,12 @@ from ..control.security import check_insecure_bind, load_cluster_secret
 from ..control.transport import MAX_FRAMES
 from ..control.wire import MESSAGE_TYPES
 from .bootstrap import RankInfo
+from .soak_forge import Forger, forged_arrivals
 from .soak_rank import soak_rank_main
 from .soak_report import (
     FAULT_ORDER,
     FloodRecord,
+    ForgeRecord,
     KillRecord,
     SoakConfig,
     SoakResult,
@@ -210,8 +212,10 @@ class _Driver:
         self.inbox_endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
         self.spawn = multiprocessing.get_context("spawn")
         self.keys: list[RankKey] = [("decode", d) for d in range(config.decode_tp)] + [
-            ("prefill", p) for p in range(config.prefill_tp)
+            ("prefill", p) for p in range(config.prefill_tp * config.prefill_instances)
         ]
+        self.next_instance = 0
+        """The prefill instance the next room goes to (in turn)."""
         self.ranks: dict[RankKey, _Rank] = {}
         self.retired: list[_Rank] = []
         self.rooms: dict[int, _Room] = {}
@@ -233,6 +237,8 @@ class _Driver:
         """The new process of each kill (``None``: it did not take its peers in time)."""
         self.stalls: list[StallRecord] = []
         self.floods: list[FloodRecord] = []
+        self.forges: list[ForgeRecord] = []
+        self.forger: Forger | None = None
         self.injected: Counter[str] = Counter()
         self.listener_deaths: set[int] = set()
         self.unexpected: list[str] = []
@@ -260,6 +266,9 @@ class _Driver:
         self.issuing = True
         run_from = time.monotonic()
         cycle = [name for name in FAULT_ORDER if name in config.faults and name != "drop"]
+        if "forge" in cycle and not _can_forge(config):
+            logger.warning("forge skipped: it needs the nixl backend and the cluster secret")
+            cycle.remove("forge")
         turn = 0
         while True:
             remaining = config.duration_s - (time.monotonic() - run_from)
@@ -297,8 +306,10 @@ class _Driver:
         liveness = self.config.liveness_timeout_s
         return {
             "flood": 3.0,
+            "forge": 3.0,
             "stall": SHORT_STALL_S,
             "stall-long": liveness + LONG_STALL_EXTRA_S,
+            "pause": 2 * (liveness + LONG_STALL_EXTRA_S + self.config.settle_s),
         }.get(fault, liveness + self.startup_s + 2.0)
 
     def shutdown(self) -> None:
@@ -319,17 +330,29 @@ class _Driver:
                 rank.commands = None
         self.ended = time.monotonic()
         self.inbox.close(linger=0)
+        if self.forger is not None:
+            self.forger.close()
+            self.forger = None
 
     # ------------------------------------------------------------------ faults
 
     def _inject(self, fault: str) -> None:
         if fault == "flood":
             self._flood()
+        elif fault == "forge":
+            self._forge()
         elif fault in ("stall", "stall-long"):
             long = fault == "stall-long"
             self._stall(
-                self.config.liveness_timeout_s + LONG_STALL_EXTRA_S if long else SHORT_STALL_S
+                self.config.liveness_timeout_s + LONG_STALL_EXTRA_S if long else SHORT_STALL_S,
+                "prefill",
+                fault,
             )
+        elif fault == "pause":  # both roles, each past the liveness timeout
+            seconds = self.config.liveness_timeout_s + LONG_STALL_EXTRA_S
+            self._stall(seconds, "prefill", fault)
+            self._wait(_never, self.config.settle_s)
+            self._stall(seconds, "decode", fault)
         elif fault in ("kill-prefill", "kill-decode"):
             self._kill(fault.removeprefix("kill-"))
         self.injected[fault] += 1
@@ -417,8 +440,10 @@ class _Driver:
             + (f" in {restart:.1f} s" if restart is not None else ""),
         )
 
-    def _stall(self, seconds: float) -> None:
-        rank = self._victim("prefill")
+    def _stall(self, seconds: float, role: str, fault: str) -> None:
+        """Stop a ``role`` rank (``SIGSTOP``) with rooms in flight that need it, for
+        ``seconds``, then continue it (``SIGCONT``) and count the rooms that failed."""
+        rank = self._victim(role)
         self._await_needed(rank)
         in_flight = self._unsettled()
         at = time.monotonic()
@@ -435,12 +460,12 @@ class _Driver:
         # failed from the stop until now.
         failed = sum(r.outcome == "failed" and r.settled_at >= at for r in self.rooms.values())
         self.stalls.append(
-            StallRecord(rank.key[1], at - self.start, seconds, len(in_flight), failed)
+            StallRecord(rank.key[1], at - self.start, seconds, len(in_flight), failed, role, fault)
         )
         self._say(
             at,
-            f"stalled prefill {rank.key[1]} for {seconds:.1f} s with {len(in_flight)} rooms "
-            f"in flight; {failed} failed meanwhile",
+            f"{fault}: stopped {role} {rank.key[1]} for {seconds:.1f} s with "
+            f"{len(in_flight)} rooms in flight; {failed} failed meanwhile",
         )
 
     def _flood(self) -> None:
@@ -481,6 +506,45 @@ class _Driver:
         label = f"{rank.key[0]} {rank.key[1]}"
         self.floods.append(FloodRecord(label, at - self.start, total, counted, seconds))
         self._say(at, f"flooded {label} with {total} malformed messages; it counted {counted}")
+
+    def _forge(self) -> None:
+        """Send a decode rank forged arrivals for the rooms in flight from a hostile agent
+        that holds its engine metadata, and wait (bounded) until it counted them
+        ``unauthorized``."""
+        rank = self._victim("decode")
+        self._await_needed(rank)
+        info = rank.info
+        if info is None:
+            return
+        if self.forger is None:
+            self.forger = Forger(self.config.host)
+        before = int(self._status([rank.key]).get(rank.key, {}).get("unauthorized", 0))
+        rooms = [room.room for room in self._unsettled()]
+        chunks = list(self.config.transfer().chunks())
+        payloads = forged_arrivals(rooms, chunks, info.session_id, self.config.prefill_tp, self.rng)
+        at = time.monotonic()
+        sent = self.forger.send(info.session_id, info.metadata, payloads)
+        counted = 0
+
+        def counted_all() -> bool:
+            nonlocal counted
+            if self.forger is not None:
+                self.forger.progress()
+            answer = self._status([rank.key]).get(rank.key)
+            if answer is not None:
+                counted = int(answer.get("unauthorized", 0)) - before
+            return counted >= sent
+
+        deadline = time.monotonic() + STATUS_S
+        while not counted_all() and time.monotonic() < deadline:
+            self._wait(_never, 0.25)
+        label = f"{rank.key[0]} {rank.key[1]}"
+        self.forges.append(ForgeRecord(label, at - self.start, len(rooms), sent, counted))
+        self._say(
+            at,
+            f"forged {sent} arrivals to {label} for {len(rooms)} rooms in flight; "
+            f"{counted} counted unauthorized",
+        )
 
     # ------------------------------------------------------------------ the pump
 
@@ -686,24 +750,29 @@ class _Driver:
         """
         if not self.issuing or self._answering_peers():
             return
-        live = {key: r for key, r in self.ranks.items() if r.peered and not r.gone}
-        if not live:
+        up = {key: r for key, r in self.ranks.items() if r.peered and not r.gone}
+        if not up:
             return
         for _ in range(self.config.rooms_in_flight):  # bounded, even if each fails at once
             if len(self._unsettled()) >= self.config.rooms_in_flight or not self.free:
                 break
+            instance = self.next_instance
+            self.next_instance = (instance + 1) % self.config.prefill_instances
+            keys = self._room_keys(instance)
+            live = {key: rank for key, rank in up.items() if key in keys}
             index = self.free.pop(0)
             room = _Room(
                 self.next_room,
                 index,
                 time.monotonic(),
                 {key: rank.pid or 0 for key, rank in live.items()},
-                lost=set(self.keys) - set(live),
+                lost=set(keys) - set(live),
             )
             self.next_room += 1
             self.rooms[room.room] = room
-            for key in self.keys:  # decode first: it registers the room before prefill asks
+            for key in keys:  # decode first: it registers the room before prefill asks
                 command = {"cmd": "room", "room": room.room, "index": index}
+                command["instance"] = instance
                 if key in live and not self._send(live[key], command):
                     room.reports[key] = {
                         "state": "failed",
@@ -711,6 +780,14 @@ class _Driver:
                         "t": time.monotonic(),
                     }
             self._maybe_settle(room)
+
+    def _room_keys(self, instance: int) -> list[RankKey]:
+        """The ranks a room of prefill ``instance`` needs: every decode rank (first) and
+        that instance's prefill ranks."""
+        tp = self.config.prefill_tp
+        return [key for key in self.keys if key[0] == "decode"] + [
+            ("prefill", instance * tp + r) for r in range(tp)
+        ]
 
     def _maybe_settle(self, room: _Room) -> None:
         if room.outcome is None and not room.waiting():
@@ -811,6 +888,8 @@ class _Driver:
             ),
             stalls=tuple(self.stalls),
             floods=tuple(self.floods),
+            forges=tuple(self.forges),
+            unauthorized=sum(int(s.get("unauthorized", 0)) for s in self.last_status.values()),
             faults_injected={name: self.injected[name] for name in self.config.faults},
             control_sent=sent,
             control_dropped=dropped,
@@ -824,6 +903,11 @@ class _Driver:
             unexpected_exits=tuple(self.unexpected),
             rank_errors=tuple(self.errors),
         )
+
+
+def _can_forge(config: SoakConfig) -> bool:
+    """Whether ``forge`` applies: NIXL notifications, authenticated with the secret."""
+    return config.backend == "nixl" and load_cluster_secret() is not None
 
 
 def _never() -> bool:

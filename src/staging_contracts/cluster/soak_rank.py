@@ -64,7 +64,7 @@ from ..backends.common import CommonKVManager, Role
 from ..backends.kv_requests import DecodeTransfers, KVPoll, KVReceiver, KVSender, PrefillTransfers
 from ..backends.staging_setup import StagingBackend, enable_decode_staging, enable_prefill_staging
 from ..control.transport import PeerSockets
-from ..decode.handler import DecodeStagingHandler, peers_for
+from ..decode.handler import DecodeStagingHandler, PrefillPeer, peers_for
 from ..prefill.writer import DecodeTarget, PrefillTimeouts, StagingWriter
 from ..protocols import KVBufferTensors
 from ..staging.layout import compute_staging_layout
@@ -117,6 +117,9 @@ class RankSettings:
     then the room is reported ``failed``."""
     drop_share: float = 0.0
     """Share of outgoing control messages the ``drop`` fault discards (0: none)."""
+    integrity: bool | None = None
+    """Check staged bytes against their integrity tags (both sides); ``None``: as
+    ``STAGING_CONTRACTS_INTEGRITY`` says in the rank process."""
     seed: int = 0
     """Seeds the ``drop`` draws (mixed with the role, rank and process id)."""
     log_level: int = logging.ERROR
@@ -285,6 +288,9 @@ class CommandLoop:
         self.clock = clock
         self.threads: list[threading.Thread] = []
         self.waiting_rooms: list[tuple[int, int, float]] = []
+        self.room_instance: dict[int, int] = {}
+        """Room -> the prefill instance it comes from (``room`` commands' ``instance``;
+        decode reads it when it opens the room)."""
         """Rooms that came before the peers: ``(room, index, deadline)``, in order."""
 
     # ------------------------------------------------------------------ to override
@@ -318,6 +324,7 @@ class CommandLoop:
                 self.events.send("peers", count=len(ranks))
                 self._open_waiting()
             elif name == "room":
+                self.room_instance[int(doc["room"])] = int(doc.get("instance", 0))
                 self._room(int(doc["room"]), int(doc["index"]))
             elif name == "status":
                 self.events.send("status", id=doc.get("id"), **self.status())
@@ -336,6 +343,7 @@ class CommandLoop:
             return
         self.waiting_rooms = [item for item in self.waiting_rooms if item[2] > now]
         for room, index, _ in due:
+            self.room_instance.pop(room, None)
             reason = f"no peers known {self.settings.peers_wait_s:g} s after the room came"
             self.events.send("room", room=room, index=index, state="failed", reason=reason, t=now)
 
@@ -389,10 +397,13 @@ class _RankServer(CommandLoop):
 
     def __init__(self, rank: int, settings: RankSettings, events: _Events) -> None:
         super().__init__(events, settings)
-        self.rank = rank
         self.config = settings.transfer
         tp = self.config.prefill_tp if self.role is Role.PREFILL else self.config.decode_tp
         self.tp = tp
+        # Prefill ranks of every instance are numbered on: instance i's TP rank r is rank
+        # i * prefill_tp + r (its events carry that number; its engine and pool, r).
+        rank %= tp
+        self.rank = rank
         self.pool: KVBufferTensors = self.config.empty_pool(tp, rank)
         # A spec string (a name or MODULE:CLASS[=MODULE:FACTORY]), resolved in this process;
         # host reaches the manager only when its class or factory takes ``host``.
@@ -463,6 +474,7 @@ class _RankServer(CommandLoop):
             "listener_malformed": listener.malformed,
             "listener_errors": listener.errors,
             "staging_malformed": stats.malformed,
+            "unauthorized": self.manager.unauthorized,
             "control_sent": self.drops.sent,
             "control_dropped": self.drops.dropped,
             "room_threads": sum(t.is_alive() for t in self.threads),
@@ -495,9 +507,12 @@ class _DecodeServer(_RankServer):
             kv_buffers=self.pool,
             ring_bytes=ring_bytes(self.config),
             stall_timeout_s=settings.stall_timeout_s,
+            integrity=settings.integrity,
         )
         self.common.start()
         self.transfers: DecodeTransfers | None = None
+        self.instance_peers: list[tuple[PrefillPeer, ...]] = []
+        """Each prefill instance's peers for this rank (``peers_for``), by instance."""
         self.plans = request_plans(self.config)
 
     def info(self) -> RankInfo:
@@ -516,17 +531,20 @@ class _DecodeServer(_RankServer):
 
     def on_peers(self, ranks: list[RankInfo]) -> None:
         self.trust(ranks)
-        endpoints = [info.endpoint for info in sorted(ranks, key=lambda i: i.tp_rank)]
-        if len(endpoints) != self.config.prefill_tp:
-            raise ValueError(f"{len(endpoints)} prefill ranks, expected {self.config.prefill_tp}")
+        # The driver sends every instance's ranks, instance by instance, each in TP order.
+        tp = self.config.prefill_tp
+        endpoints = [info.endpoint for info in ranks]
+        if not endpoints or len(endpoints) % tp:
+            raise ValueError(f"{len(endpoints)} prefill ranks, expected a multiple of {tp}")
+        groups = [endpoints[i : i + tp] for i in range(0, len(endpoints), tp)]
+        # Rooms registered from now on go to the new prefill ranks; rooms in flight keep
+        # the peers of their plan.
+        self.instance_peers = [
+            peers_for(group, tp, self.config.decode_tp, self.rank) for group in groups
+        ]
         if self.transfers is None:
-            self.transfers = DecodeTransfers(self.common, self.handler, endpoints)
-        else:
-            # Rooms registered from now on go to the new prefill ranks; rooms in flight keep
-            # the peers of their plan.
-            self.transfers.peers = peers_for(
-                endpoints, self.config.prefill_tp, self.config.decode_tp, self.rank
-            )
+            self.transfers = DecodeTransfers(self.common, self.handler, groups[0])
+        self.transfers.peers = self.instance_peers[0]
 
     def peers_known(self) -> bool:
         return self.transfers is not None
@@ -535,6 +553,11 @@ class _DecodeServer(_RankServer):
         if self.transfers is None:  # CommandLoop holds rooms until the peers are known
             raise RuntimeError("a room before the prefill ranks are known")
         plan = self.plans[index]
+        instance = self.room_instance.pop(room, 0)
+        if not 0 <= instance < len(self.instance_peers):
+            raise ValueError(f"room {room}: prefill instance {instance} is not known")
+        # The command thread opens every room: the peers set here are the ones init reads.
+        self.transfers.peers = self.instance_peers[instance]
         self._zero(plan.decode_pages)
         receiver = KVReceiver(self.transfers, room)
         receiver.init(plan.decode_pages, chunk_pages=self.config.chunk_pages)
@@ -588,12 +611,13 @@ class _PrefillServer(_RankServer):
 
     def __init__(self, rank: int, settings: RankSettings, events: _Events) -> None:
         super().__init__(rank, settings, events)
-        fill_prefill_pool(self.pool, self.config, rank)
+        fill_prefill_pool(self.pool, self.config, self.rank)
         self.writer: StagingWriter = enable_prefill_staging(
             self.manager,
             kv_buffers=self.pool,
             max_chunk_pages=self.config.chunk_pages,
             timeouts=settings.prefill_timeouts,
+            integrity=settings.integrity,
         )
         self.transfers = PrefillTransfers(
             self.common, self.writer, meta_timeout_s=settings.meta_timeout_s

@@ -40,6 +40,7 @@ __all__ = [
     "FAULT_ORDER",
     "SOAK_EPILOG",
     "FloodRecord",
+    "ForgeRecord",
     "KillRecord",
     "SoakConfig",
     "SoakResult",
@@ -61,6 +62,15 @@ FAULTS: Final[Mapping[str, str]] = MappingProxyType(
         "stall": "SIGSTOP a prefill rank for 2 s (under the liveness timeout), then SIGCONT",
         "stall-long": "SIGSTOP a prefill rank for the liveness timeout + 1.5 s: it is declared "
         "dead while it still holds its writes, then it comes back (SIGCONT)",
+        "pause": "SIGSTOP a prefill rank, then a decode rank, each for the liveness timeout + "
+        "1.5 s, then SIGCONT: a paused writer whose regions were reused comes back with its "
+        "writes in flight. With this fault listed the ranks run with the integrity check on "
+        "(STAGING_CONTRACTS_INTEGRITY=1), so that a late landing fails its room instead of "
+        "passing as success",
+        "forge": "a hostile NIXL agent in the driver loads a decode rank's engine metadata and "
+        "sends it forged arrival notifications for the rooms in flight (no tag, a made-up "
+        "MAC); decode must drop and count every one (unauthorized). Needs nixl and "
+        "STAGING_CONTRACTS_SECRET; skipped (injected 0 times) otherwise",
         "kill-prefill": "SIGKILL a prefill rank with rooms in flight, time until the survivors "
         "fail those rooms, start a new process for it (rooms keep coming to the survivors "
         "meanwhile)",
@@ -157,6 +167,14 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tp", type=int, default=default.prefill_tp, metavar="P")
     parser.add_argument("--decode-tp", type=int, default=default.decode_tp, metavar="D")
     parser.add_argument(
+        "--prefill-instances",
+        type=int,
+        default=default.prefill_instances,
+        metavar="N",
+        help="prefill instances of P ranks each, sharing decode's ring; rooms go to them in "
+        f"turn (default {default.prefill_instances})",
+    )
+    parser.add_argument(
         "--rooms-in-flight",
         type=int,
         default=default.rooms_in_flight,
@@ -198,6 +216,7 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
         seed=args.seed,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        prefill_instances=args.prefill_instances,
         rooms_in_flight=args.rooms_in_flight,
         drop_share=args.drop_share,
         liveness_timeout_s=args.liveness_timeout,
@@ -215,6 +234,8 @@ _REASON_GROUPS: Final = (
     ("released early", ("released before it finished",)),
     ("rank error", ("rank error",)),
     ("fenced", ("fenced the room",)),
+    ("integrity", ("integrity",)),
+    ("room bound", ("no staging_req for",)),
 )
 
 
@@ -256,6 +277,10 @@ class SoakConfig:
     """Seeds the workload, the drops, the flood frames and which rank each fault hits."""
     prefill_tp: int = 2
     decode_tp: int = 1
+    prefill_instances: int = 1
+    """Prefill instances (tenants) of ``prefill_tp`` ranks each; rooms go to them in turn,
+    and every instance's rooms share decode's ring (so that a paused writer of one can
+    reach a region since given to another)."""
     rooms_in_flight: int = 4
     """Rooms the driver keeps issued and not yet ended."""
     drop_share: float = 0.02
@@ -294,6 +319,8 @@ class SoakConfig:
             raise ValueError(f"unknown faults {unknown}; valid: {', '.join(FAULT_ORDER)}")
         if not self.duration_s > 0:
             raise ValueError(f"duration_s={self.duration_s!r} must be > 0")
+        if self.prefill_instances < 1:
+            raise ValueError(f"prefill_instances={self.prefill_instances} must be >= 1")
         if self.rooms_in_flight < 1 or self.flood_frames < 2:
             raise ValueError(
                 f"rooms_in_flight={self.rooms_in_flight} must be >= 1 and "
@@ -325,6 +352,13 @@ class SoakConfig:
             ring_chunks=self.ring_chunks,
         )
 
+    @property
+    def integrity(self) -> bool:
+        """Whether the ranks check staged bytes against their integrity tags: on with the
+        ``pause`` fault (a paused writer's late landing must fail its room), else as
+        ``STAGING_CONTRACTS_INTEGRITY`` says in each rank process."""
+        return "pause" in self.faults
+
     def rank_settings(self) -> RankSettings:
         """What every rank process is started with."""
         return RankSettings(
@@ -335,6 +369,7 @@ class SoakConfig:
             meta_timeout_s=self.meta_timeout_s,
             room_bound_s=self.room_bound_s,
             drop_share=self.drop_share if "drop" in self.faults else 0.0,
+            integrity=True if self.integrity else None,
             seed=self.seed,
             log_level=self.log_level,
         )
@@ -366,7 +401,8 @@ class KillRecord:
 
 @dataclass(frozen=True, slots=True)
 class StallRecord:
-    """One prefill rank stopped (``SIGSTOP``) and continued."""
+    """One rank stopped (``SIGSTOP``) and continued (``stall``, ``stall-long``: a prefill
+    rank; ``pause``: a prefill rank, then a decode rank)."""
 
     rank: int
     at_s: float
@@ -377,6 +413,26 @@ class StallRecord:
     rooms_failed: int
     """Rooms that failed from the stop until shortly after it continued (those issued
     during the stop included)."""
+    role: str = "prefill"
+    """The stopped rank's role."""
+    fault: str = "stall"
+    """The fault that stopped it: ``stall``, ``stall-long`` or ``pause``."""
+
+
+@dataclass(frozen=True, slots=True)
+class ForgeRecord:
+    """One burst of forged arrival notifications at a decode rank (``forge``)."""
+
+    target: str
+    """``"decode 0"``, ..."""
+    at_s: float
+    """When the burst began, in seconds since the soak started."""
+    rooms: int
+    """Rooms in flight the notifications named."""
+    sent: int
+    """Forged notifications sent."""
+    counted: int
+    """Of those, counted ``unauthorized`` by the target meanwhile (should equal ``sent``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,6 +479,10 @@ class SoakResult:
     kills: tuple[KillRecord, ...]
     stalls: tuple[StallRecord, ...]
     floods: tuple[FloodRecord, ...]
+    forges: tuple[ForgeRecord, ...]
+    unauthorized: int
+    """Arrivals the ranks dropped for a missing or bad MAC (over every process, as last
+    reported)."""
     faults_injected: dict[str, int]
     """Fault name -> times injected (``drop``: 1 when it dropped any message)."""
     control_sent: int
@@ -473,6 +533,9 @@ class SoakResult:
             )
         if not self.idle_reached:
             out.append("the ranks did not all report idle at the end")
+        uncounted = sum(forge.sent - forge.counted for forge in self.forges)
+        if uncounted > 0:
+            out.append(f"{uncounted} forged arrivals not counted unauthorized")
         if self.listener_restarts:
             out.append(f"{self.listener_restarts} control listeners died")
         if self.unexpected_exits:
@@ -489,12 +552,19 @@ class SoakResult:
         return not self.problems
 
 
+def _prefill_text(config: SoakConfig) -> str:
+    """``2 prefill``, or ``2 instances of 2 prefill``."""
+    if config.prefill_instances == 1:
+        return f"{config.prefill_tp} prefill"
+    return f"{config.prefill_instances} instances of {config.prefill_tp} prefill"
+
+
 def format_summary(result: SoakResult) -> str:
     """The soak's summary, one fact per line."""
     config = result.config
     failed = result.failed_by_reason
     rows: list[tuple[str, str]] = [
-        ("engine", f"{config.backend}, {config.prefill_tp} prefill -> {config.decode_tp} decode"),
+        ("engine", f"{config.backend}, {_prefill_text(config)} -> {config.decode_tp} decode"),
         ("ran", f"{result.elapsed_s:.1f} s, faults: {', '.join(config.faults) or 'none'}"),
         ("times", "seconds since the soak started (as the progress lines)"),
         (
@@ -530,12 +600,25 @@ def format_summary(result: SoakResult) -> str:
                 f"{flood.seconds:.1f} s, {flood.counted} counted",
             )
         )
+    for forge in result.forges:
+        rows.append(
+            (
+                "forge",
+                f"{forge.target} at {forge.at_s:.1f} s: {forge.sent} forged notifications for "
+                f"{forge.rooms} rooms in flight, {forge.counted} counted unauthorized",
+            )
+        )
+    if "forge" in config.faults and not result.faults_injected.get("forge"):
+        rows.append(("forge", "skipped: it needs nixl and STAGING_CONTRACTS_SECRET"))
+    if result.forges or result.unauthorized:
+        rows.append(("unauthorized", f"{result.unauthorized} arrivals dropped (no valid MAC)"))
     for stall in result.stalls:
         rows.append(
             (
                 "stall",
-                f"prefill {stall.rank} at {stall.at_s:.1f} s for {stall.duration_s:.1f} s: "
-                f"{stall.rooms_in_flight} rooms in flight, {stall.rooms_failed} failed meanwhile",
+                f"{stall.fault}: {stall.role} {stall.rank} at {stall.at_s:.1f} s for "
+                f"{stall.duration_s:.1f} s: {stall.rooms_in_flight} rooms in flight, "
+                f"{stall.rooms_failed} failed meanwhile",
             )
         )
     for kill in result.kills:

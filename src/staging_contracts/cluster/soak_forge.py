@@ -1,0 +1,124 @@
+"""The soak's ``forge`` fault: a hostile NIXL agent that holds decode's engine metadata.
+
+:class:`Forger` is an agent of its own in the driver's process (no cluster secret used) that
+loads a decode rank's NIXL metadata, as anyone who saw it on the bootstrap could, and sends
+that rank arrival notifications (:class:`~staging_contracts.control.wire.ChunkReady`) for
+rooms in flight: without a tag, and with a tag whose MAC is made up. With the cluster secret
+set, decode must drop every one and count it in ``unauthorized``; a forged arrival that it
+took would complete a room before its bytes landed (the soak's check then finds it corrupt).
+
+**Threads:** the driver's; every call blocks for at most the engine's write timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Final
+
+from ..control.wire import ChunkReady
+from ..protocols import TransferError
+
+if TYPE_CHECKING:
+    from ..engines.nixl import NixlEngine
+
+__all__ = ["FORGE_WRITE_TIMEOUT_S", "Forger", "forged_arrivals"]
+
+logger = logging.getLogger(__name__)
+
+FORGE_WRITE_TIMEOUT_S: Final = 5.0
+"""Longest the hostile agent waits for one notification to go."""
+
+
+def forged_arrivals(
+    rooms: Iterable[int],
+    chunks: list[tuple[int, int]],
+    session_id: str,
+    writers: int,
+    rng: random.Random,
+) -> list[bytes]:
+    """Notification payloads claiming that every chunk of ``rooms`` landed in
+    ``session_id``: for each chunk and writer, one without a tag and one with a made-up MAC.
+
+    Args:
+        rooms: Room ids in flight.
+        chunks: ``(page_start, num_pages)`` of each chunk of a room.
+        session_id: The decode session named as written to.
+        writers: How many prefill writers a chunk has.
+        rng: Draws the epochs, digests and MACs.
+    """
+    out: list[bytes] = []
+    for room in rooms:
+        for chunk_idx, (start, count) in enumerate(chunks):
+            for writer in range(writers):
+                bare = ChunkReady(room, chunk_idx, start, count, session_id, writer)
+                digest, mac = rng.randbytes(8).hex(), rng.randbytes(16).hex()
+                tagged = ChunkReady(
+                    room,
+                    chunk_idx,
+                    start,
+                    count,
+                    session_id,
+                    writer,
+                    rng.randrange(4),
+                    f"{digest}:{mac}",
+                )
+                out += [bare.to_notification(), tagged.to_notification()]
+    return out
+
+
+class Forger:
+    """A hostile NIXL agent that sends forged arrival notifications to decode ranks.
+
+    Its engine is created at the first :meth:`send` (on ``host``, as the ranks' engines);
+    :meth:`close` ends it. **Threads:** one caller at a time (the driver's).
+    """
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.engine: NixlEngine | None = None
+        self.known: dict[str, bytes] = {}
+
+    def send(self, session_id: str, metadata: bytes, payloads: list[bytes]) -> int:
+        """Load ``metadata`` (decode's, as published) and send every payload to
+        ``session_id``, each as a notification without a write.
+
+        Returns:
+            How many notifications went (a failed one is logged and not counted).
+
+        Raises:
+            TransferError: the hostile agent could not start or load the metadata.
+        """
+        if self.engine is None:
+            from ..engines.nixl import NixlEngine  # noqa: PLC0415 - only where NIXL is used
+
+            # As the ranks' backends: no InfiniBand modules (their destructor crashes the
+            # driver at exit on hosts with the system's ibverbs providers).
+            self.engine = NixlEngine(
+                host=self.host, write_timeout_s=FORGE_WRITE_TIMEOUT_S, load_ib_modules=False
+            )
+        if self.known.get(session_id) != metadata:
+            self.engine.add_peer(session_id, metadata)
+            self.known[session_id] = metadata
+        sent = 0
+        for payload in payloads:
+            try:
+                self.engine.write(session_id, [], notify=payload)
+            except TransferError as exc:  # a lost one is counted as not sent, the rest still go
+                logger.warning("a forged notification to %s did not go: %r", session_id, exc)
+                continue
+            sent += 1
+        return sent
+
+    def progress(self) -> None:
+        """Drive the hostile agent once, so that the notifications it posted go out
+        (UCX sends them as the sender progresses). **Blocking:** no."""
+        if self.engine is not None:
+            self.engine.progress()
+
+    def close(self) -> None:
+        """End the hostile agent (idempotent)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
