@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import pytest
 
 from staging_contracts.backends.kv_requests import KVPoll, KVReceiver, KVSender
+from staging_contracts.control.transport import PeerSockets
 from staging_contracts.decode.rooms import RoomStatus
 from staging_contracts.protocols import ArrivalOutcome, StagingReqOutcome
 from tests.local_cluster import Geometry, pools_equal, sides, wait_states
@@ -168,6 +169,22 @@ def test_release_with_a_hung_device_event_is_bounded_and_lets_the_listener_in(
     assert r.handler.live_rooms == 2  # room 1 stays, closing: release it again later
 
 
+def lose_first(peers: PeerSockets, kind: bytes) -> list[list[bytes]]:
+    """Make ``peers`` lose the first message of ``kind`` it sends (reported sent, never
+    delivered); the list it returns holds the lost frames."""
+    send = peers.send
+    lost: list[list[bytes]] = []
+
+    def lossy(endpoint: str, frames: Sequence[bytes]) -> bool:
+        if frames and frames[0] == kind and not lost:
+            lost.append(list(frames))
+            return True
+        return send(endpoint, frames)
+
+    peers.send = lossy  # type: ignore[method-assign]
+    return lost
+
+
 def test_a_lost_room_meta_is_sent_again_and_the_room_succeeds() -> None:
     """The first ROOM_META to the prefill rank is lost: decode sends it again (every
     resend_s, until the writer is heard from) and the request lands bit-exact well before the
@@ -176,16 +193,7 @@ def test_a_lost_room_meta_is_sent_again_and_the_room_succeeds() -> None:
     with sides(Geometry(1, 1, 2), meta_timeout_s=3.0) as s:
         c = s.cluster
         peers = c.decode[0].peers
-        send = peers.send
-        lost: list[list[bytes]] = []
-
-        def lossy(endpoint: str, frames: Sequence[bytes]) -> bool:
-            if frames and frames[0] == b"ROOM_META" and not lost:
-                lost.append(list(frames))
-                return True  # "sent", never delivered
-            return send(endpoint, frames)
-
-        peers.send = lossy  # type: ignore[method-assign]
+        lost = lose_first(peers, b"ROOM_META")
         request = c.add_request(60, num_pages=4, chunk_pages=2)
         c.handlers[0].release_room(60)  # registered again below, through the receiver
         receiver = KVReceiver(s.decode[0], 60)
@@ -211,16 +219,7 @@ def test_a_lost_chunk_ready_is_sent_again_and_the_room_succeeds_on_decode() -> N
     with sides(Geometry(1, 1, 2), arrival="zmq") as s:
         c = s.cluster
         peers = c.prefill[0].peers
-        send = peers.send
-        lost: list[list[bytes]] = []
-
-        def lossy(endpoint: str, frames: Sequence[bytes]) -> bool:
-            if frames and frames[0] == b"CHUNK_READY" and not lost:
-                lost.append(list(frames))
-                return True  # "sent", never delivered
-            return send(endpoint, frames)
-
-        peers.send = lossy  # type: ignore[method-assign]
+        lost = lose_first(peers, b"CHUNK_READY")
         request = c.add_request(61, num_pages=4, chunk_pages=2)
         c.handlers[0].release_room(61)  # registered again below, through the receiver
         receiver = KVReceiver(s.decode[0], 61)
@@ -246,16 +245,7 @@ def test_a_lost_chunk_ready_of_a_shared_region_is_sent_again_while_the_room_is_o
     with sides(Geometry(2, 1, 4), arrival="zmq") as s:
         c = s.cluster
         peers = c.prefill[0].peers
-        send = peers.send
-        lost: list[list[bytes]] = []
-
-        def lossy(endpoint: str, frames: Sequence[bytes]) -> bool:
-            if frames and frames[0] == b"CHUNK_READY" and not lost:
-                lost.append(list(frames))
-                return True  # "sent", never delivered
-            return send(endpoint, frames)
-
-        peers.send = lossy  # type: ignore[method-assign]
+        lost = lose_first(peers, b"CHUNK_READY")
         request = c.add_request(62, num_pages=4, chunk_pages=2)
         c.handlers[0].release_room(62)  # registered again below, through the receiver
         receiver = KVReceiver(s.decode[0], 62)
