@@ -66,6 +66,8 @@ from ..staging.allocator import StagingAllocator
 from ..staging.host_view import host_view
 from ..staging.kernels import PagedKVPools, gather_chunk, scatter_chunk
 from ..staging.layout import (
+    HeadSlice,
+    StagingLayout,
     WriterPlacement,
     compute_head_slice_params,
     compute_staging_layout,
@@ -185,16 +187,31 @@ def _ratio(name: str, size: _Size, nbytes: int, ours: Callable[[], object], note
     return ratio_row(name, ours_gbps, copy_gbps, "GB/s", ">= 0.5", note=note)
 
 
-def _gather_row(case: _Case, size: _Size) -> BenchRow:
-    """Prefill rank 0's gather for decode rank 0, as ``StagingWriter`` runs it."""
-    prefill_heads = max(1, case.kv_heads // case.prefill_tp)
-    pool = _one_allocation(size, prefill_heads)
+class _PrefillRank0(NamedTuple):
+    """Prefill rank 0 of a case: its pool and what it stages for decode rank 0."""
+
+    heads: int
+    pools: PagedKVPools
+    head: HeadSlice
+    head_bytes: int
+    layout: StagingLayout
+
+
+def _prefill_rank0(case: _Case, size: _Size) -> _PrefillRank0:
+    heads = max(1, case.kv_heads // case.prefill_tp)
+    pool = _one_allocation(size, heads)
     pools = PagedKVPools(pool.k_buffers, pool.v_buffers, pool.page_size)
     head = compute_head_slice_params(case.prefill_tp, case.decode_tp, 0, 0, case.kv_heads)
     head_bytes = _HEAD_DIM * pools.geometry.element_size
     layout = compute_staging_layout(
         case.prefill_tp, case.decode_tp, 0, case.kv_heads, size.tokens, head_bytes, size.layers
     )
+    return _PrefillRank0(heads, pools, head, head_bytes, layout)
+
+
+def _gather_row(case: _Case, size: _Size) -> BenchRow:
+    """Prefill rank 0's gather for decode rank 0, as ``StagingWriter`` runs it."""
+    prefill_heads, pools, head, head_bytes, layout = _prefill_rank0(case, size)
     nbytes = layout.writer_bytes[0]
     buffer = torch.zeros(
         size.chunk_pages * _PAGE_SIZE * prefill_heads * head_bytes * 2 * size.layers,
@@ -272,15 +289,8 @@ def _scatter_row(case: _Case, size: _Size) -> BenchRow:
 def _integrity_rows(case: _Case, size: _Size) -> list[BenchRow]:
     """Tag at gather, check at scatter, and both in the staged transfer, each against the
     same work without them (prefill rank 0 and decode rank 0 of ``case``)."""
-    prefill_heads = max(1, case.kv_heads // case.prefill_tp)
+    _, pools, head, _head_bytes, layout = _prefill_rank0(case, size)
     decode_heads = max(1, case.kv_heads // case.decode_tp)
-    prefill_pool = _one_allocation(size, prefill_heads)
-    pools = PagedKVPools(prefill_pool.k_buffers, prefill_pool.v_buffers, prefill_pool.page_size)
-    head = compute_head_slice_params(case.prefill_tp, case.decode_tp, 0, 0, case.kv_heads)
-    head_bytes = _HEAD_DIM * pools.geometry.element_size
-    layout = compute_staging_layout(
-        case.prefill_tp, case.decode_tp, 0, case.kv_heads, size.tokens, head_bytes, size.layers
-    )
     nbytes = layout.writer_bytes[0]
     buffer = torch.zeros(nbytes, dtype=torch.uint8, device=size.device)
     ordering = ordering_for(size.device, None)
