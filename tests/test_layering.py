@@ -263,3 +263,42 @@ def test_the_circle_finder_finds_a_circle(tmp_path: Path) -> None:
     assert import_circles(module_graph(tmp_path)) == [
         ["staging_contracts.bench.a", "staging_contracts.bench.b", "staging_contracts.bench.c"]
     ]
+
+
+def _divides_heads(node: ast.BinOp) -> bool:
+    """``<something named *heads*> // ...``: a rank's share of the KV heads worked out."""
+    if not isinstance(node.op, ast.FloorDiv):
+        return False
+    left = node.left
+    name = left.id if isinstance(left, ast.Name) else getattr(left, "attr", "")
+    return "heads" in name
+
+
+def test_the_heads_per_rank_formula_lives_in_staging_layout_only() -> None:
+    """Every share of KV heads comes from ``staging.layout`` (``heads_per_rank``,
+    ``rank_heads``): no module divides a head count by a TP size itself."""
+    layout = PACKAGE_ROOT / "staging" / "layout.py"
+    found = [
+        f"{path.relative_to(PACKAGE_ROOT)}:{node.lineno}"
+        for path in sorted(PACKAGE_ROOT.rglob("*.py"))
+        if path != layout
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.BinOp) and _divides_heads(node)
+    ]
+    assert not found, f"heads divided outside staging/layout.py: {found}"
+
+
+def test_ring_sizing_and_curve_key_text_are_defined_once() -> None:
+    """``ring_bytes`` (cluster/workload.py) and ``curve_key_text`` (cluster/bootstrap.py)
+    have one definition each, not one per rank body."""
+    names = ("ring_bytes", "_ring_bytes", "curve_key_text", "_key_text")
+    found = [
+        f"{path.relative_to(PACKAGE_ROOT)}:{node.name}"
+        for path in sorted(PACKAGE_ROOT.rglob("*.py"))
+        for node in ast.parse(path.read_text(), str(path)).body  # module-level functions
+        if isinstance(node, ast.FunctionDef) and node.name in names
+    ]
+    assert sorted(found) == [
+        "cluster/bootstrap.py:curve_key_text",
+        "cluster/workload.py:ring_bytes",
+    ]

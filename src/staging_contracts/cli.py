@@ -387,6 +387,7 @@ def _run_soak(args: argparse.Namespace) -> int:
     from .cluster.preflight import check_backend  # noqa: PLC0415
     from .cluster.soak import run_soak  # noqa: PLC0415 - heavy imports
     from .cluster.soak_report import config_from_args, format_summary  # noqa: PLC0415
+    from .cluster.stop_signals import exit_status  # noqa: PLC0415
     from .control.security import SecurityError  # noqa: PLC0415
 
     _local_modules_importable()
@@ -413,6 +414,8 @@ def _run_soak(args: argparse.Namespace) -> int:
         print("staging-contracts soak: interrupted", file=sys.stderr)
         return 130
     print(format_summary(result))
+    if result.interrupted is not None:
+        return exit_status(result.interrupted)
     return EXIT_OK if result.ok else EXIT_NONCONFORMING
 
 

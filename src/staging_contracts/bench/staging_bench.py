@@ -71,6 +71,7 @@ from ..staging.layout import (
     WriterPlacement,
     compute_head_slice_params,
     compute_staging_layout,
+    heads_per_rank,
     writer_placements,
 )
 from ..staging.ordering import ordering_for
@@ -198,7 +199,7 @@ class _PrefillRank0(NamedTuple):
 
 
 def _prefill_rank0(case: _Case, size: _Size) -> _PrefillRank0:
-    heads = max(1, case.kv_heads // case.prefill_tp)
+    heads = heads_per_rank(case.kv_heads, case.prefill_tp)
     pool = _one_allocation(size, heads)
     pools = PagedKVPools(pool.k_buffers, pool.v_buffers, pool.page_size)
     head = compute_head_slice_params(case.prefill_tp, case.decode_tp, 0, 0, case.kv_heads)
@@ -243,7 +244,7 @@ def _gather_row(case: _Case, size: _Size) -> BenchRow:
 
 def _scatter_row(case: _Case, size: _Size) -> BenchRow:
     """Decode rank 0's scatter of a complete region, as ``DecodeStagingHandler`` runs it."""
-    decode_heads = max(1, case.kv_heads // case.decode_tp)
+    decode_heads = heads_per_rank(case.kv_heads, case.decode_tp)
     pool = _one_allocation(size, decode_heads)
     head_bytes = _HEAD_DIM * torch.empty((), dtype=_DTYPE).element_size()
     nbytes = compute_staging_layout(
@@ -290,7 +291,7 @@ def _integrity_rows(case: _Case, size: _Size) -> list[BenchRow]:
     """Tag at gather, check at scatter, and both in the staged transfer, each against the
     same work without them (prefill rank 0 and decode rank 0 of ``case``)."""
     _, pools, head, _head_bytes, layout = _prefill_rank0(case, size)
-    decode_heads = max(1, case.kv_heads // case.decode_tp)
+    decode_heads = heads_per_rank(case.kv_heads, case.decode_tp)
     nbytes = layout.writer_bytes[0]
     buffer = torch.zeros(nbytes, dtype=torch.uint8, device=size.device)
     ordering = ordering_for(size.device, None)

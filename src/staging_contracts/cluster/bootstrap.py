@@ -52,6 +52,7 @@ from ..control.security import (
 from ..control.transport import LOG_BURST, LOG_INTERVAL_S, LogThrottle, recv_frames
 
 __all__ = [
+    "curve_key_text",
     "MAX_ANSWER_BYTES",
     "MAX_NAME_CHARS",
     "MAX_POOL_POINTERS",
@@ -809,3 +810,8 @@ def _wait_s(deadline: float) -> float:
 def _request_timeout(deadline: float) -> float:
     """Time left before ``deadline`` plus what a loopback server needs to answer."""
     return max(deadline - time.monotonic(), 0.0) + _MIN_ANSWER_S
+
+
+def curve_key_text(key: bytes | None) -> str:
+    """A CURVE public key as :class:`RankInfo` carries it (empty without a cluster secret)."""
+    return "" if key is None else key.decode("ascii")

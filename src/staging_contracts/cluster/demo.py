@@ -29,6 +29,7 @@ from ..control.security import SecurityError, check_insecure_bind, load_cluster_
 from .bootstrap import BootstrapServer
 from .preflight import check_device
 from .runner import ClusterResult, RankMemory, RankSet, run_cluster
+from .stop_signals import exit_status, stop_on_signals
 from .workload import DTYPES, TransferConfig
 
 __all__ = [
@@ -346,9 +347,14 @@ def format_summary(result: ClusterResult) -> str:
     width = max(len(name) for name, _ in rows)
     table = "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
     death = result.first_death
-    if death is None:
-        return table
-    return f"first failure: {death.role} rank {death.rank} {death.reason}\n{table}"
+    if death is not None and result.interrupted is None:
+        table = f"first failure: {death.role} rank {death.rank} {death.reason}\n{table}"
+    if result.interrupted is not None:
+        table = (
+            f"PARTIAL: interrupted by {result.interrupted}; the figures are what the ranks "
+            f"had measured when they were stopped\n{table}"
+        )
+    return table
 
 
 def _ring_peaks(result: ClusterResult) -> str:
@@ -436,7 +442,8 @@ def run_demo(
 
     Returns:
         0 when every decode page verified (a prefill-only side: every request was sent),
-        1 otherwise.
+        ``128 + N`` when signal ``N`` (``SIGTERM``, ``SIGINT``) stopped the run (the
+        summary, marked partial, is printed still), 1 otherwise.
 
     Raises:
         SecurityError: no cluster secret, and ``config.host`` is not loopback.
@@ -463,12 +470,20 @@ def run_demo(
     role = "prefill" if place.ranks == "prefill" else "decode"
     tp = config.prefill_tp if role == "prefill" else config.decode_tp
     bar = _ProgressBar(config.requests * tp, stream, role)
-    try:
-        result = run_cluster(
-            config, progress=bar, timeout_s=place.timeout_s, ranks=place.ranks, bootstrap=bootstrap
-        )
-    finally:
-        if server is not None:
-            server.stop()
+    with stop_on_signals(raise_on_signal=False) as stop:
+        try:
+            result = run_cluster(
+                config,
+                progress=bar,
+                timeout_s=place.timeout_s,
+                ranks=place.ranks,
+                bootstrap=bootstrap,
+                stop=stop,
+            )
+        finally:
+            if server is not None:
+                server.stop()
     stream.write(format_summary(result) + "\n")
+    if result.interrupted is not None:
+        return exit_status(result.interrupted)
     return 0 if result.verified else 1

@@ -27,6 +27,7 @@ from ..staging.layout import (
     compute_head_slice_params,
     compute_staging_layout,
     decode_ranks_for_prefill,
+    heads_per_rank,
     validate_tp_pair,
 )
 from .plain_paths import raw_request_bytes
@@ -85,7 +86,7 @@ def memory_need(config: TransferConfig) -> MemoryNeed:
     chunk_tokens = config.chunk_pages * config.page_size
 
     def heads(tp: int) -> int:
-        return max(1, config.kv_heads // tp)
+        return heads_per_rank(config.kv_heads, tp)
 
     prefill_pool = pool_tokens * heads(config.prefill_tp) * per_head_token * 2 * config.layers
     decode_pool = pool_tokens * heads(config.decode_tp) * per_head_token * 2 * config.layers

@@ -78,11 +78,10 @@ from ..control.wire import StagingReq
 from ..prefill.writer import DecodeTarget, PrefillTimeouts
 from ..protocols import KVBufferTensors, Transfer, TransferError
 from ..staging.layout import (
-    compute_staging_layout,
     decode_ranks_for_prefill,
     prefill_ranks_for_decode,
 )
-from .bootstrap import RankInfo, arrive, query_ranks, register_rank, wait_barrier
+from .bootstrap import RankInfo, arrive, curve_key_text, query_ranks, register_rank, wait_barrier
 from .plain_paths import (
     ArrivalBook,
     PlainDone,
@@ -102,6 +101,7 @@ from .workload import (
     TransferConfig,
     fill_prefill_pool,
     request_plans,
+    ring_bytes,
     verify_decode_pool,
     warmup_plans,
     zero_pool,
@@ -200,28 +200,12 @@ def _make_manager(config: TransferConfig, role: Role, rank: int) -> StagingBacke
     return factory(config.kv_args(tp, rank), role=role, attn_tp_size=tp, host=config.host)
 
 
-def _ring_bytes(config: TransferConfig) -> int:
-    layouts = [
-        compute_staging_layout(
-            config.prefill_tp,
-            config.decode_tp,
-            d,
-            config.kv_heads,
-            config.chunk_pages * config.page_size,
-            config.head_dim * config.element_size,
-            config.layers,
-        ).total_bytes
-        for d in range(config.decode_tp)
-    ]
-    return max(layouts) * config.ring_chunks
-
-
 def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) -> dict[str, Any]:
     pool = config.empty_pool(config.decode_tp, rank)
     manager = _make_manager(config, Role.DECODE, rank)
     common: CommonKVManager = manager  # type: ignore[assignment]  # every backend is one
     try:
-        handler = enable_decode_staging(manager, kv_buffers=pool, ring_bytes=_ring_bytes(config))
+        handler = enable_decode_staging(manager, kv_buffers=pool, ring_bytes=ring_bytes(config))
         _settle(config)  # the pool's and the ring's zeros, before any peer may write
         common.start()
         engine = manager.engine
@@ -236,7 +220,7 @@ def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) 
                 engine.metadata(),
                 allocator.base_ptr,
                 allocator.total_size,
-                _key_text(common.curve_key),
+                curve_key_text(common.curve_key),
             ),
         )
         prefill = query_ranks(bootstrap, "prefill", config.prefill_tp, RENDEZVOUS_TIMEOUT_S)
@@ -327,7 +311,7 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
                 common.endpoint,
                 engine.session_id,
                 engine.metadata(),
-                curve_key=_key_text(common.curve_key),
+                curve_key=curve_key_text(common.curve_key),
             ),
         )
         _freeze_heap()
@@ -450,7 +434,7 @@ def _run_plain_decode(
                 engine.metadata(),
                 ring_base=regions[0][0] if raw else 0,
                 ring_size=regions[0][1] if raw else 0,
-                curve_key=_key_text(common.curve_key),
+                curve_key=curve_key_text(common.curve_key),
                 pool_ptrs=pool_pointers(pool) if pool is not None else (),
             ),
         )
@@ -546,7 +530,7 @@ def _run_plain_prefill(
                 common.endpoint,
                 engine.session_id,
                 engine.metadata(),
-                curve_key=_key_text(common.curve_key),
+                curve_key=curve_key_text(common.curve_key),
             ),
         )
         # Every write call of every request, planned before the clock starts (as the
@@ -691,11 +675,6 @@ def _warmed(outcome: Mapping[int, KVPoll], failure: Mapping[int, Callable[[], st
     failed = {i: failure[i]() for i, state in outcome.items() if state is not KVPoll.Success}
     if failed:
         raise RuntimeError(f"warm-up requests failed: {failed}")
-
-
-def _key_text(key: bytes | None) -> str:
-    """A CURVE public key as published at bootstrap (empty without a cluster secret)."""
-    return "" if key is None else key.decode("ascii")
 
 
 def _trust(manager: CommonKVManager, peers: list[RankInfo]) -> None:

@@ -32,6 +32,7 @@ import zmq
 
 from .bootstrap import BootstrapServer
 from .rank import rank_main
+from .stop_signals import INTERRUPT_GRACE_S, StopRequest
 from .workload import TransferConfig
 
 __all__ = [
@@ -175,6 +176,9 @@ class ClusterResult:
     """The run's ``timeout_s`` passed before every rank ended."""
     side: RankSet = "all"
     """Which ranks this driver ran: all, or one side's in a split run."""
+    interrupted: str | None = None
+    """The signal (``"SIGTERM"``, ``"SIGINT"``) that stopped the run before it ended: the
+    reports are what the ranks had measured by then (a partial run)."""
 
     def ranks(self, role: str) -> list[RankReport]:
         """The reports of one side, by rank."""
@@ -301,6 +305,7 @@ def run_cluster(
     timeout_s: float = 300.0,
     ranks: RankSet = "all",
     bootstrap: str | None = None,
+    stop: StopRequest | None = None,
 ) -> ClusterResult:
     """Run every request of ``config`` through P + D rank processes and gather the reports.
 
@@ -317,6 +322,8 @@ def run_cluster(
         bootstrap: the bootstrap server to join (``tcp://host:port``); ``None`` starts one
             for the run on ``config.host`` (only with ``ranks="all"``: the other side of a
             split run could not find it).
+        stop: once it records a signal, the ranks are told to stop and have
+            ``INTERRUPT_GRACE_S`` to report; the result is marked ``interrupted``.
 
     **Blocking:** until every rank reported and exited, at most ``timeout_s`` plus
     ``STOP_GRACE_S`` (and ``STOP_GRACE_S`` after a death).
@@ -353,7 +360,7 @@ def run_cluster(
         )
         for key in roles
     }
-    watch = _Watch(processes, progress)
+    watch = _Watch(processes, progress, stop)
     try:
         for process in processes.values():
             process.start()
@@ -377,10 +384,15 @@ class _Watch:
     """The driver's view of a run: the ranks' messages, their deaths, and stopping them."""
 
     def __init__(
-        self, processes: Mapping[RankKey, BaseProcess], progress: ProgressCallback | None
+        self,
+        processes: Mapping[RankKey, BaseProcess],
+        progress: ProgressCallback | None,
+        stop: StopRequest | None = None,
     ) -> None:
         self.processes = processes
         self.progress = progress
+        self.stop = stop
+        self.interrupted: str | None = None
         self.reports: dict[RankKey, dict[str, Any]] = {}
         self.rooms: dict[RankKey, dict[str, bool]] = {key: {} for key in processes}
         self.ended_at: dict[RankKey, float] = {}
@@ -403,6 +415,7 @@ class _Watch:
                     self._receive(inbox.recv())
             now = time.monotonic()
             self._look(now)
+            self._interrupt(now)
             if self.stop_deadline is None:
                 if self.first_death is not None:
                     self._stop(now, f"{self.first_death.role} {self.first_death.rank} died")
@@ -416,6 +429,17 @@ class _Watch:
                 self._kill_all()
                 self._drain(inbox)
                 return
+
+    def _interrupt(self, now: float) -> None:
+        """Stop the ranks within ``INTERRUPT_GRACE_S`` once the driver got a stop signal."""
+        if self.stop is None or self.stop.name is None or self.interrupted is not None:
+            return
+        self.interrupted = self.stop.name
+        logger.warning("interrupted by %s; stopping the ranks", self.interrupted)
+        deadline = self.stop_deadline
+        self._stop(now, f"interrupted by {self.interrupted}", INTERRUPT_GRACE_S)
+        if deadline is not None:
+            self.stop_deadline = min(deadline, now + INTERRUPT_GRACE_S)
 
     def end(self) -> None:
         """Leave no rank process behind, whatever happened (idempotent)."""
@@ -477,9 +501,9 @@ class _Watch:
         else:
             logger.info("%s %d died too: %s", key[0], key[1], death.reason)
 
-    def _stop(self, now: float, why: str) -> None:
+    def _stop(self, now: float, why: str, grace_s: float = STOP_GRACE_S) -> None:
         """Tell every rank still running without a final report to stop (SIGTERM)."""
-        self.stop_deadline = now + STOP_GRACE_S
+        self.stop_deadline = now + grace_s
         for key, process in self.processes.items():
             if key in self.reports or key in self.ended_at or not process.is_alive():
                 continue
@@ -532,6 +556,7 @@ def _result(
         stopped=tuple(watch.stopped),
         killed=tuple(watch.killed),
         timed_out=watch.timed_out,
+        interrupted=watch.interrupted,
         side=ranks,
     )
 

@@ -67,6 +67,7 @@ from .soak_report import (
     StallRecord,
     reason_group,
 )
+from .stop_signals import INTERRUPT_GRACE_S, Interrupted, stop_on_signals
 
 __all__ = [
     "FLOOD_DEADLINE_S",
@@ -130,7 +131,9 @@ def run_soak(config: SoakConfig, *, progress: ProgressCallback | None = None) ->
 
     **Blocking:** about ``duration_s``, plus start-up, the fault due at the end, the drain
     of the rooms in flight and the stop; each of those is bounded. Every rank process is
-    gone when it returns, whatever happened.
+    gone when it returns, whatever happened. ``SIGTERM`` or ``SIGINT`` ends the run where
+    it is: the ranks are stopped within ``INTERRUPT_GRACE_S`` and the result, marked
+    ``interrupted``, holds what was seen so far.
 
     Raises:
         ImportError: the configured backend's engine cannot be imported.
@@ -147,11 +150,16 @@ def run_soak(config: SoakConfig, *, progress: ProgressCallback | None = None) ->
     if load_cluster_secret() is None:
         check_insecure_bind(config.host, allow_insecure=False)
     driver = _Driver(config, progress)
-    try:
-        driver.run()
-    finally:
-        driver.shutdown()
-    return driver.result()
+    with stop_on_signals(raise_on_signal=True) as stop:
+        try:
+            try:
+                driver.run()
+            finally:
+                driver.shutdown(INTERRUPT_GRACE_S if stop.signum is not None else STOP_S)
+        except Interrupted:  # raised in the run, or in a shutdown already under way
+            logger.warning("interrupted by %s; the ranks are stopped", stop.name)
+            driver.shutdown(INTERRUPT_GRACE_S)
+    return dataclasses.replace(driver.result(), interrupted=stop.name)
 
 
 # --------------------------------------------------------------------------- the driver
@@ -312,13 +320,13 @@ class _Driver:
             "pause": 2 * (liveness + LONG_STALL_EXTRA_S + self.config.settle_s),
         }.get(fault, liveness + self.startup_s + 2.0)
 
-    def shutdown(self) -> None:
-        """Stop every rank process (``stop``, then ``SIGKILL`` after ``STOP_S``); idempotent."""
+    def shutdown(self, grace_s: float = STOP_S) -> None:
+        """Stop every rank process (``stop``, then ``SIGKILL`` after ``grace_s``); idempotent."""
         self.issuing = False
         for rank in self.ranks.values():
             if not rank.gone:
                 self._send(rank, {"cmd": "stop"})
-        deadline = time.monotonic() + STOP_S
+        deadline = time.monotonic() + grace_s
         for rank in [*self.ranks.values(), *self.retired]:
             rank.process.join(max(0.0, deadline - time.monotonic()))
             if rank.process.is_alive():

@@ -67,9 +67,14 @@ from ..control.transport import PeerSockets
 from ..decode.handler import DecodeStagingHandler, PrefillPeer, peers_for
 from ..prefill.writer import DecodeTarget, PrefillTimeouts, StagingWriter
 from ..protocols import KVBufferTensors
-from ..staging.layout import compute_staging_layout
-from .bootstrap import RankInfo
-from .workload import TransferConfig, fill_prefill_pool, request_plans, verify_decode_pool
+from .bootstrap import RankInfo, curve_key_text
+from .workload import (
+    TransferConfig,
+    fill_prefill_pool,
+    request_plans,
+    ring_bytes,
+    verify_decode_pool,
+)
 
 __all__ = [
     "CommandLoop",
@@ -124,23 +129,6 @@ class RankSettings:
     """Seeds the ``drop`` draws (mixed with the role, rank and process id)."""
     log_level: int = logging.ERROR
     """Level of the rank's log lines (stderr)."""
-
-
-def ring_bytes(config: TransferConfig) -> int:
-    """Bytes of a decode rank's staging ring: ``ring_chunks`` regions of the largest chunk."""
-    largest = max(
-        compute_staging_layout(
-            config.prefill_tp,
-            config.decode_tp,
-            d,
-            config.kv_heads,
-            config.chunk_pages * config.page_size,
-            config.head_dim * config.element_size,
-            config.layers,
-        ).total_bytes
-        for d in range(config.decode_tp)
-    )
-    return largest * config.ring_chunks
 
 
 class DropCounter:
@@ -526,7 +514,7 @@ class _DecodeServer(_RankServer):
             engine.metadata(),
             allocator.base_ptr,
             allocator.total_size,
-            _key_text(self.common.curve_key),
+            curve_key_text(self.common.curve_key),
         )
 
     def on_peers(self, ranks: list[RankInfo]) -> None:
@@ -637,7 +625,7 @@ class _PrefillServer(_RankServer):
             self.common.endpoint,
             engine.session_id,
             engine.metadata(),
-            curve_key=_key_text(self.common.curve_key),
+            curve_key=curve_key_text(self.common.curve_key),
         )
 
     def on_peers(self, ranks: list[RankInfo]) -> None:
@@ -699,11 +687,6 @@ class _PrefillServer(_RankServer):
     def close_side(self) -> None:
         self.transfers.close(CLOSE_TIMEOUT_S)
         self.writer.close()
-
-
-def _key_text(key: bytes | None) -> str:
-    """A CURVE public key as :class:`RankInfo` carries it (empty without a cluster secret)."""
-    return "" if key is None else key.decode("ascii")
 
 
 def _release_after_failure(room: int, release: Callable[[], None]) -> None:

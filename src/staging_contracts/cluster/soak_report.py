@@ -508,6 +508,9 @@ class SoakResult:
     """Rank processes that died without being killed by the soak. Must be empty."""
     rank_errors: tuple[str, ...]
     """Commands a rank could not carry out. Must be empty."""
+    interrupted: str | None = None
+    """The signal (``"SIGTERM"``, ``"SIGINT"``) that ended the soak early: the figures are
+    what was seen until then (a partial soak, which does not pass)."""
 
     @property
     def rooms_failed(self) -> int:
@@ -518,6 +521,8 @@ class SoakResult:
     def problems(self) -> list[str]:
         """Why the soak did not pass, one line each (empty: it passed)."""
         out: list[str] = []
+        if self.interrupted is not None:
+            out.append(f"interrupted by {self.interrupted}: a partial soak")
         if self.corrupt:
             out.append(f"{self.corrupt} corrupt rooms")
         if self.hung:
@@ -566,6 +571,11 @@ def format_summary(result: SoakResult) -> str:
     rows: list[tuple[str, str]] = [
         ("engine", f"{config.backend}, {_prefill_text(config)} -> {config.decode_tp} decode"),
         ("ran", f"{result.elapsed_s:.1f} s, faults: {', '.join(config.faults) or 'none'}"),
+        *(
+            [("PARTIAL", f"interrupted by {result.interrupted}: what was seen until then")]
+            if result.interrupted is not None
+            else []
+        ),
         ("times", "seconds since the soak started (as the progress lines)"),
         (
             "rooms",

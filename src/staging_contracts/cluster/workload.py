@@ -4,7 +4,8 @@ Every rank process derives the same requests from a :class:`TransferConfig` alon
 pool pages each request occupies on prefill and on decode, and the KV data of every
 (request, layer, K/V, global head). A prefill rank fills its pool with its heads; a decode
 rank checks, after the transfer, that each of its pages holds exactly its heads — computed
-from first principles (which global heads a rank holds), not from the staging layout code.
+from which global heads a rank holds (:func:`~staging_contracts.staging.layout.rank_heads`),
+not from the staging layout's chunk offsets.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import Final, Literal
 import torch
 
 from ..protocols import KVArgsRecord, KVBufferTensors
+from ..staging.layout import compute_staging_layout, rank_heads
 
 __all__ = [
+    "ring_bytes",
     "DTYPES",
     "MODES",
     "Device",
@@ -222,18 +225,6 @@ class TransferConfig:
         return KVBufferTensors(tuple(cache[0].unbind()), tuple(cache[1].unbind()), self.page_size)
 
 
-def rank_heads(total_heads: int, tp: int, rank: int) -> list[int]:
-    """Global KV heads held by ``rank`` of a side with TP size ``tp``.
-
-    With at least as many heads as ranks, each rank holds a contiguous share; with fewer,
-    heads are replicated (GQA): consecutive ranks share one head.
-    """
-    if total_heads >= tp:
-        per = total_heads // tp
-        return list(range(rank * per, (rank + 1) * per))
-    return [rank // (tp // total_heads)]
-
-
 @dataclass(frozen=True, slots=True)
 class RequestPlan:
     """Where one request lives on each side."""
@@ -359,3 +350,20 @@ def _mix(*values: int) -> int:
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
         state = z ^ (z >> 31)
     return state & ((1 << 63) - 1)
+
+
+def ring_bytes(config: TransferConfig) -> int:
+    """Bytes of a decode rank's staging ring: ``ring_chunks`` regions of the largest chunk."""
+    largest = max(
+        compute_staging_layout(
+            config.prefill_tp,
+            config.decode_tp,
+            d,
+            config.kv_heads,
+            config.chunk_pages * config.page_size,
+            config.head_dim * config.element_size,
+            config.layers,
+        ).total_bytes
+        for d in range(config.decode_tp)
+    )
+    return largest * config.ring_chunks

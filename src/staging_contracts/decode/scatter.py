@@ -19,6 +19,7 @@ from ..staging.kernels import PagedKVPools, PoolGeometry
 from ..staging.layout import (
     WriterPlacement,
     compute_staging_layout,
+    heads_per_rank,
     writer_index,
     writer_placements,
 )
@@ -71,7 +72,7 @@ class ChunkScatter:
     ) -> None:
         self._pools = PagedKVPools(kv_buffers.k_buffers, kv_buffers.v_buffers, kv_buffers.page_size)
         self.geometry: PoolGeometry = self._pools.geometry
-        expected_heads = max(1, total_kv_heads // decode_tp)
+        expected_heads = heads_per_rank(total_kv_heads, decode_tp)
         if self.geometry.num_heads != expected_heads:
             raise ValueError(
                 f"decode KV pool has {self.geometry.num_heads} heads per token, expected "

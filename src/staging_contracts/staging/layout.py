@@ -29,6 +29,7 @@ __all__ = [
     "compute_staging_layout",
     "decode_ranks_for_prefill",
     "heads_per_rank",
+    "rank_heads",
     "num_writers",
     "prefill_ranks_for_decode",
     "validate_tp_pair",
@@ -88,6 +89,18 @@ def heads_per_rank(total_kv_heads: int, tp: int) -> int:
     """
     _check_heads(total_kv_heads, tp, "tp")
     return max(1, total_kv_heads // tp)
+
+
+def rank_heads(total_heads: int, tp: int, rank: int) -> list[int]:
+    """Global KV heads held by ``rank`` of a side with TP size ``tp``.
+
+    With at least as many heads as ranks, each rank holds a contiguous share; with fewer,
+    heads are replicated (GQA): consecutive ranks share one head.
+    """
+    if total_heads >= tp:
+        per = heads_per_rank(total_heads, tp)
+        return list(range(rank * per, (rank + 1) * per))
+    return [rank // (tp // total_heads)]
 
 
 def validate_tp_pair(prefill_tp: int, decode_tp: int, total_kv_heads: int | None = None) -> None:
@@ -228,8 +241,8 @@ def compute_head_slice_params(
             f"at src_tp={src_tp}, dst_tp={dst_tp} (its feeders are "
             f"{feeders.start}..{feeders.stop - 1})"
         )
-    src_hpr = max(1, total_kv_heads // src_tp)
-    dst_hpr = max(1, total_kv_heads // dst_tp)
+    src_hpr = heads_per_rank(total_kv_heads, src_tp)
+    dst_hpr = heads_per_rank(total_kv_heads, dst_tp)
     if src_tp > dst_tp:
         rep = max(1, src_tp // total_kv_heads)
         return HeadSlice(0, src_hpr, ((src_rank % src_tp) // rep * src_hpr) % dst_hpr)

@@ -28,6 +28,7 @@ from ..protocols import (
     StagingHandler,
     StagingReqOutcome,
 )
+from ..staging.layout import heads_per_rank as layout_heads_per_rank
 
 if TYPE_CHECKING:
     from ..decode.handler import DecodeStagingHandler
@@ -169,7 +170,7 @@ class DecodeSetup:
     @property
     def heads_per_rank(self) -> int:
         """KV heads this rank holds (1 under GQA replication)."""
-        return max(1, self.total_kv_heads // self.attn_tp_size)
+        return layout_heads_per_rank(self.total_kv_heads, self.attn_tp_size)
 
     @property
     def kv_args(self) -> KVArgsRecord:

@@ -78,7 +78,7 @@ from ..backends.staging_setup import enable_decode_staging, enable_prefill_stagi
 from ..decode.handler import DecodeStagingHandler
 from ..prefill.writer import DecodeTarget, PrefillTimeouts
 from ..protocols import ArrivalOutcome, KVArgs, KVArgsRecord, KVBufferTensors, StagingReqOutcome
-from ..staging.layout import validate_tp_pair
+from ..staging.layout import rank_heads, validate_tp_pair
 from ..stats import StagingStats
 from .decode_setup import StartableBackend
 from .processes import ParentLink, RankFailed, RankGroup
@@ -221,10 +221,7 @@ class TransferGeometry:
 
     def heads(self, tp: int, rank: int) -> list[int]:
         """Global KV heads rank ``rank`` of a side of TP ``tp`` holds (replicated under GQA)."""
-        if self.total_kv_heads >= tp:
-            per = self.total_kv_heads // tp
-            return list(range(rank * per, (rank + 1) * per))
-        return [rank // (tp // self.total_kv_heads)]
+        return rank_heads(self.total_kv_heads, tp, rank)
 
     def kv_args(self, tp: int, rank: int) -> KVArgsRecord:
         """KV arguments of one rank (CPU device)."""
