@@ -50,7 +50,15 @@ from typing import Any, Final
 
 import zmq
 
-from ..control.room_messages import Ping, Pong, RoomFailed, RoomFence, RoomFenced, RoomMeta
+from ..control.room_messages import (
+    Ping,
+    Pong,
+    RoomFailed,
+    RoomFailedAck,
+    RoomFence,
+    RoomFenced,
+    RoomMeta,
+)
 from ..control.security import check_insecure_bind, load_cluster_secret
 from ..control.transport import MAX_FRAMES
 from ..control.wire import MESSAGE_TYPES
@@ -933,6 +941,7 @@ _KINDS: Final = (
     *sorted(MESSAGE_TYPES),
     RoomMeta.KIND,
     RoomFailed.KIND,
+    RoomFailedAck.KIND,
     RoomFence.KIND,
     RoomFenced.KIND,
     Ping.KIND,
