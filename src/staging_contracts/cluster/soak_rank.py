@@ -69,6 +69,7 @@ from ..prefill.writer import DecodeTarget, PrefillTimeouts, StagingWriter
 from ..protocols import KVBufferTensors
 from ..staging.layout import compute_staging_layout
 from .bootstrap import RankInfo
+from .soak_memory import RssSampler
 from .workload import TransferConfig, fill_prefill_pool, request_plans, verify_decode_pool
 
 __all__ = [
@@ -424,6 +425,8 @@ class _RankServer(CommandLoop):
             self.drops = install_drop(self.manager.peers, settings.drop_share, rng)
         self.listener_reported = False
         self.closed = False
+        self.memory = RssSampler()
+        """This process's RSS samples, sent with every ``status`` (see ``soak_memory``)."""
 
     # ------------------------------------------------------------------ to override
 
@@ -453,6 +456,7 @@ class _RankServer(CommandLoop):
                     return
                 self.expire()
                 self._check_listener()
+                self.memory.maybe_sample(time.monotonic())
                 if os.getppid() != parent:
                     logger.error("the soak driver is gone; exiting")
                     return
@@ -479,6 +483,7 @@ class _RankServer(CommandLoop):
             "control_dropped": self.drops.dropped,
             "room_threads": sum(t.is_alive() for t in self.threads),
             "waiting_rooms": len(self.waiting_rooms),
+            "rss": self.memory.samples,
             **self.side_status(),
         }
 

@@ -32,8 +32,13 @@ from types import MappingProxyType
 from typing import Final
 
 from ..backends import BACKENDS
+from .soak_memory import MemoryVerdict, memory_rows
 from .soak_rank import RankSettings, ring_bytes
 from .workload import TransferConfig
+
+
+NO_MEMORY: Final = MemoryVerdict((), 0.0)
+"""No samples (a result built without them)."""
 
 __all__ = [
     "FAULTS",
@@ -508,6 +513,9 @@ class SoakResult:
     """Rank processes that died without being killed by the soak. Must be empty."""
     rank_errors: tuple[str, ...]
     """Commands a rank could not carry out. Must be empty."""
+    memory: MemoryVerdict = NO_MEMORY
+    """Every rank process's RSS after the warm-up, judged (see ``soak_memory``). Must be
+    flat."""
 
     @property
     def rooms_failed(self) -> int:
@@ -544,6 +552,8 @@ class SoakResult:
             out.append(f"{len(self.rank_errors)} commands failed on a rank")
         if not self.rooms_succeeded:
             out.append("no room succeeded")
+        if not self.memory.flat:
+            out.append(f"memory grew in {len(self.memory.grown)} rank processes")
         return out
 
     @property
@@ -644,6 +654,7 @@ def format_summary(result: SoakResult) -> str:
         ),
         ("listener restarts", str(result.listener_restarts)),
         ("listener errors", str(result.listener_errors)),
+        *memory_rows(result.memory),
     ]
     rows += [("unexpected exit", line) for line in result.unexpected_exits]
     rows += [("rank error", line) for line in result.rank_errors[:5]]
