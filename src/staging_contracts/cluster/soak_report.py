@@ -36,7 +36,6 @@ from .soak_memory import MemoryVerdict, memory_rows
 from .soak_rank import RankSettings, ring_bytes
 from .workload import TransferConfig
 
-
 NO_MEMORY: Final = MemoryVerdict((), 0.0)
 """No samples (a result built without them)."""
 
