@@ -15,10 +15,12 @@ from collections.abc import Sequence
 import pytest
 
 from staging_contracts.backends.kv_requests import KVPoll, KVReceiver, KVSender
+from staging_contracts.control.room_messages import RoomFailed, RoomFailedAck
 from staging_contracts.control.transport import PeerSockets
+from staging_contracts.decode.handler import ROOM_FAILED_COPIES
 from staging_contracts.decode.rooms import RoomStatus
 from staging_contracts.protocols import ArrivalOutcome, StagingReqOutcome
-from tests.local_cluster import Geometry, pools_equal, sides, wait_states
+from tests.local_cluster import Geometry, pools_equal, sides, wait_for, wait_states
 from tests.test_decode_handler import FakeEvent, plan, rig
 
 ROOM_TIMEOUT_S = 30.0
@@ -265,3 +267,160 @@ def test_a_lost_chunk_ready_of_a_shared_region_is_sent_again_while_the_room_is_o
         for sender in senders:
             sender.release()
         receiver.release()
+
+
+def record(peers: PeerSockets, kind: bytes) -> list[list[bytes]]:
+    """Record (and still deliver) every message of ``kind`` that ``peers`` sends."""
+    send = peers.send
+    sent: list[list[bytes]] = []
+
+    def recording(endpoint: str, frames: Sequence[bytes]) -> bool:
+        if frames and frames[0] == kind:
+            sent.append(list(frames))
+        return send(endpoint, frames)
+
+    peers.send = recording  # type: ignore[method-assign]
+    return sent
+
+
+def test_a_lost_room_failed_from_decode_is_sent_again_and_prefill_fails_at_once() -> None:
+    """Decode fails a room and its first ROOM_FAILED is lost: it goes again (0.5 s later,
+    then with a backoff) until prefill acknowledges it, and prefill fails the room within a
+    second or so, not at its 30 s bound (main sent it once: prefill waited for good, the
+    request open). Once acknowledged, nothing more is re-sent."""
+    with sides(Geometry(1, 1, 2)) as s:
+        c = s.cluster
+        lost = lose_first(c.decode[0].peers, b"ROOM_FAILED")
+        sent = record(c.decode[0].peers, b"ROOM_FAILED")
+        request = c.add_request(63, num_pages=4, chunk_pages=2)
+        c.handlers[0].release_room(63)  # registered again below, through the receiver
+        receiver = KVReceiver(s.decode[0], 63)
+        receiver.init(request.decode_pages, chunk_pages=2)
+        sender = KVSender(s.prefill[0], 63)
+        sender.init(4, c.targets)
+        receiver.send_metadata()
+        assert wait_for(lambda: sender.poll() is KVPoll.WaitingForInput, BOUND_S)
+        c.handlers[0].fail_room(63, "aborted by the scheduler")
+        assert receiver.poll() is KVPoll.Failed  # its ROOM_FAILED goes now, and is lost
+        receiver.release()  # as a scheduler does: the copies go on
+        assert wait_states([sender], timeout=BOUND_S) == [KVPoll.Failed]
+        assert "aborted by the scheduler" in (sender.failure() or "")
+        assert len(lost) == 1
+        assert wait_for(lambda: c.handlers[0].room_failed_unacked == 0, BOUND_S)
+        assert len(sent) >= 2  # the lost one and at least one copy, of the same opening
+        assert {int(frames[3]) for frames in sent} == {int(lost[0][3])}
+        sender.release()
+        assert s.prefill[0].stale_room_failed == 0
+
+
+def test_a_lost_room_failed_from_prefill_is_sent_again_and_decode_fails_at_once() -> None:
+    """Prefill fails a room (a chunk off decode's grid) and its first ROOM_FAILED is lost:
+    it goes again until decode acknowledges it, and decode fails the room at once (main sent
+    it once: decode failed only at its 30 s room bound)."""
+    with sides(Geometry(1, 1, 2)) as s:
+        c = s.cluster
+        lost = lose_first(c.prefill[0].peers, b"ROOM_FAILED")
+        request = c.add_request(64, num_pages=4, chunk_pages=2)
+        c.handlers[0].release_room(64)
+        receiver = KVReceiver(s.decode[0], 64)
+        receiver.init(request.decode_pages, chunk_pages=2)
+        receiver.send_metadata()
+        sender = KVSender(s.prefill[0], 64)
+        sender.init(4, c.targets)
+        sender.send(request.prefill_pages[:3])
+        assert wait_states([sender], timeout=BOUND_S) == [KVPoll.Failed]
+        sender.release()  # as a scheduler does: the copies go on
+        assert wait_states([receiver], timeout=BOUND_S) == [KVPoll.Failed]
+        assert "prefill failed the room" in (receiver.failure() or "")
+        assert len(lost) == 1
+        assert wait_for(lambda: s.prefill[0].room_failed_unacked == 0, BOUND_S)
+        receiver.release()
+        assert wait_for(lambda: c.handlers[0].room_failed_unacked == 0, BOUND_S)
+
+
+def test_a_late_room_failed_of_an_earlier_opening_does_not_fail_the_reopened_room() -> None:
+    """Room 65 fails on decode and both sides close it; the id is opened again and a late
+    copy of the first opening's ROOM_FAILED reaches prefill (and prefill's reaches decode):
+    both ignore and count it, and the new opening lands bit-exact (main: such a copy failed
+    the new opening, had it been re-sent)."""
+    with sides(Geometry(1, 1, 2)) as s:
+        c = s.cluster
+        from_decode = record(c.decode[0].peers, b"ROOM_FAILED")
+        request = c.add_request(65, num_pages=4, chunk_pages=2)
+        c.handlers[0].release_room(65)
+        first = KVReceiver(s.decode[0], 65)
+        first.init(request.decode_pages, chunk_pages=2)
+        old_sender = KVSender(s.prefill[0], 65)
+        old_sender.init(4, c.targets)
+        first.send_metadata()
+        assert wait_for(lambda: old_sender.poll() is KVPoll.WaitingForInput, BOUND_S)
+        c.handlers[0].fail_room(65, "aborted")
+        assert first.poll() is KVPoll.Failed
+        assert wait_states([old_sender], timeout=BOUND_S) == [KVPoll.Failed]
+        # Acknowledged: no copy of it is on its way any more (the one below is the late one).
+        assert wait_for(lambda: c.handlers[0].room_failed_unacked == 0, BOUND_S)
+        first.release()
+        old_sender.release()
+        old_opening = int(from_decode[0][3])
+        # The id again, on both sides.
+        receiver = KVReceiver(s.decode[0], 65)
+        receiver.init(request.decode_pages, chunk_pages=2)
+        assert c.handlers[0].opening(65) != old_opening
+        sender = KVSender(s.prefill[0], 65)
+        sender.init(4, c.targets)
+        receiver.send_metadata()
+        assert wait_for(lambda: sender.poll() is KVPoll.WaitingForInput, BOUND_S)
+        prefill_endpoint = c.prefill[0].endpoint
+        c.decode[0].peers.send(prefill_endpoint, from_decode[0])  # the late copy
+        assert wait_for(lambda: s.prefill[0].stale_room_failed == 1, BOUND_S)
+        assert s.prefill[0].room_failed_unacked == 0
+        late = RoomFailed(65, "late", old_opening, prefill_endpoint)
+        s.decode[0].handler.handle_room_failed(late)  # and one from prefill's side
+        assert c.handlers[0].stale_room_failed == 1
+        assert sender.poll() is KVPoll.WaitingForInput
+        assert receiver.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring)  # prefetched
+        for chunk in request.chunks():
+            sender.send(chunk.pages, last=chunk.chunk_idx == 1)
+        assert wait_states([sender], timeout=BOUND_S) == [KVPoll.Success]
+        assert wait_states([receiver], timeout=BOUND_S) == [KVPoll.Success]
+        assert pools_equal(c.decode_pools[0], c.expected_decode_pool(0))
+        receiver.release()
+        sender.release()
+
+
+def test_an_unacknowledged_room_failed_goes_a_bounded_number_of_times() -> None:
+    """Nobody acknowledges: ROOM_FAILED goes ROOM_FAILED_COPIES more times, the waits
+    doubling up to ROOM_FAILED_MAX_INTERVAL_S, then stops; an ack stops it at once; a dead
+    peer is not sent to again."""
+    r = rig()
+    r.handler.register_room(plan(1))
+    r.handler.fail_room(1, "aborted")
+    r.handler.report_failure(1, "aborted")
+    opening = r.handler.opening(1)
+    r.handler.release_room(1)
+
+    def sends() -> int:
+        return sum(1 for _, frames in r.sender.sent if frames[0] == b"ROOM_FAILED")
+
+    assert sends() == 1
+    for _ in range(200):
+        r.clock.now += 0.25
+        r.handler.progress()
+    assert sends() == 1 + ROOM_FAILED_COPIES
+    assert r.handler.room_failed_unacked == 0
+    r.handler.register_room(plan(2))
+    r.handler.report_failure(2, "aborted")
+    r.clock.now += 0.5
+    r.handler.progress()
+    before = sends()
+    endpoint = r.handler._rooms[2].plan.peers[0].endpoint
+    r.handler.room_failed_acked(RoomFailedAck(2, r.handler.opening(2) or 1, endpoint))
+    assert r.handler.room_failed_unacked == 0
+    r.clock.now += 10
+    r.handler.progress()
+    assert sends() == before
+    r.handler.register_room(plan(3))
+    r.handler.report_failure(3, "aborted")
+    r.handler.peer_dead(endpoint)
+    assert r.handler.room_failed_unacked == 0
+    assert opening is not None

@@ -8,6 +8,7 @@ from staging_contracts.control.room_messages import (
     Ping,
     Pong,
     RoomFailed,
+    RoomFailedAck,
     RoomFence,
     RoomFenced,
     RoomMeta,
@@ -32,7 +33,7 @@ def test_room_failed_round_trips_and_cuts_long_reasons() -> None:
 @pytest.mark.parametrize(
     ("frames", "match"),
     [
-        ([b"ROOM_META", b"7", b"1", b"12"], r"^ROOM_META: ROOM_META takes 5 frames, got 4$"),
+        ([b"ROOM_META", b"7", b"1", b"12"], r"^ROOM_META: ROOM_META takes 5 or 6 frames, got 4$"),
         ([b"ROOM_META", b"+7", b"1", b"12", b"4"], r"^ROOM_META frame 1 \('room'\)"),
         ([b"ROOM_META", b"7", b"1", b"0", b"4"], r"^ROOM_META: page counts must be >= 1$"),
         ([b"WATERMARK", b"7"], r"^frame 0 \('type'\): expected ROOM_META$"),
@@ -51,6 +52,48 @@ def test_malformed_room_failed_is_rejected() -> None:
         MalformedMessage, match=r"^ROOM_FAILED frame 2 \('reason'\): reason too long$"
     ):
         RoomFailed.from_frames([b"ROOM_FAILED", b"1", b"x" * 600])
+
+
+def test_openings_trail_room_meta_and_room_failed_and_old_frames_still_parse() -> None:
+    """ROOM_META and ROOM_FAILED carry the opening they belong to as trailing frames (and
+    ROOM_FAILED its reply address); frames of an older sender without them still parse, as
+    opening 0 (none). ROOM_FAILED_ACK names the opening and the acknowledging listener."""
+    meta = RoomMeta(7, 1, 12, 4, opening=2**64 - 1)
+    assert meta.to_frames()[5:] == [b"18446744073709551615"]
+    assert RoomMeta.from_frames(meta.to_frames()) == meta
+    failed = RoomFailed(3, "aborted", 42, "tcp://127.0.0.1:5000")
+    assert failed.to_frames() == [b"ROOM_FAILED", b"3", b"aborted", b"42", b"tcp://127.0.0.1:5000"]
+    assert RoomFailed.from_frames(failed.to_frames()) == failed
+    assert RoomFailed.from_frames([b"ROOM_FAILED", b"3", b"old"]) == RoomFailed(3, "old", 0, "")
+    ack = RoomFailedAck(3, 42, "tcp://127.0.0.1:6000")
+    assert RoomFailedAck.from_frames(ack.to_frames()) == ack
+    with pytest.raises(ValueError, match="needs reply_to"):
+        RoomFailed(3, "x", 42).to_frames()
+
+
+@pytest.mark.parametrize(
+    ("cls", "frames", "match"),
+    [
+        (RoomMeta, [b"ROOM_META", b"7", b"1", b"12", b"4", b"0"], r"frame 5 \('opening'\)"),
+        (RoomMeta, [b"ROOM_META", b"7", b"1", b"12", b"4", b"9" * 21], r"\('opening'\)"),
+        (RoomFailed, [b"ROOM_FAILED", b"3", b"x", b"42"], r"takes 3 or 5 frames, got 4$"),
+        (
+            RoomFailed,
+            [b"ROOM_FAILED", b"3", b"x", b"18446744073709551616", b"e"],
+            r"frame 3 \('opening'\)",
+        ),
+        (RoomFailed, [b"ROOM_FAILED", b"3", b"x", b"42", b"a b"], r"frame 4 \('reply_to'\)"),
+        (RoomFailedAck, [b"ROOM_FAILED_ACK", b"3", b"42"], r"takes 4 frames, got 3$"),
+        (RoomFailedAck, [b"ROOM_FAILED_ACK", b"3", b"-1", b"e"], r"frame 2 \('opening'\)"),
+    ],
+)
+def test_malformed_openings_are_rejected(
+    cls: type[RoomMeta] | type[RoomFailed] | type[RoomFailedAck], frames: list[bytes], match: str
+) -> None:
+    """A zero, oversized or non-decimal opening, a half-present trailer, a bad reply address:
+    MalformedMessage naming the frame."""
+    with pytest.raises(MalformedMessage, match=match):
+        cls.from_frames(frames)
 
 
 def test_fence_messages_round_trip() -> None:

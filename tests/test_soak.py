@@ -40,6 +40,7 @@ from staging_contracts.control.room_messages import (
     Ping,
     Pong,
     RoomFailed,
+    RoomFailedAck,
     RoomFence,
     RoomFenced,
     RoomMeta,
@@ -53,7 +54,10 @@ from tests.local_cluster import Geometry, sides, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 NIXL_OK, NIXL_WHY = engine_available("nixl")
-ROOM_CODECS = {cls.KIND: cls for cls in (RoomMeta, RoomFailed, RoomFence, RoomFenced, Ping, Pong)}
+ROOM_CODECS = {
+    cls.KIND: cls
+    for cls in (RoomMeta, RoomFailed, RoomFailedAck, RoomFence, RoomFenced, Ping, Pong)
+}
 
 
 # --------------------------------------------------------------------------- fault names

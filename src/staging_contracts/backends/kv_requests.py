@@ -9,8 +9,11 @@ prefill ranks it is ready; ``poll()``.
 time, taking first the oldest chunk whose decode regions are writable now (so a chunk waiting
 for ring space never blocks one that could go: no circular wait between rooms);
 :class:`DecodeTransfers` ties receivers to the decode handler. Both route the
-per-request control messages (``ROOM_META``, ``ROOM_FAILED``) through the manager's
-listener.
+per-request control messages (``ROOM_META``, ``ROOM_FAILED``, ``ROOM_FAILED_ACK``) through
+the manager's listener. ``ROOM_FAILED`` names the decode rank's opening of the room (from its
+``ROOM_META``) and is re-sent until acknowledged (see
+:mod:`~staging_contracts.control.room_messages`); one naming another opening is ignored and
+counted in ``stale_room_failed``.
 """
 
 from __future__ import annotations
@@ -25,8 +28,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
-from ..control.room_messages import RoomFailed, RoomMeta
-from ..decode.handler import DecodeStagingHandler, RoomPlan, RoomStatus, peers_for
+from ..control.resend import ResendBox
+from ..control.room_messages import RoomFailed, RoomFailedAck, RoomMeta
+from ..decode.handler import (
+    ROOM_FAILED_COPIES,
+    ROOM_FAILED_MAX_INTERVAL_S,
+    DecodeStagingHandler,
+    RoomPlan,
+    RoomStatus,
+    peers_for,
+)
 from ..prefill.writer import ChunkSpec, DecodeTarget, StagingFailed, StagingWriter
 from ..protocols import KVArgs
 
@@ -77,6 +88,10 @@ class _SendState:
     last_submitted: bool = False
     status: KVPoll = KVPoll.Bootstrapping
     failure: str | None = None
+    openings: dict[int, int] = field(default_factory=dict)
+    """Decode rank -> its opening of the room (from its ``ROOM_META``)."""
+    told: set[int] = field(default_factory=set)
+    """Decode ranks sent this room's ``ROOM_FAILED`` (once its opening was known)."""
 
 
 @dataclass
@@ -176,9 +191,19 @@ class PrefillTransfers:
         self.early_meta_dropped = 0
         """Early ``ROOM_META`` dropped: evicted past the cap, expired, or (with a secret) not
         from the decode rank it names once the room opened."""
+        self._endpoint: str = getattr(manager, "endpoint", "")
+        self._failed_resend = ResendBox(
+            time.monotonic, backoff=2.0, max_interval_s=ROOM_FAILED_MAX_INTERVAL_S
+        )
+        """``ROOM_FAILED`` copies to decode ranks, until acknowledged or spent (they go on
+        after ``close_room``: the opening they name keeps them from failing a later one)."""
+        self.stale_room_failed = 0
+        """``ROOM_FAILED`` received for an opening that is not one of the room's (ignored)."""
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         manager.register_control(RoomMeta.KIND, self._on_room_meta)
         manager.register_control(RoomFailed.KIND, self._on_room_failed)
+        manager.register_control(RoomFailedAck.KIND, self._on_room_failed_ack)
+        writer.on_idle(self._flush_room_failed)
         manager.add_authorizer(self._authorize)
         writer.on_room_lost(self._on_room_lost)
         self._wakeup = threading.Event()
@@ -214,6 +239,8 @@ class PrefillTransfers:
             for meta in self._take_early(room, targets):
                 state.chunk_pages = meta.chunk_pages
                 state.ready.add(meta.decode_rank)
+                if meta.opening:
+                    state.openings[meta.decode_rank] = meta.opening
                 if meta.num_pages != num_pages:  # decode's ROOM_META came first and disagrees
                     self._fail(
                         room, state, f"decode expects {meta.num_pages} pages, prefill {num_pages}"
@@ -302,6 +329,11 @@ class PrefillTransfers:
                 return
             state.chunk_pages = meta.chunk_pages
             state.ready.add(meta.decode_rank)
+            if meta.opening:
+                state.openings[meta.decode_rank] = meta.opening
+            if state.status is KVPoll.Failed:  # failed before this rank's opening was known
+                self._tell_failed(meta.room, state)
+                return
             if meta.num_pages != state.num_pages:
                 self._fail(
                     meta.room,
@@ -423,7 +455,44 @@ class PrefillTransfers:
 
     def _on_room_failed(self, frames: list[bytes]) -> None:
         message = RoomFailed.from_frames(frames)
+        with self._cond:
+            state = self._rooms.get(message.room)
+            known = set() if state is None else set(state.openings.values())
+            stale = state is not None and message.opening != 0 and message.opening not in known
+            # A stale one is acknowledged only when this room's opening of every decode rank it
+            # feeds is known (else it may be the current opening's, its ROOM_META not heard).
+            all_known = state is None or (
+                state.fed is not None and state.fed <= set(state.openings)
+            )
+            targets = () if state is None else tuple(t.endpoint for t in state.decode)
+            if stale:
+                self.stale_room_failed += 1
+        acknowledge = message.opening and self._endpoint and (not stale or all_known)
+        if acknowledge and (not targets or message.reply_to in targets):
+            ack = RoomFailedAck(message.room, message.opening, self._endpoint)
+            self._manager.send(message.reply_to, ack.to_frames())
+        if stale:
+            logger.info(
+                "room %d: ROOM_FAILED of another opening ignored (%s)",
+                message.room,
+                message.reason,
+            )
+            return
         self._lose(message.room, f"decode failed the room: {message.reason}")
+
+    def _on_room_failed_ack(self, frames: list[bytes]) -> None:
+        ack = RoomFailedAck.from_frames(frames)
+        self._failed_resend.ack(ack.room, ack.endpoint, RoomFailed.KIND, ack.opening)
+
+    def _flush_room_failed(self) -> None:
+        """Send the ``ROOM_FAILED`` copies that are due (the writer's idle hook)."""
+        for endpoint, frames in self._failed_resend.take_due():
+            self._manager.send(endpoint, frames)
+
+    @property
+    def room_failed_unacked(self) -> int:
+        """``ROOM_FAILED`` messages still to be re-sent (not acknowledged yet)."""
+        return len(self._failed_resend)
 
     def _on_room_lost(self, room: int, reason: str) -> None:
         """The writer's news: decode fenced the room, or one of its decode ranks died."""
@@ -553,10 +622,32 @@ class PrefillTransfers:
         state.failure = reason
         self._cond.notify_all()
         logger.warning("room %d failed on prefill: %s", room, reason)
-        frames = RoomFailed(room, reason).to_frames()
+        self._tell_failed(room, state)
+
+    def _tell_failed(self, room: int, state: _SendState) -> None:
+        """Send ``ROOM_FAILED`` to each decode rank the failed room feeds whose opening is
+        known and that was not told yet, then again with a bounded backoff until it
+        acknowledges (lock held). A rank whose ``ROOM_META`` was not heard yet is told when
+        it comes (decode sends it again until this writer is heard from): a ``ROOM_FAILED``
+        without an opening could fail a later opening of the room id."""
         for target in state.decode:
-            if state.fed is not None and target.tp_rank in state.fed:
+            rank = target.tp_rank
+            if state.fed is None or rank not in state.fed or rank in state.told:
+                continue
+            opening = state.openings.get(rank)
+            reason = state.failure or ""
+            if opening is not None and self._endpoint:
+                state.told.add(rank)
+                frames = RoomFailed(room, reason, opening, self._endpoint).to_frames()
+                self._failed_resend.add(
+                    room, target.endpoint, frames, copies=ROOM_FAILED_COPIES, tag=opening
+                )
                 self._manager.send(target.endpoint, frames)
+            elif rank in state.ready or not self._endpoint:
+                # A decode rank that names no opening (an older one), or no listener here to
+                # be acknowledged at: sent once, as such peers expect.
+                state.told.add(rank)
+                self._manager.send(target.endpoint, RoomFailed(room, reason).to_frames())
 
 
 class KVSender:
@@ -626,10 +717,13 @@ class DecodeTransfers:
         decode_tp = handler.decode_tp
         self.peers = peers_for(prefill_endpoints, self.prefill_tp, decode_tp, self.decode_rank)
         manager.register_control(RoomFailed.KIND, self._on_room_failed)
+        manager.register_control(RoomFailedAck.KIND, self._on_room_failed_ack)
 
     def _on_room_failed(self, frames: list[bytes]) -> None:
-        message = RoomFailed.from_frames(frames)
-        self.handler.fail_room(message.room, f"prefill failed the room: {message.reason}")
+        self.handler.handle_room_failed(RoomFailed.from_frames(frames))
+
+    def _on_room_failed_ack(self, frames: list[bytes]) -> None:
+        self.handler.room_failed_acked(RoomFailedAck.from_frames(frames))
 
 
 class KVReceiver:
@@ -661,7 +755,11 @@ class KVReceiver:
             raise RuntimeError(f"room {self.room}: send_metadata before init")
         t = self._transfers
         meta = RoomMeta(
-            self.room, t.decode_rank, len(self._plan.page_indices), self._plan.chunk_pages
+            self.room,
+            t.decode_rank,
+            len(self._plan.page_indices),
+            self._plan.chunk_pages,
+            t.handler.opening(self.room) or 0,
         )
         # Sent now and again to each writer not heard from yet (a lost one is recovered).
         t.handler.announce(self.room, meta.to_frames())
@@ -702,6 +800,10 @@ class KVReceiver:
             return
         self._failure_reported = True
         t = self._transfers
-        frames = RoomFailed(self.room, self.failure() or "room unknown on decode").to_frames()
+        reason = self.failure() or "room unknown on decode"
+        if t.handler.opening(self.room) is not None:
+            t.handler.report_failure(self.room, reason)  # re-sent until acknowledged
+            return
+        frames = RoomFailed(self.room, reason).to_frames()  # no opening to name: once
         for peer in t.peers:
             t.manager.send(peer.endpoint, frames)

@@ -50,12 +50,21 @@ from typing import Any, Final
 
 import zmq
 
-from ..control.room_messages import Ping, Pong, RoomFailed, RoomFence, RoomFenced, RoomMeta
+from ..control.room_messages import (
+    Ping,
+    Pong,
+    RoomFailed,
+    RoomFailedAck,
+    RoomFence,
+    RoomFenced,
+    RoomMeta,
+)
 from ..control.security import check_insecure_bind, load_cluster_secret
 from ..control.transport import MAX_FRAMES
 from ..control.wire import MESSAGE_TYPES
 from .bootstrap import RankInfo
 from .soak_forge import Forger, forged_arrivals
+from .soak_memory import judge_memory
 from .soak_rank import soak_rank_main
 from .soak_report import (
     FAULT_ORDER,
@@ -910,6 +919,7 @@ class _Driver:
             listener_errors=sum(int(a.get("listener_errors", 0)) for a in final),
             unexpected_exits=tuple(self.unexpected),
             rank_errors=tuple(self.errors),
+            memory=judge_memory(self.last_status, self.start, self.ended - self.start),
         )
 
 
@@ -941,6 +951,7 @@ _KINDS: Final = (
     *sorted(MESSAGE_TYPES),
     RoomMeta.KIND,
     RoomFailed.KIND,
+    RoomFailedAck.KIND,
     RoomFence.KIND,
     RoomFenced.KIND,
     Ping.KIND,

@@ -68,6 +68,7 @@ from ..decode.handler import DecodeStagingHandler, PrefillPeer, peers_for
 from ..prefill.writer import DecodeTarget, PrefillTimeouts, StagingWriter
 from ..protocols import KVBufferTensors
 from .bootstrap import RankInfo, curve_key_text
+from .soak_memory import RssSampler
 from .workload import (
     TransferConfig,
     fill_prefill_pool,
@@ -412,6 +413,8 @@ class _RankServer(CommandLoop):
             self.drops = install_drop(self.manager.peers, settings.drop_share, rng)
         self.listener_reported = False
         self.closed = False
+        self.memory = RssSampler()
+        """This process's RSS samples, sent with every ``status`` (see ``soak_memory``)."""
 
     # ------------------------------------------------------------------ to override
 
@@ -441,6 +444,7 @@ class _RankServer(CommandLoop):
                     return
                 self.expire()
                 self._check_listener()
+                self.memory.maybe_sample(time.monotonic())
                 if os.getppid() != parent:
                     logger.error("the soak driver is gone; exiting")
                     return
@@ -467,6 +471,7 @@ class _RankServer(CommandLoop):
             "control_dropped": self.drops.dropped,
             "room_threads": sum(t.is_alive() for t in self.threads),
             "waiting_rooms": len(self.waiting_rooms),
+            "rss": self.memory.samples,
             **self.side_status(),
         }
 

@@ -32,8 +32,12 @@ from types import MappingProxyType
 from typing import Final
 
 from ..backends import BACKENDS
+from .soak_memory import MemoryVerdict, memory_rows
 from .soak_rank import RankSettings, ring_bytes
 from .workload import TransferConfig
+
+NO_MEMORY: Final = MemoryVerdict((), 0.0)
+"""No samples (a result built without them)."""
 
 __all__ = [
     "FAULTS",
@@ -511,6 +515,9 @@ class SoakResult:
     interrupted: str | None = None
     """The signal (``"SIGTERM"``, ``"SIGINT"``) that ended the soak early: the figures are
     what was seen until then (a partial soak, which does not pass)."""
+    memory: MemoryVerdict = NO_MEMORY
+    """Every rank process's RSS after the warm-up, judged (see ``soak_memory``). Must be
+    flat."""
 
     @property
     def rooms_failed(self) -> int:
@@ -549,6 +556,8 @@ class SoakResult:
             out.append(f"{len(self.rank_errors)} commands failed on a rank")
         if not self.rooms_succeeded:
             out.append("no room succeeded")
+        if not self.memory.flat:
+            out.append(f"memory grew in {len(self.memory.grown)} rank processes")
         return out
 
     @property
@@ -654,6 +663,7 @@ def format_summary(result: SoakResult) -> str:
         ),
         ("listener restarts", str(result.listener_restarts)),
         ("listener errors", str(result.listener_errors)),
+        *memory_rows(result.memory),
     ]
     rows += [("unexpected exit", line) for line in result.unexpected_exits]
     rows += [("rank error", line) for line in result.rank_errors[:5]]

@@ -2,15 +2,20 @@
 
 * ``ROOM_META`` (decode → prefill): decode rank ``decode_rank`` has registered ``room`` for
   ``num_pages`` pages on a grid of ``chunk_pages`` pages; the prefill may start writing.
+  ``opening`` (a trailing frame, optional on the wire) names this registration of the room
+  id: a random non-zero 64-bit number the decode rank draws each time it registers the room,
+  so both sides can tell one opening of a room id from the next.
 * ``ROOM_FAILED`` (either direction): the sender gave ``room`` up; the receiver fails it too,
-  so one failed request never waits for a timeout on the other side. Sent once, never
-  re-sent: it names only the room id and nothing answers it, so a copy that arrives after
-  the receiver ended the room and registered the id again would fail that new opening, and
-  no ordering rules this out (the new registration travels the other way, on the other
-  side's socket). A lost one is recovered otherwise: decode fails the room at its own bound
-  (``room_timeout_s`` / ``stall_timeout_s``); prefill through decode's ``ROOM_FENCE``
-  (re-sent until ``ROOM_FENCED``) when decode held regions of it, else the refusal of its
-  next ``STAGING_REQ`` or its deadline.
+  so one failed request never waits for a timeout on the other side. It carries the
+  ``opening`` it ends (the decode rank's, from ``ROOM_META``) and the sender's ``reply_to``
+  (two trailing frames, optional on the wire: a frame without them is an old sender's and
+  names no opening). It is re-sent with a bounded backoff until the receiver answers
+  ``ROOM_FAILED_ACK``, the receiver is declared dead, or its copies are spent; a receiver
+  ignores (and counts) a copy whose opening is not the room's current one, so a late copy
+  never fails a later opening of the same room id.
+* ``ROOM_FAILED_ACK`` (either direction): the receiver of ``ROOM_FAILED`` for ``opening``
+  of ``room`` heard it (whether it failed the room or found the opening stale); sent to the
+  ``reply_to`` of the ``ROOM_FAILED``, naming the acknowledging listener ``endpoint``.
 * ``ROOM_FENCE`` (decode → prefill): decode session ``session_id`` failed ``room`` and keeps
   its ring regions until each writer confirms that it will not write into them again; the
   writer answers ``ROOM_FENCED`` at ``reply_to``.
@@ -31,7 +36,7 @@ from typing import ClassVar, Final
 
 from .wire import MalformedMessage
 
-__all__ = ["Ping", "Pong", "RoomFailed", "RoomFence", "RoomFenced", "RoomMeta"]
+__all__ = ["Ping", "Pong", "RoomFailed", "RoomFailedAck", "RoomFence", "RoomFenced", "RoomMeta"]
 
 _UINT: Final = re.compile(rb"[0-9]{1,18}")
 _TEXT: Final = re.compile(rb"[\x21-\x7e]{1,256}")
@@ -61,13 +66,23 @@ def _uint(frames: Sequence[bytes], index: int, field: str, kind: str) -> int:
     return int(frames[index])
 
 
-def _frames(frames: Sequence[object], kind: bytes, count: int) -> list[bytes]:
+def _opening(frames: Sequence[bytes], index: int, kind: str) -> int:
+    """An opening id: a non-zero decimal below 2**64."""
+    frame = frames[index]
+    if not (0 < len(frame) <= 20 and frame.isdigit()) or not 0 < int(frame) < 2**64:
+        raise MalformedMessage("not an opening id (1 to 2**64 - 1)", index, "opening", kind)
+    return int(frame)
+
+
+def _frames(frames: Sequence[object], kind: bytes, count: int, *more: int) -> list[bytes]:
+    """The frames as bytes, checked for type and count (``count``, or one of ``more``)."""
     raw = [bytes(f) if isinstance(f, bytes | bytearray | memoryview) else None for f in frames]
     name = kind.decode()
     if not raw or raw[0] != kind:
         raise MalformedMessage(f"expected {name}", 0, "type")
-    if len(raw) != count:
-        raise MalformedMessage(f"{name} takes {count} frames, got {len(raw)}", None, None, name)
+    if len(raw) != count and len(raw) not in more:
+        counts = " or ".join(str(c) for c in (count, *more))
+        raise MalformedMessage(f"{name} takes {counts} frames, got {len(raw)}", None, None, name)
     checked: list[bytes] = []
     for index, frame in enumerate(raw):
         if frame is None:
@@ -86,16 +101,21 @@ class RoomMeta:
     decode_rank: int
     num_pages: int
     chunk_pages: int
+    opening: int = 0
+    """This registration of the room id on the decode rank (``0``: an old sender's, none)."""
 
     def to_frames(self) -> list[bytes]:
-        """Encode as multipart frames."""
-        return [
+        """Encode as multipart frames (``opening`` trails, when there is one)."""
+        frames = [
             self.KIND,
             b"%d" % self.room,
             b"%d" % self.decode_rank,
             b"%d" % self.num_pages,
             b"%d" % self.chunk_pages,
         ]
+        if self.opening:
+            frames.append(b"%d" % self.opening)
+        return frames
 
     @classmethod
     def from_frames(cls, frames: Sequence[object]) -> RoomMeta:
@@ -104,7 +124,7 @@ class RoomMeta:
         Raises:
             MalformedMessage: wrong type, frame count or integer syntax; zero page counts.
         """
-        raw = _frames(frames, cls.KIND, 5)
+        raw = _frames(frames, cls.KIND, 5, 6)
         name = cls.KIND.decode()
         room = _uint(raw, 1, "room", name)
         rank = _uint(raw, 2, "decode_rank", name)
@@ -112,7 +132,8 @@ class RoomMeta:
         grid = _uint(raw, 4, "chunk_pages", name)
         if pages < 1 or grid < 1:
             raise MalformedMessage("page counts must be >= 1", None, None, name)
-        return cls(room, rank, pages, grid)
+        opening = _opening(raw, 5, name) if len(raw) == 6 else 0
+        return cls(room, rank, pages, grid, opening)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,21 +144,73 @@ class RoomFailed:
 
     room: int
     reason: str
+    opening: int = 0
+    """The decode rank's opening of the room that ends (``0``: an old sender's, none)."""
+    reply_to: str = ""
+    """The sender's control listener, where ``ROOM_FAILED_ACK`` goes (with ``opening``)."""
 
     def to_frames(self) -> list[bytes]:
-        """Encode as multipart frames (the reason is cut to ``MAX_REASON_BYTES`` ASCII)."""
-        return [self.KIND, b"%d" % self.room, _encode_reason(self.reason)]
+        """Encode as multipart frames (the reason is cut to ``MAX_REASON_BYTES`` ASCII;
+        ``opening`` and ``reply_to`` trail when there is an opening).
+
+        Raises:
+            ValueError: an opening without a ``reply_to``.
+        """
+        frames = [self.KIND, b"%d" % self.room, _encode_reason(self.reason)]
+        if self.opening:
+            if not self.reply_to:
+                raise ValueError(f"room {self.room}: ROOM_FAILED with an opening needs reply_to")
+            frames += [b"%d" % self.opening, self.reply_to.encode("ascii")]
+        return frames
 
     @classmethod
     def from_frames(cls, frames: Sequence[object]) -> RoomFailed:
+        """Decode frames (3: an old sender's, no opening; 5: with opening and reply_to).
+
+        Raises:
+            MalformedMessage: wrong type, frame count, integer, opening or text syntax; an
+                oversized reason.
+        """
+        raw = _frames(frames, cls.KIND, 3, 5)
+        name = cls.KIND.decode()
+        room, reason = _uint(raw, 1, "room", name), _reason(raw, 2, name)
+        if len(raw) == 3:
+            return cls(room, reason)
+        return cls(room, reason, _opening(raw, 3, name), _text(raw, 4, "reply_to", name))
+
+
+@dataclass(frozen=True, slots=True)
+class RoomFailedAck:
+    """The receiver of ``ROOM_FAILED`` for ``opening`` heard it: stop re-sending it."""
+
+    KIND: ClassVar[bytes] = b"ROOM_FAILED_ACK"
+
+    room: int
+    opening: int
+    endpoint: str
+    """The acknowledging peer's control listener (the one the ``ROOM_FAILED`` went to)."""
+
+    def to_frames(self) -> list[bytes]:
+        """Encode as multipart frames."""
+        return [
+            self.KIND,
+            b"%d" % self.room,
+            b"%d" % self.opening,
+            self.endpoint.encode("ascii"),
+        ]
+
+    @classmethod
+    def from_frames(cls, frames: Sequence[object]) -> RoomFailedAck:
         """Decode frames.
 
         Raises:
-            MalformedMessage: wrong type, frame count, integer syntax or an oversized reason.
+            MalformedMessage: wrong type, frame count, integer, opening or text syntax.
         """
-        raw = _frames(frames, cls.KIND, 3)
+        raw = _frames(frames, cls.KIND, 4)
         name = cls.KIND.decode()
-        return cls(_uint(raw, 1, "room", name), _reason(raw, 2, name))
+        return cls(
+            _uint(raw, 1, "room", name), _opening(raw, 2, name), _text(raw, 3, "endpoint", name)
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ prefill never blocks a decode thread.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -51,7 +52,7 @@ import torch
 from ..control.integrity import INTEGRITY_FAILURE, ArrivalKeys, integrity_enabled
 from ..control.liveness import PeerLiveness
 from ..control.resend import DEFAULT_RESEND_S, ResendBox
-from ..control.room_messages import RoomFailed, RoomFence, RoomFenced
+from ..control.room_messages import RoomFailed, RoomFailedAck, RoomFence, RoomFenced
 from ..control.transport import PeerSockets
 from ..control.wire import StagingRsp, WatermarkUpdate
 from ..protocols import ArrivalOutcome, KVBufferTensors, StagingReqOutcome, Watermark
@@ -72,6 +73,8 @@ __all__ = [
     "DEFAULT_MAX_ROOMS_PER_PEER",
     "DEFAULT_ROOM_TIMEOUT_S",
     "DEFAULT_STALL_TIMEOUT_S",
+    "ROOM_FAILED_COPIES",
+    "ROOM_FAILED_MAX_INTERVAL_S",
     "WAIT_SLICE_S",
     "DecodeStagingHandler",
     "PrefillPeer",
@@ -108,6 +111,19 @@ def _shown(state: RoomState) -> RoomStatus:
 def _room_of(frame: bytes) -> int | None:
     """A non-negative decimal frame as an int (``None`` if it is not one)."""
     return int(frame) if 0 < len(frame) <= 18 and frame.isdigit() else None
+
+
+ROOM_FAILED_COPIES = 8
+"""``ROOM_FAILED`` goes again at most this many times to a peer that does not acknowledge it
+(0.5 s, then twice as long each time up to :data:`ROOM_FAILED_MAX_INTERVAL_S`: about 23 s)."""
+
+ROOM_FAILED_MAX_INTERVAL_S = 4.0
+"""The longest wait between two copies of one ``ROOM_FAILED``."""
+
+
+def new_opening() -> int:
+    """A random non-zero 64-bit opening id (one per registration of a room id)."""
+    return secrets.randbits(64) or 1
 
 
 DEFAULT_ROOM_TIMEOUT_S = 30.0
@@ -243,6 +259,14 @@ class DecodeStagingHandler:
     ) -> None:
         self._resend = ResendBox(clock, resend_s)
         """``ROOM_META`` copies (see :meth:`announce`), flushed by :meth:`progress`."""
+        self._failed_resend = ResendBox(
+            clock, resend_s, backoff=2.0, max_interval_s=ROOM_FAILED_MAX_INTERVAL_S
+        )
+        """``ROOM_FAILED`` copies (see :meth:`report_failure`): kept past ``release_room``,
+        until acknowledged, the peer is dead or their copies are spent."""
+        self.stale_room_failed = 0
+        """``ROOM_FAILED`` received for an opening that is not the room's current one
+        (ignored: a late copy of an earlier registration of the room id)."""
         self._scatterer = ChunkScatter(
             allocator,
             kv_buffers,
@@ -369,6 +393,7 @@ class DecodeStagingHandler:
                 ),
                 writer_ranks=frozenset(),
                 last_progress=self._clock(),
+                opening=new_opening(),
             )
             self._rooms[plan.room] = state
             self._watch(peer.endpoint for peer in plan.peers)
@@ -408,6 +433,77 @@ class DecodeStagingHandler:
                     self._resend.add(room, endpoint, frames, copies=-1)
         for endpoint in peers:
             self._publisher.send(endpoint, list(frames))
+
+    def opening(self, room: int) -> int | None:
+        """The current registration's opening id of a room (``None`` if it is unknown): what
+        its ``ROOM_META`` and ``ROOM_FAILED`` carry."""
+        with self._lock:
+            state = self._rooms.get(room)
+            return None if state is None else state.opening
+
+    def report_failure(self, room: int, reason: str) -> None:
+        """Tell a failed room's prefill peers (``ROOM_FAILED`` with the room's opening), now
+        and again with a bounded backoff until each acknowledges it (``ROOM_FAILED_ACK``), is
+        declared dead, or :data:`ROOM_FAILED_COPIES` copies went; the copies go on after
+        ``release_room``. Without an endpoint of its own (nowhere to acknowledge) it is sent
+        once, without an opening.
+
+        **Called by:** the scheduler (``KVReceiver.poll`` when it first sees the room failed).
+        **Blocking:** no.
+        """
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is None:
+                return
+            peers = [p.endpoint for p in state.plan.peers]
+            if self._endpoint:
+                message = RoomFailed(room, reason, state.opening, self._endpoint)
+                frames = message.to_frames()
+                for endpoint in peers:
+                    self._failed_resend.add(
+                        room, endpoint, frames, copies=ROOM_FAILED_COPIES, tag=state.opening
+                    )
+            else:
+                frames = RoomFailed(room, reason).to_frames()
+        for endpoint in peers:
+            self._publisher.send(endpoint, frames)
+
+    def handle_room_failed(self, message: RoomFailed) -> None:
+        """A prefill peer gave a room up: fail it, unless the message names another opening
+        of the room id than the current one (a late copy: ignored, counted in
+        :attr:`stale_room_failed`); acknowledge it either way when it names an opening.
+
+        **Called by:** the listener thread (``ROOM_FAILED`` from prefill). **Blocking:** no.
+        """
+        with self._lock:
+            state = self._rooms.get(message.room)
+            stale = state is not None and message.opening not in (0, state.opening)
+            if stale:
+                self.stale_room_failed += 1
+            peers = () if state is None else tuple(p.endpoint for p in state.plan.peers)
+        if message.opening and self._endpoint and (not peers or message.reply_to in peers):
+            ack = RoomFailedAck(message.room, message.opening, self._endpoint)
+            self._publisher.send(message.reply_to, ack.to_frames())
+        if stale:
+            logger.info(
+                "room %d: ROOM_FAILED of an earlier opening ignored (%s)",
+                message.room,
+                message.reason,
+            )
+            return
+        self.fail_room(message.room, f"prefill failed the room: {message.reason}")
+
+    def room_failed_acked(self, ack: RoomFailedAck) -> None:
+        """A prefill peer heard this rank's ``ROOM_FAILED``: it is not sent to it again.
+
+        **Called by:** the listener thread. **Blocking:** no.
+        """
+        self._failed_resend.ack(ack.room, ack.endpoint, RoomFailed.KIND, ack.opening)
+
+    @property
+    def room_failed_unacked(self) -> int:
+        """``ROOM_FAILED`` messages still to be re-sent (not acknowledged yet)."""
+        return len(self._failed_resend)
 
     def _refuse_registration(self, plan: RoomPlan) -> bool:
         """Count the room against its prefill instance, or refuse it past the cap (lock held)."""
@@ -615,7 +711,7 @@ class DecodeStagingHandler:
                 self._take_back_idle(stalled, now)
             freed |= self._expire_fences(now)
         self._send_fences()
-        for endpoint, frames in self._resend.take_due():
+        for endpoint, frames in self._resend.take_due() + self._failed_resend.take_due():
             self._publisher.send(endpoint, frames)
         if freed:
             self._broadcast_watermark()
@@ -1021,6 +1117,7 @@ class DecodeStagingHandler:
         **Called by:** the listener thread (peer liveness). **Blocking:** no.
         """
         freed = False
+        self._failed_resend.cancel_endpoint(endpoint)
         with self._lock:
             for state in self._rooms.values():
                 if state.status in (RoomStatus.SUCCESS, RoomStatus.FAILED):

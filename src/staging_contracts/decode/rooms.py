@@ -116,6 +116,9 @@ class RoomState:
     """CUDA scatters submitted and not yet complete: (event, alloc_id)."""
     closing: bool = False
     """Teardown started: arrivals are refused."""
+    opening: int = 0
+    """This registration of the room id (random, non-zero; carried by ``ROOM_META`` and
+    ``ROOM_FAILED``, so a message of an earlier registration is told apart)."""
 
     def held_allocations(self) -> list[int]:
         """Allocation ids this room still holds in the ring."""

@@ -293,6 +293,7 @@ class StagingWriter:
         """Fences of a closed room whose write was in flight at the close: dropped when the
         write returns (under ``_fence_lock``)."""
         self._room_lost: list[Callable[[int, str], None]] = []
+        self._idle_hooks: list[Callable[[], None]] = []
         self._closed = False
         self.requests_sent = 0
         """``STAGING_REQ`` messages sent, re-requests included."""
@@ -858,13 +859,23 @@ class StagingWriter:
                 self._request(room, chunk_idx, num_pages, target)
                 asked = now
 
+    def on_idle(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` from :meth:`resend_arrivals` (the listener's idle hook), for other
+        re-sends of the rank (the per-request layer's ``ROOM_FAILED``); it must not block."""
+        self._idle_hooks.append(hook)
+
     def resend_arrivals(self) -> int:
         """Send again each ``CHUNK_READY`` that is due and whose region decode's watermark
         has not passed yet (see :mod:`~staging_contracts.prefill.arrival_resends`); the
-        number sent.
+        number sent. Runs the :meth:`on_idle` hooks too.
 
         **Called by:** the staging idle hook, on the listener thread. **Blocking:** no.
         """
+        for hook in self._idle_hooks:
+            try:
+                hook()
+            except Exception:  # a failing hook must not stop the arrivals' re-sends
+                logger.exception("idle hook %r failed", hook)
         return self._resends.flush()
 
     @property
