@@ -19,6 +19,7 @@ from staging_contracts.backends.kv_requests import (
 from staging_contracts.control.room_messages import RoomMeta
 from staging_contracts.control.wire import StagingReq
 from staging_contracts.decode import handler as decode_handler
+from staging_contracts.outcomes import FailureReason, Outcome, RoomFailure
 from staging_contracts.prefill import writer as writer_module
 from staging_contracts.prefill.writer import (
     ChunkSpec,
@@ -67,6 +68,14 @@ def test_request_goes_through_every_state_and_lands_bit_exact() -> None:
         assert wait_states(senders) == [KVPoll.Success] * 2
         assert wait_states([receiver]) == [KVPoll.Success]
         assert pools_equal(c.decode_pools[0], c.expected_decode_pool(0))
+        records = [x.get_transfer_metric() for x in senders] + [receiver.get_transfer_metric()]
+        for record in records:
+            assert record is not None
+            assert record.outcome is Outcome.SUCCESS
+            assert record.reason is None
+            assert record.latency_s >= 0
+            assert record.end_wall >= record.start_wall
+        assert [r.chunks for r in records if r is not None] == [3, 3, 0]
         receiver.release()
         for sender in senders:
             sender.release()
@@ -146,6 +155,13 @@ def test_missing_room_meta_fails_after_the_timeout() -> None:
         sender.send((1, 2), last=True)
         assert wait_states([sender], timeout=10) == [KVPoll.Failed]
         assert sender.failure() == "decode never sent ROOM_META"
+        assert sender.failure_record() == RoomFailure(
+            FailureReason.NO_ROOM_META, "decode never sent ROOM_META"
+        )
+        record = sender.get_transfer_metric()
+        assert record is not None
+        assert record.outcome is Outcome.FAILED
+        assert record.reason is FailureReason.NO_ROOM_META
 
 
 def test_send_after_last_chunk_is_refused() -> None:

@@ -38,6 +38,7 @@ from ..decode.handler import (
     RoomStatus,
     peers_for,
 )
+from ..outcomes import Outcome, RoomFailure, TransferRecord
 from ..prefill.writer import ChunkSpec, DecodeTarget, StagingFailed, StagingWriter
 from ..protocols import KVArgs
 
@@ -650,6 +651,36 @@ class PrefillTransfers:
                 self._manager.send(target.endpoint, RoomFailed(room, reason).to_frames())
 
 
+class _TransferClock:
+    """Start and end times and chunk count of one request, for its :class:`TransferRecord`."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.chunks = 0
+        self.start: tuple[float, float] | None = None
+        self.record: TransferRecord | None = None
+
+    def started(self) -> None:
+        self.start = (time.monotonic(), time.time())
+
+    def ended(self, state: KVPoll, failure: str | None) -> TransferRecord | None:
+        """The record once ``state`` is terminal (kept from the first time it is)."""
+        terminal = state is KVPoll.Success or state is KVPoll.Failed
+        if self.record is None and self.start is not None and terminal:
+            self.record = TransferRecord(
+                self.room,
+                None,
+                self.chunks,
+                self.start[0],
+                time.monotonic(),
+                self.start[1],
+                time.time(),
+                Outcome.SUCCESS if state is KVPoll.Success else Outcome.FAILED,
+                None if failure is None else RoomFailure.from_detail(failure),
+            )
+        return self.record
+
+
 class KVSender:
     """One request on prefill (``init``, ``send`` per chunk, ``poll``).
 
@@ -659,6 +690,7 @@ class KVSender:
     def __init__(self, transfers: PrefillTransfers, room: int) -> None:
         self._transfers = transfers
         self.room = room
+        self._clock = _TransferClock(room)
 
     def init(self, num_pages: int, decode: Sequence[DecodeTarget]) -> None:
         """Announce the request's size in pages and the decode ranks it goes to.
@@ -667,11 +699,13 @@ class KVSender:
             num_pages: pages of the request.
             decode: every decode rank of the request's decode instance, indexed by TP rank.
         """
+        self._clock.started()
         self._transfers.open_room(self.room, num_pages, decode)
 
     def send(self, pages: Sequence[int], *, last: bool = False) -> None:
         """Queue the next chunk (this rank's KV-pool pages of it, in token order)."""
         self._transfers.submit(self.room, pages, last)
+        self._clock.chunks += 1
 
     def poll(self) -> KVPoll:
         """The request's state."""
@@ -688,6 +722,17 @@ class KVSender:
     def failure(self) -> str | None:
         """Why the request failed, if it did."""
         return self._transfers.status(self.room)[1]
+
+    def failure_record(self) -> RoomFailure | None:
+        """Why the request failed, typed (``None`` if it did not)."""
+        detail = self.failure()
+        return None if detail is None else RoomFailure.from_detail(detail)
+
+    def get_transfer_metric(self) -> TransferRecord | None:
+        """What the request's transfer did, once it ended (``None`` before); ``chunks``
+        counts :meth:`send` calls, ``bytes`` is not counted here yet (``None``)."""
+        state, failure = self._transfers.status(self.room)
+        return self._clock.ended(state, failure)
 
     def release(self) -> None:
         """Forget the request (after success or failure)."""
@@ -738,12 +783,14 @@ class KVReceiver:
         self._plan: RoomPlan | None = None
         self._meta_sent = False
         self._failure_reported = False
+        self._clock = _TransferClock(room)
 
     def init(
         self, page_indices: Sequence[int], *, chunk_pages: int, prefix_tokens: int = 0
     ) -> None:
         """Register the room on decode (before its metadata goes to prefill)."""
         t = self._transfers
+        self._clock.started()
         self._plan = RoomPlan(
             self.room, tuple(page_indices), chunk_pages, t.prefill_tp, t.peers, prefix_tokens
         )
@@ -790,6 +837,16 @@ class KVReceiver:
     def failure(self) -> str | None:
         """Why the request failed, if it did."""
         return self._transfers.handler.room_failure(self.room)
+
+    def failure_record(self) -> RoomFailure | None:
+        """Why the request failed, typed (``None`` if it did not)."""
+        detail = self.failure()
+        return None if detail is None else RoomFailure.from_detail(detail)
+
+    def get_transfer_metric(self) -> TransferRecord | None:
+        """What the request's transfer did on this rank, once it ended (``None`` before);
+        ``chunks`` and ``bytes`` are not counted on decode yet (0 and ``None``)."""
+        return self._clock.ended(self.poll(), self.failure())
 
     def release(self) -> None:
         """Tear the room down on decode (frees any ring regions it still holds)."""
