@@ -12,7 +12,7 @@ import pytest
 PACKAGE_ROOT: Final = Path(__file__).resolve().parent.parent / "src" / "staging_contracts"
 
 TOP_LEVEL_MODULES: Final = frozenset(
-    {"__init__", "cli", "mypy_plugin", "mixin", "protocols", "stats"}
+    {"__init__", "cli", "mypy_plugin", "mixin", "outcomes", "protocols", "stats"}
 )
 """The only modules that sit directly under ``staging_contracts/``; the rest are packages."""
 
@@ -20,6 +20,7 @@ _BELOW_BACKENDS: Final = frozenset(
     {
         "contract",
         "stats",
+        "outcomes",
         "protocols",
         "staging",
         "control",
@@ -33,6 +34,7 @@ _BELOW_BACKENDS: Final = frozenset(
 ALLOWED: Final[dict[str, frozenset[str]]] = {
     "contract": frozenset(),
     "stats": frozenset(),
+    "outcomes": frozenset(),
     "protocols": frozenset({"stats"}),
     "staging": frozenset({"protocols", "stats"}),
     "control": frozenset({"protocols", "stats"}),
@@ -51,9 +53,10 @@ ALLOWED: Final[dict[str, frozenset[str]]] = {
 """What each unit (a top-level module, or a package with everything in it) may import.
 
 A unit may always import its own modules. The rules, bottom up: ``contract`` is domain-free;
-``protocols`` and ``stats`` are the domain's vocabulary; ``staging`` (the torch data path),
-``control`` (wire and sockets) and ``engines`` sit on that vocabulary alone; ``decode`` and
-``prefill`` build each side from ``staging`` and ``control`` and never import each other;
+``protocols``, ``stats`` and ``outcomes`` (why a room ended) are the domain's vocabulary;
+``staging`` (the torch data path), ``control`` (wire and sockets) and ``engines`` sit on that
+vocabulary alone; ``decode`` and ``prefill`` build each side from ``staging`` and ``control``
+and never import each other;
 ``mixin`` joins the contract to the control plane; ``backends`` assemble all of that;
 ``testing`` and ``cluster`` use backends; ``bench`` may use ``cluster``; ``cli`` is the top.
 """
