@@ -105,3 +105,19 @@ def test_the_reference_covers_every_module_the_docs_import_from() -> None:
     shown = {m for doc in docs for m in SHOWN_IMPORT.findall(doc.read_text())}
     assert "staging_contracts.testing" in shown  # the reader finds the imports
     assert shown - set(reference_modules()) == set()
+
+
+README_MAX_LINES: Final = 250
+
+
+def test_the_readme_is_short() -> None:
+    """The README is an entry point: at most 250 lines; the rest lives in the docs pages."""
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES, len(lines)
+
+
+def test_every_docs_page_is_in_the_nav() -> None:
+    """Each page of docs/ (the API reference aside) is listed in mkdocs.yml's nav."""
+    nav = (REPO / "mkdocs.yml").read_text(encoding="utf-8")
+    pages = {p.name for p in (REPO / "docs").glob("*.md")}
+    assert pages - set(re.findall(r":\s*(\S+\.md)\s*$", nav, re.M)) == set()

@@ -55,7 +55,7 @@ DEFAULT_INTEGRITY: Final = False
 """Whether digests are computed and checked when :data:`INTEGRITY_ENV` is unset: off, since
 they cost about 30 % of a staged transfer at memory speed, more than the 10 % that would make
 them the default (``staging.integrity.transfer.*`` rows of ``staging-contracts bench staging``;
-README, "Integrity")."""
+docs/security.md, "Integrity")."""
 
 INTEGRITY_FAILURE: Final = "integrity"
 """The first word of the failure reason of a room whose staged bytes did not match a tag."""

@@ -12,7 +12,7 @@ stack), both on ports drawn from ``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT`` (defau
 mode. Whoever reaches the data port can read and write this engine's registered memory, with
 no authentication. The engine lists the listeners Mooncake opened at start-up
 (:attr:`MooncakeEngine.listening`) and warns about each one beyond ``host``; confine such a
-process with a firewall or a network namespace (README, "Security").
+process with a firewall or a network namespace (docs/security.md).
 
 **Device memory.** The wheel the ``mooncake`` extra installs here,
 ``mooncake-transfer-engine-non-cuda``, is built without CUDA: it reads and writes host memory
@@ -198,7 +198,7 @@ class MooncakeEngine:
                 "mooncake engine %s listens beyond its host %r, on %s: Mooncake binds its"
                 " handshake and TCP data listeners to every interface, and whoever reaches"
                 " the data port can read and write the registered memory; confine this"
-                " process with a firewall or a network namespace (README, Security)",
+                " process with a firewall or a network namespace (docs/security.md)",
                 self._session_id,
                 host,
                 ", ".join(map(str, exposed)),

@@ -515,7 +515,7 @@ class NixlEngine:
         if why == _UNTOLD:  # UCX's own choice, as asked: said, not warned about
             logger.info(
                 "NIXL engine %s: UCX listens on every interface it found, beyond loopback on"
-                " %s; pass host= or set UCX_NET_DEVICES to confine it (README, Security)",
+                " %s; pass host= or set UCX_NET_DEVICES to confine it (docs/security.md)",
                 self._session_id,
                 ", ".join(map(str, exposed)),
             )
@@ -528,7 +528,7 @@ class NixlEngine:
         )
         logger.warning(
             "NIXL engine %s: UCX listens beyond where it was told (%s), on %s; %s"
-            " (README, Security)",
+            " (docs/security.md)",
             self._session_id,
             why,
             ", ".join(map(str, exposed)),

@@ -143,7 +143,7 @@ class DecodeTarget:
     """Whether peer liveness watches this rank while a room needs it (the default): it is sent
     ``PING`` every ``PeerLiveness.interval_s`` and, silent for ``PeerLiveness.timeout_s``,
     declared dead, which fails its rooms at once. ``False`` for a rank that never answers
-    ``PING``, such as the reference's decode (README, "Differences from the reference"): it is
+    ``PING``, such as the reference's decode (docs/differences.md): it is
     never pinged and no room fails for its silence; the chunk's ``PrefillTimeouts.deadline_s``
     still bounds every wait on it, and a ``ROOM_FENCE`` from it still fails the room. Give
     every target naming one rank the same value (a rank that any room watches is pinged)."""
