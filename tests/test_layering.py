@@ -12,13 +12,14 @@ import pytest
 PACKAGE_ROOT: Final = Path(__file__).resolve().parent.parent / "src" / "staging_contracts"
 
 TOP_LEVEL_MODULES: Final = frozenset(
-    {"__init__", "cli", "mypy_plugin", "mixin", "outcomes", "protocols", "stats"}
+    {"__init__", "child_errors", "cli", "mypy_plugin", "mixin", "outcomes", "protocols", "stats"}
 )
 """The only modules that sit directly under ``staging_contracts/``; the rest are packages."""
 
 _BELOW_BACKENDS: Final = frozenset(
     {
         "contract",
+        "child_errors",
         "stats",
         "outcomes",
         "protocols",
@@ -33,6 +34,7 @@ _BELOW_BACKENDS: Final = frozenset(
 
 ALLOWED: Final[dict[str, frozenset[str]]] = {
     "contract": frozenset(),
+    "child_errors": frozenset(),
     "stats": frozenset(),
     "outcomes": frozenset(),
     "protocols": frozenset({"stats"}),

@@ -30,6 +30,7 @@ from typing import Any, Final, Literal
 
 import zmq
 
+from ..child_errors import ChildErrors
 from .bootstrap import BootstrapServer
 from .rank import rank_main
 from .stop_signals import INTERRUPT_GRACE_S, StopRequest
@@ -87,6 +88,9 @@ class RankExit:
     """The failure the rank reported (``None``: it ended without a final report)."""
     after_s: float
     """Seconds from the start of the ranks until the driver saw the death."""
+    last_words: str | None = None
+    """Without a report: how the process ended in its own words (the traceback its entry
+    point raised, bounded, or why it has none; see :mod:`staging_contracts.child_errors`)."""
 
     @property
     def signal(self) -> str | None:
@@ -100,6 +104,8 @@ class RankExit:
             return f"reported a failure: {self.error}"
         if self.signal is not None:
             return f"killed by {self.signal} without a report"
+        if self.last_words is not None:
+            return f"ended without a report: it {self.last_words}"
         return f"exited with code {self.exitcode} without a report"
 
 
@@ -351,16 +357,17 @@ def run_cluster(
     report_to = raw_endpoint.decode() if isinstance(raw_endpoint, bytes) else str(raw_endpoint)
     spawn = multiprocessing.get_context("spawn")
     roles = _roles(config, ranks)
+    errors = ChildErrors()
     processes = {
-        key: spawn.Process(
-            target=rank_main,
-            args=(key[0], key[1], config, bootstrap, report_to),
+        key: errors.process(
+            spawn,
+            rank_main,
+            (key[0], key[1], config, bootstrap, report_to),
             name=f"staging-{key[0]}-{key[1]}",
-            daemon=True,
         )
         for key in roles
     }
-    watch = _Watch(processes, progress, stop)
+    watch = _Watch(processes, progress, stop, errors)
     try:
         for process in processes.values():
             process.start()
@@ -370,6 +377,7 @@ def run_cluster(
         if server is not None:
             server.stop()
         inbox.close(linger=0)
+        errors.close()
     return _result(config, roles, watch, ranks)
 
 
@@ -388,8 +396,10 @@ class _Watch:
         processes: Mapping[RankKey, BaseProcess],
         progress: ProgressCallback | None,
         stop: StopRequest | None = None,
+        errors: ChildErrors | None = None,
     ) -> None:
         self.processes = processes
+        self.errors = errors
         self.progress = progress
         self.stop = stop
         self.interrupted: str | None = None
@@ -494,7 +504,11 @@ class _Watch:
             return
         self.dead.add(key)
         process = self.processes[key]
-        death = RankExit(key[0], key[1], process.exitcode, error, time.monotonic() - self.started)
+        words = None
+        if error is None and self.errors is not None and not process.is_alive():
+            words = self.errors.explain(process, process.exitcode)
+        after_s = time.monotonic() - self.started
+        death = RankExit(key[0], key[1], process.exitcode, error, after_s, words)
         if self.first_death is None:
             self.first_death = death
             logger.warning("%s %d died first: %s", key[0], key[1], death.reason)
@@ -567,4 +581,4 @@ def _with_exitcode(death: RankExit | None, watch: _Watch) -> RankExit | None:
     if death is None or death.exitcode is not None:
         return death
     exitcode = watch.processes[(death.role, death.rank)].exitcode
-    return RankExit(death.role, death.rank, exitcode, death.error, death.after_s)
+    return RankExit(death.role, death.rank, exitcode, death.error, death.after_s, death.last_words)

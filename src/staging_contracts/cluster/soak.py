@@ -50,6 +50,7 @@ from typing import Any, Final
 
 import zmq
 
+from ..child_errors import ChildErrors
 from ..control.room_messages import (
     Ping,
     Pong,
@@ -228,6 +229,8 @@ class _Driver:
         raw = self.inbox.getsockopt(zmq.LAST_ENDPOINT)
         self.inbox_endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
         self.spawn = multiprocessing.get_context("spawn")
+        self.child_errors = ChildErrors()
+        """Each rank process's own error, should it die without reporting one."""
         self.keys: list[RankKey] = [("decode", d) for d in range(config.decode_tp)] + [
             ("prefill", p) for p in range(config.prefill_tp * config.prefill_instances)
         ]
@@ -601,7 +604,9 @@ class _Driver:
             if rank.gone or rank.killed or rank.process.is_alive():
                 continue
             rank.gone = True
-            why = self.exit_errors.get(rank.pid or 0, f"exit code {rank.process.exitcode}")
+            why = self.exit_errors.get(rank.pid or 0) or self.child_errors.explain(
+                rank.process, rank.process.exitcode
+            )
             name = f"{rank.key[0]} {rank.key[1]} (pid {rank.pid})"
             if rank.info is None:
                 raise RuntimeError(f"{name} exited while starting: {why}")
@@ -647,11 +652,11 @@ class _Driver:
     # ------------------------------------------------------------------ ranks
 
     def _spawn(self, key: RankKey) -> _Rank:
-        process = self.spawn.Process(
-            target=soak_rank_main,
-            args=(key[0], key[1], self.settings, self.inbox_endpoint),
+        process = self.child_errors.process(
+            self.spawn,
+            soak_rank_main,
+            (key[0], key[1], self.settings, self.inbox_endpoint),
             name=f"soak-{key[0]}-{key[1]}",
-            daemon=True,
         )
         process.start()
         rank = _Rank(key, process, time.monotonic(), pid=process.pid)

@@ -5,7 +5,8 @@ parent's threads or sockets is inherited), each given a :class:`ParentLink` to t
 over a pipe. The parent moves the group from step to step: it sends a command to some ranks
 (:meth:`RankGroup.send`) and gathers one message of an expected kind from each
 (:meth:`RankGroup.gather`), every wait bounded. A rank that sends ``("error", text)``, exits
-without a word, or stays silent past the bound ends the gather with :class:`RankFailed`;
+(its traceback, or why it has none, in the error: :mod:`staging_contracts.child_errors`),
+or stays silent past the bound ends the gather with :class:`RankFailed`;
 :meth:`RankGroup.close` then ends every process (closing the pipes first, so that a rank
 waiting for a command stops by itself; then ``SIGTERM``, then ``SIGKILL``, each bounded).
 
@@ -23,6 +24,8 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Final
+
+from ..child_errors import ChildErrors
 
 __all__ = ["JOIN_S", "ParentLink", "RankFailed", "RankGroup"]
 
@@ -108,10 +111,11 @@ class RankGroup:
         self.labels = list(labels)
         self._conns: list[Connection] = []
         self._procs: list[BaseProcess] = []
+        self._errors = ChildErrors()
         try:
             for job, label in zip(jobs, labels, strict=True):
                 mine, theirs = context.Pipe(duplex=True)
-                proc = context.Process(target=target, args=(job, theirs), name=label, daemon=True)
+                proc = self._errors.process(context, target, (job, theirs), name=label)
                 proc.start()
                 theirs.close()
                 self._conns.append(mine)
@@ -184,7 +188,7 @@ class RankGroup:
         """How the process at ``index`` ended (its sentinel is ready: the join is short)."""
         proc = self._procs[index]
         proc.join(JOIN_S)
-        return f"exited with code {proc.exitcode} without a word"
+        return self._errors.explain(proc, proc.exitcode)
 
     def close(self) -> None:
         """End every process, each step bounded by :data:`JOIN_S`; safe to call twice."""
@@ -208,3 +212,4 @@ class RankGroup:
                 logger.warning("rank process %s (pid %s) did not end", proc.name, proc.pid)
             else:
                 proc.close()
+        self._errors.close()

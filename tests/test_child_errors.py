@@ -1,0 +1,156 @@
+"""A rank process that dies with an exception: its traceback reaches the parent's error.
+
+Real spawned processes throughout: the harness's rank group (what ``run_transfer(...,
+processes=True)`` runs its ranks in), a script that calls ``run_transfer`` without a main
+guard, and the demo's runner with a backend whose rank dies past its own report.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Final
+
+import pytest
+
+from staging_contracts.backends.nixl import NixlKVManager
+from staging_contracts.child_errors import LIMIT_CHARS, ChildErrors
+from staging_contracts.cluster.runner import run_cluster
+from staging_contracts.cluster.workload import TransferConfig
+from staging_contracts.engines import engine_available
+from staging_contracts.testing.processes import RankFailed, RankGroup
+
+REPO: Final = Path(__file__).resolve().parent.parent
+NIXL_OK, NIXL_WHY = engine_available("nixl")
+
+
+def _raises(job: object, conn: Connection) -> None:
+    """A rank entry point that raises before it says anything."""
+    del conn
+    raise ValueError(f"rank job {job!r} cannot start: no pool")
+
+
+def _exits(job: object, conn: Connection) -> None:
+    """A rank entry point that ends its process with no exception (as a crash would)."""
+    del job, conn
+    os._exit(3)
+
+
+def _raises_long(length: int) -> None:
+    raise RuntimeError("x" * length)
+
+
+class _Unprintable(Exception):
+    """An exception whose text cannot be made: the rank's own failure report raises too."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("this exception cannot be printed")
+
+
+class BrokenNixl(NixlKVManager):
+    """A NIXL backend whose managers cannot be built, with an error that breaks the report."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise _Unprintable
+
+
+def test_a_rank_that_raises_gives_its_traceback_to_the_gather() -> None:
+    """The rank group's error holds the rank's own exception and traceback, not "without a
+    word"."""
+    group = RankGroup(_raises, ["job-7"], ["decode rank 0"])
+    try:
+        with pytest.raises(RankFailed) as failed:
+            group.gather([0], "ready", 60.0)
+    finally:
+        group.close()
+    detail = failed.value.detail
+    assert "exited with code 1, raising:" in detail
+    assert "Traceback (most recent call last):" in detail
+    assert "ValueError: rank job 'job-7' cannot start: no pool" in detail
+    assert "without a word" not in detail
+
+
+def test_a_rank_that_exits_without_an_exception_is_said_to() -> None:
+    """No exception, no traceback: the error says so, with the exit code."""
+    group = RankGroup(_exits, ["job"], ["prefill rank 1"])
+    try:
+        with pytest.raises(RankFailed, match="exited with code 3 without a word"):
+            group.gather([0], "ready", 60.0)
+    finally:
+        group.close()
+
+
+def test_the_traceback_kept_is_bounded_to_its_end() -> None:
+    """A huge exception text keeps its last characters (where the exception is) only."""
+    errors = ChildErrors()
+    process = errors.process(
+        multiprocessing.get_context("spawn"), _raises_long, (50 * LIMIT_CHARS,), name="long"
+    )
+    process.start()
+    process.join(60)
+    text = errors.traceback(process)
+    errors.close()
+    assert text is not None
+    assert text.startswith("... (the traceback's start is cut)")
+    assert len(text) <= LIMIT_CHARS + 100
+    assert text.endswith("x" * 100)
+
+
+@pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)
+def test_run_transfer_in_a_script_without_a_main_guard_says_why(tmp_path: Path) -> None:
+    """A script calling ``run_transfer(..., processes=True)`` at its top level: each rank dies
+    re-importing it, and the error names the missing ``if __name__ == "__main__":``."""
+    script = tmp_path / "transfer.py"
+    script.write_text(
+        textwrap.dedent(
+            """\
+            from staging_contracts.testing import run_transfer
+
+            run_transfer("nixl", prefill_tp=1, decode_tp=1, processes=True)
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    last = result.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("staging_contracts.testing.processes.RankFailed: "), last
+    assert "before its entry point ran" in last
+    assert 'if __name__ == "__main__":' in last
+
+
+@pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)
+def test_a_demo_rank_that_dies_past_its_report_gives_its_traceback() -> None:
+    """The demo's runner: a rank whose failure cannot even be reported (its exception's text
+    raises) dies with that exception; the run's first death carries the traceback."""
+    config = TransferConfig(
+        backend=f"{__name__}:BrokenNixl",
+        prefill_tp=1,
+        decode_tp=1,
+        layers=1,
+        head_dim=8,
+        tokens=32,
+        requests=1,
+        chunk_tokens=16,
+    )
+    result = run_cluster(config, timeout_s=120.0)
+    death = result.first_death
+    assert death is not None
+    assert death.error is None  # no report came
+    reason = death.reason
+    assert reason.startswith("ended without a report: it exited with code 1, raising:"), reason
+    assert "RuntimeError: this exception cannot be printed" in reason
+    assert "_Unprintable" in reason
