@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Final
 
@@ -31,3 +34,43 @@ def test_the_stated_mutation_times_are_the_summarys() -> None:
     page = _flat(REPO / "docs" / "testing.md")
     assert stated in page
     assert f"against the summary's {times['wire']} s" in page
+
+
+def _documented_rows() -> list[re.Pattern[str]]:
+    """A pattern per row name the benchmarks page's tables list (first column): ``.suffix``
+    stands for the previous name with its last part replaced, ``<case>`` for any one part."""
+    patterns = []
+    for line in (REPO / "docs" / "benchmarks.md").read_text().splitlines():
+        if not line.startswith("| `"):
+            continue
+        previous = ""
+        for name in re.findall(r"`([^`]+)`", line.split(" | ")[0]):
+            if name.startswith("."):
+                name = previous.rsplit(".", 1)[0] + name
+            previous = name
+            parts = [r"[^.]+" if p.startswith("<") else re.escape(p) for p in name.split(".")]
+            patterns.append(re.compile(r"\.".join(parts)))
+    return patterns
+
+
+def test_every_row_bench_prints_is_in_the_benchmarks_tables(tmp_path: Path) -> None:
+    """The rows ``staging-contracts bench contract staging control --quick`` prints are each
+    described in docs/benchmarks.md (the transfer group's two rows per engine are too)."""
+    out = tmp_path / "rows.json"
+    script = Path(sys.executable).with_name("staging-contracts")
+    groups = ["contract", "staging", "control"]
+    result = subprocess.run(
+        [str(script), "bench", *groups, "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    printed = {row["name"] for row in json.loads(out.read_text())}
+    assert len(printed) > 20, printed  # the reader finds the rows
+    patterns = _documented_rows()
+    missing = {name for name in printed if not any(p.fullmatch(name) for p in patterns)}
+    assert missing == set()
+    for row in ("transfer.nixl.vs-raw", "transfer.mooncake.vs-per-token"):
+        assert any(p.fullmatch(row) for p in patterns), row
