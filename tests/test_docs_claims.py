@@ -44,9 +44,8 @@ def _documented_rows() -> list[re.Pattern[str]]:
         if not line.startswith("| `"):
             continue
         previous = ""
-        for name in re.findall(r"`([^`]+)`", line.split(" | ")[0]):
-            if name.startswith("."):
-                name = previous.rsplit(".", 1)[0] + name
+        for shown in re.findall(r"`([^`]+)`", line.split(" | ")[0]):
+            name = previous.rsplit(".", 1)[0] + shown if shown.startswith(".") else shown
             previous = name
             parts = [r"[^.]+" if p.startswith("<") else re.escape(p) for p in name.split(".")]
             patterns.append(re.compile(r"\.".join(parts)))

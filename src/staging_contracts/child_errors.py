@@ -106,9 +106,7 @@ class ChildErrors:
 
     def explain(self, process: BaseProcess, exitcode: int | None) -> str:
         """How ``process`` (ended, with ``exitcode``) died, in words, its traceback included."""
-        how = f"exited with code {exitcode}"
-        if exitcode is not None and exitcode < 0:
-            how = f"was killed by signal {-exitcode}"
+        how = f"exited with code {exitcode}"  # -N: signal N
         path = self._paths.get(id(process))
         if path is not None and not path.exists():
             return (
