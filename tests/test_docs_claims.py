@@ -73,3 +73,18 @@ def test_every_row_bench_prints_is_in_the_benchmarks_tables(tmp_path: Path) -> N
     assert missing == set()
     for row in ("transfer.nixl.vs-raw", "transfer.mooncake.vs-per-token"):
         assert any(p.fullmatch(row) for p in patterns), row
+
+
+def test_every_environment_variable_the_package_reads_is_in_the_operating_table() -> None:
+    """Each ``STAGING_CONTRACTS_*`` name the package's code holds is a row of the table of
+    docs/operating.md (a variable added to the code must be documented there)."""
+    source = REPO / "src" / "staging_contracts"
+    named = {
+        name
+        for path in source.rglob("*.py")
+        for name in re.findall(r"\"(STAGING_CONTRACTS_[A-Z_]+)\"", path.read_text())
+    }
+    assert {"STAGING_CONTRACTS_SECRET", "STAGING_CONTRACTS_INTEGRITY"} <= named
+    page = (REPO / "docs" / "operating.md").read_text()
+    rows = set(re.findall(r"^\| `(STAGING_CONTRACTS_[A-Z_]+)` \|", page, re.M))
+    assert named - rows == set()
