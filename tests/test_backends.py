@@ -42,9 +42,9 @@ def test_unknown_backend_lists_the_known_ones() -> None:
 
 def test_missing_engine_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     """A backend whose engine cannot be imported raises ImportError naming the extra."""
-    from staging_contracts import backends
+    from staging_contracts.backends import _registry
 
-    monkeypatch.setattr(backends, "engine_available", lambda name: (False, "No module named 'x'"))
+    monkeypatch.setattr(_registry, "engine_available", lambda name: (False, "No module named 'x'"))
     with pytest.raises(ImportError, match=r"pip install 'staging-contracts\[mooncake\]'$"):
         load_backend("ascend")
 

@@ -307,3 +307,52 @@ def test_ring_sizing_and_curve_key_text_are_defined_once() -> None:
         "cluster/bootstrap.py:curve_key_text",
         "cluster/workload.py:ring_bytes",
     ]
+
+
+def test_the_backends_package_init_only_re_exports() -> None:
+    """``backends/__init__.py`` holds its docstring, imports and ``__all__``: the registry
+    and the spec resolver live in their own modules, not in the package's ``__init__``."""
+    init = PACKAGE_ROOT / "backends" / "__init__.py"
+    body = ast.parse(init.read_text(), str(init)).body
+    others = [
+        f"line {node.lineno}: {type(node).__name__}"
+        for index, node in enumerate(body)
+        if not (index == 0 and isinstance(node, ast.Expr))  # the docstring
+        and not isinstance(node, ast.ImportFrom)
+        and not (
+            isinstance(node, ast.Assign)
+            and [ast.unparse(target) for target in node.targets] == ["__all__"]
+        )
+    ]
+    assert not others, f"backends/__init__.py defines more than re-exports: {others}"
+
+
+_SPEC_SEPARATORS: Final = frozenset({":", "="})
+_SPLITTERS: Final = frozenset({"partition", "rpartition", "split", "rsplit"})
+_LAZY_SUBMODULES: Final = PACKAGE_ROOT / "testing" / "__init__.py"
+"""Imports its own submodules by name on first attribute access (not a spec)."""
+
+
+def _parses_specs_itself(node: ast.Call, path: Path) -> bool:
+    """A call that splits text at ``:`` or ``=``, or imports a module named by text."""
+    if not isinstance(node.func, ast.Attribute):
+        return False
+    if node.func.attr == "import_module":
+        return path != _LAZY_SUBMODULES
+    return node.func.attr in _SPLITTERS and any(
+        isinstance(arg, ast.Constant) and arg.value in _SPEC_SEPARATORS for arg in node.args
+    )
+
+
+def test_only_the_backend_resolver_parses_specs() -> None:
+    """The command line and the pytest kit split ``NAME | MODULE:CLASS[=MODULE:FACTORY]`` and
+    import what it names through ``backends._refs`` (one grammar, one import): neither
+    splits text at ``:``/``=`` nor calls ``import_module`` itself."""
+    paths = [PACKAGE_ROOT / "cli.py", *sorted((PACKAGE_ROOT / "testing").glob("*.py"))]
+    found = [
+        f"{path.relative_to(PACKAGE_ROOT)}:{node.lineno}: {ast.unparse(node)}"
+        for path in paths
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Call) and _parses_specs_itself(node, path)
+    ]
+    assert not found, f"specs parsed outside backends/_refs.py: {found}"

@@ -9,7 +9,6 @@ is shown only with ``--debug`` (or ``STAGING_CONTRACTS_DEBUG=1``), for bug repor
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import traceback
@@ -18,7 +17,6 @@ from typing import NoReturn
 
 from .contract.contract import Contract, is_abstract
 from .contract.enforcement import contract_roots
-from .contract.problems import ContractError
 from .contract.typeforms import class_label
 from .contract.witness import witness_note
 from .mixin import STAGING_CONTRACT
@@ -259,20 +257,31 @@ def _run_check(args: argparse.Namespace) -> int:
 
 def _load_class(target: str) -> type | int:
     """Import ``MODULE:CLASS``; the class, or the exit status after saying why not."""
-    module_name, sep, qualname = target.partition(":")
-    if not sep or not module_name or not qualname:
+    from .backends._refs import (  # noqa: PLC0415 - the backends only when a class is named
+        AttributeMissing,
+        ModuleMissing,
+        ModuleRaised,
+        ModuleRejected,
+        import_ref,
+        split_ref,
+    )
+
+    ref = split_ref(target)
+    if ref is None:
         print(f"{target}: expected MODULE:CLASS", file=sys.stderr)
         return EXIT_UNIMPORTABLE
+    module_name, qualname = ref.module, ref.qualname
     try:
-        module = importlib.import_module(module_name)
-    except ContractError as exc:
+        obj = import_ref(ref)
+    except ModuleRejected as failure:
         print(f"{target}: the contract rejected a class while importing {module_name!r}:")
-        print(exc)
+        print(failure.error)
         return EXIT_NONCONFORMING
-    except ImportError as exc:
-        print(f"{target}: cannot import {module_name!r}: {exc}", file=sys.stderr)
+    except ModuleMissing as failure:
+        print(f"{target}: cannot import {module_name!r}: {failure.error}", file=sys.stderr)
         return EXIT_UNIMPORTABLE
-    except Exception as exc:  # noqa: BLE001 - any error of the imported module: exit 2, say it
+    except ModuleRaised as failure:
+        exc = failure.error
         trace = "".join(traceback.format_exception(exc)).rstrip() if _debug() else ""
         hint = f"\n{trace}" if trace else " (run with --debug for the traceback)"
         print(
@@ -280,13 +289,9 @@ def _load_class(target: str) -> type | int:
             file=sys.stderr,
         )
         return EXIT_UNIMPORTABLE
-    obj: object = module
-    for part in qualname.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            print(f"{target}: {module_name!r} has no attribute {qualname!r}", file=sys.stderr)
-            return EXIT_UNIMPORTABLE
+    except AttributeMissing:
+        print(f"{target}: {module_name!r} has no attribute {qualname!r}", file=sys.stderr)
+        return EXIT_UNIMPORTABLE
     if not isinstance(obj, type):
         print(f"{target}: {qualname!r} is not a class", file=sys.stderr)
         return EXIT_UNIMPORTABLE

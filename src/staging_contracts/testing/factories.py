@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any, Final, cast
 
 from ..backends import BACKENDS
+from ..backends._registry import in_tree_name
 from ..backends.common import Role
 from ..contract.typeforms import class_label
 from ..engines import engine_available
@@ -78,13 +79,6 @@ class StandardFactory:
         return f"{class_label(self.cls)}(kv_args, role=..., attn_tp_size=...{extra})"
 
 
-def _in_tree_name(cls: type) -> str | None:
-    for name, spec in BACKENDS.items():
-        if cls.__module__ == spec.module and cls.__qualname__ == spec.class_name:
-            return name
-    return None
-
-
 def standard_factory(cls: type) -> ManagerFactory:
     """A factory that builds ``cls`` with its standard constructor, checked before use.
 
@@ -96,7 +90,7 @@ def standard_factory(cls: type) -> ManagerFactory:
             ``cls`` is an in-tree backend whose engine cannot be imported here (the text
             names the extra to install).
     """
-    name = _in_tree_name(cls)
+    name = in_tree_name(cls)
     options: Mapping[str, object] = IN_TREE_OPTIONS.get(name, {}) if name else {}
     factory = StandardFactory(cls, options)
     if name is not None:

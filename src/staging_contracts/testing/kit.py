@@ -258,7 +258,7 @@ class StagingBackendContract:
             return f"the factory {target.factory_ref}"
         backend = getattr(type(self), "backend_class", None)
         if target is not None:
-            backend = target.class_ref.rpartition(":")[2]
+            backend = target.class_qualname
         name = backend if isinstance(backend, str) else class_label(cast(type, backend))
         return f"the constructor {name}(kv_args, role=..., attn_tp_size=...)"
 

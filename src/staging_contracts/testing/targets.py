@@ -11,18 +11,25 @@ not by every test of the kit.
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import re
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, cast
 
 from ..backends import BACKENDS, ENTRY_POINT_GROUP, BackendFactory, backend_ref
+from ..backends._refs import (
+    AttributeMissing,
+    ModuleMissing,
+    ModuleRaised,
+    ModuleRejected,
+    Ref,
+    import_ref,
+    split_ref,
+    split_spec,
+)
 from ..contract.contract import Contract
 from ..contract.enforcement import contract_roots
-from ..contract.problems import ContractError
 from ..mixin import STAGING_CONTRACT
 from .harness import ManagerFactory
 
@@ -31,12 +38,6 @@ __all__ = ["PATH_HINT", "BackendLoadError", "BackendTarget", "HostFactory", "con
 HostFactory = Callable[[], object]
 """``FACTORY()``: builds managers the host's own way; returns one, or an iterable of them."""
 
-_NAME: Final = r"[A-Za-z_][A-Za-z0-9_]*"
-_REF: Final = rf"{_NAME}(?:\.{_NAME})*:{_NAME}(?:\.{_NAME})*"
-_BACKEND_NAME: Final = r"[A-Za-z_][A-Za-z0-9_.-]*"
-_SPEC_RE: Final = re.compile(
-    rf"(?:(?P<cls>{_REF})|(?P<name>{_BACKEND_NAME}))(?:=(?P<factory>{_REF}))?"
-)
 _EXPECTED: Final = (
     "--staging-backend expects NAME, MODULE:CLASS or MODULE:CLASS=MODULE:FACTORY "
     "(e.g. nixl or mypkg.backend:MyKVManager)"
@@ -86,23 +87,28 @@ class BackendTarget:
             ValueError: the value has another shape, or names no known backend (the message
                 shows the expected shape and the known names).
         """
-        text = spec.strip()
-        match = _SPEC_RE.fullmatch(text)
-        if match is None:
+        parts = split_spec(spec.strip())
+        if not parts.strict:
             raise ValueError(f"{_EXPECTED}, got {spec!r}")
-        name = match["name"]
-        if name is None:
-            return cls(text, match["cls"], match["factory"])
+        if parts.names_class:
+            return cls(parts.text, parts.backend, parts.factory)
         try:
-            ref = backend_ref(name)
+            ref = backend_ref(parts.backend)
         except ValueError as exc:
             raise ValueError(f"{_EXPECTED}: {exc}") from None
-        return cls(text, ref, match["factory"], name)
+        return cls(parts.text, ref, parts.factory, parts.backend)
 
     @property
     def class_name(self) -> str:
         """The class's own name (the last part of its qualified name)."""
-        return self.class_ref.rpartition(".")[2].rpartition(":")[2]
+        return self.class_qualname.rpartition(".")[2]
+
+    @property
+    def class_qualname(self) -> str:
+        """The class's qualified name in its module (all of :attr:`class_ref` without a
+        colon)."""
+        ref = split_ref(self.class_ref)
+        return self.class_ref if ref is None else ref.qualname
 
     @property
     def registered(self) -> bool:
@@ -213,17 +219,20 @@ def _no_factory() -> None:
     """Stands for the factory when none was named."""
 
 
-def _load(ref: str, what: str, *, path_hint: bool) -> object:
-    module_name, _, qualname = ref.partition(":")
+def _load(text: str, what: str, *, path_hint: bool) -> object:
+    ref = split_ref(text) or Ref(text, "")
+    module_name, qualname = ref.module, ref.qualname
     try:
-        obj: object = importlib.import_module(module_name)
-    except ContractError as exc:
-        contract = contract_of(exc.cls)
+        return import_ref(ref)
+    except ModuleRejected as failure:
+        rejected = failure.error
+        contract = contract_of(rejected.cls)
         raise BackendLoadError(
             f"importing {module_name!r} failed: the contract rejected a class statement:\n"
-            f"{exc}\n\n{contract.explain(exc.cls)}"
+            f"{rejected}\n\n{contract.explain(rejected.cls)}"
         ) from None
-    except ImportError as exc:
+    except ModuleMissing as failure:
+        exc = failure.error
         hint = ""
         missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
         top = module_name.split(".")[0]
@@ -235,15 +244,12 @@ def _load(ref: str, what: str, *, path_hint: bool) -> object:
         raise BackendLoadError(
             f"cannot import the {what} module {module_name!r}: {exc}{hint}"
         ) from None
-    except Exception as exc:  # noqa: BLE001 - any error of the module is reported, traced
-        trace = "".join(traceback.format_exception(exc)).rstrip()
+    except ModuleRaised as failure:
+        raised = failure.error
+        trace = "".join(traceback.format_exception(raised)).rstrip()
         raise BackendLoadError(
-            f"importing the {what} module {module_name!r} raised {type(exc).__name__}: "
-            f"{exc}\n\n{trace}"
+            f"importing the {what} module {module_name!r} raised {type(raised).__name__}: "
+            f"{raised}\n\n{trace}"
         ) from None
-    for part in qualname.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise BackendLoadError(f"{module_name!r} has no attribute {qualname!r}") from None
-    return obj
+    except AttributeMissing:
+        raise BackendLoadError(f"{module_name!r} has no attribute {qualname!r}") from None
