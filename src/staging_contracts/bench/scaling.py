@@ -158,6 +158,23 @@ class ScalingPoint:
     """The run, with the base point's engine (replaced per engine)."""
 
 
+_FULL_BASE: Final = TransferConfig(
+    prefill_tp=4,
+    decode_tp=2,
+    kv_heads=8,
+    layers=8,
+    head_dim=128,
+    tokens=4096,
+    page_size=16,
+    requests=1,
+    dtype="bf16",
+    chunk_tokens=1024,
+    ring_chunks=2,
+    warmup_requests=1,
+)
+"""The sweep's base point: P=4 -> D=2, 8 KV heads of 128, 8 layers, bf16, 4096 tokens."""
+
+
 @dataclass(frozen=True, slots=True)
 class ScalingPlan:
     """The base point and the values swept around it.
@@ -193,20 +210,7 @@ class ScalingPlan:
         """The documented sweep (module docstring), each staged point run twice: about 20
         minutes for both engines on two loaded cores."""
         return cls(
-            base=TransferConfig(
-                prefill_tp=4,
-                decode_tp=2,
-                kv_heads=8,
-                layers=8,
-                head_dim=128,
-                tokens=4096,
-                page_size=16,
-                requests=1,
-                dtype="bf16",
-                chunk_tokens=1024,
-                ring_chunks=2,
-                warmup_requests=1,
-            ),
+            base=_FULL_BASE,
             tokens=(1024, 2048, 4096, 8192, 16384, 32768),
             tp_pairs=((1, 4), (2, 4), (4, 2), (8, 2), (4, 1)),
             page_sizes=(1, 16, 64),
@@ -219,19 +223,14 @@ class ScalingPlan:
         """Tiny points for smoke tests, each run once: five runs per engine, figures
         meaningless."""
         return cls(
-            base=TransferConfig(
+            base=replace(
+                _FULL_BASE,
                 prefill_tp=2,
                 decode_tp=1,
-                kv_heads=8,
                 layers=2,
                 head_dim=64,
                 tokens=256,
-                page_size=16,
-                requests=1,
-                dtype="bf16",
                 chunk_tokens=128,
-                ring_chunks=2,
-                warmup_requests=1,
             ),
             tokens=(256, 512),
             tp_pairs=((2, 1),),
