@@ -154,6 +154,8 @@ def test_close_without_drain_s_is_unchanged_and_a_bad_drain_s_closes_nothing() -
         decode.close()
         assert decode.close() is None
         assert decode.close(drain_s=1.0) == DrainResult(1.0, 0.0)
+        with pytest.raises(ValueError, match="drain_s"):
+            decode.close(drain_s=float("nan"))
 
 
 def test_health_reports_listener_peers_ring_and_rooms(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,7 +36,7 @@ from ..control.security import (
 from ..control.transport import Listener, LogThrottle, PeerSockets
 from ..control.wire import MalformedMessage
 from ..protocols import KVArgs, TransferEngine
-from .drain import DrainGate, DrainResult
+from .drain import DrainGate, DrainResult, check_drain_s
 from .health import ManagerHealth
 
 __all__ = ["CommonKVManager", "Role"]
@@ -278,6 +278,7 @@ class CommonKVManager:
         """
         result: DrainResult | None = None
         if drain_s is not None:
+            check_drain_s(drain_s)
             if self._closed:
                 return DrainResult(drain_s, 0.0)
             result = self.drain_gate.drain(drain_s)

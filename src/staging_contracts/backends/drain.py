@@ -29,6 +29,7 @@ __all__ = [
     "DrainGate",
     "DrainResult",
     "RoomBook",
+    "check_drain_s",
     "drain_expired",
     "join_drain",
 ]
@@ -44,6 +45,12 @@ DRAIN_SLICE_S: Final = 0.01
 DRAIN_TELL_S: Final = 1.0
 """Longest ``drain`` waits, after failing the rooms left, for the peers to acknowledge their
 ``ROOM_FAILED`` (re-sent meanwhile by the listener), before the manager closes its sockets."""
+
+
+def check_drain_s(drain_s: float) -> None:
+    """Raise ``ValueError`` unless ``drain_s`` is a finite number of seconds >= 0."""
+    if not (math.isfinite(drain_s) and drain_s >= 0):
+        raise ValueError(f"drain_s={drain_s!r} must be a finite number of seconds >= 0")
 
 
 def drain_expired(drain_s: float) -> str:
@@ -148,8 +155,7 @@ class DrainGate:
         Raises:
             ValueError: ``drain_s`` is negative or not finite.
         """
-        if not (math.isfinite(drain_s) and drain_s >= 0):
-            raise ValueError(f"drain_s={drain_s!r} must be a finite number of seconds >= 0")
+        check_drain_s(drain_s)
         with self._lock:
             self._draining = True
             books = list(self._books)
