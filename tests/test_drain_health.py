@@ -199,3 +199,21 @@ def test_health_reports_listener_peers_ring_and_rooms(monkeypatch: pytest.Monkey
         # the room depended on the dead writer: it failed, nothing is in flight
         assert wait_for(lambda: decode.health().rooms_in_flight == 0)
         assert not decode.health().ok
+
+
+def test_closing_prefill_without_a_drain_fails_its_room_and_the_worker_lives_on() -> None:
+    """``close()`` with a room in flight: its next chunk fails on the closed engine, the room
+    fails, and telling decode (sockets closed) no longer kills the transfer worker (it raised
+    ``RuntimeError: PeerSockets is closed`` on the worker thread before)."""
+    with sides(Geometry(1, 1, 2)) as s:
+        request, _, sender = _start_room(s, 50, seed=5)
+        worker = s.prefill[0]._thread
+        assert wait_states([sender], timeout=0.2) == [KVPoll.Transferring]
+        s.cluster.prefill[0].close()
+        _send_last(request, sender)
+        assert wait_states([sender]) == [KVPoll.Failed]
+        assert worker.is_alive()
+        other = KVSender(s.prefill[0], 51)
+        other.init(ROOM_PAGES, s.cluster.targets)  # the worker still takes rooms
+        assert other.poll() is not KVPoll.Failed
+        other.release()

@@ -701,12 +701,20 @@ class PrefillTransfers:
                 self._failed_resend.add(
                     room, target.endpoint, frames, copies=ROOM_FAILED_COPIES, tag=opening
                 )
-                self._manager.send(target.endpoint, frames)
+                self._tell(target.endpoint, frames)
             elif rank in state.ready or not self._endpoint:
                 # A decode rank that names no opening (an older one), or no listener here to
                 # be acknowledged at: sent once, as such peers expect.
                 state.told.add(rank)
-                self._manager.send(target.endpoint, RoomFailed(room, reason).to_frames())
+                self._tell(target.endpoint, RoomFailed(room, reason).to_frames())
+
+    def _tell(self, endpoint: str, frames: Sequence[bytes]) -> None:
+        """Send a ``ROOM_FAILED`` to a decode rank; nothing once the manager closed its
+        sockets (a room failing then, on the worker thread, must not end the worker)."""
+        try:
+            self._manager.send(endpoint, frames)
+        except RuntimeError as exc:  # PeerSockets is closed: nobody left to tell
+            logger.info("ROOM_FAILED to %s not sent: %s", endpoint, exc)
 
 
 class _TransferClock:
