@@ -12,7 +12,18 @@ import pytest
 PACKAGE_ROOT: Final = Path(__file__).resolve().parent.parent / "src" / "staging_contracts"
 
 TOP_LEVEL_MODULES: Final = frozenset(
-    {"__init__", "child_errors", "cli", "mypy_plugin", "mixin", "outcomes", "protocols", "stats"}
+    {
+        "__init__",
+        "child_errors",
+        "cli",
+        "config",
+        "mypy_plugin",
+        "mixin",
+        "outcomes",
+        "protocols",
+        "stats",
+        "tracing",
+    }
 )
 """The only modules that sit directly under ``staging_contracts/``; the rest are packages."""
 
@@ -20,6 +31,8 @@ _BELOW_BACKENDS: Final = frozenset(
     {
         "contract",
         "child_errors",
+        "config",
+        "tracing",
         "stats",
         "outcomes",
         "protocols",
@@ -37,12 +50,14 @@ ALLOWED: Final[dict[str, frozenset[str]]] = {
     "child_errors": frozenset(),
     "stats": frozenset(),
     "outcomes": frozenset(),
+    "config": frozenset(),
+    "tracing": frozenset({"outcomes"}),
     "protocols": frozenset({"stats"}),
     "staging": frozenset({"protocols", "stats"}),
-    "control": frozenset({"protocols", "stats"}),
+    "control": frozenset({"config", "protocols", "stats"}),
     "engines": frozenset({"protocols", "stats"}),
-    "decode": frozenset({"staging", "control", "protocols", "stats"}),
-    "prefill": frozenset({"staging", "control", "protocols", "stats"}),
+    "decode": frozenset({"staging", "control", "config", "tracing", "protocols", "stats"}),
+    "prefill": frozenset({"staging", "control", "config", "tracing", "protocols", "stats"}),
     "mixin": frozenset({"contract", "control", "protocols", "stats"}),
     "backends": _BELOW_BACKENDS,
     "testing": _BELOW_BACKENDS | {"backends"},
@@ -56,6 +71,8 @@ ALLOWED: Final[dict[str, frozenset[str]]] = {
 
 A unit may always import its own modules. The rules, bottom up: ``contract`` is domain-free;
 ``protocols``, ``stats`` and ``outcomes`` (why a room ended) are the domain's vocabulary;
+``config`` (the environment's settings) is domain-free and ``tracing`` (OpenTelemetry spans
+of rooms) knows only ``outcomes``;
 ``staging`` (the torch data path), ``control`` (wire and sockets) and ``engines`` sit on that
 vocabulary alone; ``decode`` and ``prefill`` build each side from ``staging`` and ``control``
 and never import each other;

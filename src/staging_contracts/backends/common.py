@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Sequence
+from typing import overload
 
 from ..control.liveness import PeerLiveness
 from ..control.room_messages import Ping, Pong
@@ -35,6 +36,8 @@ from ..control.security import (
 from ..control.transport import Listener, LogThrottle, PeerSockets
 from ..control.wire import MalformedMessage
 from ..protocols import KVArgs, TransferEngine
+from .drain import DrainGate, DrainResult, check_drain_s
+from .health import ManagerHealth
 
 __all__ = ["CommonKVManager", "Role"]
 
@@ -134,6 +137,8 @@ class CommonKVManager:
         )
         """Which peers are alive (``PING``/``PONG``, counted by the authenticated sender with a
         secret; ticked by the staging idle hook)."""
+        self.drain_gate = DrainGate()
+        """The books of this manager's rooms, and whether it drains (see :meth:`close`)."""
         self.register_control(Ping.KIND, self.liveness.on_ping)
         self.register_control(Pong.KIND, self.liveness.on_pong)
 
@@ -226,16 +231,66 @@ class CommonKVManager:
         """Send a control message to a peer without blocking; ``False`` if dropped."""
         return self.peers.send(endpoint, frames)
 
-    def close(self) -> None:
-        """Stop the listener, close the sockets and the engine; safe to call twice."""
+    def health(self) -> ManagerHealth:
+        """A snapshot of this manager's state: listener, peers, ring, rooms, drain.
+
+        **Side:** either. **Called by:** anyone, any thread (a monitor, a readiness probe),
+        also after ``close``. **Blocking:** no (each part's lock, briefly).
+        """
+        # Decode's ring, read by name: this base knows no staging (the handler's allocator).
+        ring = getattr(getattr(self, "_staging_handler", None), "allocator", None)
+        reserved = getattr(ring, "live_bytes", None)
+        capacity = getattr(ring, "total_size", None)
+        return ManagerHealth(
+            role=self.role.value,
+            endpoint=self.listener.endpoint,
+            listener_alive=self.listener.alive,
+            closed=self._closed,
+            draining=self.drain_gate.draining,
+            peers=self.liveness.watched,
+            dead_peers=self.liveness.dead & self.liveness.watched,
+            rooms_in_flight=self.drain_gate.rooms_in_flight(),
+            ring_reserved_bytes=reserved if isinstance(reserved, int) else None,
+            ring_capacity_bytes=capacity if isinstance(capacity, int) else None,
+        )
+
+    @overload
+    def close(self) -> None: ...
+    @overload
+    def close(self, drain_s: float) -> DrainResult: ...
+    def close(self, drain_s: float | None = None) -> DrainResult | None:
+        """Stop the listener, close the sockets and the engine; safe to call twice.
+
+        With ``drain_s``, drain first (:class:`~staging_contracts.backends.drain.DrainGate`):
+        new rooms are refused at once (reason *draining*), the rooms in flight get up to
+        ``drain_s`` seconds to end on their own, those still running then are failed (reason
+        *draining*), and only then does the manager close. A second call finds it closed
+        and drains nothing (an empty result).
+
+        **Side:** either. **Called by:** the scheduler thread (never the listener's).
+        **Blocking:** up to ``drain_s``, then until the listener stopped (bounded).
+
+        Returns:
+            With ``drain_s``: what the drain did (:class:`DrainResult`); else ``None``.
+
+        Raises:
+            ValueError: ``drain_s`` is negative or not finite (nothing is closed).
+        """
+        result: DrainResult | None = None
+        if drain_s is not None:
+            check_drain_s(drain_s)
+            if self._closed:
+                return DrainResult(drain_s, 0.0)
+            result = self.drain_gate.drain(drain_s)
         if self._closed:
-            return
+            return result
         self._closed = True
         self.listener.stop()
         self.peers.close()
         if self.security is not None:
             self.security.close()
         self.engine.close()
+        return result
 
 
 def _note_insecure() -> None:

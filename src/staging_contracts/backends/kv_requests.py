@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
+from .. import config
 from ..control.resend import ResendBox
 from ..control.room_messages import RoomFailed, RoomFailedAck, RoomMeta
 from ..decode.handler import (
@@ -41,6 +42,8 @@ from ..decode.handler import (
 from ..outcomes import Outcome, RoomFailure, TransferRecord
 from ..prefill.writer import ChunkSpec, DecodeTarget, StagingFailed, StagingWriter
 from ..protocols import KVArgs
+from ..tracing import room_tracer
+from .drain import join_drain
 
 __all__ = ["DecodeTransfers", "KVPoll", "KVReceiver", "KVSender", "PrefillTransfers"]
 
@@ -114,7 +117,7 @@ class _Job:
     """When ``STAGING_REQ`` was last re-sent for it."""
 
 
-DEFAULT_EARLY_META_PER_PEER: Final = 256
+DEFAULT_EARLY_META_PER_PEER: Final = config.EARLY_META_PER_PEER.default
 """Most ``ROOM_META`` for rooms not opened yet that prefill holds per sender (decode rank, or
 everyone alike without a secret); past it the oldest of that sender's is dropped."""
 
@@ -160,8 +163,18 @@ class PrefillTransfers:
         manager: the prefill manager (its listener must route control messages).
         writer: the rank's staging writer.
         meta_timeout_s: how long a chunk waits for decode's ``ROOM_META`` before the room
-            fails; also how long an early ``ROOM_META`` is held.
-        early_meta_per_peer: most early ``ROOM_META`` held per sender.
+            fails; also how long an early ``ROOM_META`` is held (``None``:
+            ``STAGING_CONTRACTS_META_TIMEOUT_S``, else 30 s; see :mod:`~staging_contracts.config`).
+        early_meta_per_peer: most early ``ROOM_META`` held per sender (``None``:
+            ``STAGING_CONTRACTS_EARLY_META_PER_PEER``, else 256).
+
+    **Drain.** It joins the manager's drain gate (``CommonKVManager.close(drain_s=...)``):
+    while the manager drains, :meth:`open_room` fails each new room at once (reason
+    ``refused: the manager is draining``), and the rooms still in flight when the drain's
+    time ran out fail and tell decode.
+
+    Raises:
+        ConfigError: a variable read for an argument left ``None`` is unusable.
     """
 
     def __init__(
@@ -169,9 +182,11 @@ class PrefillTransfers:
         manager: ControlHost,
         writer: StagingWriter,
         *,
-        meta_timeout_s: float = 30.0,
-        early_meta_per_peer: int = DEFAULT_EARLY_META_PER_PEER,
+        meta_timeout_s: float | None = None,
+        early_meta_per_peer: int | None = None,
     ) -> None:
+        meta_timeout_s = config.META_TIMEOUT_S.value(meta_timeout_s)
+        early_meta_per_peer = config.EARLY_META_PER_PEER.value(early_meta_per_peer)
         self._manager = manager
         self._writer = writer
         self._meta_timeout = meta_timeout_s
@@ -201,6 +216,10 @@ class PrefillTransfers:
         self.stale_room_failed = 0
         """``ROOM_FAILED`` received for an opening that is not one of the room's (ignored)."""
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._tracer = room_tracer("prefill")
+        """Spans of the rooms, when a tracer provider is configured (else ``None``)."""
+        self._refusal: tuple[str, Callable[[int], None]] | None = None
+        """Set by a drain: every room opened from then on fails at once with this reason."""
         manager.register_control(RoomMeta.KIND, self._on_room_meta)
         manager.register_control(RoomFailed.KIND, self._on_room_failed)
         manager.register_control(RoomFailedAck.KIND, self._on_room_failed_ack)
@@ -210,6 +229,7 @@ class PrefillTransfers:
         self._wakeup = threading.Event()
         """Set when a waiting chunk may be able to go: an answer, a watermark, a new job."""
         writer.on_progress(self._wakeup.set)
+        join_drain(manager, self)
         rank = manager.kv_args.engine_rank
         self._thread = threading.Thread(
             target=self._run, name=f"prefill-transfer-{rank}", daemon=True
@@ -235,6 +255,8 @@ class PrefillTransfers:
         fed = frozenset(t.tp_rank for t in self._writer.targets_of(targets))
         with self._cond:
             state = self._rooms.setdefault(room, _SendState(num_pages))
+            if self._tracer is not None:
+                self._tracer.start(room)
             state.decode = targets
             state.fed = fed
             for meta in self._take_early(room, targets):
@@ -247,6 +269,11 @@ class PrefillTransfers:
                         room, state, f"decode expects {meta.num_pages} pages, prefill {num_pages}"
                     )
                     return
+            if self._refusal is not None:
+                reason, refused = self._refusal
+                refused(room)
+                self._fail(room, state, reason)
+                return
             self._check_meta(state)
             prefetch = self._take_prefetch(state)
             self._cond.notify_all()
@@ -306,7 +333,30 @@ class PrefillTransfers:
         """
         with self._cond:
             self._rooms.pop(room, None)
+            if self._tracer is not None:  # still open: released before it ended
+                self._tracer.end(room, "released before it finished")
         self._writer.forget_room(room)
+
+    def rooms_in_flight(self) -> frozenset[int]:
+        """The rooms opened and neither succeeded nor failed (for a drain; any thread)."""
+        with self._cond:
+            done = (KVPoll.Success, KVPoll.Failed)
+            return frozenset(room for room, st in self._rooms.items() if st.status not in done)
+
+    def abandon_room(self, room: int, reason: str) -> None:
+        """Fail a room still in flight and tell its decode ranks (``ROOM_FAILED``); its
+        queued chunks are dropped. **Called by:** the drain gate, any thread."""
+        with self._cond:
+            state = self._rooms.get(room)
+            if state is not None and state.status not in (KVPoll.Success, KVPoll.Failed):
+                self._fail(room, state, reason)
+        self._wakeup.set()
+
+    def refuse_new_rooms(self, reason: str, refused: Callable[[int], None]) -> None:
+        """From now on :meth:`open_room` fails each new room at once with ``reason`` and
+        calls ``refused(room)`` (lock held). **Called by:** the drain gate."""
+        with self._cond:
+            self._refusal = (reason, refused)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the worker after the queued chunks; safe to call twice."""
@@ -506,6 +556,8 @@ class PrefillTransfers:
             if state is not None and state.status is not KVPoll.Failed:
                 state.status = KVPoll.Failed
                 state.failure = reason
+                if self._tracer is not None:
+                    self._tracer.end(room, reason)
                 logger.warning("room %d failed on prefill: %s", room, reason)
                 self._cond.notify_all()
 
@@ -611,16 +663,22 @@ class PrefillTransfers:
             if state is not job.opened:
                 return
             state.pending -= 1
+            if self._tracer is not None:
+                self._tracer.chunk(room, chunk.chunk_idx, len(chunk.pages))
             # The last chunk submitted may be written before an earlier one (the worker
             # takes whichever is writable first): the room is done when none is pending.
             if state.last_submitted and state.status is KVPoll.Transferring and not state.pending:
                 state.status = KVPoll.Success
+                if self._tracer is not None:
+                    self._tracer.end(room, None)
             self._cond.notify_all()
 
     def _fail(self, room: int, state: _SendState, reason: str) -> None:
         """Fail a room and tell the decode ranks it feeds (lock held)."""
         state.status = KVPoll.Failed
         state.failure = reason
+        if self._tracer is not None:
+            self._tracer.end(room, reason)
         self._cond.notify_all()
         logger.warning("room %d failed on prefill: %s", room, reason)
         self._tell_failed(room, state)
@@ -643,12 +701,20 @@ class PrefillTransfers:
                 self._failed_resend.add(
                     room, target.endpoint, frames, copies=ROOM_FAILED_COPIES, tag=opening
                 )
-                self._manager.send(target.endpoint, frames)
+                self._tell(target.endpoint, frames)
             elif rank in state.ready or not self._endpoint:
                 # A decode rank that names no opening (an older one), or no listener here to
                 # be acknowledged at: sent once, as such peers expect.
                 state.told.add(rank)
-                self._manager.send(target.endpoint, RoomFailed(room, reason).to_frames())
+                self._tell(target.endpoint, RoomFailed(room, reason).to_frames())
+
+    def _tell(self, endpoint: str, frames: Sequence[bytes]) -> None:
+        """Send a ``ROOM_FAILED`` to a decode rank; nothing once the manager closed its
+        sockets (a room failing then, on the worker thread, must not end the worker)."""
+        try:
+            self._manager.send(endpoint, frames)
+        except RuntimeError as exc:  # PeerSockets is closed: nobody left to tell
+            logger.info("ROOM_FAILED to %s not sent: %s", endpoint, exc)
 
 
 class _TransferClock:

@@ -14,19 +14,14 @@ from typing import Protocol
 
 import torch
 
+from .. import config
 from ..control.integrity import ArrivalKeys
 from ..control.liveness import PeerLiveness
 from ..control.room_messages import RoomFence, RoomFenced
 from ..control.security import ControlSecurity
 from ..control.transport import LogThrottle, PeerSockets
 from ..control.wire import MalformedMessage
-from ..decode.handler import (
-    DEFAULT_FENCE_TIMEOUT_S,
-    DEFAULT_MAX_ROOMS_PER_PEER,
-    DEFAULT_ROOM_TIMEOUT_S,
-    DEFAULT_STALL_TIMEOUT_S,
-    DecodeStagingHandler,
-)
+from ..decode.handler import DecodeStagingHandler
 from ..prefill.books import RegionAnswerTable, WatermarkTracker
 from ..prefill.writer import ArrivalMode, PrefillTimeouts, StagingWriter
 from ..protocols import (
@@ -40,6 +35,7 @@ from ..protocols import (
 )
 from ..staging.allocator import StagingAllocator
 from ..stats import StagingStats
+from .drain import join_drain
 
 __all__ = [
     "StagingBackend",
@@ -102,14 +98,14 @@ def enable_decode_staging(
     backend: StagingBackend,
     *,
     kv_buffers: KVBufferTensors,
-    ring_bytes: int,
+    ring_bytes: int | None = None,
     scatter_stream: torch.cuda.Stream | None = None,
-    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-    ring_share: float = 1.0,
-    room_timeout_s: float = DEFAULT_ROOM_TIMEOUT_S,
+    stall_timeout_s: float | None = None,
+    ring_share: float | None = None,
+    room_timeout_s: float | None = None,
     integrity: bool | None = None,
-    fence_timeout_s: float = DEFAULT_FENCE_TIMEOUT_S,
-    max_rooms_per_peer: int = DEFAULT_MAX_ROOMS_PER_PEER,
+    fence_timeout_s: float | None = None,
+    max_rooms_per_peer: int | None = None,
 ) -> DecodeStagingHandler:
     """Give a decode backend its staging ring, context and handler.
 
@@ -125,13 +121,21 @@ def enable_decode_staging(
     taken back, and ``fence_timeout_s`` (10 s) frees a fence that live writers left unanswered
     that long (the handler's **A fair ring**).
     ``max_rooms_per_peer`` (1024) caps the rooms registered at once for one prefill instance.
+    Every argument left ``None`` reads its ``STAGING_CONTRACTS_*`` variable, else takes its
+    default (:mod:`~staging_contracts.config`; ``ring_bytes``: ``STAGING_CONTRACTS_RING_BYTES``,
+    else 64 MiB). The handler is registered with the manager's drain gate, where it has one
+    (``CommonKVManager.close(drain_s=...)``).
 
     **Side:** decode. **Called by:** the backend's constructor or the scheduler, before the
     listener starts.
 
     Returns:
         The attached handler (register rooms on it).
+
+    Raises:
+        ConfigError: a variable read for an argument left ``None`` is unusable.
     """
+    ring_bytes = config.RING_BYTES.value(ring_bytes)
     kv_args = backend.kv_args
     allocator = StagingAllocator(ring_bytes, device=kv_args.device)
     backend.engine.register(allocator.base_ptr, ring_bytes)
@@ -165,6 +169,7 @@ def enable_decode_staging(
     backend.register_control(RoomFenced.KIND, on_fenced)
     backend.add_authorizer(handler.authorize)
     backend.liveness.subscribe(handler.peer_dead)
+    join_drain(backend, handler)
     return handler
 
 

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import threading
 from collections.abc import Mapping
 from typing import Final, NamedTuple
 
 import xxhash
+
+from .. import config
 
 __all__ = [
     "DEFAULT_INTEGRITY",
@@ -47,11 +48,11 @@ __all__ = [
     "parse_tag",
 ]
 
-INTEGRITY_ENV: Final = "STAGING_CONTRACTS_INTEGRITY"
+INTEGRITY_ENV: Final = config.INTEGRITY.name
 """Environment variable that turns the integrity digests on (``1``, ``on``, ``true``) or off
 (``0``, ``off``, ``false``)."""
 
-DEFAULT_INTEGRITY: Final = False
+DEFAULT_INTEGRITY: Final = config.INTEGRITY.default
 """Whether digests are computed and checked when :data:`INTEGRITY_ENV` is unset: off, since
 they cost about 30 % of a staged transfer at memory speed, more than the 10 % that would make
 them the default (``staging.integrity.transfer.*`` rows of ``staging-contracts bench staging``;
@@ -62,27 +63,16 @@ INTEGRITY_FAILURE: Final = "integrity"
 
 _VERSION: Final = b"staging-contracts/chunk/v1"
 _NO_DIGEST: Final = "-"
-_ON: Final = frozenset({"1", "on", "true", "yes"})
-_OFF: Final = frozenset({"0", "off", "false", "no"})
 
 
 def integrity_enabled(value: bool | None = None, environ: Mapping[str, str] | None = None) -> bool:
     """``value`` itself, or the environment's setting when ``None`` (see the module).
 
     Raises:
-        ValueError: :data:`INTEGRITY_ENV` holds something else than the words above.
+        ConfigError: :data:`INTEGRITY_ENV` holds something else than the words above (a
+            ``ValueError``).
     """
-    if value is not None:
-        return value
-    raw = (os.environ if environ is None else environ).get(INTEGRITY_ENV)
-    if raw is None or not raw.strip():
-        return DEFAULT_INTEGRITY
-    word = raw.strip().lower()
-    if word in _ON:
-        return True
-    if word in _OFF:
-        return False
-    raise ValueError(f"{INTEGRITY_ENV}={raw!r}: use 1/on/true or 0/off/false")
+    return config.INTEGRITY.value(value, environ)
 
 
 class ChunkIdentity(NamedTuple):

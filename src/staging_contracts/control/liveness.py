@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from typing import Final
 
+from .. import config
 from .room_messages import Ping, Pong
 from .transport import PeerSockets
 
@@ -45,9 +46,9 @@ __all__ = ["DEFAULT_PEER_INTERVAL_S", "DEFAULT_PEER_TIMEOUT_S", "PeerLiveness"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PEER_INTERVAL_S: Final = 0.5
+DEFAULT_PEER_INTERVAL_S: Final = config.LIVENESS_INTERVAL_S.default
 """Seconds between two ``PING`` to a watched peer."""
-DEFAULT_PEER_TIMEOUT_S: Final = 5.0
+DEFAULT_PEER_TIMEOUT_S: Final = config.LIVENESS_TIMEOUT_S.default
 """Seconds of silence after which a watched peer is declared dead."""
 
 
@@ -57,9 +58,11 @@ class PeerLiveness:
     Args:
         sender: non-blocking sockets to the peers.
         endpoint: this rank's own control listener (carried by ``PING`` and ``PONG``).
-        interval_s: seconds between two ``PING`` to a watched peer.
+        interval_s: seconds between two ``PING`` to a watched peer (``None``:
+            ``STAGING_CONTRACTS_LIVENESS_INTERVAL_S``, else 0.5; see
+            :mod:`~staging_contracts.config`).
         timeout_s: seconds of silence after which a watched peer is dead; must exceed
-            ``interval_s``.
+            ``interval_s`` (``None``: ``STAGING_CONTRACTS_LIVENESS_TIMEOUT_S``, else 5).
         clock: monotonic clock (tests pass a fake one).
         identity: the authenticated sender of the message being dispatched (called on the
             listener thread, during ``on_ping``/``on_pong``; ``None`` from it: unknown, the
@@ -67,6 +70,7 @@ class PeerLiveness:
             endpoint the message names is taken as its sender.
 
     Raises:
+        ConfigError: a liveness variable of the environment is unusable.
         ValueError: ``interval_s`` is not positive or ``timeout_s`` does not exceed it.
     """
 
@@ -75,11 +79,13 @@ class PeerLiveness:
         sender: PeerSockets,
         endpoint: str,
         *,
-        interval_s: float = DEFAULT_PEER_INTERVAL_S,
-        timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
+        interval_s: float | None = None,
+        timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         identity: Callable[[], str | None] | None = None,
     ) -> None:
+        interval_s = config.LIVENESS_INTERVAL_S.value(interval_s)
+        timeout_s = config.LIVENESS_TIMEOUT_S.value(timeout_s)
         if not interval_s > 0 or not timeout_s > interval_s:
             raise ValueError(
                 f"interval_s={interval_s!r} must be > 0 and timeout_s={timeout_s!r} > interval_s"
@@ -142,6 +148,12 @@ class PeerLiveness:
         """The peers watched now."""
         with self._lock:
             return frozenset(self._watchers)
+
+    @property
+    def dead(self) -> frozenset[str]:
+        """The peers declared dead and not heard from since (watched or not any more)."""
+        with self._lock:
+            return frozenset(self._dead)
 
     def on_ping(self, frames: list[bytes]) -> None:
         """Answer a ``PING`` (listener thread). Raises ``MalformedMessage`` on bad frames.

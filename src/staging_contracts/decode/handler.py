@@ -49,6 +49,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import config
 from ..control.integrity import INTEGRITY_FAILURE, ArrivalKeys, integrity_enabled
 from ..control.liveness import PeerLiveness
 from ..control.resend import DEFAULT_RESEND_S, ResendBox
@@ -62,6 +63,7 @@ from ..staging.layout import (
     validate_tp_pair,
 )
 from ..staging.ordering import DeviceOrdering
+from ..tracing import room_tracer
 from .integrity import ArrivalVerifier
 from .publisher import PrefillPublisher
 from .rooms import ChunkRegion, PrefillPeer, RoomPlan, RoomState, RoomStatus
@@ -126,24 +128,24 @@ def new_opening() -> int:
     return secrets.randbits(64) or 1
 
 
-DEFAULT_ROOM_TIMEOUT_S = 30.0
+DEFAULT_ROOM_TIMEOUT_S = config.ROOM_TIMEOUT_S.default
 """Default bound of a room without progress that holds no ring region (``room_timeout_s``)."""
 
 DEFAULT_FENCE_RESEND_S = 0.5
 """``ROOM_FENCE`` is sent again this often to a writer that has not answered it."""
 
-DEFAULT_STALL_TIMEOUT_S = 10.0
+DEFAULT_STALL_TIMEOUT_S = config.STALL_TIMEOUT_S.default
 """A room holding a writable ring region with no arrival for this long fails (its regions are
 taken back)."""
 
-DEFAULT_MAX_ROOMS_PER_PEER = 1024
+DEFAULT_MAX_ROOMS_PER_PEER = config.MAX_ROOMS_PER_PEER.default
 """Most rooms registered at once whose writers are one prefill instance; registering one more
 fails that room at once (it is not kept)."""
 
 MAX_REFUSALS_KEPT = 1024
 """Most refused registrations whose reason ``room_failure`` still tells (the oldest go first)."""
 
-DEFAULT_FENCE_TIMEOUT_S = 10.0
+DEFAULT_FENCE_TIMEOUT_S = config.FENCE_TIMEOUT_S.default
 """A fence still waiting for a live writer's ``ROOM_FENCED`` after this long frees its regions
 anyway (a writer that answers PINGs but not ROOM_FENCE would otherwise hold them for good)."""
 
@@ -192,11 +194,14 @@ class DecodeStagingHandler:
             long fails (its regions are fenced, then freed), so one stuck prefill cannot pin
             the shared ring; the instance's other rooms that never had an arrival and hold
             only regions reserved as long ago fail with it (see **A fair ring**). Time spent
-            waiting for ring space is not counted. Default :data:`DEFAULT_STALL_TIMEOUT_S`.
+            waiting for ring space is not counted. ``None``: ``STAGING_CONTRACTS_STALL_TIMEOUT_S``,
+            else :data:`DEFAULT_STALL_TIMEOUT_S` (as every ``None`` below: the variable of
+            :mod:`~staging_contracts.config`, else the default).
         room_timeout_s: a room that holds no region and gets no ``STAGING_REQ`` for this
             long (from its registration, or from its last request or arrival) fails, so a
             room whose ``ROOM_META`` or ``ROOM_FAILED`` was lost for good, or whose prefill
-            never starts it, still ends. Default :data:`DEFAULT_ROOM_TIMEOUT_S`.
+            never starts it, still ends. ``None``: ``STAGING_CONTRACTS_ROOM_TIMEOUT_S``, else
+            :data:`DEFAULT_ROOM_TIMEOUT_S`.
         clock: monotonic clock (tests pass a fake one).
         endpoint: this rank's control listener, where writers answer ``ROOM_FENCE``.
         liveness: peer liveness of the host; the handler watches each room's writers (and
@@ -204,10 +209,12 @@ class DecodeStagingHandler:
             then holds its regions until the writer answers).
         fence_resend_s: how often an unanswered ``ROOM_FENCE`` is sent again.
         fence_timeout_s: a fence unanswered this long by live writers frees its regions
-            anyway. Default :data:`DEFAULT_FENCE_TIMEOUT_S`.
+            anyway. ``None``: ``STAGING_CONTRACTS_FENCE_TIMEOUT_S``, else
+            :data:`DEFAULT_FENCE_TIMEOUT_S`.
         max_rooms_per_peer: most rooms registered at once for one prefill instance (the set
             of a room's writers); one more is refused by ``register_room`` (see there).
-            Default :data:`DEFAULT_MAX_ROOMS_PER_PEER`.
+            ``None``: ``STAGING_CONTRACTS_MAX_ROOMS_PER_PEER``, else
+            :data:`DEFAULT_MAX_ROOMS_PER_PEER`.
         accept_anonymous_arrivals: count arrivals without a writer rank in regions of several
             writers (the reference's prefill sends none). Off by default: such arrivals cannot
             be told apart, so a duplicate could start the scatter before every writer landed;
@@ -215,8 +222,9 @@ class DecodeStagingHandler:
         ring_share: the largest share of the ring one prefill instance (the set of writers of
             a room) may hold at once; a request past it is deferred (not answered) until the
             instance's own regions free, so one peer cannot pin the ring and starve the
-            others. An instance that holds nothing always gets its region. 1.0 (the
-            default): no cap, every request is answered (the ring overcommits, SPEC §2).
+            others. An instance that holds nothing always gets its region. ``None``:
+            ``STAGING_CONTRACTS_RING_SHARE``, else 1.0: no cap, every request is answered (the
+            ring overcommits, SPEC §2).
         resend_s: how often a room's ``ROOM_META`` (:meth:`announce`) goes again to a
             writer not heard from yet.
         integrity: check each writer's bytes against the digest its arrival carried (on
@@ -227,6 +235,8 @@ class DecodeStagingHandler:
             ``authentic_notification`` such a notification). ``None``: no secret.
 
     Raises:
+        ConfigError: a variable of the environment that a ``None`` argument reads is
+            unusable (a ``ValueError``, naming it).
         ValueError: the KV pool does not match ``total_kv_heads // decode_tp`` heads, or
             ``ring_share`` is not in ``(0, 1]``.
     """
@@ -242,21 +252,26 @@ class DecodeStagingHandler:
         session_id: str,
         sender: PeerSockets,
         scatter_stream: torch.cuda.Stream | None = None,
-        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-        room_timeout_s: float = DEFAULT_ROOM_TIMEOUT_S,
+        stall_timeout_s: float | None = None,
+        room_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         endpoint: str = "",
         liveness: PeerLiveness | None = None,
         fence_resend_s: float = DEFAULT_FENCE_RESEND_S,
-        fence_timeout_s: float = DEFAULT_FENCE_TIMEOUT_S,
-        max_rooms_per_peer: int = DEFAULT_MAX_ROOMS_PER_PEER,
+        fence_timeout_s: float | None = None,
+        max_rooms_per_peer: int | None = None,
         accept_anonymous_arrivals: bool = False,
-        ring_share: float = 1.0,
+        ring_share: float | None = None,
         ordering: DeviceOrdering | None = None,
         resend_s: float = DEFAULT_RESEND_S,
         integrity: bool | None = None,
         arrival_keys: ArrivalKeys | None = None,
     ) -> None:
+        stall_timeout_s = config.STALL_TIMEOUT_S.value(stall_timeout_s)
+        room_timeout_s = config.ROOM_TIMEOUT_S.value(room_timeout_s)
+        fence_timeout_s = config.FENCE_TIMEOUT_S.value(fence_timeout_s)
+        max_rooms_per_peer = config.MAX_ROOMS_PER_PEER.value(max_rooms_per_peer)
+        ring_share = config.RING_SHARE.value(ring_share)
         self._resend = ResendBox(clock, resend_s)
         """``ROOM_META`` copies (see :meth:`announce`), flushed by :meth:`progress`."""
         self._failed_resend = ResendBox(
@@ -323,6 +338,10 @@ class DecodeStagingHandler:
         """Ring bytes held per prefill instance (its writers' endpoints)."""
         self._owners: dict[int, tuple[tuple[str, ...], int, float]] = {}
         """Allocation id -> (its prefill instance, its bytes, when it was assigned)."""
+        self._tracer = room_tracer("decode")
+        """Spans of the rooms, when a tracer provider is configured (else ``None``)."""
+        self._refusal: tuple[str, Callable[[int], None]] | None = None
+        """Set by a drain: every new registration is refused with this reason, and told."""
 
     accepts_arrival_tags = True
     """``handle_chunk_arrival`` takes ``epoch`` and ``tag`` (the mixin passes them)."""
@@ -369,6 +388,9 @@ class DecodeStagingHandler:
         Idempotent: registering a known room again keeps its in-flight state. A prefix that is
         not page-aligned, or a plan that does not fit this rank, fails that room only.
 
+        While the manager drains, every new room is refused the same way, with the reason
+        ``refused: the manager is draining`` (see :meth:`refuse_new_rooms`).
+
         A room past ``max_rooms_per_peer`` rooms of its prefill instance is refused: it is
         not kept (``poll_room`` says ``None``, ``room_failure`` says why, ``release_room`` is
         a no-op), so refusals cost no state but their reasons (the latest
@@ -396,6 +418,8 @@ class DecodeStagingHandler:
                 opening=new_opening(),
             )
             self._rooms[plan.room] = state
+            if self._tracer is not None:
+                self._tracer.start(plan.room)
             self._watch(peer.endpoint for peer in plan.peers)
             problem = self._plan_problem(plan)
             if problem is not None:
@@ -446,15 +470,18 @@ class DecodeStagingHandler:
         and again with a bounded backoff until each acknowledges it (``ROOM_FAILED_ACK``), is
         declared dead, or :data:`ROOM_FAILED_COPIES` copies went; the copies go on after
         ``release_room``. Without an endpoint of its own (nowhere to acknowledge) it is sent
-        once, without an opening.
+        once, without an opening. Once per registration: a second call (the drain reported it
+        already) does nothing.
 
-        **Called by:** the scheduler (``KVReceiver.poll`` when it first sees the room failed).
+        **Called by:** the scheduler (``KVReceiver.poll`` when it first sees the room failed),
+        the drain gate (:meth:`abandon_room`).
         **Blocking:** no.
         """
         with self._lock:
             state = self._rooms.get(room)
-            if state is None:
+            if state is None or state.failure_told:
                 return
+            state.failure_told = True
             peers = [p.endpoint for p in state.plan.peers]
             if self._endpoint:
                 message = RoomFailed(room, reason, state.opening, self._endpoint)
@@ -506,8 +533,14 @@ class DecodeStagingHandler:
         return len(self._failed_resend)
 
     def _refuse_registration(self, plan: RoomPlan) -> bool:
-        """Count the room against its prefill instance, or refuse it past the cap (lock held)."""
+        """Count the room against its prefill instance, or refuse it past the cap or while
+        draining (lock held)."""
         self._refused.pop(plan.room, None)
+        if self._refusal is not None:
+            reason, refused = self._refusal
+            self._keep_refusal(plan.room, reason)
+            refused(plan.room)
+            return True
         owner = _owner(plan)
         held = self._rooms_per_peer.get(owner, 0)
         if held < self._max_rooms_per_peer:
@@ -517,11 +550,15 @@ class DecodeStagingHandler:
             f"registration refused: prefill instance {', '.join(owner) or '(none)'} already "
             f"has {held} rooms registered (max_rooms_per_peer={self._max_rooms_per_peer})"
         )
-        self._refused[plan.room] = reason
+        self._keep_refusal(plan.room, reason)
+        return True
+
+    def _keep_refusal(self, room: int, reason: str) -> None:
+        """Note why a registration was refused (the latest MAX_REFUSALS_KEPT; lock held)."""
+        self._refused[room] = reason
         while len(self._refused) > MAX_REFUSALS_KEPT:
             self._refused.popitem(last=False)
-        logger.warning("room %d: %s", plan.room, reason)
-        return True
+        logger.warning("room %d: %s", room, reason)
 
     def _plan_problem(self, plan: RoomPlan) -> str | None:
         if plan.prefix_tokens % self._page_size:
@@ -647,6 +684,8 @@ class DecodeStagingHandler:
                 self._free(alloc_id)
             state.pending_events.clear()
             del self._rooms[room]
+            if self._tracer is not None:  # still open: released before it ended
+                self._tracer.end(room, "released before it finished")
             self._resend.cancel_room(room)
             owner = _owner(state.plan)
             left = self._rooms_per_peer.get(owner, 1) - 1
@@ -658,6 +697,37 @@ class DecodeStagingHandler:
         self._publisher.unsubscribe_room(room)
         self._send_fences()
         self._broadcast_watermark()
+
+    def rooms_in_flight(self) -> frozenset[int]:
+        """The rooms registered and not yet shown succeeded or failed (for a drain).
+
+        **Called by:** the manager's drain gate, any thread. **Blocking:** no.
+        """
+        self.progress()
+        with self._lock:
+            return frozenset(
+                room
+                for room, state in self._rooms.items()
+                if _shown(state) not in (RoomStatus.SUCCESS, RoomStatus.FAILED)
+            )
+
+    def abandon_room(self, room: int, reason: str) -> None:
+        """Fail a room (:meth:`fail_room`) and tell its prefill peers (:meth:`report_failure`).
+
+        **Called by:** the manager's drain gate, when the drain's time ran out.
+        """
+        self.fail_room(room, reason)
+        self.report_failure(room, reason)
+
+    def refuse_new_rooms(self, reason: str, refused: Callable[[int], None]) -> None:
+        """From now on refuse every room ``register_room`` is given, with ``reason`` (as a
+        registration past ``max_rooms_per_peer`` is refused: not kept), calling
+        ``refused(room)`` for each, with the handler's lock held.
+
+        **Called by:** the manager's drain gate, when a drain begins. **Blocking:** no.
+        """
+        with self._lock:
+            self._refusal = (reason, refused)
 
     @property
     def live_rooms(self) -> int:
@@ -1016,6 +1086,8 @@ class DecodeStagingHandler:
                 state.pending_events.append((event, alloc.alloc_id))
             if problem is not None and state.status is not RoomStatus.FAILED:
                 self._fail(state, problem)
+            elif problem is None and self._tracer is not None:
+                self._tracer.chunk(plan.room, chunk_idx, region.num_pages)
             self._maybe_succeed(state)
             self._idle.notify_all()
         if event is None or problem is not None:
@@ -1146,6 +1218,8 @@ class DecodeStagingHandler:
             state.status = RoomStatus.SUCCESS
             self._resend.cancel_room(state.plan.room)
             self._idle.notify_all()
+            if self._tracer is not None:
+                self._tracer.end(state.plan.room, None)
 
     def _reap_events(self, state: RoomState) -> bool:
         done_ = self._scatterer.ordering.done
@@ -1161,6 +1235,8 @@ class DecodeStagingHandler:
     def _fail(self, state: RoomState, reason: str) -> None:
         state.status = RoomStatus.FAILED
         state.failure = reason
+        if self._tracer is not None:
+            self._tracer.end(state.plan.room, reason)
         self._resend.cancel_room(state.plan.room)
         self._idle.notify_all()
         endpoints = {peer.tp_rank: peer.endpoint for peer in state.plan.peers}

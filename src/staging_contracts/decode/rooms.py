@@ -119,6 +119,8 @@ class RoomState:
     opening: int = 0
     """This registration of the room id (random, non-zero; carried by ``ROOM_META`` and
     ``ROOM_FAILED``, so a message of an earlier registration is told apart)."""
+    failure_told: bool = False
+    """Its ``ROOM_FAILED`` went to its prefill peers (``report_failure``: once)."""
 
     def held_allocations(self) -> list[int]:
         """Allocation ids this room still holds in the ring."""

@@ -35,11 +35,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import torch
 
+from .. import config
 from ..control.integrity import (
     ArrivalKeys,
     ChunkIdentity,
@@ -163,16 +164,21 @@ class ChunkSpec:
 
 @dataclass(frozen=True, slots=True)
 class PrefillTimeouts:
-    """Bounds of the waits of one chunk."""
+    """Bounds of the waits of one chunk.
 
-    answer_s: float = 0.5
-    """Wait this long for ``STAGING_RSP`` before re-sending ``STAGING_REQ``."""
-    ready_s: float = 0.5
-    """Wait this long for the watermark before re-sending ``STAGING_REQ``."""
-    deadline_s: float = 30.0
+    A field not given reads its ``STAGING_CONTRACTS_PREFILL_*`` variable (see
+    :mod:`~staging_contracts.config`), else takes its default; an unusable variable raises
+    :class:`~staging_contracts.config.ConfigError` here.
+    """
+
+    answer_s: float = field(default_factory=config.PREFILL_ANSWER_S.value)
+    """Wait this long for ``STAGING_RSP`` before re-sending ``STAGING_REQ`` (0.5 s)."""
+    ready_s: float = field(default_factory=config.PREFILL_READY_S.value)
+    """Wait this long for the watermark before re-sending ``STAGING_REQ`` (0.5 s)."""
+    deadline_s: float = field(default_factory=config.PREFILL_DEADLINE_S.value)
     """Give the chunk up (the room fails) after this long without progress: no answer, or
     no movement of the decode ring's watermark while the region waits for it (waiting for
-    ring space that other rooms hold and release is not a stall)."""
+    ring space that other rooms hold and release is not a stall; 30 s)."""
 
 
 class StagingWriter:
