@@ -406,6 +406,7 @@ class PrefillTransfers:
                 room,
                 rank,
                 sender,
+                extra={"room": room},
             )
         return taken
 
@@ -477,6 +478,7 @@ class PrefillTransfers:
                 "room %d: ROOM_FAILED of another opening ignored (%s)",
                 message.room,
                 message.reason,
+                extra={"room": message.room},
             )
             return
         self._lose(message.room, f"decode failed the room: {message.reason}")
@@ -506,7 +508,7 @@ class PrefillTransfers:
             if state is not None and state.status is not KVPoll.Failed:
                 state.status = KVPoll.Failed
                 state.failure = reason
-                logger.warning("room %d failed on prefill: %s", room, reason)
+                logger.warning("room %d failed on prefill: %s", room, reason, extra={"room": room})
                 self._cond.notify_all()
 
     # ------------------------------------------------------------------ worker thread
@@ -527,7 +529,12 @@ class PrefillTransfers:
             except StagingFailed as exc:
                 self._fail_job(job, exc.reason)
             except Exception as exc:  # any error fails this room, never the worker
-                logger.exception("room %d chunk %d: staging failed", job.room, job.chunk.chunk_idx)
+                logger.exception(
+                    "room %d chunk %d: staging failed",
+                    job.room,
+                    job.chunk.chunk_idx,
+                    extra={"room": job.room},
+                )
                 self._fail_job(job, f"chunk {job.chunk.chunk_idx}: {type(exc).__name__}: {exc}")
 
     def _take_jobs(self, pending: list[_Job], *, block: bool) -> bool:
@@ -622,7 +629,7 @@ class PrefillTransfers:
         state.status = KVPoll.Failed
         state.failure = reason
         self._cond.notify_all()
-        logger.warning("room %d failed on prefill: %s", room, reason)
+        logger.warning("room %d failed on prefill: %s", room, reason, extra={"room": room})
         self._tell_failed(room, state)
 
     def _tell_failed(self, room: int, state: _SendState) -> None:
