@@ -76,7 +76,7 @@ def test_check_that_fails_itself_exits_three(
     """An error inside check (no verdict) is not "does not conform": exit 3, one line."""
     from staging_contracts import cli
 
-    def broken(target: str, forced: object = None) -> int:
+    def broken(target: str, *_: object) -> int:
         raise RuntimeError("inspection blew up")
 
     monkeypatch.setattr(cli, "_check_one", broken)

@@ -40,8 +40,20 @@ def _loaded_after(code: str) -> dict[str, bool]:
             "from staging_contracts.cli import main\n"
             "try:\n    main(['check', '--help'])\nexcept SystemExit:\n    pass"
         ),
+        (
+            "from staging_contracts.cli import main\n"
+            "try:\n    main(['--version'])\nexcept SystemExit:\n    pass"
+        ),
     ],
-    ids=["package", "contract-names", "pytest-plugin", "testing-package", "help", "check-help"],
+    ids=[
+        "package",
+        "contract-names",
+        "pytest-plugin",
+        "testing-package",
+        "help",
+        "check-help",
+        "version",
+    ],
 )
 def test_adoption_imports_nothing_heavy(code: str) -> None:
     """The package, its contract names, the pytest plugin and the CLI's help load no torch,

@@ -174,6 +174,20 @@ COMMANDS: Final[dict[str, Run | Make | Covered]] = {
     "staging-contracts --debug check mypkg.broken:MyKVManager": Run(
         2, contains="Traceback (most recent call last):"
     ),
+    # docs/operating.md, watching a run
+    "staging-contracts --version": Run(0, contains="staging-contracts "),
+    "staging-contracts check mypkg.backends:MyKVManager --json verdict.json": Run(
+        0,
+        then='python -c \'import json; doc = json.load(open("verdict.json"));'
+        ' assert (doc["schema"], doc["verdict"]) == (1, "PASS"), doc\'',
+    ),
+    "staging-contracts demo --json demo.json --log-format json": Covered(
+        "tests/test_operator_outputs.py::test_demo_json_and_json_log_lines", "smaller sizes"
+    ),
+    "staging-contracts soak --duration 300 --json soak.json": Covered(
+        "tests/test_operator_outputs.py::test_soak_json_has_the_rooms_by_outcome",
+        "for 13 s, without faults",
+    ),
 }
 """Every shell command the pages show (synopses aside), and how a test runs it."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -80,8 +81,11 @@ def _interrupt_mid_run(args: list[str], ranks: int, signum: int) -> tuple[str, i
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_to_demo_stops_every_rank_and_prints_a_partial_summary(signum: int) -> None:
-    args = ["demo", "--layers", "2", "--head-dim", "32", "--tokens", "512"]
+def test_a_signal_to_demo_stops_every_rank_and_prints_a_partial_summary(
+    signum: int, tmp_path: Path
+) -> None:
+    summary = tmp_path / "demo.json"
+    args = ["demo", "--layers", "2", "--head-dim", "32", "--tokens", "512", "--json", str(summary)]
     args += [
         "--prefill-tp",
         "2",
@@ -99,13 +103,20 @@ def test_a_signal_to_demo_stops_every_rank_and_prints_a_partial_summary(signum: 
     assert not left, f"rank processes left running: {left}"
     assert f"PARTIAL: interrupted by {signal.Signals(signum).name}" in out
     assert "verification" in out  # the summary table, with what was measured
+    doc = json.loads(summary.read_text())  # and its JSON, marked partial too
+    assert (doc["partial"], doc["interrupted"]) == (True, signal.Signals(signum).name)
+    assert doc["verdict"] == "FAIL"
 
 
-def test_sigterm_to_soak_stops_every_rank_and_prints_a_partial_summary() -> None:
-    args = ["soak", "--duration", "300", "--faults", "stall"]
+def test_sigterm_to_soak_stops_every_rank_and_prints_a_partial_summary(tmp_path: Path) -> None:
+    summary = tmp_path / "soak.json"
+    args = ["soak", "--duration", "300", "--faults", "stall", "--json", str(summary)]
     out, status, left = _interrupt_mid_run(args, ranks=3, signum=signal.SIGTERM)
     assert status == 143, out
     assert not left, f"rank processes left running: {left}"
     assert "PARTIAL" in out
     assert "interrupted by SIGTERM" in out
     assert "rooms" in out  # the summary, with the rooms counted so far
+    doc = json.loads(summary.read_text())
+    assert (doc["partial"], doc["interrupted"], doc["verdict"]) == (True, "SIGTERM", "FAIL")
+    assert doc["rooms"]["started"] >= doc["rooms"]["succeeded"]

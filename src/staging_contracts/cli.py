@@ -15,6 +15,14 @@ import traceback
 from collections.abc import Sequence
 from typing import NoReturn
 
+from .cluster import logformat
+from .cluster.summary_json import (
+    CheckRecord,
+    check_summary,
+    check_target,
+    package_version,
+    write_summary,
+)
 from .contract.contract import Contract, is_abstract
 from .contract.enforcement import contract_roots
 from .contract.typeforms import class_label
@@ -50,7 +58,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ[DEBUG_ENV] = "1"  # seen by _debug() and by rank processes
     debug = _debug()
     try:
-        status: int = args.run(args)
+        fmt = args.log_format or logformat.log_format()
+    except ValueError as exc:
+        print(f"staging-contracts: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        with logformat.installed(fmt=fmt):
+            status: int = args.run(args)
     except KeyboardInterrupt:
         print(f"staging-contracts {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -91,6 +105,8 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         action="store_true",
         help=f"show the traceback of an error (or set {DEBUG_ENV}=1)",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    _add_log_format(parser, default=None)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     check = commands.add_parser(
@@ -117,6 +133,9 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         "--mixin",
         metavar="MODULE:MIXIN",
         help="check against the contract of this ContractMixin instead (any enforcing mixin)",
+    )
+    check.add_argument(
+        "--json", metavar="PATH", help="also write the verdicts to PATH as JSON (schema 1)"
     )
     check.set_defaults(run=_run_check)
 
@@ -156,6 +175,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
 
         soak.epilog = SOAK_EPILOG
         add_soak_arguments(soak)
+        _add_outputs(soak)
     soak.set_defaults(run=_run_soak)
 
     groups = _bench_groups() if command == "bench" else ("...",)
@@ -214,10 +234,29 @@ def _bench_groups() -> tuple[str, ...]:
     return tuple(GROUPS)
 
 
+def _add_log_format(parser: argparse.ArgumentParser, default: str | None) -> None:
+    parser.add_argument(
+        "--log-format",
+        choices=logformat.LOG_FORMATS,
+        default=default,
+        help=f"log lines of every process as text (default) or one JSON object each (or set "
+        f"{logformat.LOG_FORMAT_ENV})",
+    )
+
+
+def _add_outputs(parser: argparse.ArgumentParser) -> None:
+    """``--json PATH`` and ``--log-format`` of a command that runs processes."""
+    parser.add_argument(
+        "--json", metavar="PATH", help="also write the summary to PATH as JSON (schema 1)"
+    )
+    _add_log_format(parser, default=argparse.SUPPRESS)
+
+
 def _add_demo(demo: argparse.ArgumentParser) -> None:
     from .cluster.demo import add_demo_arguments  # noqa: PLC0415 - torch: only for `demo`
 
     add_demo_arguments(demo)
+    _add_outputs(demo)
     demo.add_argument(
         "--ignore-memory",
         action="store_true",
@@ -248,10 +287,21 @@ def _run_check(args: argparse.Namespace) -> int:
             )
             return EXIT_UNIMPORTABLE
         forced = mixin.__dict__["contract"]
+    if args.json:
+        try:
+            check_target(args.json)
+        except ValueError as exc:
+            print(f"staging-contracts check: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     status = EXIT_OK
+    records: list[CheckRecord] = []
     for target in args.targets:
-        status = max(status, _check_one(target, forced))
+        records.append(CheckRecord(target))
+        records[-1].exit_status = _check_one(target, forced, records[-1])
+        status = max(status, records[-1].exit_status)
         print()
+    if args.json:
+        print(f"wrote the verdicts to {write_summary(check_summary(records, status), args.json)}")
     return status
 
 
@@ -298,7 +348,9 @@ def _load_class(target: str) -> type | int:
     return obj
 
 
-def _check_one(target: str, forced: Contract | None = None) -> int:
+def _check_one(
+    target: str, forced: Contract | None = None, record: CheckRecord | None = None
+) -> int:
     obj = _load_class(target)
     if isinstance(obj, int):
         return obj
@@ -316,15 +368,19 @@ def _check_one(target: str, forced: Contract | None = None) -> int:
     for contract in contracts:
         print(contract.explain(obj))
         report = contract.inspect_class(obj, abstract=is_abstract(obj))
-        if not report.conforms:
-            print(contract.class_error(report))
+        error = None if report.conforms else contract.class_error(report)
+        if error is not None:
+            print(error)
             status = EXIT_NONCONFORMING
-    note = _hook_note(obj, target)
-    if note is not None:
-        print(note)
-    note = _witness_note(obj, contracts)
-    if note is not None:
-        print(note)
+        if record is not None:
+            name = class_label(contract.protocol)
+            problem = None if error is None else str(error)
+            record.contracts.append({"protocol": name, "conforms": error is None, "error": problem})
+    for note in (_hook_note(obj, target), _witness_note(obj, contracts)):
+        if note is not None:
+            print(note)
+            if record is not None:
+                record.notes.append(note)
     return status
 
 
@@ -382,10 +438,12 @@ def _run_demo(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         placement = placement_from_args(args)
         preflight(config, ignore_memory=args.ignore_memory)
+        if args.json:
+            check_target(args.json)
     except ValueError as exc:
         print(f"staging-contracts demo: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    return run_demo(config, placement=placement)
+    return run_demo(config, placement=placement, json_path=args.json)
 
 
 def _run_soak(args: argparse.Namespace) -> int:
@@ -393,12 +451,15 @@ def _run_soak(args: argparse.Namespace) -> int:
     from .cluster.soak import run_soak  # noqa: PLC0415 - heavy imports
     from .cluster.soak_report import config_from_args, format_summary  # noqa: PLC0415
     from .cluster.stop_signals import exit_status  # noqa: PLC0415
+    from .cluster.summary_json import soak_summary  # noqa: PLC0415
     from .control.security import SecurityError  # noqa: PLC0415
 
     _local_modules_importable()
     try:
         config = config_from_args(args)
         check_backend(config.backend)
+        if args.json:
+            check_target(args.json)
     except ValueError as exc:
         print(f"staging-contracts soak: {exc}", file=sys.stderr)
         return EXIT_UNIMPORTABLE
@@ -419,6 +480,8 @@ def _run_soak(args: argparse.Namespace) -> int:
         print("staging-contracts soak: interrupted", file=sys.stderr)
         return 130
     print(format_summary(result))
+    if args.json:
+        print(f"wrote the summary to {write_summary(soak_summary(result), args.json)}")
     if result.interrupted is not None:
         return exit_status(result.interrupted)
     return EXIT_OK if result.ok else EXIT_NONCONFORMING

@@ -456,6 +456,7 @@ class PrefillTransfers:
                 room,
                 rank,
                 sender,
+                extra={"room": room},
             )
         return taken
 
@@ -527,6 +528,7 @@ class PrefillTransfers:
                 "room %d: ROOM_FAILED of another opening ignored (%s)",
                 message.room,
                 message.reason,
+                extra={"room": message.room},
             )
             return
         self._lose(message.room, f"decode failed the room: {message.reason}")
@@ -558,7 +560,7 @@ class PrefillTransfers:
                 state.failure = reason
                 if self._tracer is not None:
                     self._tracer.end(room, reason)
-                logger.warning("room %d failed on prefill: %s", room, reason)
+                logger.warning("room %d failed on prefill: %s", room, reason, extra={"room": room})
                 self._cond.notify_all()
 
     # ------------------------------------------------------------------ worker thread
@@ -579,7 +581,12 @@ class PrefillTransfers:
             except StagingFailed as exc:
                 self._fail_job(job, exc.reason)
             except Exception as exc:  # any error fails this room, never the worker
-                logger.exception("room %d chunk %d: staging failed", job.room, job.chunk.chunk_idx)
+                logger.exception(
+                    "room %d chunk %d: staging failed",
+                    job.room,
+                    job.chunk.chunk_idx,
+                    extra={"room": job.room},
+                )
                 self._fail_job(job, f"chunk {job.chunk.chunk_idx}: {type(exc).__name__}: {exc}")
 
     def _take_jobs(self, pending: list[_Job], *, block: bool) -> bool:
@@ -680,7 +687,7 @@ class PrefillTransfers:
         if self._tracer is not None:
             self._tracer.end(room, reason)
         self._cond.notify_all()
-        logger.warning("room %d failed on prefill: %s", room, reason)
+        logger.warning("room %d failed on prefill: %s", room, reason, extra={"room": room})
         self._tell_failed(room, state)
 
     def _tell_failed(self, room: int, state: _SendState) -> None:

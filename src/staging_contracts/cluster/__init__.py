@@ -8,7 +8,10 @@ and KV data every rank derives alike) and :mod:`.demo` (``staging-contracts demo
 The soak (``staging-contracts soak``): :mod:`.soak` (:func:`~.soak.run_soak`: rank processes
 kept busy with rooms while faults are injected), :mod:`.soak_rank` (a long-running rank that
 serves rooms on command) and :mod:`.soak_report` (its faults, configuration, result and
-summary).
+summary), :mod:`.soak_ticker` (its progress tally, at least every 10 s).
+
+What an operator reads: :mod:`.summary_json` (the ``--json`` documents of ``check``, ``demo``
+and ``soak``) and :mod:`.logformat` (every process's log lines: timestamped text, or JSON).
 
 May import: ``backends`` and everything below it; never ``testing``, ``bench`` or ``cli``.
 Imported by: ``bench`` and ``cli``.

@@ -30,6 +30,7 @@ from .bootstrap import BootstrapServer
 from .preflight import check_device
 from .runner import ClusterResult, RankMemory, RankSet, run_cluster
 from .stop_signals import exit_status, stop_on_signals
+from .summary_json import demo_summary, write_summary
 from .workload import DTYPES, TransferConfig
 
 __all__ = [
@@ -434,6 +435,7 @@ def run_demo(
     *,
     out: TextIO | None = None,
     placement: DemoPlacement | None = None,
+    json_path: str | None = None,
 ) -> int:
     """Run the demo and print progress and the summary; return the exit status.
 
@@ -444,6 +446,9 @@ def run_demo(
         0 when every decode page verified (a prefill-only side: every request was sent),
         ``128 + N`` when signal ``N`` (``SIGTERM``, ``SIGINT``) stopped the run (the
         summary, marked partial, is printed still), 1 otherwise.
+
+    With ``json_path``, the summary is also written there as JSON
+    (:func:`~.summary_json.demo_summary`), a partial run's included.
 
     Raises:
         SecurityError: no cluster secret, and ``config.host`` is not loopback.
@@ -484,6 +489,8 @@ def run_demo(
             if server is not None:
                 server.stop()
     stream.write(format_summary(result) + "\n")
+    if json_path is not None:
+        stream.write(f"wrote the summary to {write_summary(demo_summary(result), json_path)}\n")
     if result.interrupted is not None:
         return exit_status(result.interrupted)
     return 0 if result.verified else 1

@@ -81,6 +81,7 @@ from ..staging.layout import (
     decode_ranks_for_prefill,
     prefill_ranks_for_decode,
 )
+from . import logformat
 from .bootstrap import RankInfo, arrive, curve_key_text, query_ranks, register_rank, wait_barrier
 from .plain_paths import (
     ArrivalBook,
@@ -148,9 +149,7 @@ def rank_main(role: str, rank: int, config: TransferConfig, bootstrap: str, repo
     **Blocking:** until every request of the run finished on this rank, or ``SIGTERM``.
     """
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
-    logging.basicConfig(
-        level=logging.WARNING, format=f"[{role}{rank}] %(levelname)s %(name)s: %(message)s"
-    )
+    logformat.install(role=role, rank=rank, level=logging.WARNING)
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's C++ info and warning logs
     torch.set_num_threads(1)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()

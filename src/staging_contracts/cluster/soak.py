@@ -77,6 +77,7 @@ from .soak_report import (
     StallRecord,
     reason_group,
 )
+from .soak_ticker import Ticker, tally_line
 from .stop_signals import INTERRUPT_GRACE_S, Interrupted, stop_on_signals
 
 __all__ = [
@@ -132,8 +133,10 @@ RankKey = tuple[str, int]
 
 
 ProgressCallback = Callable[[str], None]
-"""Called on the driver's thread with one line about each fault as it ends; the line starts
-with the time the fault began, in seconds since the soak started (the summary's clock)."""
+"""Called on the driver's thread with one line about each fault as it ends, and a tally of
+the rooms at least every :data:`~.soak_ticker.TICK_EVERY_S` (:mod:`.soak_ticker`); a line
+starts with the time its fault began (a tally: its own), in seconds since the soak started
+(the summary's clock)."""
 
 
 def run_soak(config: SoakConfig, *, progress: ProgressCallback | None = None) -> SoakResult:
@@ -247,6 +250,7 @@ class _Driver:
         sent every rank's peers at once."""
         self.start = time.monotonic()
         self.ended = self.start
+        self.ticker = Ticker(self.start)
         self.last_status_poll = 0.0
         self.status_id = 0
         self.answers: dict[int, dict[RankKey, dict[str, Any]]] = {}
@@ -274,6 +278,7 @@ class _Driver:
     def run(self) -> None:
         config = self.config
         self.start = time.monotonic()
+        self.ticker = Ticker(self.start)
         for key in self.keys:
             self._spawn(key)
         if not self._wait(self._all_ready, STARTUP_S):
@@ -589,6 +594,8 @@ class _Driver:
         for room in self._unsettled():
             if now - room.issued > self.config.room_bound_s + HUNG_SLACK_S:
                 self._settle(room, hung="no report")
+        if self.ticker.due(now):
+            self._say(now, tally_line(room.outcome for room in self.rooms.values()))
         if now - self.last_status_poll > STATUS_EVERY_S:
             self.last_status_poll = now
             self._ask_status(self.keys)

@@ -67,6 +67,7 @@ from ..control.transport import PeerSockets
 from ..decode.handler import DecodeStagingHandler, PrefillPeer, peers_for
 from ..prefill.writer import DecodeTarget, PrefillTimeouts, StagingWriter
 from ..protocols import KVBufferTensors
+from . import logformat
 from .bootstrap import RankInfo, curve_key_text
 from .soak_memory import RssSampler
 from .workload import (
@@ -185,9 +186,8 @@ def soak_rank_main(role: str, rank: int, settings: RankSettings, driver: str) ->
     """
     # Ctrl-C reaches every process of the terminal's group: the driver stops the ranks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(
-        level=settings.log_level,
-        format=f"[soak {role}{rank} pid {os.getpid()}] %(levelname)s %(name)s: %(message)s",
+    logformat.install(
+        role=role, rank=rank, label=f"soak {role}{rank} pid {os.getpid()}", level=settings.log_level
     )
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's C++ info and warning logs
     torch.set_num_threads(1)
@@ -352,7 +352,7 @@ class CommandLoop:
         try:
             finish = self.open_room(room, index)
         except Exception as exc:  # the room fails with the error; the rank lives on
-            logger.exception("room %d: opening it failed", room)
+            logger.exception("room %d: opening it failed", room, extra={"room": room})
             error = f"{type(exc).__name__}: {exc}"
             self.events.send("error", error=f"room {room}: {error}")
             self.events.send(
@@ -369,7 +369,7 @@ class CommandLoop:
             try:
                 fields = finish()
             except Exception as exc:  # the room's end could not be read: say so
-                logger.exception("room %d: waiting for its end failed", room)
+                logger.exception("room %d: waiting for its end failed", room, extra={"room": room})
                 fields = {"state": "failed", "reason": f"rank error: {type(exc).__name__}: {exc}"}
             self.events.send("room", room=room, index=index, **fields)
 
@@ -700,4 +700,6 @@ def _release_after_failure(room: int, release: Callable[[], None]) -> None:
     try:
         release()
     except Exception:  # the room already fails with the first error
-        logger.exception("room %d: releasing it after a failed opening failed too", room)
+        logger.exception(
+            "room %d: releasing it after a failed opening failed too", room, extra={"room": room}
+        )

@@ -516,6 +516,7 @@ class DecodeStagingHandler:
                 "room %d: ROOM_FAILED of an earlier opening ignored (%s)",
                 message.room,
                 message.reason,
+                extra={"room": message.room},
             )
             return
         self.fail_room(message.room, f"prefill failed the room: {message.reason}")
@@ -558,7 +559,7 @@ class DecodeStagingHandler:
         self._refused[room] = reason
         while len(self._refused) > MAX_REFUSALS_KEPT:
             self._refused.popitem(last=False)
-        logger.warning("room %d: %s", room, reason)
+        logger.warning("room %d: %s", room, reason, extra={"room": room})
 
     def _plan_problem(self, plan: RoomPlan) -> str | None:
         if plan.prefix_tokens % self._page_size:
@@ -837,6 +838,7 @@ class DecodeStagingHandler:
                 fence.room,
                 sorted(fence.awaiting),
                 self._fence_timeout,
+                extra={"room": fence.room},
             )
             # The epoch needs no bump here: a region's epoch is its ring round, and whatever
             # is assigned over these bytes next has a later round, so a late arrival of this
@@ -864,7 +866,12 @@ class DecodeStagingHandler:
         with self._lock:
             state = self._rooms.get(room)
             if state is None or state.closing:
-                logger.warning("STAGING_REQ for unknown room %d chunk %d dropped", room, chunk_idx)
+                logger.warning(
+                    "STAGING_REQ for unknown room %d chunk %d dropped",
+                    room,
+                    chunk_idx,
+                    extra={"room": room},
+                )
                 return StagingReqOutcome.UNKNOWN_ROOM
             if not state.regions:  # a room waiting for requests got one (room_timeout_s)
                 state.last_progress = self._clock()
@@ -901,7 +908,9 @@ class DecodeStagingHandler:
             )
             problem = state.failure
         if problem is not None:
-            logger.warning("room %d: STAGING_REQ refused: %s", plan.room, problem)
+            logger.warning(
+                "room %d: STAGING_REQ refused: %s", plan.room, problem, extra={"room": plan.room}
+            )
             refusal = StagingRsp.oversized(plan.room, chunk_idx, session_id).to_frames()
             out.extend(_Outgoing(p.endpoint, refusal) for p in peers)
             return StagingReqOutcome.REJECTED
@@ -991,7 +1000,13 @@ class DecodeStagingHandler:
             )
             if problem is not None:
                 self._fail(state, problem)
-                logger.warning("room %d chunk %d: arrival rejected: %s", room, chunk_idx, problem)
+                logger.warning(
+                    "room %d chunk %d: arrival rejected: %s",
+                    room,
+                    chunk_idx,
+                    problem,
+                    extra={"room": room},
+                )
                 rejected = True
             elif epoch is not None and epoch != region.allocation.round:
                 logger.warning(
@@ -1002,6 +1017,7 @@ class DecodeStagingHandler:
                     writer_rank,
                     epoch,
                     region.allocation.round,
+                    extra={"room": room},
                 )
                 return ArrivalOutcome.UNKNOWN
             else:
@@ -1062,7 +1078,9 @@ class DecodeStagingHandler:
         try:
             event = self._scatterer.scatter(alloc, pages, plan.prefill_tp)
         except Exception as exc:  # any scatter failure fails the room, never the thread
-            logger.exception("room %d chunk %d: scatter failed", plan.room, chunk_idx)
+            logger.exception(
+                "room %d chunk %d: scatter failed", plan.room, chunk_idx, extra={"room": plan.room}
+            )
             token, known = self._failed_scatter_token(plan.room, chunk_idx)
             with self._lock:
                 state.scattering -= 1
@@ -1107,7 +1125,12 @@ class DecodeStagingHandler:
                 self._scatterer.ordering.wait(event)
             return self._verifier.check(state.plan, chunk_idx, region)
         except Exception as exc:  # a check that cannot run must not pass the room
-            logger.exception("room %d chunk %d: integrity check failed", state.plan.room, chunk_idx)
+            logger.exception(
+                "room %d chunk %d: integrity check failed",
+                state.plan.room,
+                chunk_idx,
+                extra={"room": state.plan.room},
+            )
             return f"{INTEGRITY_FAILURE}: chunk {chunk_idx}: the check could not run: {exc}"
 
     def _failed_scatter_token(self, room: int, chunk_idx: int) -> tuple[object | None, bool]:
@@ -1124,6 +1147,7 @@ class DecodeStagingHandler:
                 "stays held",
                 room,
                 chunk_idx,
+                extra={"room": room},
             )
             return None, False
 
@@ -1268,7 +1292,9 @@ class DecodeStagingHandler:
         else:
             for alloc_id in held:
                 self._free(alloc_id)
-        logger.warning("room %d failed: %s", state.plan.room, reason)
+        logger.warning(
+            "room %d failed: %s", state.plan.room, reason, extra={"room": state.plan.room}
+        )
 
     def _free(self, alloc_id: int) -> None:
         """Free a region and take it off its prefill instance's share (lock held)."""

@@ -138,6 +138,7 @@ class ArrivalVerifier:
                     plan.room,
                     chunk_idx,
                     writer_rank,
+                    extra={"room": plan.room},
                 )
                 return (
                     f"{INTEGRITY_FAILURE}: chunk {chunk_idx}: the bytes of prefill writer rank "

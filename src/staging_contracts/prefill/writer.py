@@ -577,7 +577,7 @@ class StagingWriter:
             try:
                 listener(room, reason)
             except Exception:  # one listener's bug must not stop the others or the listener
-                logger.exception("room %d: a room-lost listener failed", room)
+                logger.exception("room %d: a room-lost listener failed", room, extra={"room": room})
 
     def _abort_reason(self, room: int, target: DecodeTarget) -> str | None:
         """Why a chunk of ``room`` must not be written to ``target`` (``None``: it may)."""
@@ -820,7 +820,12 @@ class StagingWriter:
             if now - asked >= self._timeouts.answer_s:
                 # Fenced, dead or closed during this slice: fail now, not ask once more.
                 self._check_abort(room, chunk_idx, target)
-                logger.info("room %d chunk %d: no STAGING_RSP yet, asking again", room, chunk_idx)
+                logger.info(
+                    "room %d chunk %d: no STAGING_RSP yet, asking again",
+                    room,
+                    chunk_idx,
+                    extra={"room": room},
+                )
                 self._request(room, chunk_idx, num_pages, target)
                 asked = now
 
@@ -860,7 +865,10 @@ class StagingWriter:
             if now - asked >= self._timeouts.ready_s:
                 self._check_abort(room, chunk_idx, target)  # as in _await_region
                 logger.info(
-                    "room %d chunk %d: waiting for the watermark, asking again", room, chunk_idx
+                    "room %d chunk %d: waiting for the watermark, asking again",
+                    room,
+                    chunk_idx,
+                    extra={"room": room},
                 )
                 self._request(room, chunk_idx, num_pages, target)
                 asked = now
