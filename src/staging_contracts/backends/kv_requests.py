@@ -491,6 +491,12 @@ class PrefillTransfers:
             self._manager.send(endpoint, frames)
 
     @property
+    def early_meta_count(self) -> int:
+        """Early ``ROOM_META`` held now, over every sender (each within its sender's cap)."""
+        with self._cond:
+            return sum(len(held) for held in self._early.values())
+
+    @property
     def room_failed_unacked(self) -> int:
         """``ROOM_FAILED`` messages still to be re-sent (not acknowledged yet)."""
         return len(self._failed_resend)

@@ -51,19 +51,18 @@ from typing import Any, Final
 import zmq
 
 from ..child_errors import ChildErrors
-from ..control.room_messages import (
-    Ping,
-    Pong,
-    RoomFailed,
-    RoomFailedAck,
-    RoomFence,
-    RoomFenced,
-    RoomMeta,
-)
-from ..control.security import check_insecure_bind, load_cluster_secret
-from ..control.transport import MAX_FRAMES
-from ..control.wire import MESSAGE_TYPES
+from ..control.security import CurveKeys, check_insecure_bind, load_cluster_secret
 from .bootstrap import RankInfo
+from .soak_flood import (
+    FLOOD_DEADLINE_S,
+    FLOOD_ENDPOINT,
+    STATE,
+    FloodTarget,
+    flood_counts,
+    malformed_message,
+    send_flood,
+    state_bounds,
+)
 from .soak_forge import Forger, forged_arrivals
 from .soak_memory import judge_memory
 from .soak_rank import soak_rank_main
@@ -115,8 +114,6 @@ IDLE_S: Final = 20.0
 """Longest the driver waits, at the end, for every ring and fence to drain."""
 HUNG_SLACK_S: Final = 5.0
 """A room no rank reported ``room_bound_s`` plus this long after it was issued is hung."""
-FLOOD_DEADLINE_S: Final = 10.0
-"""Longest one flood burst lasts, whatever its frame count."""
 STOP_S: Final = 15.0
 """Longest a rank gets to exit after ``stop`` before it is killed."""
 NEEDED_S: Final = 10.0
@@ -325,7 +322,7 @@ class _Driver:
         """About how long injecting ``fault`` takes (to not start one past the duration)."""
         liveness = self.config.liveness_timeout_s
         return {
-            "flood": 3.0,
+            "flood": 6.0,
             "forge": 3.0,
             "stall": SHORT_STALL_S,
             "stall-long": liveness + LONG_STALL_EXTRA_S,
@@ -489,18 +486,48 @@ class _Driver:
         )
 
     def _flood(self) -> None:
-        live = [self.ranks[key] for key in self.keys]
-        rank = live[self.injected["flood"] % len(live)]
+        """Flood a decode rank, then a prefill rank (each role's ranks in turn)."""
+        turn = self.injected["flood"]
+        for role in ("decode", "prefill"):
+            keys = [key for key in self.keys if key[0] == role]
+            self._flood_one(self.ranks[keys[turn % len(keys)]])
+
+    def _flood_one(self, rank: _Rank) -> None:
+        """Flood ``rank`` from two threads (``soak_flood``): with the secret through CURVE
+        sockets whose key it was told to trust; then wait (bounded) until its counters
+        account for every message, and record what it holds after."""
         if rank.info is None:
             return
-        before = self._status([rank.key]).get(rank.key, {}).get("listener_malformed", 0)
+        keys = CurveKeys.generate() if load_cluster_secret() is not None else None
+        if keys is not None:
+            self._send(
+                rank, {"cmd": "trust", "endpoint": FLOOD_ENDPOINT, "key": keys.public.decode()}
+            )
+        before = self._status([rank.key]).get(rank.key, {})  # answered after the trust
+        decode = [r.info for k, r in self.ranks.items() if k[0] == "decode" and r.info]
+        late = [room.room for room in self.rooms.values() if room.outcome is not None][-64:]
+        target = FloodTarget(
+            rank.info.endpoint,
+            rank.key[0],
+            (
+                rank.info if rank.key[0] == "decode" else decode[0] if decode else rank.info
+            ).session_id,
+            late,
+            keys,
+            rank.info.curve_key.encode("ascii"),
+        )
         at = time.monotonic()
-        per_thread = self.config.flood_frames // 2
-        sent = [0, 0]
+        sent: list[Counter[str]] = [Counter(), Counter()]
         threads = [
             threading.Thread(
-                target=_flood,
-                args=(self.ctx, rank.info.endpoint, per_thread, self.config.seed + i, sent, i),
+                target=send_flood,
+                args=(
+                    self.ctx,
+                    target,
+                    self.config.flood_frames // 2,
+                    self.config.seed + i,
+                    sent[i],
+                ),
                 name=f"soak-flood-{i}",
                 daemon=True,
             )
@@ -508,24 +535,44 @@ class _Driver:
         ]
         for thread in threads:
             thread.start()
-        self._wait(lambda: not any(t.is_alive() for t in threads), FLOOD_DEADLINE_S + 5.0)
+        self._wait(lambda: not any(t.is_alive() for t in threads), FLOOD_DEADLINE_S + 15.0)
         seconds = time.monotonic() - at
-        total = sum(sent)
-        counted = 0
+        by_kind = sent[0] + sent[1]
+        total = sum(by_kind.values())
+        after: dict[str, Any] = {}
 
         def counted_all() -> bool:
-            nonlocal counted
             answer = self._status([rank.key]).get(rank.key)
             if answer is not None:
-                counted = int(answer.get("listener_malformed", 0)) - int(before)
-            return counted >= total
+                after.clear()
+                after.update(answer)
+            return sum(flood_counts(before, after).values()) >= total
 
         deadline = time.monotonic() + STATUS_S
         while not counted_all() and time.monotonic() < deadline:
             self._wait(_never, 0.25)
-        label = f"{rank.key[0]} {rank.key[1]}"
-        self.floods.append(FloodRecord(label, at - self.start, total, counted, seconds))
-        self._say(at, f"flooded {label} with {total} malformed messages; it counted {counted}")
+        counts = flood_counts(before, after)
+        chunks = len(list(self.config.transfer().chunks()))
+        bounds = state_bounds(self.config.rooms_in_flight, chunks, self.config.decode_tp)
+        record = FloodRecord(
+            f"{rank.key[0]} {rank.key[1]}",
+            at - self.start,
+            total,
+            sum(counts.values()),
+            seconds,
+            keys is not None,
+            dict(by_kind),
+            counts,
+            {name: int(after[name]) for name in STATE if name in after},
+            bounds,
+        )
+        self.floods.append(record)
+        self._say(
+            at,
+            f"flooded {record.target} with {total} messages "
+            f"({'authenticated' if keys else 'plain'}); it counted {record.counted}"
+            + (f"; grew: {', '.join(record.grown)}" if record.grown else ""),
+        )
 
     def _forge(self) -> None:
         """Send a decode rank forged arrivals for the rooms in flight from a hostile agent
@@ -950,61 +997,3 @@ def _holds(status: Mapping[str, Any]) -> bool:
             "waiting_rooms",
         )
     ) or not status.get("listener_alive", False)
-
-
-_KINDS: Final = (
-    *sorted(MESSAGE_TYPES),
-    RoomMeta.KIND,
-    RoomFailed.KIND,
-    RoomFailedAck.KIND,
-    RoomFence.KIND,
-    RoomFenced.KIND,
-    Ping.KIND,
-    Pong.KIND,
-)
-
-
-def malformed_message(rng: random.Random) -> list[bytes]:
-    """One control message no codec accepts: random bytes, a known type with bad fields, or
-    too many frames. Every field after the type starts with a NUL byte, which no field of any
-    message may hold, so the message is malformed whatever its type and frame count."""
-
-    def junk() -> bytes:
-        return b"\x00" + rng.randbytes(rng.randrange(0, 48))
-
-    shape = rng.randrange(4)
-    if shape == 0:
-        return [junk() for _ in range(rng.randrange(1, 4))]
-    if shape == 1:
-        return [rng.choice(_KINDS), *(junk() for _ in range(rng.randrange(1, 7)))]
-    if shape == 2:
-        return [rng.choice(_KINDS), *(b"\x00" for _ in range(MAX_FRAMES + rng.randrange(1, 9)))]
-    return [b""]
-
-
-def _flood(
-    ctx: zmq.Context[zmq.Socket[bytes]],
-    endpoint: str,
-    count: int,
-    seed: int,
-    sent: list[int],
-    slot: int,
-) -> None:
-    """Send up to ``count`` malformed messages to ``endpoint`` within ``FLOOD_DEADLINE_S``;
-    ``sent[slot]`` counts those that went."""
-    rng = random.Random(seed)
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 2000)  # what is queued at the end still goes
-    sock.setsockopt(zmq.SNDHWM, 1000)
-    sock.setsockopt(zmq.SNDTIMEO, 100)
-    sock.connect(endpoint)
-    deadline = time.monotonic() + FLOOD_DEADLINE_S
-    try:
-        while sent[slot] < count and time.monotonic() < deadline:
-            try:
-                sock.send_multipart(malformed_message(rng))
-            except zmq.Again:
-                continue
-            sent[slot] += 1
-    finally:
-        sock.close()
