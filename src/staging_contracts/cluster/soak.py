@@ -63,7 +63,7 @@ from .soak_flood import (
     send_flood,
     state_bounds,
 )
-from .soak_forge import Forger, forged_arrivals
+from .soak_forge import FORGE_WRITE_TIMEOUT_S, SCRIBBLE_S, Forger, Scribbler, forged_arrivals
 from .soak_memory import judge_memory
 from .soak_rank import soak_rank_main
 from .soak_report import (
@@ -256,6 +256,7 @@ class _Driver:
         self.floods: list[FloodRecord] = []
         self.forges: list[ForgeRecord] = []
         self.forger: Forger | None = None
+        self.scribbler: Scribbler | None = None
         self.injected: Counter[str] = Counter()
         self.listener_deaths: set[int] = set()
         self.unexpected: list[str] = []
@@ -284,7 +285,7 @@ class _Driver:
         run_from = time.monotonic()
         cycle = [name for name in FAULT_ORDER if name in config.faults and name != "drop"]
         if "forge" in cycle and not _can_forge(config):
-            logger.warning("forge skipped: it needs the nixl backend and the cluster secret")
+            logger.warning("forge skipped: it needs nixl and the cluster secret, or mooncake")
             cycle.remove("forge")
         turn = 0
         while True:
@@ -323,7 +324,7 @@ class _Driver:
         liveness = self.config.liveness_timeout_s
         return {
             "flood": 6.0,
-            "forge": 3.0,
+            "forge": 3.0 + SCRIBBLE_S + self.config.settle_s,
             "stall": SHORT_STALL_S,
             "stall-long": liveness + LONG_STALL_EXTRA_S,
             "pause": 2 * (liveness + LONG_STALL_EXTRA_S + self.config.settle_s),
@@ -350,6 +351,9 @@ class _Driver:
         if self.forger is not None:
             self.forger.close()
             self.forger = None
+        if self.scribbler is not None:
+            self.scribbler.close()
+            self.scribbler = None
 
     # ------------------------------------------------------------------ faults
 
@@ -577,7 +581,10 @@ class _Driver:
     def _forge(self) -> None:
         """Send a decode rank forged arrivals for the rooms in flight from a hostile agent
         that holds its engine metadata, and wait (bounded) until it counted them
-        ``unauthorized``."""
+        ``unauthorized``; over Mooncake, overwrite its ring instead (``_scribble``)."""
+        if self.config.backend == "mooncake":
+            self._scribble()
+            return
         rank = self._victim("decode")
         self._await_needed(rank)
         info = rank.info
@@ -611,6 +618,65 @@ class _Driver:
             at,
             f"forged {sent} arrivals to {label} for {len(rooms)} rooms in flight; "
             f"{counted} counted unauthorized",
+        )
+
+    def _scribble(self) -> None:
+        """Overwrite a decode rank's ring with garbage from a hostile Mooncake engine for
+        ``SCRIBBLE_S`` while rooms go on (``soak_forge.Scribbler``, on a thread), and count
+        the rooms that failed ``integrity`` meanwhile."""
+        rank = self._victim("decode")
+        self._await_needed(rank)
+        info = rank.info
+        if info is None:
+            return
+        if self.scribbler is None:
+            self.scribbler = Scribbler(self.config.host)
+        scribbler = self.scribbler
+        rooms = len(self._unsettled())
+        stop = threading.Event()
+        seed = self.rng.randrange(1 << 30)
+        done: list[tuple[int, int]] = []
+        errors: list[str] = []
+
+        def run() -> None:
+            try:
+                done.append(
+                    scribbler.scribble(
+                        info.session_id,
+                        info.metadata,
+                        (info.ring_base, info.ring_size),
+                        stop,
+                        seed,
+                    )
+                )
+            except (ImportError, RuntimeError, ValueError) as exc:  # said in the errors
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+        at = time.monotonic()
+        thread = threading.Thread(target=run, name="soak-scribble", daemon=True)
+        thread.start()
+        try:
+            self._wait(_never, SCRIBBLE_S)
+        finally:
+            stop.set()
+            self._wait(lambda: not thread.is_alive(), FORGE_WRITE_TIMEOUT_S + 5.0)
+        seconds = time.monotonic() - at
+        self._wait(_never, self.config.settle_s)  # the rooms it hit end meanwhile
+        if errors:
+            self.errors.append(f"forge: the hostile engine failed: {errors[0]}")
+        writes, written = done[0] if done else (0, 0)
+        failed = sum(
+            r.outcome == "failed" and r.settled_at >= at and reason_group(r.reason) == "integrity"
+            for r in self.rooms.values()
+        )
+        label = f"{rank.key[0]} {rank.key[1]}"
+        self.forges.append(
+            ForgeRecord(label, at - self.start, rooms, writes, 0, "write", written, seconds, failed)
+        )
+        self._say(
+            at,
+            f"overwrote the ring of {label} {writes} times in {seconds:.1f} s; "
+            f"{failed} rooms failed integrity",
         )
 
     # ------------------------------------------------------------------ the pump
@@ -976,7 +1042,10 @@ class _Driver:
 
 
 def _can_forge(config: SoakConfig) -> bool:
-    """Whether ``forge`` applies: NIXL notifications, authenticated with the secret."""
+    """Whether ``forge`` applies: NIXL notifications, authenticated with the secret, or
+    Mooncake (hostile one-sided writes, with or without the secret)."""
+    if config.backend == "mooncake":
+        return True
     return config.backend == "nixl" and load_cluster_secret() is not None
 
 

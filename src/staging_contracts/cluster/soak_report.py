@@ -78,10 +78,14 @@ FAULTS: Final[Mapping[str, str]] = MappingProxyType(
         "writes in flight. With this fault listed the ranks run with the integrity check on "
         "(STAGING_CONTRACTS_INTEGRITY=1), so that a late landing fails its room instead of "
         "passing as success",
-        "forge": "a hostile NIXL agent in the driver loads a decode rank's engine metadata and "
-        "sends it forged arrival notifications for the rooms in flight (no tag, a made-up "
-        "MAC); decode must drop and count every one (unauthorized). Needs nixl and "
-        "STAGING_CONTRACTS_SECRET; skipped (injected 0 times) otherwise",
+        "forge": "a hostile engine in the driver loads a decode rank's engine metadata. "
+        "nixl (with STAGING_CONTRACTS_SECRET): it sends forged arrival notifications for the "
+        "rooms in flight (no tag, a made-up MAC); decode must drop and count every one "
+        "(unauthorized). mooncake: it writes garbage one-sidedly over decode's whole ring "
+        "for 1.5 s, with no arrival; a room whose region it overwrote must fail with reason "
+        "integrity, never succeed. With this fault listed the ranks run with the integrity "
+        "check on. Skipped (injected 0 times) on nixl without the secret and on other "
+        "backends",
         "kill-prefill": "SIGKILL a prefill rank with rooms in flight, time until the survivors "
         "fail those rooms, start a new process for it (rooms keep coming to the survivors "
         "meanwhile)",
@@ -366,9 +370,10 @@ class SoakConfig:
     @property
     def integrity(self) -> bool:
         """Whether the ranks check staged bytes against their integrity tags: on with the
-        ``pause`` fault (a paused writer's late landing must fail its room), else as
-        ``STAGING_CONTRACTS_INTEGRITY`` says in each rank process."""
-        return "pause" in self.faults
+        ``pause`` fault (a paused writer's late landing must fail its room) and the ``forge``
+        fault (a hostile write must fail its room), else as ``STAGING_CONTRACTS_INTEGRITY``
+        says in each rank process."""
+        return "pause" in self.faults or "forge" in self.faults
 
     def rank_settings(self) -> RankSettings:
         """What every rank process is started with."""
@@ -432,18 +437,31 @@ class StallRecord:
 
 @dataclass(frozen=True, slots=True)
 class ForgeRecord:
-    """One burst of forged arrival notifications at a decode rank (``forge``)."""
+    """One ``forge`` at a decode rank: a burst of forged arrival notifications (NIXL,
+    ``kind`` ``notify``), or hostile one-sided writes of garbage over its ring (Mooncake,
+    ``kind`` ``write``)."""
 
     target: str
     """``"decode 0"``, ..."""
     at_s: float
     """When the burst began, in seconds since the soak started."""
     rooms: int
-    """Rooms in flight the notifications named."""
+    """Rooms in flight when it began (``notify``: the rooms the notifications named)."""
     sent: int
-    """Forged notifications sent."""
+    """Forged notifications sent (``write``: hostile writes that landed)."""
     counted: int
-    """Of those, counted ``unauthorized`` by the target meanwhile (should equal ``sent``)."""
+    """``notify``: of those, counted ``unauthorized`` by the target meanwhile (should equal
+    ``sent``); ``write``: 0."""
+    kind: str = "notify"
+    """``notify`` (forged NIXL notifications) or ``write`` (hostile Mooncake writes)."""
+    bytes_written: int = 0
+    """``write``: bytes of garbage that landed in the target's ring."""
+    seconds: float = 0.0
+    """``write``: how long the hostile engine kept writing."""
+    integrity_failed: int = 0
+    """``write``: rooms that failed with reason ``integrity`` from the first write until
+    shortly after the last (their region was overwritten before its check; none may
+    succeed with those bytes: the soak's check would find it corrupt)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -584,7 +602,7 @@ class SoakResult:
                 out.append(f"{flood.uncounted} flood messages to {flood.target} not counted")
             if flood.grown:
                 out.append(f"the flood grew state on {flood.target}: {', '.join(flood.grown)}")
-        uncounted = sum(forge.sent - forge.counted for forge in self.forges)
+        uncounted = sum(f.sent - f.counted for f in self.forges if f.kind == "notify")
         if uncounted > 0:
             out.append(f"{uncounted} forged arrivals not counted unauthorized")
         if self.listener_restarts:
@@ -674,16 +692,27 @@ def format_summary(result: SoakResult) -> str:
     for flood in result.floods:
         rows += _flood_rows(flood)
     for forge in result.forges:
-        rows.append(
-            (
-                "forge",
-                f"{forge.target} at {forge.at_s:.1f} s: {forge.sent} forged notifications for "
-                f"{forge.rooms} rooms in flight, {forge.counted} counted unauthorized",
+        if forge.kind == "write":
+            hit = (
+                f"{forge.integrity_failed} rooms failed integrity meanwhile"
+                if forge.integrity_failed
+                else "no room failed integrity meanwhile (the writes hit no region before "
+                "its check)"
             )
-        )
+            text = (
+                f"{forge.target} at {forge.at_s:.1f} s: {forge.sent} hostile writes "
+                f"({forge.bytes_written} bytes of garbage over its ring) in "
+                f"{forge.seconds:.1f} s, {forge.rooms} rooms in flight; {hit}"
+            )
+        else:
+            text = (
+                f"{forge.target} at {forge.at_s:.1f} s: {forge.sent} forged notifications for "
+                f"{forge.rooms} rooms in flight, {forge.counted} counted unauthorized"
+            )
+        rows.append(("forge", text))
     if "forge" in config.faults and not result.faults_injected.get("forge"):
-        rows.append(("forge", "skipped: it needs nixl and STAGING_CONTRACTS_SECRET"))
-    if result.forges or result.unauthorized:
+        rows.append(("forge", "skipped: it needs nixl and STAGING_CONTRACTS_SECRET, or mooncake"))
+    if any(forge.kind == "notify" for forge in result.forges) or result.unauthorized:
         rows.append(
             (
                 "unauthorized",
