@@ -81,7 +81,10 @@ or the frame count refused it), unauthorized (an authenticated sender an authori
 a late ``STAGING_RSP`` from a participant that is not the session's decode rank, a
 ``CHUNK_READY`` without a MAC), staging dropped (a well-formed message for a room the rank
 does not know), answers dropped (a ``STAGING_RSP`` no open room asked for) and early meta
-held (a ``ROOM_META`` for a room not opened, held within the sender's cap)."""
+held (a ``ROOM_META`` for a room not opened, held within the sender's cap). With the secret,
+a malformed message of a kind an authoriser judges (``STAGING_RSP``, ``ROOM_FENCE``, ...) may
+be refused there before any codec sees it: it counts in ``unauthorized``. The rank's own
+traffic moves some of these counters too, so they add up to at least what was sent."""
 STATE: Final = ("answers_held", "early_meta", "open_rooms")
 """What a flood could grow on its target: the answer table, the early ``ROOM_META`` store,
 the rank's open rooms."""
