@@ -424,3 +424,35 @@ def test_an_unacknowledged_room_failed_goes_a_bounded_number_of_times() -> None:
     r.handler.peer_dead(endpoint)
     assert r.handler.room_failed_unacked == 0
     assert opening is not None
+
+
+def test_room_failed_copies_to_a_decode_rank_stop_once_it_is_declared_dead() -> None:
+    """Prefill fails a room (a chunk off decode's grid) and its decode rank has gone silent
+    (its listener stopped: no PONG, no ROOM_FAILED_ACK): once peer liveness declares that rank dead,
+    no ROOM_FAILED copy is left to go to it (main kept re-sending to the dead peer, up to
+    ROOM_FAILED_COPIES times over some 20 s, and held their state meanwhile)."""
+    with sides(Geometry(1, 1, 2)) as s:
+        c = s.cluster
+        manager = c.prefill[0]
+        manager.liveness.timeout_s = 1.0
+        request = c.add_request(67, num_pages=4, chunk_pages=2)
+        c.handlers[0].release_room(67)
+        receiver = KVReceiver(s.decode[0], 67)
+        receiver.init(request.decode_pages, chunk_pages=2)
+        receiver.send_metadata()
+        sender = KVSender(s.prefill[0], 67)
+        sender.init(4, c.targets)
+        assert wait_for(lambda: sender.poll() is KVPoll.WaitingForInput, BOUND_S)
+        c.decode[0].listener.stop()  # decode hears nothing now: no PONG, no acknowledgement
+        dead = threading.Event()
+        manager.liveness.subscribe(lambda endpoint: dead.set())
+        sent = record(manager.peers, b"ROOM_FAILED")
+        sender.send(request.prefill_pages[:3])
+        assert wait_states([sender], timeout=BOUND_S) == [KVPoll.Failed]
+        assert s.prefill[0].room_failed_unacked == 1  # not acknowledged: copies to go
+        assert len(sent) >= 1
+        assert dead.wait(manager.liveness.timeout_s + BOUND_S)
+        # The transfers' subscriber ran before the test's (it subscribed first).
+        assert s.prefill[0].room_failed_unacked == 0
+        sender.release()
+        receiver.release()

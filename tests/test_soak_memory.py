@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
+
 from staging_contracts.cluster.soak_memory import RULE, RssSampler, judge_memory, memory_rows
 
 MIB = 1 << 20
@@ -36,3 +40,43 @@ def test_the_sampler_is_bounded_and_thins_out() -> None:
         sampler.maybe_sample(float(t), rss=t + 1)
     assert 2 <= len(sampler.samples) <= 8
     assert sampler.samples[0] == (0.0, 1)
+
+
+def test_memory_that_grew_fails_the_soak_verdict_and_the_summary_says_so() -> None:
+    from staging_contracts.cluster.soak_report import format_summary
+    from tests.test_soak import passing_result
+
+    grown = judge_memory(statuses(1 * MIB), start=0.0, elapsed_s=120.0)
+    result = passing_result(memory=grown)
+    assert not result.ok
+    assert result.problems == ["memory grew in 1 rank processes"]
+    lines = format_summary(result).splitlines()
+    assert any(line.startswith("memory ") and "GROWING: decode 0" in line for line in lines)
+    assert lines[-1].split()[:2] == ["verdict", "FAIL:"]
+    assert "memory grew in 1 rank processes" in lines[-1]
+    assert passing_result(memory=judge_memory(statuses(0.0), 0.0, 120.0)).ok
+
+
+def test_a_short_real_soak_prints_each_roles_memory_and_a_flat_verdict(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``staging-contracts soak`` over real rank processes for a few seconds: the summary
+    has a memory line per role (a rank process's first, last and peak RSS after the
+    warm-up) and the memory verdict with its rule, and that verdict is part of PASS."""
+    from staging_contracts import cli
+    from staging_contracts.control.security import SECRET_ENV, SECRET_FILE_ENV
+
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    # Long enough for MIN_SAMPLES samples per process after the warm-up (1 s apart).
+    assert cli.main(["soak", "--faults", "none", "--duration", "8"]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    rows = {line.split("  ")[0].strip(): line for line in out.splitlines() if "  " in line}
+    for role in ("decode", "prefill"):
+        line = rows[f"memory {role}"]
+        assert re.search(rf"{role} \d+ \(pid \d+, the most grown of \d+\): first [\d.]+ MiB", line)
+        assert re.search(r"peak [\d.]+ MiB, grew [\d.]+ MiB \(\d+ samples after", line)
+    assert re.search(r"^memory +flat \(3 processes judged; ", out, re.M), out
+    assert RULE in rows["memory"]
+    assert out.splitlines()[-1].split() == ["verdict", "PASS"]

@@ -211,8 +211,9 @@ class PrefillTransfers:
         self._failed_resend = ResendBox(
             time.monotonic, backoff=2.0, max_interval_s=ROOM_FAILED_MAX_INTERVAL_S
         )
-        """``ROOM_FAILED`` copies to decode ranks, until acknowledged or spent (they go on
-        after ``close_room``: the opening they name keeps them from failing a later one)."""
+        """``ROOM_FAILED`` copies to decode ranks, until acknowledged, spent, or their decode
+        rank is declared dead by the manager's peer liveness (they go on after
+        ``close_room``: the opening they name keeps them from failing a later one)."""
         self.stale_room_failed = 0
         """``ROOM_FAILED`` received for an opening that is not one of the room's (ignored)."""
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -226,6 +227,11 @@ class PrefillTransfers:
         writer.on_idle(self._flush_room_failed)
         manager.add_authorizer(self._authorize)
         writer.on_room_lost(self._on_room_lost)
+        # A decode rank declared dead hears no more ROOM_FAILED copies (nor acknowledges).
+        liveness = getattr(manager, "liveness", None)
+        subscribe = getattr(liveness, "subscribe", None)
+        if callable(subscribe):
+            subscribe(self._failed_resend.cancel_endpoint)
         self._wakeup = threading.Event()
         """Set when a waiting chunk may be able to go: an answer, a watermark, a new job."""
         writer.on_progress(self._wakeup.set)
@@ -541,6 +547,12 @@ class PrefillTransfers:
         """Send the ``ROOM_FAILED`` copies that are due (the writer's idle hook)."""
         for endpoint, frames in self._failed_resend.take_due():
             self._manager.send(endpoint, frames)
+
+    @property
+    def early_meta_count(self) -> int:
+        """Early ``ROOM_META`` held now, over every sender (each within its sender's cap)."""
+        with self._cond:
+            return sum(len(held) for held in self._early.values())
 
     @property
     def room_failed_unacked(self) -> int:

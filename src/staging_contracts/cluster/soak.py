@@ -51,20 +51,19 @@ from typing import Any, Final
 import zmq
 
 from ..child_errors import ChildErrors
-from ..control.room_messages import (
-    Ping,
-    Pong,
-    RoomFailed,
-    RoomFailedAck,
-    RoomFence,
-    RoomFenced,
-    RoomMeta,
-)
-from ..control.security import check_insecure_bind, load_cluster_secret
-from ..control.transport import MAX_FRAMES
-from ..control.wire import MESSAGE_TYPES
+from ..control.security import CurveKeys, check_insecure_bind, load_cluster_secret
 from .bootstrap import RankInfo
-from .soak_forge import Forger, forged_arrivals
+from .soak_flood import (
+    FLOOD_DEADLINE_S,
+    FLOOD_ENDPOINT,
+    STATE,
+    FloodTarget,
+    flood_counts,
+    malformed_message,
+    send_flood,
+    state_bounds,
+)
+from .soak_forge import FORGE_WRITE_TIMEOUT_S, SCRIBBLE_S, Forger, Scribbler, forged_arrivals
 from .soak_memory import judge_memory
 from .soak_rank import soak_rank_main
 from .soak_report import (
@@ -116,8 +115,6 @@ IDLE_S: Final = 20.0
 """Longest the driver waits, at the end, for every ring and fence to drain."""
 HUNG_SLACK_S: Final = 5.0
 """A room no rank reported ``room_bound_s`` plus this long after it was issued is hung."""
-FLOOD_DEADLINE_S: Final = 10.0
-"""Longest one flood burst lasts, whatever its frame count."""
 STOP_S: Final = 15.0
 """Longest a rank gets to exit after ``stop`` before it is killed."""
 NEEDED_S: Final = 10.0
@@ -263,6 +260,7 @@ class _Driver:
         self.floods: list[FloodRecord] = []
         self.forges: list[ForgeRecord] = []
         self.forger: Forger | None = None
+        self.scribbler: Scribbler | None = None
         self.injected: Counter[str] = Counter()
         self.listener_deaths: set[int] = set()
         self.unexpected: list[str] = []
@@ -292,7 +290,7 @@ class _Driver:
         run_from = time.monotonic()
         cycle = [name for name in FAULT_ORDER if name in config.faults and name != "drop"]
         if "forge" in cycle and not _can_forge(config):
-            logger.warning("forge skipped: it needs the nixl backend and the cluster secret")
+            logger.warning("forge skipped: it needs nixl and the cluster secret, or mooncake")
             cycle.remove("forge")
         turn = 0
         while True:
@@ -330,8 +328,8 @@ class _Driver:
         """About how long injecting ``fault`` takes (to not start one past the duration)."""
         liveness = self.config.liveness_timeout_s
         return {
-            "flood": 3.0,
-            "forge": 3.0,
+            "flood": 6.0,
+            "forge": 3.0 + SCRIBBLE_S + self.config.settle_s,
             "stall": SHORT_STALL_S,
             "stall-long": liveness + LONG_STALL_EXTRA_S,
             "pause": 2 * (liveness + LONG_STALL_EXTRA_S + self.config.settle_s),
@@ -358,6 +356,9 @@ class _Driver:
         if self.forger is not None:
             self.forger.close()
             self.forger = None
+        if self.scribbler is not None:
+            self.scribbler.close()
+            self.scribbler = None
 
     # ------------------------------------------------------------------ faults
 
@@ -494,18 +495,48 @@ class _Driver:
         )
 
     def _flood(self) -> None:
-        live = [self.ranks[key] for key in self.keys]
-        rank = live[self.injected["flood"] % len(live)]
+        """Flood a decode rank, then a prefill rank (each role's ranks in turn)."""
+        turn = self.injected["flood"]
+        for role in ("decode", "prefill"):
+            keys = [key for key in self.keys if key[0] == role]
+            self._flood_one(self.ranks[keys[turn % len(keys)]])
+
+    def _flood_one(self, rank: _Rank) -> None:
+        """Flood ``rank`` from two threads (``soak_flood``): with the secret through CURVE
+        sockets whose key it was told to trust; then wait (bounded) until its counters
+        account for every message, and record what it holds after."""
         if rank.info is None:
             return
-        before = self._status([rank.key]).get(rank.key, {}).get("listener_malformed", 0)
+        keys = CurveKeys.generate() if load_cluster_secret() is not None else None
+        if keys is not None:
+            self._send(
+                rank, {"cmd": "trust", "endpoint": FLOOD_ENDPOINT, "key": keys.public.decode()}
+            )
+        before = self._status([rank.key]).get(rank.key, {})  # answered after the trust
+        decode = [r.info for k, r in self.ranks.items() if k[0] == "decode" and r.info]
+        late = [room.room for room in self.rooms.values() if room.outcome is not None][-64:]
+        target = FloodTarget(
+            rank.info.endpoint,
+            rank.key[0],
+            (
+                rank.info if rank.key[0] == "decode" else decode[0] if decode else rank.info
+            ).session_id,
+            late,
+            keys,
+            rank.info.curve_key.encode("ascii"),
+        )
         at = time.monotonic()
-        per_thread = self.config.flood_frames // 2
-        sent = [0, 0]
+        sent: list[Counter[str]] = [Counter(), Counter()]
         threads = [
             threading.Thread(
-                target=_flood,
-                args=(self.ctx, rank.info.endpoint, per_thread, self.config.seed + i, sent, i),
+                target=send_flood,
+                args=(
+                    self.ctx,
+                    target,
+                    self.config.flood_frames // 2,
+                    self.config.seed + i,
+                    sent[i],
+                ),
                 name=f"soak-flood-{i}",
                 daemon=True,
             )
@@ -513,29 +544,52 @@ class _Driver:
         ]
         for thread in threads:
             thread.start()
-        self._wait(lambda: not any(t.is_alive() for t in threads), FLOOD_DEADLINE_S + 5.0)
+        self._wait(lambda: not any(t.is_alive() for t in threads), FLOOD_DEADLINE_S + 15.0)
         seconds = time.monotonic() - at
-        total = sum(sent)
-        counted = 0
+        by_kind = sent[0] + sent[1]
+        total = sum(by_kind.values())
+        after: dict[str, Any] = {}
 
         def counted_all() -> bool:
-            nonlocal counted
             answer = self._status([rank.key]).get(rank.key)
             if answer is not None:
-                counted = int(answer.get("listener_malformed", 0)) - int(before)
-            return counted >= total
+                after.clear()
+                after.update(answer)
+            return sum(flood_counts(before, after).values()) >= total
 
         deadline = time.monotonic() + STATUS_S
         while not counted_all() and time.monotonic() < deadline:
             self._wait(_never, 0.25)
-        label = f"{rank.key[0]} {rank.key[1]}"
-        self.floods.append(FloodRecord(label, at - self.start, total, counted, seconds))
-        self._say(at, f"flooded {label} with {total} malformed messages; it counted {counted}")
+        counts = flood_counts(before, after)
+        chunks = len(list(self.config.transfer().chunks()))
+        bounds = state_bounds(self.config.rooms_in_flight, chunks, self.config.decode_tp)
+        record = FloodRecord(
+            f"{rank.key[0]} {rank.key[1]}",
+            at - self.start,
+            total,
+            sum(counts.values()),
+            seconds,
+            keys is not None,
+            dict(by_kind),
+            counts,
+            {name: int(after[name]) for name in STATE if name in after},
+            bounds,
+        )
+        self.floods.append(record)
+        self._say(
+            at,
+            f"flooded {record.target} with {total} messages "
+            f"({'authenticated' if keys else 'plain'}); it counted {record.counted}"
+            + (f"; grew: {', '.join(record.grown)}" if record.grown else ""),
+        )
 
     def _forge(self) -> None:
         """Send a decode rank forged arrivals for the rooms in flight from a hostile agent
         that holds its engine metadata, and wait (bounded) until it counted them
-        ``unauthorized``."""
+        ``unauthorized``; over Mooncake, overwrite its ring instead (``_scribble``)."""
+        if self.config.backend == "mooncake":
+            self._scribble()
+            return
         rank = self._victim("decode")
         self._await_needed(rank)
         info = rank.info
@@ -569,6 +623,65 @@ class _Driver:
             at,
             f"forged {sent} arrivals to {label} for {len(rooms)} rooms in flight; "
             f"{counted} counted unauthorized",
+        )
+
+    def _scribble(self) -> None:
+        """Overwrite a decode rank's ring with garbage from a hostile Mooncake engine for
+        ``SCRIBBLE_S`` while rooms go on (``soak_forge.Scribbler``, on a thread), and count
+        the rooms that failed ``integrity`` meanwhile."""
+        rank = self._victim("decode")
+        self._await_needed(rank)
+        info = rank.info
+        if info is None:
+            return
+        if self.scribbler is None:
+            self.scribbler = Scribbler(self.config.host)
+        scribbler = self.scribbler
+        rooms = len(self._unsettled())
+        stop = threading.Event()
+        seed = self.rng.randrange(1 << 30)
+        done: list[tuple[int, int]] = []
+        errors: list[str] = []
+
+        def run() -> None:
+            try:
+                done.append(
+                    scribbler.scribble(
+                        info.session_id,
+                        info.metadata,
+                        (info.ring_base, info.ring_size),
+                        stop,
+                        seed,
+                    )
+                )
+            except (ImportError, RuntimeError, ValueError) as exc:  # said in the errors
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+        at = time.monotonic()
+        thread = threading.Thread(target=run, name="soak-scribble", daemon=True)
+        thread.start()
+        try:
+            self._wait(_never, SCRIBBLE_S)
+        finally:
+            stop.set()
+            self._wait(lambda: not thread.is_alive(), FORGE_WRITE_TIMEOUT_S + 5.0)
+        seconds = time.monotonic() - at
+        self._wait(_never, self.config.settle_s)  # the rooms it hit end meanwhile
+        if errors:
+            self.errors.append(f"forge: the hostile engine failed: {errors[0]}")
+        writes, written = done[0] if done else (0, 0)
+        failed = sum(
+            r.outcome == "failed" and r.settled_at >= at and reason_group(r.reason) == "integrity"
+            for r in self.rooms.values()
+        )
+        label = f"{rank.key[0]} {rank.key[1]}"
+        self.forges.append(
+            ForgeRecord(label, at - self.start, rooms, writes, 0, "write", written, seconds, failed)
+        )
+        self._say(
+            at,
+            f"overwrote the ring of {label} {writes} times in {seconds:.1f} s; "
+            f"{failed} rooms failed integrity",
         )
 
     # ------------------------------------------------------------------ the pump
@@ -936,7 +1049,10 @@ class _Driver:
 
 
 def _can_forge(config: SoakConfig) -> bool:
-    """Whether ``forge`` applies: NIXL notifications, authenticated with the secret."""
+    """Whether ``forge`` applies: NIXL notifications, authenticated with the secret, or
+    Mooncake (hostile one-sided writes, with or without the secret)."""
+    if config.backend == "mooncake":
+        return True
     return config.backend == "nixl" and load_cluster_secret() is not None
 
 
@@ -957,61 +1073,3 @@ def _holds(status: Mapping[str, Any]) -> bool:
             "waiting_rooms",
         )
     ) or not status.get("listener_alive", False)
-
-
-_KINDS: Final = (
-    *sorted(MESSAGE_TYPES),
-    RoomMeta.KIND,
-    RoomFailed.KIND,
-    RoomFailedAck.KIND,
-    RoomFence.KIND,
-    RoomFenced.KIND,
-    Ping.KIND,
-    Pong.KIND,
-)
-
-
-def malformed_message(rng: random.Random) -> list[bytes]:
-    """One control message no codec accepts: random bytes, a known type with bad fields, or
-    too many frames. Every field after the type starts with a NUL byte, which no field of any
-    message may hold, so the message is malformed whatever its type and frame count."""
-
-    def junk() -> bytes:
-        return b"\x00" + rng.randbytes(rng.randrange(0, 48))
-
-    shape = rng.randrange(4)
-    if shape == 0:
-        return [junk() for _ in range(rng.randrange(1, 4))]
-    if shape == 1:
-        return [rng.choice(_KINDS), *(junk() for _ in range(rng.randrange(1, 7)))]
-    if shape == 2:
-        return [rng.choice(_KINDS), *(b"\x00" for _ in range(MAX_FRAMES + rng.randrange(1, 9)))]
-    return [b""]
-
-
-def _flood(
-    ctx: zmq.Context[zmq.Socket[bytes]],
-    endpoint: str,
-    count: int,
-    seed: int,
-    sent: list[int],
-    slot: int,
-) -> None:
-    """Send up to ``count`` malformed messages to ``endpoint`` within ``FLOOD_DEADLINE_S``;
-    ``sent[slot]`` counts those that went."""
-    rng = random.Random(seed)
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 2000)  # what is queued at the end still goes
-    sock.setsockopt(zmq.SNDHWM, 1000)
-    sock.setsockopt(zmq.SNDTIMEO, 100)
-    sock.connect(endpoint)
-    deadline = time.monotonic() + FLOOD_DEADLINE_S
-    try:
-        while sent[slot] < count and time.monotonic() < deadline:
-            try:
-                sock.send_multipart(malformed_message(rng))
-            except zmq.Again:
-                continue
-            sent[slot] += 1
-    finally:
-        sock.close()

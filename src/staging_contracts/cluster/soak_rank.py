@@ -26,6 +26,8 @@ runs on the same host, whatever address the control listeners bind):
 * ``status``: answers with the rank's counters (ring use, fences, open rooms, rooms waiting
   for peers, listener health, malformed messages, control messages dropped by the ``drop``
   fault).
+* ``trust``: ``endpoint`` and ``key`` (Z85) of a participant to trust, as one learned from
+  the bootstrap would be (the authenticated ``flood``'s sender; a no-op without a secret).
 * ``stop``: close the backend and exit.
 
 **Events** (rank → driver; each carries ``kind``, ``role``, ``rank``, ``pid`` and ``t``, the
@@ -298,6 +300,10 @@ class CommandLoop:
     def status(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def trust_one(self, endpoint: str, key: str) -> None:
+        """Trust the participant with CURVE public ``key`` (Z85) at ``endpoint``."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ commands
 
     def command(self, raw: bytes) -> bool:
@@ -317,6 +323,8 @@ class CommandLoop:
                 self._room(int(doc["room"]), int(doc["index"]))
             elif name == "status":
                 self.events.send("status", id=doc.get("id"), **self.status())
+            elif name == "trust":
+                self.trust_one(str(doc["endpoint"]), str(doc["key"]))
             else:
                 raise ValueError(f"unknown command {name!r}")
         except Exception as exc:  # a bad command or a failing call: report, keep serving
@@ -466,6 +474,7 @@ class _RankServer(CommandLoop):
             "listener_malformed": listener.malformed,
             "listener_errors": listener.errors,
             "staging_malformed": stats.malformed,
+            "staging_dropped": stats.dropped,
             "unauthorized": self.manager.unauthorized,
             "control_sent": self.drops.sent,
             "control_dropped": self.drops.dropped,
@@ -474,6 +483,9 @@ class _RankServer(CommandLoop):
             "rss": self.memory.samples,
             **self.side_status(),
         }
+
+    def trust_one(self, endpoint: str, key: str) -> None:
+        self.common.trust_peer(endpoint, key.encode("ascii") or None)
 
     def trust(self, ranks: list[RankInfo]) -> None:
         """Trust the listeners of ``ranks`` by their published keys (no-op without a secret)."""
@@ -687,7 +699,15 @@ class _PrefillServer(_RankServer):
     def side_status(self) -> dict[str, Any]:
         with self.lock:
             open_rooms = self.open
-        return {"open_rooms": open_rooms, "bytes_written": self.writer.bytes_written}
+        return {
+            "open_rooms": open_rooms,
+            "bytes_written": self.writer.bytes_written,
+            "answers_held": self.writer.answers_held,
+            "answers_dropped": self.writer.answers_dropped,
+            "early_meta": self.transfers.early_meta_count,
+            "early_meta_held": self.transfers.early_meta_held,
+            "early_meta_dropped": self.transfers.early_meta_dropped,
+        }
 
     def close_side(self) -> None:
         self.transfers.close(CLOSE_TIMEOUT_S)

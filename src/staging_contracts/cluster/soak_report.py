@@ -27,7 +27,7 @@ import argparse
 import logging
 import textwrap
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final
 
@@ -61,8 +61,15 @@ FAULTS: Final[Mapping[str, str]] = MappingProxyType(
         "drop": "drop a share of every rank's outgoing control messages (--drop-share, "
         "default 2%) for the whole run: requests, answers, watermarks, room messages, fences, "
         "pings",
-        "flood": "send a burst of malformed frames (random bytes, known types with bad fields, "
-        "too many frames) to one rank's control listener, from two threads",
+        "flood": "send a burst of messages to a decode rank's control listener, then to a "
+        "prefill rank's, from two threads each: "
+        "malformed ones (random bytes, known types with bad fields, too many frames) and "
+        "well-formed ones the rank must not keep (late STAGING_RSP, ROOM_META for rooms "
+        "never opened, CHUNK_READY without a tag). With STAGING_CONTRACTS_SECRET the flooder "
+        "holds the secret (a CURVE key the rank trusts, as a participant registered on the "
+        "bootstrap), so every message passes the handshake. Fails the soak if a message is "
+        "not counted or the answer table, the early ROOM_META store or the open rooms grew "
+        "past their bound",
         "stall": "SIGSTOP a prefill rank for 2 s (under the liveness timeout), then SIGCONT",
         "stall-long": "SIGSTOP a prefill rank for the liveness timeout + 1.5 s: it is declared "
         "dead while it still holds its writes, then it comes back (SIGCONT)",
@@ -71,10 +78,14 @@ FAULTS: Final[Mapping[str, str]] = MappingProxyType(
         "writes in flight. With this fault listed the ranks run with the integrity check on "
         "(STAGING_CONTRACTS_INTEGRITY=1), so that a late landing fails its room instead of "
         "passing as success",
-        "forge": "a hostile NIXL agent in the driver loads a decode rank's engine metadata and "
-        "sends it forged arrival notifications for the rooms in flight (no tag, a made-up "
-        "MAC); decode must drop and count every one (unauthorized). Needs nixl and "
-        "STAGING_CONTRACTS_SECRET; skipped (injected 0 times) otherwise",
+        "forge": "a hostile engine in the driver loads a decode rank's engine metadata. "
+        "nixl (with STAGING_CONTRACTS_SECRET): it sends forged arrival notifications for the "
+        "rooms in flight (no tag, a made-up MAC); decode must drop and count every one "
+        "(unauthorized). mooncake: it writes garbage one-sidedly over decode's whole ring "
+        "for 1.5 s, with no arrival; a room whose region it overwrote must fail with reason "
+        "integrity, never succeed. With this fault listed the ranks run with the integrity "
+        "check on. Skipped (injected 0 times) on nixl without the secret and on other "
+        "backends",
         "kill-prefill": "SIGKILL a prefill rank with rooms in flight, time until the survivors "
         "fail those rooms, start a new process for it (rooms keep coming to the survivors "
         "meanwhile)",
@@ -359,9 +370,10 @@ class SoakConfig:
     @property
     def integrity(self) -> bool:
         """Whether the ranks check staged bytes against their integrity tags: on with the
-        ``pause`` fault (a paused writer's late landing must fail its room), else as
-        ``STAGING_CONTRACTS_INTEGRITY`` says in each rank process."""
-        return "pause" in self.faults
+        ``pause`` fault (a paused writer's late landing must fail its room) and the ``forge``
+        fault (a hostile write must fail its room), else as ``STAGING_CONTRACTS_INTEGRITY``
+        says in each rank process."""
+        return "pause" in self.faults or "forge" in self.faults
 
     def rank_settings(self) -> RankSettings:
         """What every rank process is started with."""
@@ -425,18 +437,31 @@ class StallRecord:
 
 @dataclass(frozen=True, slots=True)
 class ForgeRecord:
-    """One burst of forged arrival notifications at a decode rank (``forge``)."""
+    """One ``forge`` at a decode rank: a burst of forged arrival notifications (NIXL,
+    ``kind`` ``notify``), or hostile one-sided writes of garbage over its ring (Mooncake,
+    ``kind`` ``write``)."""
 
     target: str
     """``"decode 0"``, ..."""
     at_s: float
     """When the burst began, in seconds since the soak started."""
     rooms: int
-    """Rooms in flight the notifications named."""
+    """Rooms in flight when it began (``notify``: the rooms the notifications named)."""
     sent: int
-    """Forged notifications sent."""
+    """Forged notifications sent (``write``: hostile writes that landed)."""
     counted: int
-    """Of those, counted ``unauthorized`` by the target meanwhile (should equal ``sent``)."""
+    """``notify``: of those, counted ``unauthorized`` by the target meanwhile (should equal
+    ``sent``); ``write``: 0."""
+    kind: str = "notify"
+    """``notify`` (forged NIXL notifications) or ``write`` (hostile Mooncake writes)."""
+    bytes_written: int = 0
+    """``write``: bytes of garbage that landed in the target's ring."""
+    seconds: float = 0.0
+    """``write``: how long the hostile engine kept writing."""
+    integrity_failed: int = 0
+    """``write``: rooms that failed with reason ``integrity`` from the first write until
+    shortly after the last (their region was overwritten before its check; none may
+    succeed with those bytes: the soak's check would find it corrupt)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,11 +473,38 @@ class FloodRecord:
     at_s: float
     """When the burst began, in seconds since the soak started."""
     sent: int
-    """Malformed messages sent."""
+    """Messages sent (malformed and well-formed)."""
     counted: int
-    """Malformed messages the target's listener counted meanwhile (should equal ``sent``)."""
+    """Messages the target accounted for meanwhile, over every counter of ``counted_by``
+    (should be at least ``sent``: the rank's own traffic moves some counters too)."""
     seconds: float
     """How long the sending took."""
+    authenticated: bool = False
+    """Sent through CURVE sockets with a key the target trusts (the flooder held the cluster
+    secret), so that every message reached the target's dispatch; ``False``: plain sockets
+    (no secret)."""
+    sent_by_kind: Mapping[str, int] = field(default_factory=dict)
+    """Messages sent by kind: ``malformed``, or the well-formed message's type."""
+    counted_by: Mapping[str, int] = field(default_factory=dict)
+    """How much each counter of the target moved meanwhile (see ``soak_flood.COUNTERS``)."""
+    state: Mapping[str, int] = field(default_factory=dict)
+    """What the target held once the flood was counted (see ``soak_flood.STATE``)."""
+    state_bounds: Mapping[str, int] = field(default_factory=dict)
+    """The most each of ``state`` may hold (see ``soak_flood.state_bounds``)."""
+
+    @property
+    def uncounted(self) -> int:
+        """Messages sent that no counter of the target accounts for."""
+        return max(0, self.sent - self.counted)
+
+    @property
+    def grown(self) -> list[str]:
+        """``"answers_held 20000 > 64"`` for each of ``state`` above its bound."""
+        return [
+            f"{name} {value} > {self.state_bounds[name]}"
+            for name, value in self.state.items()
+            if name in self.state_bounds and value > self.state_bounds[name]
+        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -545,7 +597,12 @@ class SoakResult:
             )
         if not self.idle_reached:
             out.append("the ranks did not all report idle at the end")
-        uncounted = sum(forge.sent - forge.counted for forge in self.forges)
+        for flood in self.floods:
+            if flood.uncounted:
+                out.append(f"{flood.uncounted} flood messages to {flood.target} not counted")
+            if flood.grown:
+                out.append(f"the flood grew state on {flood.target}: {', '.join(flood.grown)}")
+        uncounted = sum(f.sent - f.counted for f in self.forges if f.kind == "notify")
         if uncounted > 0:
             out.append(f"{uncounted} forged arrivals not counted unauthorized")
         if self.listener_restarts:
@@ -571,6 +628,27 @@ def _prefill_text(config: SoakConfig) -> str:
     if config.prefill_instances == 1:
         return f"{config.prefill_tp} prefill"
     return f"{config.prefill_instances} instances of {config.prefill_tp} prefill"
+
+
+def _flood_rows(flood: FloodRecord) -> list[tuple[str, str]]:
+    """What one flood sent, how the target counted it and what it held after."""
+    how = "authenticated (CURVE, a trusted key)" if flood.authenticated else "plain sockets"
+    kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(flood.sent_by_kind.items()))
+    counters = ", ".join(f"{name} +{count}" for name, count in flood.counted_by.items() if count)
+    held = ", ".join(
+        f"{name} {value} (bound {flood.state_bounds.get(name, '?')})"
+        for name, value in flood.state.items()
+    )
+    return [
+        (
+            "flood",
+            f"{flood.target} at {flood.at_s:.1f} s, {how}: {flood.sent} messages in "
+            f"{flood.seconds:.1f} s ({kinds or 'none'}); {flood.counted} counted"
+            + ("" if not flood.uncounted else f", {flood.uncounted} NOT counted"),
+        ),
+        ("  counted by", counters or "no counter moved"),
+        ("  held after", held or "not reported"),
+    ]
 
 
 def format_summary(result: SoakResult) -> str:
@@ -612,25 +690,36 @@ def format_summary(result: SoakResult) -> str:
             )
         )
     for flood in result.floods:
-        rows.append(
-            (
-                "flood",
-                f"{flood.target} at {flood.at_s:.1f} s: {flood.sent} malformed messages in "
-                f"{flood.seconds:.1f} s, {flood.counted} counted",
-            )
-        )
+        rows += _flood_rows(flood)
     for forge in result.forges:
+        if forge.kind == "write":
+            hit = (
+                f"{forge.integrity_failed} rooms failed integrity meanwhile"
+                if forge.integrity_failed
+                else "no room failed integrity meanwhile (the writes hit no region before "
+                "its check)"
+            )
+            text = (
+                f"{forge.target} at {forge.at_s:.1f} s: {forge.sent} hostile writes "
+                f"({forge.bytes_written} bytes of garbage over its ring) in "
+                f"{forge.seconds:.1f} s, {forge.rooms} rooms in flight; {hit}"
+            )
+        else:
+            text = (
+                f"{forge.target} at {forge.at_s:.1f} s: {forge.sent} forged notifications for "
+                f"{forge.rooms} rooms in flight, {forge.counted} counted unauthorized"
+            )
+        rows.append(("forge", text))
+    if "forge" in config.faults and not result.faults_injected.get("forge"):
+        rows.append(("forge", "skipped: it needs nixl and STAGING_CONTRACTS_SECRET, or mooncake"))
+    if any(forge.kind == "notify" for forge in result.forges) or result.unauthorized:
         rows.append(
             (
-                "forge",
-                f"{forge.target} at {forge.at_s:.1f} s: {forge.sent} forged notifications for "
-                f"{forge.rooms} rooms in flight, {forge.counted} counted unauthorized",
+                "unauthorized",
+                f"{result.unauthorized} messages from authenticated senders refused (arrivals "
+                "without a valid MAC, answers not from the session's decode rank)",
             )
         )
-    if "forge" in config.faults and not result.faults_injected.get("forge"):
-        rows.append(("forge", "skipped: it needs nixl and STAGING_CONTRACTS_SECRET"))
-    if result.forges or result.unauthorized:
-        rows.append(("unauthorized", f"{result.unauthorized} arrivals dropped (no valid MAC)"))
     for stall in result.stalls:
         rows.append(
             (

@@ -329,6 +329,16 @@ class StagingWriter:
         """Size of the private staging buffer."""
         return self._buffer_bytes
 
+    @property
+    def answers_held(self) -> int:
+        """``STAGING_RSP`` answers held now (each for a chunk an open room asked for)."""
+        return len(self._regions)
+
+    @property
+    def answers_dropped(self) -> int:
+        """``STAGING_RSP`` answers not kept: no open room of this writer asked for them."""
+        return self._regions.dropped
+
     # ------------------------------------------------------------------ requests
 
     def targets_of(self, decode: Sequence[DecodeTarget]) -> list[DecodeTarget]:
