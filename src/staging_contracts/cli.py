@@ -152,10 +152,12 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     if command == "soak":
+        from .cluster.metrics_relay import add_metrics_port_argument  # noqa: PLC0415
         from .cluster.soak_report import SOAK_EPILOG, add_soak_arguments  # noqa: PLC0415
 
         soak.epilog = SOAK_EPILOG
         add_soak_arguments(soak)
+        add_metrics_port_argument(soak)
     soak.set_defaults(run=_run_soak)
 
     groups = _bench_groups() if command == "bench" else ("...",)
@@ -408,7 +410,7 @@ def _run_soak(args: argparse.Namespace) -> int:
         f"faults: {', '.join(config.faults) or 'none'}"
     )
     try:
-        result = run_soak(config, progress=_progress)
+        result = run_soak(config, progress=_progress, metrics_port=args.metrics_port)
     except (ImportError, SecurityError) as exc:
         print(f"staging-contracts soak: {exc}", file=sys.stderr)
         return EXIT_UNIMPORTABLE
