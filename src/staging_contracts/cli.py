@@ -218,8 +218,10 @@ def _bench_groups() -> tuple[str, ...]:
 
 def _add_demo(demo: argparse.ArgumentParser) -> None:
     from .cluster.demo import add_demo_arguments  # noqa: PLC0415 - torch: only for `demo`
+    from .cluster.metrics_relay import add_metrics_port_argument  # noqa: PLC0415
 
     add_demo_arguments(demo)
+    add_metrics_port_argument(demo)
     demo.add_argument(
         "--ignore-memory",
         action="store_true",
@@ -387,7 +389,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"staging-contracts demo: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    return run_demo(config, placement=placement)
+    return run_demo(config, placement=placement, metrics_port=args.metrics_port)
 
 
 def _run_soak(args: argparse.Namespace) -> int:

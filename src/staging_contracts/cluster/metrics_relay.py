@@ -1,8 +1,10 @@
 """``--metrics-port``: every rank's counters, relayed to the driver and served on loopback.
 
 A rank process sends a ``metrics`` event with its :class:`~staging_contracts.metrics.
-MetricsSnapshot` (as JSON) every :data:`REPORT_EVERY_S` over its existing event channel to
-the driver (:class:`RankReporter` says when one is due); the driver keeps the latest snapshot
+MetricsSnapshot` (as JSON) every :data:`REPORT_EVERY_S` to the driver's inbox: a soak rank
+from its command loop (:class:`RankReporter` says when one is due), a demo rank from a
+thread of its own with a socket of its own (:class:`MetricsPusher`: the demo rank's main
+thread alone uses its report socket). The driver keeps the latest snapshot
 of each ``(role, rank)`` in a :class:`MetricsRelay`, whose collector serves them all at
 ``http://127.0.0.1:PORT/metrics``, labelled ``role``, ``rank`` and ``engine``. A rank that
 restarts starts its counters again from zero (Prometheus reads that as a counter reset).
@@ -14,19 +16,27 @@ restarts starts its counters again from zero (Prometheus reads that as a counter
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Final
 
-from ..metrics import MetricsSnapshot
+import zmq
+
+from ..metrics import MetricsSnapshot, snapshot_of
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
+    from ..backends.common import CommonKVManager
+    from ..backends.kv_requests import PrefillTransfers
+
 __all__ = [
     "REPORT_EVERY_S",
+    "MetricsPusher",
     "MetricsRelay",
     "RankReporter",
     "add_metrics_port_argument",
@@ -55,6 +65,77 @@ class RankReporter:
             return False
         self._last = now
         return True
+
+
+class MetricsPusher:
+    """A rank's thread that sends its snapshot to the driver every ``every_s``, and once more
+    when stopped, over a PUSH socket it opens, uses and closes itself.
+
+    **Threads:** :meth:`start` and :meth:`stop` on the rank's main thread; the sends on the
+    pusher's own (a daemon); every send is bounded (``SNDTIMEO``), a lost one is logged.
+
+    Args:
+        ctx: the process's ZMQ context.
+        endpoint: the driver's inbox (``tcp://127.0.0.1:port``).
+        role: the rank's role (the event's and the series' ``role``).
+        rank: its rank number.
+        engine: the ``engine`` label (the backend spec).
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        endpoint: str,
+        role: str,
+        rank: int,
+        engine: str,
+        every_s: float = REPORT_EVERY_S,
+    ) -> None:
+        self._ctx = ctx
+        self._endpoint = endpoint
+        self._head = {"kind": "metrics", "role": role, "rank": rank, "pid": os.getpid()}
+        self._labels = (role, rank, engine)
+        self._every_s = every_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, manager: CommonKVManager, transfers: PrefillTransfers | None = None) -> None:
+        """Start sending ``manager``'s counters (``transfers``: prefill's rooms and bytes)."""
+        role, rank, engine = self._labels
+
+        def read() -> MetricsSnapshot:
+            return snapshot_of(manager, transfers=transfers, role=role, rank=rank, engine=engine)
+
+        self._thread = threading.Thread(
+            target=self._run, args=(read,), name=f"metrics-{role}-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Send the last snapshot and end the thread (bounded); safe to call twice."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run(self, read: Callable[[], MetricsSnapshot]) -> None:
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.SNDTIMEO, 1000)
+        try:
+            sock.connect(self._endpoint)
+            while True:
+                stopping = self._stop.wait(self._every_s)
+                try:
+                    event = {**self._head, "snapshot": read().to_json()}
+                    sock.send(json.dumps(event).encode())
+                except zmq.ZMQError as exc:  # the driver takes none now: the next one goes
+                    logger.warning("metrics snapshot not sent: %s", exc)
+                except Exception:  # a counter that could not be read: the rank goes on
+                    logger.exception("metrics snapshot failed")
+                if stopping:
+                    return
+        finally:
+            sock.close()
 
 
 class MetricsRelay:
@@ -104,7 +185,10 @@ class MetricsRelay:
 
         registry = CollectorRegistry()
         registry.register(StagingCollector(self.snapshots))
-        server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+        try:
+            server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot serve metrics on 127.0.0.1:{port}: {exc}") from exc
         self._server, self._thread = server, thread
         self.port = server.server_port
 
