@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS := dev,docs,mooncake,nixl,tracing
+EXTRAS := dev,docs,mooncake,nixl,metrics,tracing
 # Debian packages (installed when missing and we are root): the libraries the Mooncake wheel
 # links against, and iproute2, whose `ip netns` the cross-namespace transfer test needs.
 SYSLIBS := libibverbs1 librdmacm1 libnuma1 iproute2

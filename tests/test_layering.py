@@ -56,16 +56,19 @@ ALLOWED: Final[dict[str, frozenset[str]]] = {
     "staging": frozenset({"protocols", "stats"}),
     "control": frozenset({"config", "protocols", "stats"}),
     "engines": frozenset({"protocols", "stats"}),
-    "decode": frozenset({"staging", "control", "config", "tracing", "protocols", "stats"}),
+    "decode": frozenset(
+        {"staging", "control", "config", "tracing", "outcomes", "protocols", "stats"}
+    ),
     "prefill": frozenset({"staging", "control", "config", "tracing", "protocols", "stats"}),
     "mixin": frozenset({"contract", "control", "protocols", "stats"}),
     "backends": _BELOW_BACKENDS,
     "testing": _BELOW_BACKENDS | {"backends"},
-    "cluster": _BELOW_BACKENDS | {"backends"},
+    "metrics": _BELOW_BACKENDS | {"backends"},
+    "cluster": _BELOW_BACKENDS | {"backends", "metrics"},
     "bench": _BELOW_BACKENDS | {"backends", "cluster"},
     "mypy_plugin": frozenset({"contract"}),
     "__init__": frozenset({"contract", "mixin", "protocols", "stats"}),
-    "cli": _BELOW_BACKENDS | {"backends", "testing", "cluster", "bench"},
+    "cli": _BELOW_BACKENDS | {"backends", "testing", "cluster", "bench", "metrics"},
 }
 """What each unit (a top-level module, or a package with everything in it) may import.
 
@@ -77,6 +80,7 @@ of rooms) knows only ``outcomes``;
 vocabulary alone; ``decode`` and ``prefill`` build each side from ``staging`` and ``control``
 and never import each other;
 ``mixin`` joins the contract to the control plane; ``backends`` assemble all of that;
+``metrics`` reads a backend's counters for Prometheus;
 ``testing`` and ``cluster`` use backends; ``bench`` may use ``cluster``; ``cli`` is the top.
 """
 

@@ -168,6 +168,15 @@ COMMANDS: Final[dict[str, Run | Make | Covered]] = {
         "tests/test_third_party_example.py::test_installed_example_runs_through_the_soak_by_name",
         "by the same name, for 2 s",
     ),
+    # docs/observability.md
+    "staging-contracts soak --duration 60 --metrics-port 9400": Covered(
+        "tests/test_metrics_soak.py::test_the_soak_command_serves_its_metrics_on_the_port_it_is_given",
+        "for 2 s, on a free port, scraped while it runs",
+    ),
+    "staging-contracts demo --metrics-port 9400": Covered(
+        "tests/test_metrics_demo.py::test_the_demo_command_serves_its_metrics_on_the_port_it_is_given",
+        "smaller sizes, on a free port, scraped while it runs",
+    ),
     "staging-contracts demo --backend acme_kv.backend:AcmeKVManager=acme_kv.backend:NOPE": Run(2),
     "staging-contracts demo --backend mypkg.backend:LocalBacked": Run(2),
     "staging-contracts check mypkg.broken:MyKVManager": Run(2),

@@ -171,11 +171,13 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     if command == "soak":
+        from .cluster.metrics_relay import add_metrics_port_argument  # noqa: PLC0415
         from .cluster.soak_report import SOAK_EPILOG, add_soak_arguments  # noqa: PLC0415
 
         soak.epilog = SOAK_EPILOG
         add_soak_arguments(soak)
         _add_outputs(soak)
+        add_metrics_port_argument(soak)
     soak.set_defaults(run=_run_soak)
 
     groups = _bench_groups() if command == "bench" else ("...",)
@@ -254,9 +256,11 @@ def _add_outputs(parser: argparse.ArgumentParser) -> None:
 
 def _add_demo(demo: argparse.ArgumentParser) -> None:
     from .cluster.demo import add_demo_arguments  # noqa: PLC0415 - torch: only for `demo`
+    from .cluster.metrics_relay import add_metrics_port_argument  # noqa: PLC0415
 
     add_demo_arguments(demo)
     _add_outputs(demo)
+    add_metrics_port_argument(demo)
     demo.add_argument(
         "--ignore-memory",
         action="store_true",
@@ -443,7 +447,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"staging-contracts demo: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    return run_demo(config, placement=placement, json_path=args.json)
+    return run_demo(
+        config, placement=placement, json_path=args.json, metrics_port=args.metrics_port
+    )
 
 
 def _run_soak(args: argparse.Namespace) -> int:
@@ -469,7 +475,7 @@ def _run_soak(args: argparse.Namespace) -> int:
         f"faults: {', '.join(config.faults) or 'none'}"
     )
     try:
-        result = run_soak(config, progress=_progress)
+        result = run_soak(config, progress=_progress, metrics_port=args.metrics_port)
     except (ImportError, SecurityError) as exc:
         print(f"staging-contracts soak: {exc}", file=sys.stderr)
         return EXIT_UNIMPORTABLE

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import dataclass, fields
+from typing import Final
 
-__all__ = ["StagingCounters", "StagingStats"]
+__all__ = [
+    "LATENCY_BUCKETS_S",
+    "RoomTally",
+    "RoomTallySnapshot",
+    "StagingCounters",
+    "StagingStats",
+]
+
+LATENCY_BUCKETS_S: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""Upper bounds (seconds) of the room latency histogram's buckets (a last one is +Inf)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,3 +72,50 @@ class StagingCounters:
         """The current values as a frozen record."""
         with self._lock:
             return StagingStats(**self._values)
+
+
+@dataclass(frozen=True, slots=True)
+class RoomTallySnapshot:
+    """Rooms ended on one rank so far, and the latencies of those that succeeded."""
+
+    ended: tuple[tuple[str, str, int], ...] = ()
+    """``(outcome, reason, count)`` per pair seen; ``reason`` is ``""`` for a success."""
+    latency_buckets: tuple[int, ...] = (0,) * (len(LATENCY_BUCKETS_S) + 1)
+    """Successes per latency bucket (not cumulative), by :data:`LATENCY_BUCKETS_S`, then +Inf."""
+    latency_sum_s: float = 0.0
+    latency_count: int = 0
+
+
+class RoomTally:
+    """How rooms ended (outcome and reason) and how long the successful ones took.
+
+    **Thread-safety:** none of its own: its owner calls :meth:`ended` and :meth:`snapshot`
+    under the lock it already holds when a room's state changes (one call per room, never per
+    message).
+    """
+
+    __slots__ = ("_buckets", "_count", "_ended", "_sum")
+
+    def __init__(self) -> None:
+        self._ended: dict[tuple[str, str], int] = {}
+        self._buckets = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        self._sum = 0.0
+        self._count = 0
+
+    def ended(self, outcome: str, reason: str = "", latency_s: float | None = None) -> None:
+        """Count one room's end; ``latency_s`` (a success's) goes into the histogram."""
+        key = (str(outcome), str(reason))
+        self._ended[key] = self._ended.get(key, 0) + 1
+        if latency_s is not None:
+            self._buckets[bisect.bisect_left(LATENCY_BUCKETS_S, latency_s)] += 1
+            self._sum += latency_s
+            self._count += 1
+
+    def snapshot(self) -> RoomTallySnapshot:
+        """The current values (call under the owner's lock)."""
+        return RoomTallySnapshot(
+            tuple((o, r, n) for (o, r), n in sorted(self._ended.items())),
+            tuple(self._buckets),
+            self._sum,
+            self._count,
+        )

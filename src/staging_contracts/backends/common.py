@@ -34,7 +34,7 @@ from ..control.security import (
     resolve_secret,
 )
 from ..control.transport import Listener, LogThrottle, PeerSockets
-from ..control.wire import MalformedMessage
+from ..control.wire import MESSAGE_TYPES, MalformedMessage
 from ..protocols import KVArgs, TransferEngine
 from .drain import DrainGate, DrainResult, check_drain_s
 from .health import ManagerHealth
@@ -125,6 +125,10 @@ class CommonKVManager:
             security=self.security,
         )
         self._control: dict[bytes, Callable[[list[bytes]], None]] = {}
+        self._kinds: dict[bytes, int] = dict.fromkeys(MESSAGE_TYPES, 0)
+        """Authorised messages per known frame-0 type (listener thread only; see
+        :meth:`control_counts`)."""
+        self._other_kinds = 0
         self._authorizers: list[Authorizer] = []
         self._unauthorized_log = LogThrottle(logger, f"{self.listener.endpoint}: unauthorized")
         self.unauthorized = 0
@@ -182,6 +186,10 @@ class CommonKVManager:
     def _receive(self, frames: list[bytes]) -> None:
         """The listener's dispatch: authorise (with a secret), then :meth:`_on_message`."""
         if self._authorized(frames):
+            if frames and frames[0] in self._kinds:
+                self._kinds[frames[0]] += 1
+            else:
+                self._other_kinds += 1
             self._on_message(frames)
 
     def _authorized(self, frames: list[bytes]) -> bool:
@@ -211,6 +219,18 @@ class CommonKVManager:
         if kind in self._control:
             raise ValueError(f"control message {kind!r} already has a handler")
         self._control[kind] = handler
+        self._kinds.setdefault(kind, 0)
+
+    def control_counts(self) -> dict[str, int]:
+        """Authorised messages the listener handed on, per frame-0 type (the staging types
+        and every registered one; any other type counts as ``"other"``).
+
+        **Called by:** monitoring, any thread (read without locking: only the listener thread
+        counts, so each value is current or slightly stale).
+        """
+        counts = {kind.decode("ascii", "replace"): n for kind, n in dict(self._kinds).items()}
+        counts["other"] = self._other_kinds
+        return counts
 
     def _on_message(self, frames: list[bytes]) -> None:
         """Handle one control message on the listener thread, by its registered type.

@@ -39,9 +39,10 @@ from ..decode.handler import (
     RoomStatus,
     peers_for,
 )
-from ..outcomes import Outcome, RoomFailure, TransferRecord
+from ..outcomes import Outcome, RoomFailure, TransferRecord, classify
 from ..prefill.writer import ChunkSpec, DecodeTarget, StagingFailed, StagingWriter
 from ..protocols import KVArgs
+from ..stats import RoomTally, RoomTallySnapshot
 from ..tracing import room_tracer
 from .drain import join_drain
 
@@ -96,6 +97,10 @@ class _SendState:
     """Decode rank -> its opening of the room (from its ``ROOM_META``)."""
     told: set[int] = field(default_factory=set)
     """Decode ranks sent this room's ``ROOM_FAILED`` (once its opening was known)."""
+    opened: float = field(default_factory=time.monotonic)
+    """When ``open_room`` created it (its first ``STAGING_REQ`` goes out then), for latency."""
+    ended: bool = False
+    """Its end was counted in the room tally."""
 
 
 @dataclass
@@ -216,6 +221,8 @@ class PrefillTransfers:
         ``close_room``: the opening they name keeps them from failing a later one)."""
         self.stale_room_failed = 0
         """``ROOM_FAILED`` received for an opening that is not one of the room's (ignored)."""
+        self._tally = RoomTally()
+        """Rooms ended here, by outcome and reason, with latencies (``_cond`` held)."""
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._tracer = room_tracer("prefill")
         """Spans of the rooms, when a tracer provider is configured (else ``None``)."""
@@ -363,6 +370,30 @@ class PrefillTransfers:
         calls ``refused(room)`` (lock held). **Called by:** the drain gate."""
         with self._cond:
             self._refusal = (reason, refused)
+
+    @property
+    def writer(self) -> StagingWriter:
+        """The rank's staging writer (its ``bytes_written`` and ``chunks_written``)."""
+        return self._writer
+
+    def room_tally(self) -> RoomTallySnapshot:
+        """How rooms ended on this rank so far; a success's latency runs from ``open_room``
+        (when the first ``STAGING_REQ`` goes out) to its last chunk's write.
+
+        **Called by:** monitoring, any thread.
+        """
+        with self._cond:
+            return self._tally.snapshot()
+
+    def _ended(self, state: _SendState) -> None:
+        """Count a room that just succeeded or failed, once (lock held)."""
+        if state.ended:
+            return
+        state.ended = True
+        if state.status is KVPoll.Success:
+            self._tally.ended(Outcome.SUCCESS, latency_s=time.monotonic() - state.opened)
+        else:
+            self._tally.ended(Outcome.FAILED, classify(state.failure or ""))
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the worker after the queued chunks; safe to call twice."""
@@ -572,6 +603,7 @@ class PrefillTransfers:
                 state.failure = reason
                 if self._tracer is not None:
                     self._tracer.end(room, reason)
+                self._ended(state)
                 logger.warning("room %d failed on prefill: %s", room, reason, extra={"room": room})
                 self._cond.notify_all()
 
@@ -690,6 +722,7 @@ class PrefillTransfers:
                 state.status = KVPoll.Success
                 if self._tracer is not None:
                     self._tracer.end(room, None)
+                self._ended(state)
             self._cond.notify_all()
 
     def _fail(self, room: int, state: _SendState, reason: str) -> None:
@@ -698,6 +731,7 @@ class PrefillTransfers:
         state.failure = reason
         if self._tracer is not None:
             self._tracer.end(room, reason)
+        self._ended(state)
         self._cond.notify_all()
         logger.warning("room %d failed on prefill: %s", room, reason, extra={"room": room})
         self._tell_failed(room, state)

@@ -27,6 +27,7 @@ import torch
 
 from ..control.security import SecurityError, check_insecure_bind, load_cluster_secret
 from .bootstrap import BootstrapServer
+from .metrics_relay import serving
 from .preflight import check_device
 from .runner import ClusterResult, RankMemory, RankSet, run_cluster
 from .stop_signals import exit_status, stop_on_signals
@@ -436,8 +437,12 @@ def run_demo(
     out: TextIO | None = None,
     placement: DemoPlacement | None = None,
     json_path: str | None = None,
+    metrics_port: int | None = None,
 ) -> int:
     """Run the demo and print progress and the summary; return the exit status.
+
+    With ``metrics_port``, every rank's Prometheus series are served at
+    ``http://127.0.0.1:metrics_port/metrics`` while it runs (:mod:`.metrics_relay`).
 
     With one side's ranks only and no bootstrap to join, a bootstrap server is started here,
     on ``config.host``, and its endpoint printed for the other side's ``--bootstrap``.
@@ -477,14 +482,16 @@ def run_demo(
     bar = _ProgressBar(config.requests * tp, stream, role)
     with stop_on_signals(raise_on_signal=False) as stop:
         try:
-            result = run_cluster(
-                config,
-                progress=bar,
-                timeout_s=place.timeout_s,
-                ranks=place.ranks,
-                bootstrap=bootstrap,
-                stop=stop,
-            )
+            with serving(metrics_port) as relay:
+                result = run_cluster(
+                    config,
+                    progress=bar,
+                    timeout_s=place.timeout_s,
+                    ranks=place.ranks,
+                    bootstrap=bootstrap,
+                    stop=stop,
+                    metrics=relay,
+                )
         finally:
             if server is not None:
                 server.stop()

@@ -83,6 +83,7 @@ from ..staging.layout import (
 )
 from . import logformat
 from .bootstrap import RankInfo, arrive, curve_key_text, query_ranks, register_rank, wait_barrier
+from .metrics_relay import MetricsPusher
 from .plain_paths import (
     ArrivalBook,
     PlainDone,
@@ -143,8 +144,18 @@ def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise RankStopped(f"stopped by the driver ({signal.Signals(signum).name})")
 
 
-def rank_main(role: str, rank: int, config: TransferConfig, bootstrap: str, report_to: str) -> None:
+def rank_main(
+    role: str,
+    rank: int,
+    config: TransferConfig,
+    bootstrap: str,
+    report_to: str,
+    metrics: bool = False,
+) -> None:
     """Process entry point: run one rank; report the outcome; never raise.
+
+    With ``metrics``, a staged rank also sends its counters to ``report_to`` every second
+    (:class:`~.metrics_relay.MetricsPusher`).
 
     **Blocking:** until every request of the run finished on this rank, or ``SIGTERM``.
     """
@@ -168,12 +179,14 @@ def rank_main(role: str, rank: int, config: TransferConfig, bootstrap: str, repo
         event = {"kind": kind, "role": role, "rank": rank, "pid": os.getpid(), **fields}
         reporter.send(json.dumps(event).encode())
 
+    pusher = MetricsPusher(ctx, report_to, role, rank, config.backend) if metrics else None
     try:
         staged = config.mode == "staged"
+        run: Callable[[int, TransferConfig, str, Any], dict[str, Any]]
         if role == "decode":
-            run = _run_decode if staged else _run_plain_decode
+            run = partial(_run_decode, pusher=pusher) if staged else _run_plain_decode
         else:
-            run = _run_prefill if staged else _run_plain_prefill
+            run = partial(_run_prefill, pusher=pusher) if staged else _run_plain_prefill
         summary = run(rank, config, bootstrap, report)
         seen["phase"] = "done"
         report("report", ok=True, peak_rss_bytes=peak_rss_bytes(), **summary)
@@ -199,12 +212,20 @@ def _make_manager(config: TransferConfig, role: Role, rank: int) -> StagingBacke
     return factory(config.kv_args(tp, rank), role=role, attn_tp_size=tp, host=config.host)
 
 
-def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) -> dict[str, Any]:
+def _run_decode(
+    rank: int,
+    config: TransferConfig,
+    bootstrap: str,
+    report: Any,
+    pusher: MetricsPusher | None = None,
+) -> dict[str, Any]:
     pool = config.empty_pool(config.decode_tp, rank)
     manager = _make_manager(config, Role.DECODE, rank)
     common: CommonKVManager = manager  # type: ignore[assignment]  # every backend is one
     try:
         handler = enable_decode_staging(manager, kv_buffers=pool, ring_bytes=ring_bytes(config))
+        if pusher is not None:
+            pusher.start(common)
         _settle(config)  # the pool's and the ring's zeros, before any peer may write
         common.start()
         engine = manager.engine
@@ -276,10 +297,18 @@ def _run_decode(rank: int, config: TransferConfig, bootstrap: str, report: Any) 
             **at_done,
         }
     finally:
+        if pusher is not None:
+            pusher.stop()  # its last snapshot, while the counters are still there
         common.close()
 
 
-def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any) -> dict[str, Any]:
+def _run_prefill(
+    rank: int,
+    config: TransferConfig,
+    bootstrap: str,
+    report: Any,
+    pusher: MetricsPusher | None = None,
+) -> dict[str, Any]:
     pool = _filled_prefill_pool(config, rank)
     manager = _make_manager(config, Role.PREFILL, rank)
     common: CommonKVManager = manager  # type: ignore[assignment]  # every backend is one
@@ -291,6 +320,8 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
             timeouts=PrefillTimeouts(answer_s=0.5, ready_s=0.5, deadline_s=60.0),
         )
         transfers = PrefillTransfers(common, writer)
+        if pusher is not None:
+            pusher.start(common, transfers)
         clock = FirstRequestClock(manager.peers)
         common.start()
         engine = manager.engine
@@ -390,6 +421,8 @@ def _run_prefill(rank: int, config: TransferConfig, bootstrap: str, report: Any)
             **at_done,
         }
     finally:
+        if pusher is not None:
+            pusher.stop()  # its last snapshot, while the counters are still there
         common.close()
 
 

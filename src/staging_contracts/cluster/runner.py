@@ -32,6 +32,7 @@ import zmq
 
 from ..child_errors import ChildErrors
 from .bootstrap import BootstrapServer
+from .metrics_relay import MetricsRelay
 from .rank import rank_main
 from .stop_signals import INTERRUPT_GRACE_S, StopRequest
 from .workload import TransferConfig
@@ -312,6 +313,7 @@ def run_cluster(
     ranks: RankSet = "all",
     bootstrap: str | None = None,
     stop: StopRequest | None = None,
+    metrics: MetricsRelay | None = None,
 ) -> ClusterResult:
     """Run every request of ``config`` through P + D rank processes and gather the reports.
 
@@ -330,6 +332,8 @@ def run_cluster(
             split run could not find it).
         stop: once it records a signal, the ranks are told to stop and have
             ``INTERRUPT_GRACE_S`` to report; the result is marked ``interrupted``.
+        metrics: where the staged ranks' counters go, each second (``--metrics-port``;
+            their ``metrics`` events are not passed to ``progress``).
 
     **Blocking:** until every rank reported and exited, at most ``timeout_s`` plus
     ``STOP_GRACE_S`` (and ``STOP_GRACE_S`` after a death).
@@ -362,12 +366,12 @@ def run_cluster(
         key: errors.process(
             spawn,
             rank_main,
-            (key[0], key[1], config, bootstrap, report_to),
+            (key[0], key[1], config, bootstrap, report_to, metrics is not None),
             name=f"staging-{key[0]}-{key[1]}",
         )
         for key in roles
     }
-    watch = _Watch(processes, progress, stop, errors)
+    watch = _Watch(processes, progress, stop, errors, metrics)
     try:
         for process in processes.values():
             process.start()
@@ -397,8 +401,10 @@ class _Watch:
         progress: ProgressCallback | None,
         stop: StopRequest | None = None,
         errors: ChildErrors | None = None,
+        metrics: MetricsRelay | None = None,
     ) -> None:
         self.processes = processes
+        self.metrics = metrics
         self.errors = errors
         self.progress = progress
         self.stop = stop
@@ -481,6 +487,10 @@ class _Watch:
             self.reports[key] = event
             if not event.get("ok") and not (event.get("stopped") and key in self.stopped):
                 self._died(key, str(event.get("error")))
+            return
+        if kind == "metrics":
+            if self.metrics is not None:
+                self.metrics.update_from(event.get("snapshot"))
             return
         if kind == "room":
             self.rooms[key][str(event.get("index"))] = bool(event.get("ok"))

@@ -53,6 +53,7 @@ import zmq
 from ..child_errors import ChildErrors
 from ..control.security import CurveKeys, check_insecure_bind, load_cluster_secret
 from .bootstrap import RankInfo
+from .metrics_relay import MetricsRelay, serving
 from .soak_flood import (
     FLOOD_DEADLINE_S,
     FLOOD_ENDPOINT,
@@ -136,8 +137,19 @@ starts with the time its fault began (a tally: its own), in seconds since the so
 (the summary's clock)."""
 
 
-def run_soak(config: SoakConfig, *, progress: ProgressCallback | None = None) -> SoakResult:
+def run_soak(
+    config: SoakConfig,
+    *,
+    progress: ProgressCallback | None = None,
+    metrics_port: int | None = None,
+    relay: MetricsRelay | None = None,
+) -> SoakResult:
     """Run the soak described by ``config`` and gather its outcome.
+
+    With ``metrics_port``, every rank's Prometheus series are served at
+    ``http://127.0.0.1:metrics_port/metrics`` while it runs (:mod:`.metrics_relay`); with
+    ``relay`` instead, the ranks' snapshots go to that relay of the caller's (which serves
+    them or not, and keeps them after the run).
 
     **Blocking:** about ``duration_s``, plus start-up, the fault due at the end, the drain
     of the rooms in flight and the stop; each of those is bounded. Every rank process is
@@ -146,7 +158,9 @@ def run_soak(config: SoakConfig, *, progress: ProgressCallback | None = None) ->
     ``interrupted``, holds what was seen so far.
 
     Raises:
-        ImportError: the configured backend's engine cannot be imported.
+        ImportError: the configured backend's engine cannot be imported, or (with
+            ``metrics_port``) ``prometheus_client``.
+        OSError: ``metrics_port`` cannot be bound.
         ValueError: the backend spec does not resolve, or its engine works within one
             process only (:func:`~staging_contracts.cluster.preflight.check_backend`).
         SecurityError: ``host`` is not loopback and no cluster secret is set, or the secret
@@ -159,7 +173,16 @@ def run_soak(config: SoakConfig, *, progress: ProgressCallback | None = None) ->
     check_backend(config.backend)
     if load_cluster_secret() is None:
         check_insecure_bind(config.host, allow_insecure=False)
-    driver = _Driver(config, progress)
+    if relay is not None:
+        return _run(config, progress, relay)
+    with serving(metrics_port) as served:
+        return _run(config, progress, served)
+
+
+def _run(
+    config: SoakConfig, progress: ProgressCallback | None, relay: MetricsRelay | None
+) -> SoakResult:
+    driver = _Driver(config, progress, relay)
     with stop_on_signals(raise_on_signal=True) as stop:
         try:
             try:
@@ -217,9 +240,15 @@ class _Room:
 
 
 class _Driver:
-    def __init__(self, config: SoakConfig, progress: ProgressCallback | None) -> None:
+    def __init__(
+        self,
+        config: SoakConfig,
+        progress: ProgressCallback | None,
+        relay: MetricsRelay | None = None,
+    ) -> None:
         self.config = config
-        self.settings = config.rank_settings()
+        self.settings = dataclasses.replace(config.rank_settings(), metrics=relay is not None)
+        self.relay = relay
         self.progress = progress
         self.rng = random.Random(config.seed)
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -761,6 +790,8 @@ class _Driver:
             self._ready(rank, event)
         elif kind == "peers" and rank is not None and current and rank.info is not None:
             rank.peered = True
+        elif kind == "metrics" and self.relay is not None and current:
+            self.relay.update_from(event.get("snapshot"))
         elif kind == "listener_down":
             self.listener_deaths.add(pid)
         elif kind == "error":

@@ -67,10 +67,12 @@ from ..backends.kv_requests import DecodeTransfers, KVPoll, KVReceiver, KVSender
 from ..backends.staging_setup import StagingBackend, enable_decode_staging, enable_prefill_staging
 from ..control.transport import PeerSockets
 from ..decode.handler import DecodeStagingHandler, PrefillPeer, peers_for
+from ..metrics import snapshot_of
 from ..prefill.writer import DecodeTarget, PrefillTimeouts, StagingWriter
 from ..protocols import KVBufferTensors
 from . import logformat
 from .bootstrap import RankInfo, curve_key_text
+from .metrics_relay import RankReporter
 from .soak_memory import RssSampler
 from .workload import (
     TransferConfig,
@@ -133,6 +135,8 @@ class RankSettings:
     """Seeds the ``drop`` draws (mixed with the role, rank and process id)."""
     log_level: int = logging.ERROR
     """Level of the rank's log lines (stderr)."""
+    metrics: bool = False
+    """Send a ``metrics`` event every second, and before each ``status`` (``--metrics-port``)."""
 
 
 class DropCounter:
@@ -399,6 +403,8 @@ class _RankServer(CommandLoop):
         self.tp = tp
         # Prefill ranks of every instance are numbered on: instance i's TP rank r is rank
         # i * prefill_tp + r (its events carry that number; its engine and pool, r).
+        self.label_rank = rank
+        """The rank's number in the soak (its events' and its metrics' ``rank``)."""
         rank %= tp
         self.rank = rank
         self.pool: KVBufferTensors = self.config.empty_pool(tp, rank)
@@ -423,6 +429,7 @@ class _RankServer(CommandLoop):
         self.closed = False
         self.memory = RssSampler()
         """This process's RSS samples, sent with every ``status`` (see ``soak_memory``)."""
+        self.reporter = RankReporter() if settings.metrics else None
 
     # ------------------------------------------------------------------ to override
 
@@ -453,6 +460,8 @@ class _RankServer(CommandLoop):
                 self.expire()
                 self._check_listener()
                 self.memory.maybe_sample(time.monotonic())
+                if self.reporter is not None and self.reporter.due(time.monotonic()):
+                    self.send_metrics()
                 if os.getppid() != parent:
                     logger.error("the soak driver is gone; exiting")
                     return
@@ -465,7 +474,24 @@ class _RankServer(CommandLoop):
             logger.error("the control listener thread ended")
             self.events.send("listener_down")
 
+    def metrics_transfers(self) -> PrefillTransfers | None:
+        """The prefill side's transfers (its rooms and bytes); ``None`` on decode."""
+        return None
+
+    def send_metrics(self) -> None:
+        """Send this rank's counters to the driver (a ``metrics`` event)."""
+        snapshot = snapshot_of(
+            self.common,
+            transfers=self.metrics_transfers(),
+            role=self.role.value,
+            rank=self.label_rank,
+            engine=self.config.backend,
+        )
+        self.events.send("metrics", snapshot=snapshot.to_json())
+
     def status(self) -> dict[str, Any]:
+        if self.reporter is not None:  # ahead of the status: the driver's last word agrees
+            self.send_metrics()
         stats = self.manager.staging_stats()
         listener = self.common.listener.stats()
         return {
@@ -708,6 +734,9 @@ class _PrefillServer(_RankServer):
             "early_meta_held": self.transfers.early_meta_held,
             "early_meta_dropped": self.transfers.early_meta_dropped,
         }
+
+    def metrics_transfers(self) -> PrefillTransfers | None:
+        return self.transfers
 
     def close_side(self) -> None:
         self.transfers.close(CLOSE_TIMEOUT_S)

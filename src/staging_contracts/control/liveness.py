@@ -104,6 +104,8 @@ class PeerLiveness:
         self._last_ping = float("-inf")
         self._subscribers: list[Callable[[str], None]] = []
         self._identity = identity
+        self.declared_dead = 0
+        """Peers declared dead so far (each time one is; a peer heard again can die again)."""
         self.forged = 0
         """``PING``/``PONG`` (with ``identity``) whose named endpoint is not their sender's,
         or whose sender is unknown: they count for no one but their real sender."""
@@ -206,6 +208,7 @@ class PeerLiveness:
                 if e not in self._dead and now - heard > self.timeout_s
             ]
             self._dead.update(newly_dead)
+            self.declared_dead += len(newly_dead)
             subscribers = list(self._subscribers)
         ping = Ping(self.endpoint).to_frames()
         for endpoint in targets:

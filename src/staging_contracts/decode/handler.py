@@ -56,6 +56,7 @@ from ..control.resend import DEFAULT_RESEND_S, ResendBox
 from ..control.room_messages import RoomFailed, RoomFailedAck, RoomFence, RoomFenced
 from ..control.transport import PeerSockets
 from ..control.wire import StagingRsp, WatermarkUpdate
+from ..outcomes import Outcome, classify
 from ..protocols import ArrivalOutcome, KVBufferTensors, StagingReqOutcome, Watermark
 from ..staging.allocator import StagingAllocator
 from ..staging.layout import (
@@ -63,6 +64,7 @@ from ..staging.layout import (
     validate_tp_pair,
 )
 from ..staging.ordering import DeviceOrdering
+from ..stats import RoomTally, RoomTallySnapshot
 from ..tracing import room_tracer
 from .integrity import ArrivalVerifier
 from .publisher import PrefillPublisher
@@ -310,6 +312,12 @@ class DecodeStagingHandler:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._rooms: dict[int, RoomState] = {}
+        self._tally = RoomTally()
+        """Rooms ended here, by outcome and reason, with latencies (lock held)."""
+        self.scattered_bytes = 0
+        """Ring bytes of the regions scattered into the KV pool so far (lock held to add)."""
+        self.chunks_scattered = 0
+        """Regions (one per chunk) scattered so far (lock held to add)."""
         self._publisher = PrefillPublisher(sender)
         self._last_pass = 0.0
         self._watermark_cache: tuple[Watermark, list[bytes]] | None = None
@@ -379,6 +387,12 @@ class DecodeStagingHandler:
         """Rooms whose regions wait for a fence: room -> writer ranks not yet answered."""
         with self._lock:
             return {room: frozenset(f.awaiting) for room, f in self._fences.items()}
+
+    def room_tally(self) -> RoomTallySnapshot:
+        """How rooms ended on this rank so far; a success's latency runs from the room's first
+        ``STAGING_REQ`` to its last scatter. **Called by:** monitoring, any thread."""
+        with self._lock:
+            return self._tally.snapshot()
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -875,6 +889,8 @@ class DecodeStagingHandler:
                 return StagingReqOutcome.UNKNOWN_ROOM
             if not state.regions:  # a room waiting for requests got one (room_timeout_s)
                 state.last_progress = self._clock()
+            if state.first_request is None:
+                state.first_request = self._clock()
             outcome = self._answer_request(state, chunk_idx, num_pages, session_id, pp_rank, out)
         self._flush(out)
         self._send_fences()
@@ -1102,6 +1118,9 @@ class DecodeStagingHandler:
                 self._free(alloc.alloc_id)
             else:
                 state.pending_events.append((event, alloc.alloc_id))
+            if problem is None:
+                self.scattered_bytes += alloc.end - alloc.offset
+                self.chunks_scattered += 1
             if problem is not None and state.status is not RoomStatus.FAILED:
                 self._fail(state, problem)
             elif problem is None and self._tracer is not None:
@@ -1240,6 +1259,11 @@ class DecodeStagingHandler:
             and not state.scattering
         ):
             state.status = RoomStatus.SUCCESS
+            if not state.ended:
+                state.ended = True
+                start = state.first_request
+                latency = None if start is None else self._clock() - start
+                self._tally.ended(Outcome.SUCCESS, latency_s=latency)
             self._resend.cancel_room(state.plan.room)
             self._idle.notify_all()
             if self._tracer is not None:
@@ -1261,6 +1285,9 @@ class DecodeStagingHandler:
         state.failure = reason
         if self._tracer is not None:
             self._tracer.end(state.plan.room, reason)
+        if not state.ended:
+            state.ended = True
+            self._tally.ended(Outcome.FAILED, classify(reason))
         self._resend.cancel_room(state.plan.room)
         self._idle.notify_all()
         endpoints = {peer.tp_rank: peer.endpoint for peer in state.plan.peers}

@@ -116,6 +116,10 @@ class RoomState:
     """CUDA scatters submitted and not yet complete: (event, alloc_id)."""
     closing: bool = False
     """Teardown started: arrivals are refused."""
+    first_request: float | None = None
+    """When its first ``STAGING_REQ`` came (the handler's clock), for the room's latency."""
+    ended: bool = False
+    """Its end (success or failure) was counted in the handler's room tally."""
     opening: int = 0
     """This registration of the room id (random, non-zero; carried by ``ROOM_META`` and
     ``ROOM_FAILED``, so a message of an earlier registration is told apart)."""

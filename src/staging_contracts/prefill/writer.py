@@ -304,6 +304,8 @@ class StagingWriter:
         self.requests_sent = 0
         """``STAGING_REQ`` messages sent, re-requests included."""
         self.bytes_written = 0
+        self.chunks_written = 0
+        """Chunks staged (each once, whatever number of decode ranks it fed)."""
         """Payload bytes written into decode rings."""
         self._forgotten: dict[int, str] = {}
         """The last :data:`FORGOTTEN_ROOMS` rooms forgotten and not opened again (oldest
@@ -693,6 +695,7 @@ class StagingWriter:
             for target in self.targets_of(decode):
                 written += self._stage_into(room, chunk, pages, target, len(decode))
         self.bytes_written += written
+        self.chunks_written += 1
         return written
 
     def _stage_into(

@@ -1,0 +1,241 @@
+"""One rank's counters at one moment, typed, and read without adding work to the hot path.
+
+:func:`snapshot_of` copies what the library already counts (the listener's
+:class:`~staging_contracts.control.transport.ListenerStats`, the mixin's
+:class:`~staging_contracts.stats.StagingStats`, the manager's per-type control counts and
+``unauthorized``, the liveness's ``declared_dead``, the decode handler's scatter counts, ring
+and fences, the prefill writer's bytes and chunks, and each side's
+:class:`~staging_contracts.stats.RoomTally`) into a frozen :class:`MetricsSnapshot`.
+:meth:`MetricsSnapshot.to_json` and :meth:`MetricsSnapshot.from_json` carry it between
+processes (a soak or demo rank to its driver).
+
+**Threads:** :func:`snapshot_of` may run on any thread (it takes the handler's or the
+transfers' lock for a copy only); the records are immutable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from ..decode.handler import DecodeStagingHandler
+from ..stats import LATENCY_BUCKETS_S
+
+if TYPE_CHECKING:
+    from ..backends.common import CommonKVManager
+    from ..backends.kv_requests import PrefillTransfers
+
+__all__ = ["SCHEMA", "ControlCount", "MetricsSnapshot", "RoomCount", "snapshot_of"]
+
+SCHEMA: Final = 1
+"""Version of :meth:`MetricsSnapshot.to_json`'s layout (``from_json`` refuses another)."""
+
+_BUCKETS: Final = len(LATENCY_BUCKETS_S) + 1
+
+
+@dataclass(frozen=True, slots=True)
+class RoomCount:
+    """Rooms that ended one way on one rank."""
+
+    outcome: str
+    """An :class:`~staging_contracts.outcomes.Outcome` value."""
+    reason: str
+    """A :class:`~staging_contracts.outcomes.FailureReason` value; ``""`` for a success."""
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class ControlCount:
+    """Control messages of one frame-0 type the listener handed on."""
+
+    kind: str
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSnapshot:
+    """One rank's counters (the label values, then the series' values)."""
+
+    role: str
+    rank: int
+    engine: str
+    staged_bytes: int = 0
+    """Prefill: bytes written into decode rings (every decode rank fed counts)."""
+    scattered_bytes: int = 0
+    """Decode: ring bytes scattered into the KV pool."""
+    chunks: int = 0
+    """Prefill: chunks staged; decode: chunks scattered."""
+    rooms: tuple[RoomCount, ...] = ()
+    latency_buckets: tuple[int, ...] = (0,) * _BUCKETS
+    """Successful rooms per latency bucket (not cumulative; ``LATENCY_BUCKETS_S``, +Inf)."""
+    latency_sum_s: float = 0.0
+    latency_count: int = 0
+    ring_bytes_in_use: int = 0
+    """Decode: ring bytes assigned and not yet freed."""
+    ring_capacity_bytes: int = 0
+    """Decode: the ring's size."""
+    control: tuple[ControlCount, ...] = ()
+    malformed: int = 0
+    """Messages the listener dropped as malformed."""
+    unauthorized: int = 0
+    """Messages an authoriser refused (with the cluster secret)."""
+    dropped: int = 0
+    """Well-formed staging messages dropped (no handler, unknown room or chunk)."""
+    peers_declared_dead: int = 0
+    fences_outstanding: int = 0
+    """Decode: rooms whose regions wait for a fence's answers."""
+
+    def to_json(self) -> dict[str, object]:
+        """The snapshot as JSON-ready values (:meth:`from_json` reads it back)."""
+        return {
+            "schema": SCHEMA,
+            "role": self.role,
+            "rank": self.rank,
+            "engine": self.engine,
+            "staged_bytes": self.staged_bytes,
+            "scattered_bytes": self.scattered_bytes,
+            "chunks": self.chunks,
+            "rooms": [[r.outcome, r.reason, r.count] for r in self.rooms],
+            "latency_buckets": list(self.latency_buckets),
+            "latency_sum_s": self.latency_sum_s,
+            "latency_count": self.latency_count,
+            "ring_bytes_in_use": self.ring_bytes_in_use,
+            "ring_capacity_bytes": self.ring_capacity_bytes,
+            "control": [[c.kind, c.count] for c in self.control],
+            "malformed": self.malformed,
+            "unauthorized": self.unauthorized,
+            "dropped": self.dropped,
+            "peers_declared_dead": self.peers_declared_dead,
+            "fences_outstanding": self.fences_outstanding,
+        }
+
+    @classmethod
+    def from_json(cls, doc: object) -> MetricsSnapshot:
+        """Read back what :meth:`to_json` wrote.
+
+        Raises:
+            ValueError: ``doc`` is not such a record (a field missing or of the wrong type,
+                another schema).
+        """
+        if not isinstance(doc, Mapping) or doc.get("schema") != SCHEMA:
+            raise ValueError(f"not a metrics snapshot of schema {SCHEMA}")
+        rooms = tuple(
+            RoomCount(_str(item, 0), _str(item, 1), _int(item, 2)) for item in _list(doc, "rooms")
+        )
+        control = tuple(
+            ControlCount(_str(item, 0), _int(item, 1)) for item in _list(doc, "control")
+        )
+        buckets = tuple(_int(doc["latency_buckets"], i) for i in range(_BUCKETS))
+        if len(_list(doc, "latency_buckets")) != _BUCKETS:
+            raise ValueError(f"latency_buckets: expected {_BUCKETS} counts")
+        total = doc.get("latency_sum_s")
+        if isinstance(total, bool) or not isinstance(total, int | float):
+            raise ValueError("latency_sum_s: not a number")
+        counts = {
+            name: _int(doc, name)
+            for name in (
+                "rank",
+                "staged_bytes",
+                "scattered_bytes",
+                "chunks",
+                "latency_count",
+                "ring_bytes_in_use",
+                "ring_capacity_bytes",
+                "malformed",
+                "unauthorized",
+                "dropped",
+                "peers_declared_dead",
+                "fences_outstanding",
+            )
+        }
+        return cls(
+            role=_str(doc, "role"),
+            engine=_str(doc, "engine"),
+            rooms=rooms,
+            latency_buckets=buckets,
+            latency_sum_s=float(total),
+            control=control,
+            **counts,
+        )
+
+
+def _get(doc: object, key: str | int) -> object:
+    try:
+        return doc[key]  # type: ignore[index]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ValueError(f"metrics snapshot: {key!r} missing") from exc
+
+
+def _int(doc: object, key: str | int) -> int:
+    value = _get(doc, key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"metrics snapshot: {key!r} is not an integer")
+    return value
+
+
+def _str(doc: object, key: str | int) -> str:
+    value = _get(doc, key)
+    if not isinstance(value, str):
+        raise ValueError(f"metrics snapshot: {key!r} is not a string")
+    return value
+
+
+def _list(doc: object, key: str) -> list[object]:
+    value = _get(doc, key)
+    if not isinstance(value, list):
+        raise ValueError(f"metrics snapshot: {key!r} is not a list")
+    return value
+
+
+def snapshot_of(
+    manager: CommonKVManager,
+    *,
+    transfers: PrefillTransfers | None = None,
+    role: str | None = None,
+    rank: int | None = None,
+    engine: str | None = None,
+) -> MetricsSnapshot:
+    """Read ``manager``'s counters now (``transfers``: the prefill side's rooms and bytes).
+
+    The decode handler is the one attached to ``manager`` (none before the staging set-up:
+    its series read 0). The labels default to the manager's role, engine rank and engine
+    class name.
+
+    **Called by:** a metrics collector or a rank's reporting loop, any thread. **Blocking:**
+    no (short lock holds for copies).
+    """
+    listener = manager.listener.stats()
+    staging = manager.staging_stats()  # type: ignore[attr-defined]
+    handler = getattr(manager, "_staging_handler", None)
+    tally = None
+    staged = scattered = chunks = in_use = capacity = fences = 0
+    if isinstance(handler, DecodeStagingHandler):
+        tally = handler.room_tally()
+        scattered, chunks = handler.scattered_bytes, handler.chunks_scattered
+        in_use, capacity = handler.allocator.live_bytes, handler.allocator.total_size
+        fences = len(handler.fenced_rooms)
+    if transfers is not None:
+        tally = transfers.room_tally()
+        staged, chunks = transfers.writer.bytes_written, transfers.writer.chunks_written
+    control = tuple(ControlCount(k, n) for k, n in sorted(manager.control_counts().items()))
+    return MetricsSnapshot(
+        role=role if role is not None else manager.role.value,
+        rank=rank if rank is not None else manager.kv_args.engine_rank,
+        engine=engine if engine is not None else type(manager.engine).__name__,
+        staged_bytes=staged,
+        scattered_bytes=scattered,
+        chunks=chunks,
+        rooms=() if tally is None else tuple(RoomCount(*item) for item in tally.ended),
+        latency_buckets=(0,) * _BUCKETS if tally is None else tally.latency_buckets,
+        latency_sum_s=0.0 if tally is None else tally.latency_sum_s,
+        latency_count=0 if tally is None else tally.latency_count,
+        ring_bytes_in_use=in_use,
+        ring_capacity_bytes=capacity,
+        control=control,
+        malformed=listener.malformed,
+        unauthorized=manager.unauthorized,
+        dropped=staging.dropped,
+        peers_declared_dead=manager.liveness.declared_dead,
+        fences_outstanding=fences,
+    )
