@@ -32,6 +32,7 @@ from types import MappingProxyType
 from typing import Final
 
 from ..backends import BACKENDS
+from ..outcomes import classify
 from .soak_memory import MemoryVerdict, memory_rows
 from .soak_rank import RankSettings, ring_bytes
 from .workload import TransferConfig
@@ -239,33 +240,16 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
     )
 
 
-_REASON_GROUPS: Final = (
-    ("peer dead", ("is dead",)),
-    ("stalled", ("no progress for", "taken back with room")),
-    ("no ROOM_META", ("never sent room_meta",)),
-    ("prefill deadline", ("before the deadline", "never became writable", "without progress")),
-    ("engine error", ("engine write failed",)),
-    ("refused", ("refused",)),
-    ("released early", ("released before it finished",)),
-    ("rank error", ("rank error",)),
-    ("fenced", ("fenced the room",)),
-    ("integrity", ("integrity",)),
-    ("room bound", ("no staging_req for",)),
-)
-
-
 def reason_group(reason: str) -> str:
-    """The category of a room's failure reason, by its innermost cause.
+    """The category of a room's failure reason: the value of its
+    :class:`~staging_contracts.outcomes.FailureReason` (by
+    :func:`~staging_contracts.outcomes.classify`, its innermost cause), as the metrics label it.
 
     A reason passed on by the other side (``"decode failed the room: prefill writer rank 0
     ... is dead"``) counts as its cause (``"peer dead"``). Unrecognised reasons are
     ``"other"``.
     """
-    lowered = reason.lower()
-    for group, needles in _REASON_GROUPS:
-        if any(needle in lowered for needle in needles):
-            return group
-    return "other"
+    return classify(reason).value
 
 
 @dataclass(frozen=True, slots=True)
@@ -572,6 +556,12 @@ class SoakResult:
     flat."""
 
     @property
+    def bytes_verified(self) -> int:
+        """KV bytes of the rooms that succeeded: each room's whole request (every head, K and
+        V, every layer), verified on every decode rank."""
+        return self.rooms_succeeded * self.config.transfer().request_bytes
+
+    @property
     def rooms_failed(self) -> int:
         """Rooms that failed, whatever the reason."""
         return sum(self.failed_by_reason.values())
@@ -674,6 +664,7 @@ def format_summary(result: SoakResult) -> str:
             f"{result.rooms_prefill_failed} of them failed or lost on a prefill rank after its "
             "part landed",
         ),
+        ("  bytes", f"{result.bytes_verified} verified (the succeeded rooms' KV bytes)"),
     ]
     for group, count in failed.items():
         rows.append((f"  failed: {group}", f"{count}  (e.g. {result.failure_examples[group]})"))

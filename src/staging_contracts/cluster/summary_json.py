@@ -305,6 +305,7 @@ def soak_summary(result: SoakResult) -> dict[str, Any]:
             "corrupt_details": list(result.corrupt_details),
             "hung_details": list(result.hung_details),
         },
+        "bytes": result.bytes_verified,
         "faults_injected": dict(result.faults_injected),
         "kills": [asdict(kill) for kill in result.kills],
         "stalls": [asdict(stall) for stall in result.stalls],
