@@ -119,8 +119,10 @@ def test_a_soak_serves_every_rank_and_its_final_series_agree_with_the_summary() 
     assert result.failed_by_reason == {}
     staged = total(final, "staging_contracts_staged_bytes_total", role="prefill")
     assert staged > 0
-    assert staged == result.bytes_verified == result.rooms_succeeded * (
-        config.transfer().request_bytes
+    assert (
+        staged
+        == result.bytes_verified
+        == result.rooms_succeeded * (config.transfer().request_bytes)
     )
     assert total(final, "staging_contracts_scattered_bytes_total", role="decode") == staged
     assert total(final, "staging_contracts_ring_bytes_in_use") == result.ring_live_bytes_end == 0
