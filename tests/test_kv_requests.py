@@ -75,7 +75,14 @@ def test_request_goes_through_every_state_and_lands_bit_exact() -> None:
             assert record.reason is None
             assert record.latency_s >= 0
             assert record.end_wall >= record.start_wall
-        assert [r.chunks for r in records if r is not None] == [3, 3, 0]
+        page_bytes = sum(s.cluster.geometry.kv_args(1, 0).kv_item_lens)  # decode, every head
+        # Each prefill rank wrote its half of the heads of 6 pages in 3 chunks; decode
+        # scattered the 3 chunks' regions, each holding both writers' halves.
+        assert [(r.chunks, r.bytes) for r in records if r is not None] == [
+            (3, 3 * page_bytes),
+            (3, 3 * page_bytes),
+            (3, 6 * page_bytes),
+        ]
         receiver.release()
         for sender in senders:
             sender.release()
@@ -162,6 +169,7 @@ def test_missing_room_meta_fails_after_the_timeout() -> None:
         assert record is not None
         assert record.outcome is Outcome.FAILED
         assert record.reason is FailureReason.NO_ROOM_META
+        assert (record.chunks, record.bytes) == (0, 0)  # nothing written
 
 
 def test_send_after_last_chunk_is_refused() -> None:

@@ -101,6 +101,10 @@ class _SendState:
     """When ``open_room`` created it (its first ``STAGING_REQ`` goes out then), for latency."""
     ended: bool = False
     """Its end was counted in the room tally."""
+    chunks_written: int = 0
+    """Chunks this rank wrote for the room (every decode rank's share of each)."""
+    bytes_written: int = 0
+    """Bytes this rank wrote for the room, over every decode rank it feeds."""
 
 
 @dataclass
@@ -320,6 +324,13 @@ class PrefillTransfers:
             if state is None:
                 return KVPoll.Failed, "unknown room"
             return state.status, state.failure
+
+    def written(self, room: int) -> tuple[int, int] | None:
+        """``(chunks, bytes)`` this rank wrote for the room so far (``None``: unknown room).
+        **Called by:** :meth:`KVSender.get_transfer_metric`, any thread."""
+        with self._cond:
+            state = self._rooms.get(room)
+            return None if state is None else (state.chunks_written, state.bytes_written)
 
     def wait(self, room: int, timeout_s: float) -> tuple[KVPoll, str | None]:
         """Block until the room succeeded or failed, or ``timeout_s`` passed; then
@@ -708,12 +719,14 @@ class PrefillTransfers:
                 f"chunk {chunk.chunk_idx}: no region or ring space for "
                 f"{self._writer.timeouts.deadline_s}s without progress",
             )
-        self._writer.send_chunk(room, chunk, decode)
+        written = self._writer.send_chunk(room, chunk, decode)
         with self._cond:
             state = self._rooms.get(room)
             if state is not job.opened:
                 return
             state.pending -= 1
+            state.chunks_written += 1
+            state.bytes_written += written
             if self._tracer is not None:
                 self._tracer.chunk(room, chunk.chunk_idx, len(chunk.pages))
             # The last chunk submitted may be written before an earlier one (the worker
@@ -771,25 +784,28 @@ class PrefillTransfers:
 
 
 class _TransferClock:
-    """Start and end times and chunk count of one request, for its :class:`TransferRecord`."""
+    """Start and end times of one request, for its :class:`TransferRecord`."""
 
     def __init__(self, room: int) -> None:
         self.room = room
-        self.chunks = 0
         self.start: tuple[float, float] | None = None
         self.record: TransferRecord | None = None
 
     def started(self) -> None:
         self.start = (time.monotonic(), time.time())
 
-    def ended(self, state: KVPoll, failure: str | None) -> TransferRecord | None:
-        """The record once ``state`` is terminal (kept from the first time it is)."""
+    def ended(
+        self, state: KVPoll, failure: str | None, moved: tuple[int, int] | None
+    ) -> TransferRecord | None:
+        """The record once ``state`` is terminal (kept from the first time it is);
+        ``moved``: ``(chunks, bytes)`` the rank moved for the room (``None``: not known)."""
         terminal = state is KVPoll.Success or state is KVPoll.Failed
         if self.record is None and self.start is not None and terminal:
+            chunks, size = (0, None) if moved is None else moved
             self.record = TransferRecord(
                 self.room,
-                None,
-                self.chunks,
+                size,
+                chunks,
                 self.start[0],
                 time.monotonic(),
                 self.start[1],
@@ -824,7 +840,6 @@ class KVSender:
     def send(self, pages: Sequence[int], *, last: bool = False) -> None:
         """Queue the next chunk (this rank's KV-pool pages of it, in token order)."""
         self._transfers.submit(self.room, pages, last)
-        self._clock.chunks += 1
 
     def poll(self) -> KVPoll:
         """The request's state."""
@@ -848,10 +863,12 @@ class KVSender:
         return None if detail is None else RoomFailure.from_detail(detail)
 
     def get_transfer_metric(self) -> TransferRecord | None:
-        """What the request's transfer did, once it ended (``None`` before); ``chunks``
-        counts :meth:`send` calls, ``bytes`` is not counted here yet (``None``)."""
+        """What the request's transfer did, once it ended (``None`` before): ``chunks`` and
+        ``bytes`` this rank wrote for it, over every decode rank it feeds (K and V, every
+        layer). **Called by:** the scheduler, any thread; kept from the first call after the
+        end (call it before :meth:`release`)."""
         state, failure = self._transfers.status(self.room)
-        return self._clock.ended(state, failure)
+        return self._clock.ended(state, failure, self._transfers.written(self.room))
 
     def release(self) -> None:
         """Forget the request (after success or failure)."""
@@ -963,9 +980,12 @@ class KVReceiver:
         return None if detail is None else RoomFailure.from_detail(detail)
 
     def get_transfer_metric(self) -> TransferRecord | None:
-        """What the request's transfer did on this rank, once it ended (``None`` before);
-        ``chunks`` and ``bytes`` are not counted on decode yet (0 and ``None``)."""
-        return self._clock.ended(self.poll(), self.failure())
+        """What the request's transfer did on this rank, once it ended (``None`` before):
+        ``chunks`` and ``bytes`` scattered into this rank's KV pool for it (every writer's,
+        K and V, every layer). **Called by:** the scheduler, any thread; kept from the first
+        call after the end (call it before :meth:`release`)."""
+        moved = self._transfers.handler.room_scattered(self.room)
+        return self._clock.ended(self.poll(), self.failure(), moved)
 
     def release(self) -> None:
         """Tear the room down on decode (frees any ring regions it still holds)."""

@@ -631,6 +631,13 @@ class DecodeStagingHandler:
                     return shown
                 self._idle.wait(min(remaining, WAIT_SLICE_S))
 
+    def room_scattered(self, room: int) -> tuple[int, int] | None:
+        """``(chunks, bytes)`` scattered into the room's pages so far (``None``: not
+        registered). **Called by:** the decode scheduler (a transfer record), any thread."""
+        with self._lock:
+            state = self._rooms.get(room)
+            return None if state is None else (state.chunks_scattered, state.bytes_scattered)
+
     def room_failure(self, room: int) -> str | None:
         """Why a failed room failed, or its registration was refused (``None`` if it did not,
         is unknown, or is not shown failed yet: see :meth:`poll_room`)."""
@@ -1121,6 +1128,8 @@ class DecodeStagingHandler:
             if problem is None:
                 self.scattered_bytes += alloc.end - alloc.offset
                 self.chunks_scattered += 1
+                state.bytes_scattered += alloc.end - alloc.offset
+                state.chunks_scattered += 1
             if problem is not None and state.status is not RoomStatus.FAILED:
                 self._fail(state, problem)
             elif problem is None and self._tracer is not None:

@@ -125,6 +125,10 @@ class RoomState:
     ``ROOM_FAILED``, so a message of an earlier registration is told apart)."""
     failure_told: bool = False
     """Its ``ROOM_FAILED`` went to its prefill peers (``report_failure``: once)."""
+    chunks_scattered: int = 0
+    """Staged chunks scattered into the room's pages and checked."""
+    bytes_scattered: int = 0
+    """Their bytes (the regions' sizes)."""
 
     def held_allocations(self) -> list[int]:
         """Allocation ids this room still holds in the ring."""
