@@ -316,7 +316,9 @@ def test_teardown_in_mid_flight_frees_everything_and_is_idempotent() -> None:
         )
         assert handler._allocator.live_count == 3
         handler.release_room(17)
-        assert handler.fenced_rooms == {17: frozenset({0, 1})}
+        # Fenced for both writers; a writer's answer may already have cleared its part (the
+        # local cluster's prefill ranks answer at once, from their listener threads).
+        assert handler.fenced_rooms.get(17, frozenset()) <= frozenset({0, 1})
         assert wait_for(lambda: handler._allocator.live_count == 0)  # both writers fenced
         assert handler.fenced_rooms == {}
         assert handler.live_rooms == 0
