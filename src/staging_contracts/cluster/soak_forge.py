@@ -108,6 +108,8 @@ class Forger:
         if self.engine is None:
             from ..engines.nixl import NixlEngine  # noqa: PLC0415 - only where NIXL is used
 
+            # NIXL installs an INFO handler: its start-up lines would cut into the soak's.
+            logging.getLogger("nixl").setLevel(logging.WARNING)
             # As the ranks' backends: no InfiniBand modules (their destructor crashes the
             # driver at exit on hosts with the system's ibverbs providers).
             self.engine = NixlEngine(
