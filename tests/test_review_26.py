@@ -1,0 +1,98 @@
+"""Review of issue 26 (operators): defects found trying the library as an operator would.
+
+Each test here fails on ``soak-typed`` as reviewed; the report says what it shows."""
+
+from __future__ import annotations
+
+import time
+
+from staging_contracts.backends.kv_requests import KVPoll, KVReceiver, KVSender
+from staging_contracts.metrics import snapshot_of
+from staging_contracts.outcomes import Outcome
+from tests.local_cluster import Geometry, Sides, sides, wait_for, wait_states
+from tests.test_drain_health import _Closer, _draining, _send_last, _start_room
+
+
+def _one_room(s: Sides, room: int) -> tuple[KVReceiver, KVSender]:
+    c = s.cluster
+    request = c.add_request(room, num_pages=4, chunk_pages=2)
+    c.handlers[0].release_room(room)
+    receiver = KVReceiver(s.decode[0], room)
+    receiver.init(request.decode_pages, chunk_pages=2)
+    receiver.send_metadata()
+    sender = KVSender(s.prefill[0], room)
+    sender.init(4, c.targets)
+    chunks = request.chunks()
+    for chunk in chunks:
+        sender.send(chunk.pages, last=chunk is chunks[-1])
+    assert wait_states([sender]) == [KVPoll.Success]
+    assert wait_states([receiver]) == [KVPoll.Success]
+    return receiver, sender
+
+
+def test_transfer_record_end_time_is_when_the_room_ended_not_when_it_was_asked() -> None:
+    """A scheduler collects the record some time after the room ended (it polls, it batches):
+    the record's end and latency must be the room's, not the moment of the first call
+    (SGLang's KVTransferMetric times the transfer itself)."""
+    with sides(Geometry(1, 1, 2)) as s:
+        receiver, sender = _one_room(s, 70)
+        ended = time.monotonic()
+        time.sleep(1.0)  # the scheduler gets to it a second later
+        for record in (sender.get_transfer_metric(), receiver.get_transfer_metric()):
+            assert record is not None
+            assert record.end_monotonic <= ended + 0.2, (
+                f"end stamped {record.end_monotonic - ended:.2f} s after the room ended"
+            )
+
+
+def test_transfer_record_after_release_is_not_a_failure() -> None:
+    """A scheduler that releases the request and then asks for its record (or asks on
+    another thread, as the docstring allows) gets a FAILED record ("unknown room") for a
+    room that succeeded. Expected: the success, or ``None``, never a made-up failure."""
+    with sides(Geometry(1, 1, 2)) as s:
+        receiver, sender = _one_room(s, 71)
+        sender.release()
+        receiver.release()
+        for record in (sender.get_transfer_metric(), receiver.get_transfer_metric()):
+            assert record is None or record.outcome is Outcome.SUCCESS, record
+
+
+def test_ring_bytes_in_use_never_exceeds_the_ring() -> None:
+    """``staging_contracts_ring_bytes_in_use`` is documented as "ring bytes assigned and not
+    yet freed" and the dashboard plots it over ``ring_capacity_bytes`` as a percentage; the
+    docs say the bytes in use never exceed the ring. It exports the allocator's
+    *reservation* (``live_bytes``), which overcommits: here 8x the ring with no chunk sent,
+    so a "ring nearly full" panel or alert reads 800 % on an idle ring."""
+    geometry = Geometry(1, 1, 2)
+    page = sum(geometry.kv_args(1, 0).kv_item_lens)
+    with sides(geometry, ring_bytes=page * 4) as s:
+        c = s.cluster
+        for room in (1, 2, 3, 4):
+            request = c.add_request(room, num_pages=8, chunk_pages=2, seed=room)
+            c.handlers[0].release_room(room)
+            receiver = KVReceiver(s.decode[0], room)
+            receiver.init(request.decode_pages, chunk_pages=2)
+            receiver.send_metadata()
+            KVSender(s.prefill[0], room).init(8, c.targets)
+        deadline = time.monotonic() + 5
+        peak = 0
+        while time.monotonic() < deadline:  # prefill prefetches the rooms' regions
+            snap = snapshot_of(c.decode[0])
+            peak = max(peak, snap.ring_bytes_in_use)
+            time.sleep(0.05)
+        assert peak <= snap.ring_capacity_bytes, (peak, snap.ring_capacity_bytes)
+
+
+def test_health_is_not_ok_while_draining() -> None:
+    """A readiness probe reads ``health().ok``; while the manager drains it refuses every new
+    room (reason draining), so it must not be reported ready (a load balancer would keep
+    sending it requests that all fail)."""
+    with sides(Geometry(1, 1, 2)) as s:
+        decode = s.cluster.decode[0]
+        request, _receiver, sender = _start_room(s, 80, seed=8)
+        closer = _Closer(decode, drain_s=30.0)
+        assert wait_for(_draining(decode))
+        ok_while_draining = decode.health().ok
+        _send_last(request, sender)
+        closer.join()
+        assert not ok_while_draining
