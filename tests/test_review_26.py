@@ -96,3 +96,19 @@ def test_health_is_not_ok_while_draining() -> None:
         _send_last(request, sender)
         closer.join()
         assert not ok_while_draining
+
+
+def test_an_engine_error_is_an_engine_error_whatever_the_engine_says() -> None:
+    """Reasons are still recovered from free text by substring (``classify``), so the
+    engine's own wording picks the label: a write the engine reports as timed out is
+    counted ``timeout`` (the prefill deadline's label), and decode's scatter failure is
+    ``other``. Expected: the reason set where the failure happens (both are engine errors)."""
+    from staging_contracts.outcomes import FailureReason, classify
+
+    assert (
+        classify("chunk 1: engine write failed: transfer timed out") is FailureReason.ENGINE_ERROR
+    )
+    assert (
+        classify("scatter of chunk 3 failed: RuntimeError: CUDA error")
+        is FailureReason.ENGINE_ERROR
+    )
