@@ -112,3 +112,34 @@ def test_an_engine_error_is_an_engine_error_whatever_the_engine_says() -> None:
         classify("scatter of chunk 3 failed: RuntimeError: CUDA error")
         is FailureReason.ENGINE_ERROR
     )
+
+
+def test_two_managers_on_one_registry_give_a_scrape_prometheus_can_parse() -> None:
+    """observability.md says to call ``register`` once per manager, on the default registry
+    unless one is given. Two managers in one process (two ranks, or a prefill and a decode
+    manager) then export every family twice (two ``# TYPE`` lines each), and the OpenMetrics
+    exposition, which Prometheus asks for first, does not parse ("Clashing name"): the whole
+    target's scrape fails. Expected: one family per name, a sample per manager."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.openmetrics.exposition import generate_latest
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    from staging_contracts.backends.common import Role
+    from staging_contracts.backends.local import LocalKVManager
+    from staging_contracts.metrics import register
+    from staging_contracts.testing import DecodeSetup
+
+    registry = CollectorRegistry()
+    managers = []
+    try:
+        for rank in (0, 1):
+            setup = DecodeSetup()
+            manager = LocalKVManager(setup.kv_args, role=Role.DECODE, attn_tp_size=1)
+            managers.append(setup.start(manager))
+            register(manager, registry, rank=rank)
+        text = generate_latest(registry).decode()  # type: ignore[no-untyped-call]
+    finally:
+        for manager in managers:
+            manager.close()
+    families = list(text_string_to_metric_families(text))  # type: ignore[no-untyped-call]
+    assert len({f.name for f in families}) == len(families)
