@@ -143,3 +143,43 @@ def test_two_managers_on_one_registry_give_a_scrape_prometheus_can_parse() -> No
             manager.close()
     families = list(text_string_to_metric_families(text))  # type: ignore[no-untyped-call]
     assert len({f.name for f in families}) == len(families)
+
+
+def test_a_room_in_flight_at_shutdown_still_exports_its_prefill_span() -> None:
+    """Shutting down with a room in flight (the incident one wants traced): decode's span
+    ends (failed) when the cluster is torn down, prefill's never ends, so the exporter never
+    gets it. Expected: closing the manager and its ``PrefillTransfers`` ends every open
+    span (failed), as a drain does."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from staging_contracts import tracing
+
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracing.use_tracer_provider(provider)
+    try:
+        with sides(Geometry(1, 1, 2)) as s:
+            c = s.cluster
+            request = c.add_request(5, num_pages=6, chunk_pages=2, seed=1)
+            c.handlers[0].release_room(5)
+            receiver = KVReceiver(s.decode[0], 5)
+            receiver.init(request.decode_pages, chunk_pages=2)
+            receiver.send_metadata()
+            sender = KVSender(s.prefill[0], 5)
+            sender.init(6, c.targets)
+            sender.send(request.chunks()[0].pages)
+            time.sleep(0.3)
+            for manager in (*c.prefill, *c.decode):
+                manager.close()
+        sides_seen = {
+            str(span.attributes["staging.side"])
+            for span in memory.get_finished_spans()
+            if span.attributes is not None
+        }
+        assert sides_seen == {"decode", "prefill"}
+    finally:
+        tracing.use_tracer_provider(None)
+        provider.shutdown()
