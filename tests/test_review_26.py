@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from staging_contracts.backends.kv_requests import KVPoll, KVReceiver, KVSender
 from staging_contracts.metrics import snapshot_of
 from staging_contracts.outcomes import Outcome
@@ -183,3 +185,20 @@ def test_a_room_in_flight_at_shutdown_still_exports_its_prefill_span() -> None:
     finally:
         tracing.use_tracer_provider(None)
         provider.shutdown()
+
+
+def test_a_bad_variable_is_refused_before_any_rank_process_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``STAGING_CONTRACTS_STALL_TIMEOUT_S=abc staging-contracts demo`` starts all six rank
+    processes; one dies of the ConfigError, the driver waits 5 s to kill the others, and a
+    full summary of ``?`` follows (about 20 s, exit 1), whereas a bad
+    ``STAGING_CONTRACTS_SECRET`` is one line at once (exit 2). Expected: the demo's
+    preflight refuses the variable, as it refuses the options."""
+    from staging_contracts.cluster.preflight import preflight
+    from staging_contracts.cluster.workload import TransferConfig
+    from staging_contracts.config import ConfigError
+
+    monkeypatch.setenv("STAGING_CONTRACTS_STALL_TIMEOUT_S", "abc")
+    with pytest.raises(ConfigError):
+        preflight(TransferConfig(), ignore_memory=True)
