@@ -7,7 +7,6 @@ guard, and the demo's runner with a backend whose rank dies past its own report.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -19,10 +18,10 @@ from typing import Final
 import pytest
 
 from staging_contracts.backends.nixl import NixlKVManager
-from staging_contracts.child_errors import LIMIT_CHARS, ChildErrors
 from staging_contracts.cluster.runner import run_cluster
 from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.engines import engine_available
+from staging_contracts.run import LIMIT_CHARS, Supervisor
 from staging_contracts.testing.processes import RankFailed, RankGroup
 
 REPO: Final = Path(__file__).resolve().parent.parent
@@ -87,14 +86,11 @@ def test_a_rank_that_exits_without_an_exception_is_said_to() -> None:
 
 def test_the_traceback_kept_is_bounded_to_its_end() -> None:
     """A huge exception text keeps its last characters (where the exception is) only."""
-    errors = ChildErrors()
-    process = errors.process(
-        multiprocessing.get_context("spawn"), _raises_long, (50 * LIMIT_CHARS,), name="long"
-    )
-    process.start()
+    processes: Supervisor[str] = Supervisor()
+    process = processes.start("long", _raises_long, (50 * LIMIT_CHARS,), name="long")
     process.join(60)
-    text = errors.traceback(process)
-    errors.close()
+    text = processes.traceback(process)
+    processes.close()
     assert text is not None
     assert text.startswith("... (the traceback's start is cut)")
     assert len(text) <= LIMIT_CHARS + 100
