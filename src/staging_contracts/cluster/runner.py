@@ -23,7 +23,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal
 
 import zmq
@@ -359,11 +359,11 @@ def run_cluster(
     report_to = raw_endpoint.decode() if isinstance(raw_endpoint, bytes) else str(raw_endpoint)
     roles = _roles(config, ranks)
     supervisor: Supervisor[RankKey] = Supervisor()
-    watch = _Watch(supervisor, roles, progress, stop, metrics)
     try:
         for key in roles:
             args = (key[0], key[1], config, bootstrap, report_to, metrics is not None)
             supervisor.start(key, rank_main, args, name=f"staging-{key[0]}-{key[1]}")
+        watch = _Watch(supervisor, progress, stop, metrics)
         watch.follow(inbox, timeout_s)
     finally:
         supervisor.close()
@@ -386,19 +386,18 @@ class _Watch:
     def __init__(
         self,
         processes: Supervisor[RankKey],
-        roles: list[RankKey],
         progress: ProgressCallback | None,
         stop: StopRequest | None = None,
         metrics: MetricsRelay | None = None,
     ) -> None:
         self.processes = processes
-        self.roles = roles
+        self.roles = list(processes.current)
         self.metrics = metrics
         self.progress = progress
         self.stop = stop
         self.interrupted: str | None = None
         self.reports: dict[RankKey, dict[str, Any]] = {}
-        self.rooms: dict[RankKey, dict[str, bool]] = {key: {} for key in roles}
+        self.rooms: dict[RankKey, dict[str, bool]] = {key: {} for key in self.roles}
         self.ended_at: dict[RankKey, float] = {}
         """When the driver first saw each process no longer alive."""
         self.dead: set[RankKey] = set()
@@ -560,5 +559,4 @@ def _with_exitcode(death: RankExit | None, watch: _Watch) -> RankExit | None:
     failure may not have exited when it was seen)."""
     if death is None or death.exitcode is not None:
         return death
-    exitcode = watch.processes[(death.role, death.rank)].exitcode
-    return RankExit(death.role, death.rank, exitcode, death.error, death.after_s, death.last_words)
+    return replace(death, exitcode=watch.processes[(death.role, death.rank)].exitcode)

@@ -366,8 +366,7 @@ class _Driver:
         for rank in self.ranks.values():
             if not rank.gone:
                 self._send(rank, {"cmd": "stop"})
-        self.processes.stop(grace_s)
-        self.processes.close()
+        self.processes.close(grace_s)
         for rank in self.ranks.values():
             if rank.commands is not None:
                 rank.commands.close(linger=0)

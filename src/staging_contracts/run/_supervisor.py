@@ -10,12 +10,10 @@ the parent's main module and unpickles the entry point and its arguments first: 
 starts ranks at its top level without ``if __name__ == "__main__":`` dies there); or that it
 ended without a word (a signal, ``os._exit``).
 
-Processes are kept under a key of the caller's (``(role, rank)``, an index): starting a key
-again is a respawn (the old process is still ended with the rest); :meth:`Supervisor.ended`
-watches, :meth:`Supervisor.terminate` asks the ranks to stop (``SIGTERM``) and
-:meth:`Supervisor.stop` ends every process within a bound (a wait, then ``SIGKILL``).
-
-Domain-free: it knows nothing of ranks or staging.
+Processes are kept under a key of the caller's (``(role, rank)``, an index); starting a key
+again is a respawn. :meth:`Supervisor.ended` watches them, :meth:`Supervisor.terminate` asks
+them to stop (``SIGTERM``), :meth:`Supervisor.close` ends them all within a bound (a wait,
+then ``SIGKILL``). Domain-free: it knows nothing of ranks or staging.
 
 **Threads:** one, the caller's; :func:`run_reporting` runs in the new process.
 """
@@ -42,7 +40,7 @@ logger = logging.getLogger(__name__)
 LIMIT_CHARS: Final = 8000
 """The most of a traceback kept: its last characters (the exception is at the end)."""
 KILL_WAIT_S: Final = 5.0
-"""Longest :meth:`Supervisor.stop` waits for the processes it killed to be gone."""
+"""Longest :meth:`Supervisor.close` waits for the processes it killed to be gone."""
 
 _CUT: Final = "... (the traceback's start is cut)\n"
 
@@ -95,7 +93,7 @@ class Supervisor(Generic[K]):
         self, key: K, target: Callable[..., object], args: tuple[Any, ...], *, name: str
     ) -> BaseProcess:
         """Start ``target(*args)`` (module-level, picklable) in a new daemon process, as
-        ``key``'s; a process ``key`` had before is still ended by :meth:`stop`."""
+        ``key``'s; a process ``key`` had before is still ended by :meth:`close`."""
         record = self._dir / f"{len(self._started)}.txt"
         process = self._context.Process(
             target=run_reporting, args=(str(record), target, args), name=name, daemon=True
@@ -129,37 +127,9 @@ class Supervisor(Generic[K]):
                 process.kill()
         return killed
 
-    def stop(self, grace_s: float) -> list[K]:
-        """End every process started: wait up to ``grace_s`` for them to exit, then kill the
-        rest (:meth:`kill`, its keys returned). Safe to call again.
-
-        **Blocking:** at most ``grace_s`` plus :data:`KILL_WAIT_S`.
-        """
-        self._join(grace_s)
-        killed = self.kill()
-        self._join(KILL_WAIT_S)
-        for process in self._started:
-            if process.is_alive():
-                logger.warning("process %s (pid %s) did not end", process.name, process.pid)
-        return killed
-
-    def _join(self, bound_s: float) -> None:
-        """Wait for every process to exit, at most ``bound_s`` in all."""
-        deadline = time.monotonic() + bound_s
-        for process in self._started:
-            process.join(max(0.0, deadline - time.monotonic()))
-
-    def traceback(self, process: BaseProcess) -> str | None:
-        """The traceback ``process``'s entry point raised, bounded; ``None`` if none."""
-        path = self._records.get(id(process))
-        try:
-            text = path.read_text(encoding="utf-8") if path is not None else ""
-        except OSError:
-            return None
-        return text.rstrip() or None
-
     def explain(self, process: BaseProcess) -> str:
-        """How ``process`` (ended) died, in words, its traceback included."""
+        """How ``process`` (ended) died, in words, the traceback its entry point raised
+        (bounded) included; before :meth:`close`."""
         how = f"exited with code {process.exitcode}"  # -N: signal N
         path = self._records.get(id(process))
         if path is not None and not path.exists():
@@ -169,13 +139,29 @@ class Supervisor(Generic[K]):
                 ' that starts ranks needs `if __name__ == "__main__":` around that code);'
                 " its own error went to its stderr"
             )
-        text = self.traceback(process)
-        if text is None:
-            return f"{how} without a word"
-        return f"{how}, raising:\n{text}"
+        try:
+            text = path.read_text(encoding="utf-8").rstrip() if path is not None else ""
+        except OSError:
+            text = ""
+        return f"{how}, raising:\n{text}" if text else f"{how} without a word"
 
-    def close(self) -> None:
-        """Kill what is left (:meth:`stop` without a grace) and remove the processes' files;
-        safe to call twice. Exit codes stay readable."""
-        self.stop(0.0)
+    def close(self, grace_s: float = 0.0) -> None:
+        """End every process started: wait up to ``grace_s`` for them to exit, then kill the
+        rest (:meth:`kill`); remove the processes' files. Safe to call twice; exit codes stay
+        readable.
+
+        **Blocking:** at most ``grace_s`` plus :data:`KILL_WAIT_S`.
+        """
+        self._join(grace_s)
+        self.kill()
+        self._join(KILL_WAIT_S)
+        for process in self._started:
+            if process.is_alive():
+                logger.warning("process %s (pid %s) did not end", process.name, process.pid)
         self._cleanup()
+
+    def _join(self, bound_s: float) -> None:
+        """Wait for every process to exit, at most ``bound_s`` in all."""
+        deadline = time.monotonic() + bound_s
+        for process in self._started:
+            process.join(max(0.0, deadline - time.monotonic()))

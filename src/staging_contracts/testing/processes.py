@@ -182,5 +182,4 @@ class RankGroup:
         """End every process, each step bounded (:data:`JOIN_S`); safe to call twice."""
         for conn in self._conns:
             conn.close()
-        self._ranks.stop(JOIN_S)
-        self._ranks.close()
+        self._ranks.close(JOIN_S)
