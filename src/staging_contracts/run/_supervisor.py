@@ -94,14 +94,14 @@ class Supervisor(Generic[K]):
     ) -> BaseProcess:
         """Start ``target(*args)`` (module-level, picklable) in a new daemon process, as
         ``key``'s; a process ``key`` had before is still ended by :meth:`close`."""
-        record = self._dir / f"{len(self._started)}.txt"
+        record = self._dir / f"{len(self._records)}.txt"
         process = self._context.Process(
             target=run_reporting, args=(str(record), target, args), name=name, daemon=True
         )
+        process.start()  # first: an unstarted process cannot be joined
         self._records[id(process)] = record
         self._started.append(process)
         self.current[key] = process
-        process.start()
         return process
 
     def __getitem__(self, key: K) -> BaseProcess:
