@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Final
@@ -151,3 +152,9 @@ def test_a_demo_rank_that_dies_past_its_report_gives_its_traceback() -> None:
     assert reason.startswith("ended without a report: it exited with code 1, raising:"), reason
     assert "RuntimeError: this exception cannot be printed" in reason
     assert "_Unprintable" in reason
+
+
+def test_a_job_that_cannot_be_pickled_raises_its_own_error() -> None:
+    """No process starts; the group ends the ones it had and the pickling error goes on."""
+    with pytest.raises(TypeError, match="pickle"):
+        RankGroup(_raises, ["job", threading.Lock()], ["decode rank 0", "decode rank 1"])
