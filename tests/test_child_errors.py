@@ -7,11 +7,11 @@ guard, and the demo's runner with a backend whose rank dies past its own report.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Final
@@ -19,10 +19,10 @@ from typing import Final
 import pytest
 
 from staging_contracts.backends.nixl import NixlKVManager
-from staging_contracts.child_errors import LIMIT_CHARS, ChildErrors
 from staging_contracts.cluster.runner import run_cluster
 from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.engines import engine_available
+from staging_contracts.run import LIMIT_CHARS, Supervisor
 from staging_contracts.testing.processes import RankFailed, RankGroup
 
 REPO: Final = Path(__file__).resolve().parent.parent
@@ -87,18 +87,16 @@ def test_a_rank_that_exits_without_an_exception_is_said_to() -> None:
 
 def test_the_traceback_kept_is_bounded_to_its_end() -> None:
     """A huge exception text keeps its last characters (where the exception is) only."""
-    errors = ChildErrors()
-    process = errors.process(
-        multiprocessing.get_context("spawn"), _raises_long, (50 * LIMIT_CHARS,), name="long"
-    )
-    process.start()
+    processes: Supervisor[str] = Supervisor()
+    process = processes.start("long", _raises_long, (50 * LIMIT_CHARS,), name="long")
     process.join(60)
-    text = errors.traceback(process)
-    errors.close()
-    assert text is not None
-    assert text.startswith("... (the traceback's start is cut)")
-    assert len(text) <= LIMIT_CHARS + 100
-    assert text.endswith("x" * 100)
+    text = processes.explain(process)
+    processes.close()
+    how, _, kept = text.partition("\n")
+    assert how == "exited with code 1, raising:"
+    assert kept.startswith("... (the traceback's start is cut)")
+    assert len(kept) <= LIMIT_CHARS + 100
+    assert kept.endswith("x" * 100)
 
 
 @pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)
@@ -154,3 +152,9 @@ def test_a_demo_rank_that_dies_past_its_report_gives_its_traceback() -> None:
     assert reason.startswith("ended without a report: it exited with code 1, raising:"), reason
     assert "RuntimeError: this exception cannot be printed" in reason
     assert "_Unprintable" in reason
+
+
+def test_a_job_that_cannot_be_pickled_raises_its_own_error() -> None:
+    """No process starts; the group ends the ones it had and the pickling error goes on."""
+    with pytest.raises(TypeError, match="pickle"):
+        RankGroup(_raises, ["job", threading.Lock()], ["decode rank 0", "decode rank 1"])

@@ -14,7 +14,6 @@ PACKAGE_ROOT: Final = Path(__file__).resolve().parent.parent / "src" / "staging_
 TOP_LEVEL_MODULES: Final = frozenset(
     {
         "__init__",
-        "child_errors",
         "cli",
         "config",
         "mypy_plugin",
@@ -30,7 +29,6 @@ TOP_LEVEL_MODULES: Final = frozenset(
 _BELOW_BACKENDS: Final = frozenset(
     {
         "contract",
-        "child_errors",
         "config",
         "tracing",
         "stats",
@@ -47,7 +45,6 @@ _BELOW_BACKENDS: Final = frozenset(
 
 ALLOWED: Final[dict[str, frozenset[str]]] = {
     "contract": frozenset(),
-    "child_errors": frozenset(),
     "stats": frozenset(),
     "outcomes": frozenset(),
     "config": frozenset(),
@@ -62,13 +59,14 @@ ALLOWED: Final[dict[str, frozenset[str]]] = {
     "prefill": frozenset({"staging", "control", "config", "tracing", "protocols", "stats"}),
     "mixin": frozenset({"contract", "control", "protocols", "stats"}),
     "backends": _BELOW_BACKENDS,
-    "testing": _BELOW_BACKENDS | {"backends"},
+    "run": _BELOW_BACKENDS | {"backends"},
+    "testing": _BELOW_BACKENDS | {"backends", "run"},
     "metrics": _BELOW_BACKENDS | {"backends"},
-    "cluster": _BELOW_BACKENDS | {"backends", "metrics"},
-    "bench": _BELOW_BACKENDS | {"backends", "cluster"},
+    "cluster": _BELOW_BACKENDS | {"backends", "metrics", "run"},
+    "bench": _BELOW_BACKENDS | {"backends", "cluster", "run"},
     "mypy_plugin": frozenset({"contract"}),
     "__init__": frozenset({"contract", "mixin", "protocols", "stats"}),
-    "cli": _BELOW_BACKENDS | {"backends", "testing", "cluster", "bench", "metrics"},
+    "cli": _BELOW_BACKENDS | {"backends", "run", "testing", "cluster", "bench", "metrics"},
 }
 """What each unit (a top-level module, or a package with everything in it) may import.
 
@@ -80,8 +78,9 @@ of rooms) knows only ``outcomes``;
 vocabulary alone; ``decode`` and ``prefill`` build each side from ``staging`` and ``control``
 and never import each other;
 ``mixin`` joins the contract to the control plane; ``backends`` assemble all of that;
-``metrics`` reads a backend's counters for Prometheus;
-``testing`` and ``cluster`` use backends; ``bench`` may use ``cluster``; ``cli`` is the top.
+``metrics`` reads a backend's counters for Prometheus; ``run`` (the rank processes'
+supervisor and the stop signals) sits on backends;
+``testing`` and ``cluster`` use ``run``; ``bench`` may use ``cluster``; ``cli`` is the top.
 """
 
 
@@ -377,3 +376,60 @@ def test_only_the_backend_resolver_parses_specs() -> None:
         if isinstance(node, ast.Call) and _parses_specs_itself(node, path)
     ]
     assert not found, f"specs parsed outside backends/_refs.py: {found}"
+
+
+_SPAWNING_MODULES: Final = frozenset({"multiprocessing", "subprocess", "concurrent.futures"})
+"""Modules whose import means processes are started (``multiprocessing.connection`` and
+``multiprocessing.process`` only wait for processes and name their type: not these)."""
+_SPAWNING_CALLS: Final = frozenset({"Process", "Popen", "get_context", "ProcessPoolExecutor"})
+_SPAWNING_OS: Final = ("fork", "spawn", "posix_spawn", "exec", "system", "popen")
+
+
+def _spawns(node: ast.AST) -> bool:
+    """An import of a module that starts processes, or a call that starts one."""
+    if isinstance(node, ast.Import):
+        return any(alias.name in _SPAWNING_MODULES for alias in node.names)
+    if isinstance(node, ast.ImportFrom):
+        return node.level == 0 and node.module in _SPAWNING_MODULES
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+    on_os = isinstance(func, ast.Attribute) and ast.unparse(func.value) == "os"
+    return name in _SPAWNING_CALLS or (on_os and name.startswith(_SPAWNING_OS))
+
+
+def spawning_modules(root: Path = PACKAGE_ROOT) -> list[str]:
+    """The files of the package that start processes (by their source)."""
+    return [
+        str(path.relative_to(root))
+        for path in sorted(root.rglob("*.py"))
+        if any(_spawns(node) for node in ast.walk(ast.parse(path.read_text(), str(path))))
+    ]
+
+
+def test_exactly_one_module_spawns_processes() -> None:
+    """Every rank process of the package (the harness's, the demo's, the soak's, the
+    benchmarks') starts in ``run/_supervisor.py``: no other module imports ``multiprocessing``
+    or ``subprocess`` to start one, or calls ``Process``, ``Popen`` or ``os.fork`` itself."""
+    assert spawning_modules() == ["run/_supervisor.py"]
+
+
+def test_the_spawn_finder_sees_every_form(tmp_path: Path) -> None:
+    """Each way to start a process is found; waiting for one or naming its type is not."""
+    forms = {
+        "a.py": "import multiprocessing\n",
+        "b.py": "from subprocess import run\n",
+        "c.py": "ctx.Process(target=f)\n",
+        "d.py": "import os\nos.fork()\n",
+        "e.py": "import os\nos.posix_spawn('x', [], {})\n",
+        "f.py": "from concurrent.futures import ProcessPoolExecutor\n",
+        "quiet.py": (
+            "from multiprocessing.connection import Connection, wait\n"
+            "from multiprocessing.process import BaseProcess\n"
+            "import os\nos.kill(1, 0)\nprocess.kill()\n"
+        ),
+    }
+    for name, text in forms.items():
+        (tmp_path / name).write_text(text)
+    assert spawning_modules(tmp_path) == ["a.py", "b.py", "c.py", "d.py", "e.py", "f.py"]

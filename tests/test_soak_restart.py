@@ -122,7 +122,7 @@ class Harness:
                 self.event(key, "room", **fields)
 
     def close(self) -> None:
-        for rank in [*self.driver.ranks.values(), *self.driver.retired]:
+        for rank in self.driver.ranks.values():
             if rank.commands is not None:
                 rank.commands.close(linger=0)
         self.driver.inbox.close(linger=0)
@@ -142,7 +142,9 @@ def kill(h: Harness, victim: Key) -> soak._Rank:
     one starts; returns the new one (not ready yet)."""
     old = h.driver.ranks[victim]
     old.gone = True
-    h.driver.retired.append(old)
+    if old.commands is not None:
+        old.commands.close(linger=0)
+        old.commands = None
     for room in h.driver._unsettled():
         if victim in room.waiting():
             room.lost.add(victim)

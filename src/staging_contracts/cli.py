@@ -456,9 +456,9 @@ def _run_soak(args: argparse.Namespace) -> int:
     from .cluster.preflight import check_backend  # noqa: PLC0415
     from .cluster.soak import run_soak  # noqa: PLC0415 - heavy imports
     from .cluster.soak_report import config_from_args, format_summary  # noqa: PLC0415
-    from .cluster.stop_signals import exit_status  # noqa: PLC0415
     from .cluster.summary_json import soak_summary  # noqa: PLC0415
     from .control.security import SecurityError  # noqa: PLC0415
+    from .run import exit_status  # noqa: PLC0415
 
     _local_modules_importable()
     try:

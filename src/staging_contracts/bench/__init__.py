@@ -5,8 +5,8 @@ list[BenchRow]`` function, loaded lazily by name. Figures are medians of repeate
 measurements. Benchmarks are never timed tests: they report, and the goals are for people to
 read.
 
-May import: ``cluster``, ``backends`` and everything below them; never ``testing`` or
-``cli``.
+May import: ``cluster``, ``run``, ``backends`` and everything below them; never ``testing``
+or ``cli``.
 Imported by: ``cli`` (``staging-contracts bench``).
 """
 

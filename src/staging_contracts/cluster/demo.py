@@ -26,11 +26,11 @@ from typing import Any, Final, TextIO
 import torch
 
 from ..control.security import SecurityError, check_insecure_bind, load_cluster_secret
+from ..run import exit_status, stop_on_signals
 from .bootstrap import BootstrapServer
 from .metrics_relay import serving
 from .preflight import check_device
 from .runner import ClusterResult, RankMemory, RankSet, run_cluster
-from .stop_signals import exit_status, stop_on_signals
 from .summary_json import demo_summary, write_summary
 from .workload import DTYPES, TransferConfig
 

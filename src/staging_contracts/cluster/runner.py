@@ -20,21 +20,18 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import signal
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal
 
 import zmq
 
-from ..child_errors import ChildErrors
+from ..run import INTERRUPT_GRACE_S, StopRequest, Supervisor
 from .bootstrap import BootstrapServer
 from .metrics_relay import MetricsRelay
 from .rank import rank_main
-from .stop_signals import INTERRUPT_GRACE_S, StopRequest
 from .workload import TransferConfig
 
 __all__ = [
@@ -91,7 +88,8 @@ class RankExit:
     """Seconds from the start of the ranks until the driver saw the death."""
     last_words: str | None = None
     """Without a report: how the process ended in its own words (the traceback its entry
-    point raised, bounded, or why it has none; see :mod:`staging_contracts.child_errors`)."""
+    point raised, bounded, or why it has none: :meth:`~staging_contracts.run.Supervisor.explain`).
+    """
 
     @property
     def signal(self) -> str | None:
@@ -359,29 +357,19 @@ def run_cluster(
     inbox.bind("tcp://127.0.0.1:*")
     raw_endpoint = inbox.getsockopt(zmq.LAST_ENDPOINT)
     report_to = raw_endpoint.decode() if isinstance(raw_endpoint, bytes) else str(raw_endpoint)
-    spawn = multiprocessing.get_context("spawn")
     roles = _roles(config, ranks)
-    errors = ChildErrors()
-    processes = {
-        key: errors.process(
-            spawn,
-            rank_main,
-            (key[0], key[1], config, bootstrap, report_to, metrics is not None),
-            name=f"staging-{key[0]}-{key[1]}",
-        )
-        for key in roles
-    }
-    watch = _Watch(processes, progress, stop, errors, metrics)
+    supervisor: Supervisor[RankKey] = Supervisor()
     try:
-        for process in processes.values():
-            process.start()
+        for key in roles:
+            args = (key[0], key[1], config, bootstrap, report_to, metrics is not None)
+            supervisor.start(key, rank_main, args, name=f"staging-{key[0]}-{key[1]}")
+        watch = _Watch(supervisor, progress, stop, metrics)
         watch.follow(inbox, timeout_s)
     finally:
-        watch.end()
+        supervisor.close()
         if server is not None:
             server.stop()
         inbox.close(linger=0)
-        errors.close()
     return _result(config, roles, watch, ranks)
 
 
@@ -397,20 +385,19 @@ class _Watch:
 
     def __init__(
         self,
-        processes: Mapping[RankKey, BaseProcess],
+        processes: Supervisor[RankKey],
         progress: ProgressCallback | None,
         stop: StopRequest | None = None,
-        errors: ChildErrors | None = None,
         metrics: MetricsRelay | None = None,
     ) -> None:
         self.processes = processes
+        self.roles = list(processes.current)
         self.metrics = metrics
-        self.errors = errors
         self.progress = progress
         self.stop = stop
         self.interrupted: str | None = None
         self.reports: dict[RankKey, dict[str, Any]] = {}
-        self.rooms: dict[RankKey, dict[str, bool]] = {key: {} for key in processes}
+        self.rooms: dict[RankKey, dict[str, bool]] = {key: {} for key in self.roles}
         self.ended_at: dict[RankKey, float] = {}
         """When the driver first saw each process no longer alive."""
         self.dead: set[RankKey] = set()
@@ -439,10 +426,10 @@ class _Watch:
                     self.timed_out = True
                     logger.warning("run timed out after %.0f s; stopping the ranks", timeout_s)
                     self._stop(now, "the run timed out")
-                elif len(self.reports) == len(self.processes):
+                elif len(self.reports) == len(self.roles):
                     self.stop_deadline = now + EXIT_GRACE_S  # all done: they only exit now
             if self.stop_deadline is not None and now > self.stop_deadline:
-                self._kill_all()
+                self.killed += self.processes.kill()
                 self._drain(inbox)
                 return
 
@@ -457,19 +444,12 @@ class _Watch:
         if deadline is not None:
             self.stop_deadline = min(deadline, now + INTERRUPT_GRACE_S)
 
-    def end(self) -> None:
-        """Leave no rank process behind, whatever happened (idempotent)."""
-        self._kill_all()
-        for process in self.processes.values():
-            if process.pid is not None:
-                process.join(5)
-
     def _settled(self) -> bool:
         now = time.monotonic()
         return all(
             key in self.ended_at
             and (key in self.reports or now - self.ended_at[key] > REPORT_GRACE_S)
-            for key in self.processes
+            for key in self.roles
         )
 
     def _receive(self, raw: bytes) -> None:
@@ -480,7 +460,7 @@ class _Watch:
         except (ValueError, TypeError, AttributeError) as exc:
             logger.warning("malformed message from a rank dropped: %r", exc)
             return
-        if key not in self.processes:
+        if key not in self.rooms:
             logger.warning("message from unknown rank %s dropped", key)
             return
         if kind == "report":
@@ -502,11 +482,10 @@ class _Watch:
 
     def _look(self, now: float) -> None:
         """Note processes that ended; one without a report by the grace has died."""
-        for key, process in self.processes.items():
-            if key not in self.ended_at and process.pid is not None and not process.is_alive():
-                self.ended_at[key] = now
-            ended = self.ended_at.get(key)
-            if ended is not None and key not in self.reports and now - ended > REPORT_GRACE_S:
+        for key in self.processes.ended():
+            self.ended_at.setdefault(key, now)
+        for key, ended in self.ended_at.items():
+            if key not in self.reports and now - ended > REPORT_GRACE_S:
                 self._died(key, None)
 
     def _died(self, key: RankKey, error: str | None) -> None:
@@ -515,8 +494,8 @@ class _Watch:
         self.dead.add(key)
         process = self.processes[key]
         words = None
-        if error is None and self.errors is not None and not process.is_alive():
-            words = self.errors.explain(process, process.exitcode)
+        if error is None and not process.is_alive():
+            words = self.processes.explain(process)
         after_s = time.monotonic() - self.started
         death = RankExit(key[0], key[1], process.exitcode, error, after_s, words)
         if self.first_death is None:
@@ -528,20 +507,10 @@ class _Watch:
     def _stop(self, now: float, why: str, grace_s: float = STOP_GRACE_S) -> None:
         """Tell every rank still running without a final report to stop (SIGTERM)."""
         self.stop_deadline = now + grace_s
-        for key, process in self.processes.items():
-            if key in self.reports or key in self.ended_at or not process.is_alive():
-                continue
+        running = [k for k in self.roles if k not in self.reports and k not in self.ended_at]
+        for key in self.processes.terminate(running):
             logger.info("stopping %s %d: %s", key[0], key[1], why)
-            process.terminate()
             self.stopped.append(key)
-
-    def _kill_all(self) -> None:
-        for key, process in self.processes.items():
-            if process.pid is not None and process.is_alive():
-                logger.warning("%s did not exit; killing it", process.name)
-                process.kill()
-                if key not in self.killed:
-                    self.killed.append(key)
 
     def _drain(self, inbox: zmq.Socket[bytes]) -> None:
         """Collect the reports already sent (the killed ranks cannot send more)."""
@@ -590,5 +559,4 @@ def _with_exitcode(death: RankExit | None, watch: _Watch) -> RankExit | None:
     failure may not have exited when it was seen)."""
     if death is None or death.exitcode is not None:
         return death
-    exitcode = watch.processes[(death.role, death.rank)].exitcode
-    return RankExit(death.role, death.rank, exitcode, death.error, death.after_s, death.last_words)
+    return replace(death, exitcode=watch.processes[(death.role, death.rank)].exitcode)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import multiprocessing
 import os
 import random
 import signal
@@ -50,8 +49,8 @@ from typing import Any, Final
 
 import zmq
 
-from ..child_errors import ChildErrors
 from ..control.security import CurveKeys, check_insecure_bind, load_cluster_secret
+from ..run import INTERRUPT_GRACE_S, Interrupted, Supervisor, stop_on_signals
 from .bootstrap import RankInfo
 from .metrics_relay import MetricsRelay, serving
 from .soak_flood import (
@@ -78,7 +77,6 @@ from .soak_report import (
     reason_group,
 )
 from .soak_ticker import Ticker, tally_line
-from .stop_signals import INTERRUPT_GRACE_S, Interrupted, stop_on_signals
 
 __all__ = [
     "FLOOD_DEADLINE_S",
@@ -257,16 +255,14 @@ class _Driver:
         self.inbox.bind("tcp://127.0.0.1:*")  # the ranks run on this host
         raw = self.inbox.getsockopt(zmq.LAST_ENDPOINT)
         self.inbox_endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
-        self.spawn = multiprocessing.get_context("spawn")
-        self.child_errors = ChildErrors()
-        """Each rank process's own error, should it die without reporting one."""
+        self.processes: Supervisor[RankKey] = Supervisor()
+        """Every rank process of the soak, each able to say how it died."""
         self.keys: list[RankKey] = [("decode", d) for d in range(config.decode_tp)] + [
             ("prefill", p) for p in range(config.prefill_tp * config.prefill_instances)
         ]
         self.next_instance = 0
         """The prefill instance the next room goes to (in turn)."""
         self.ranks: dict[RankKey, _Rank] = {}
-        self.retired: list[_Rank] = []
         self.rooms: dict[int, _Room] = {}
         self.next_room = 1_000_000
         self.free = list(range(config.transfer().requests))
@@ -370,13 +366,8 @@ class _Driver:
         for rank in self.ranks.values():
             if not rank.gone:
                 self._send(rank, {"cmd": "stop"})
-        deadline = time.monotonic() + grace_s
-        for rank in [*self.ranks.values(), *self.retired]:
-            rank.process.join(max(0.0, deadline - time.monotonic()))
-            if rank.process.is_alive():
-                logger.warning("%s %d did not exit; killing it", *rank.key)
-                rank.process.kill()
-                rank.process.join(5)
+        self.processes.close(grace_s)
+        for rank in self.ranks.values():
             if rank.commands is not None:
                 rank.commands.close(linger=0)
                 rank.commands = None
@@ -465,7 +456,6 @@ class _Driver:
         failed = sum(room.outcome == "failed" for room in dependent)
         detect = max(failed_at) - at if failed_at else None
         rank.process.join(5)
-        self.retired.append(rank)
         if rank.commands is not None:
             rank.commands.close(linger=0)
             rank.commands = None
@@ -749,13 +739,11 @@ class _Driver:
             RuntimeError: a rank died before it was ready (it would again), or ranks died by
                 themselves more than ``MAX_REVIVALS`` times.
         """
-        for rank in list(self.ranks.values()):
+        for rank in list(self.ranks.values()):  # _died replaces its rank, and pumps events
             if rank.gone or rank.killed or rank.process.is_alive():
                 continue
             rank.gone = True
-            why = self.exit_errors.get(rank.pid or 0) or self.child_errors.explain(
-                rank.process, rank.process.exitcode
-            )
+            why = self.exit_errors.get(rank.pid or 0) or self.processes.explain(rank.process)
             name = f"{rank.key[0]} {rank.key[1]} (pid {rank.pid})"
             if rank.info is None:
                 raise RuntimeError(f"{name} exited while starting: {why}")
@@ -803,13 +791,8 @@ class _Driver:
     # ------------------------------------------------------------------ ranks
 
     def _spawn(self, key: RankKey) -> _Rank:
-        process = self.child_errors.process(
-            self.spawn,
-            soak_rank_main,
-            (key[0], key[1], self.settings, self.inbox_endpoint),
-            name=f"soak-{key[0]}-{key[1]}",
-        )
-        process.start()
+        args = (key[0], key[1], self.settings, self.inbox_endpoint)
+        process = self.processes.start(key, soak_rank_main, args, name=f"soak-{key[0]}-{key[1]}")
         rank = _Rank(key, process, time.monotonic(), pid=process.pid)
         self.ranks[key] = rank
         return rank

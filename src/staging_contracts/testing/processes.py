@@ -1,14 +1,13 @@
 """A small group of spawned processes driven in lockstep: what the harness runs ranks in.
 
-:class:`RankGroup` starts one process per job (``multiprocessing`` spawn, so nothing of the
-parent's threads or sockets is inherited), each given a :class:`ParentLink` to talk back
-over a pipe. The parent moves the group from step to step: it sends a command to some ranks
-(:meth:`RankGroup.send`) and gathers one message of an expected kind from each
-(:meth:`RankGroup.gather`), every wait bounded. A rank that sends ``("error", text)``, exits
-(its traceback, or why it has none, in the error: :mod:`staging_contracts.child_errors`),
-or stays silent past the bound ends the gather with :class:`RankFailed`;
+:class:`RankGroup` starts one process per job (:class:`~staging_contracts.run.Supervisor`),
+each given a :class:`ParentLink` to talk back over a pipe. The parent moves the group from
+step to step: it sends a command to some ranks (:meth:`RankGroup.send`) and gathers one
+message of an expected kind from each (:meth:`RankGroup.gather`), every wait bounded. A rank
+that sends ``("error", text)``, exits (its traceback, or why it has none, in the error), or
+stays silent past the bound ends the gather with :class:`RankFailed`;
 :meth:`RankGroup.close` then ends every process (closing the pipes first, so that a rank
-waiting for a command stops by itself; then ``SIGTERM``, then ``SIGKILL``, each bounded).
+waiting for a command stops by itself; then ``SIGKILL``, each step bounded).
 
 The module knows nothing of staging: the harness gives it the entry point and the jobs.
 
@@ -17,22 +16,18 @@ The module knows nothing of staging: the harness gives it the entry point and th
 
 from __future__ import annotations
 
-import logging
-import multiprocessing
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
 from typing import Final
 
-from ..child_errors import ChildErrors
+from ..run import Supervisor
 
 __all__ = ["JOIN_S", "ParentLink", "RankFailed", "RankGroup"]
 
-logger = logging.getLogger(__name__)
-
 JOIN_S: Final = 10.0
-"""Longest :meth:`RankGroup.close` waits for a process at each of its three steps."""
+"""Longest :meth:`RankGroup.close` waits for the processes to exit by themselves, and a rank's
+process to be gone once its pipe said it ended."""
 
 
 class RankFailed(RuntimeError):
@@ -107,25 +102,21 @@ class RankGroup:
     ) -> None:
         if len(jobs) != len(labels):
             raise ValueError(f"{len(jobs)} jobs but {len(labels)} labels")
-        context = multiprocessing.get_context("spawn")
         self.labels = list(labels)
         self._conns: list[Connection] = []
-        self._procs: list[BaseProcess] = []
-        self._errors = ChildErrors()
+        self._ranks: Supervisor[int] = Supervisor()
         try:
-            for job, label in zip(jobs, labels, strict=True):
-                mine, theirs = context.Pipe(duplex=True)
-                proc = self._errors.process(context, target, (job, theirs), name=label)
-                proc.start()
+            for index, (job, label) in enumerate(zip(jobs, labels, strict=True)):
+                mine, theirs = self._ranks.pipe()
+                self._ranks.start(index, target, (job, theirs), name=label)
                 theirs.close()
                 self._conns.append(mine)
-                self._procs.append(proc)
         except BaseException:
             self.close()
             raise
 
     def __len__(self) -> int:
-        return len(self._procs)
+        return len(self._conns)
 
     def send(self, indices: Sequence[int], kind: str, *payload: object) -> None:
         """Send the command ``(kind, *payload)`` to the ranks at ``indices``.
@@ -156,15 +147,13 @@ class RankGroup:
             handles: dict[object, int] = {}
             for i in waiting:
                 handles[self._conns[i]] = i
-                handles[self._procs[i].sentinel] = i
+                handles[self._ranks[i].sentinel] = i
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 silent = ", ".join(self.labels[i] for i in waiting)
                 raise RankFailed(silent, kind, None, f"no answer within {bound_s:g}s")
-            waitables = [self._conns[i] for i in waiting] + [
-                self._procs[i].sentinel for i in waiting
-            ]
-            for ready in wait(waitables, remaining):
+            ends = [self._conns[i] for i in waiting] + [self._ranks[i].sentinel for i in waiting]
+            for ready in wait(ends, remaining):
                 i = handles[ready]
                 if i in got:
                     continue
@@ -186,30 +175,11 @@ class RankGroup:
 
     def _exited(self, index: int) -> str:
         """How the process at ``index`` ended (its sentinel is ready: the join is short)."""
-        proc = self._procs[index]
-        proc.join(JOIN_S)
-        return self._errors.explain(proc, proc.exitcode)
+        self._ranks[index].join(JOIN_S)
+        return self._ranks.explain(self._ranks[index])
 
     def close(self) -> None:
-        """End every process, each step bounded by :data:`JOIN_S`; safe to call twice."""
+        """End every process, each step bounded (:data:`JOIN_S`); safe to call twice."""
         for conn in self._conns:
             conn.close()
-        for step in ("join", "terminate", "kill"):
-            alive = [p for p in self._procs if p.is_alive()]
-            if not alive:
-                break
-            if step == "terminate":
-                for proc in alive:
-                    proc.terminate()
-            elif step == "kill":
-                for proc in alive:
-                    proc.kill()
-            deadline = time.monotonic() + JOIN_S
-            for proc in alive:
-                proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
-            if proc.is_alive():
-                logger.warning("rank process %s (pid %s) did not end", proc.name, proc.pid)
-            else:
-                proc.close()
-        self._errors.close()
+        self._ranks.close(JOIN_S)

@@ -81,7 +81,8 @@ def stop_on_signals(*, raise_on_signal: bool) -> Iterator[StopRequest]:
         raise_on_signal: also raise :class:`Interrupted` where the first signal lands (for a
             driver whose waits do not all look at the request).
 
-    **Called by:** the demo and soak drivers, around one run.
+    **Called by:** the demo and soak drivers, around one run (the cluster runner tells its
+    ranks to stop with ``SIGTERM`` once the request records a signal).
     """
     request = StopRequest()
     if threading.current_thread() is not threading.main_thread():
