@@ -400,7 +400,7 @@ class PrefillTransfers:
         with self._cond:
             self._rooms.pop(room, None)
             if self._tracer is not None:  # still open: released before it ended
-                self._tracer.end(room, "released before it finished")
+                self._tracer.end(room, "released before it finished", FailureReason.RELEASED_EARLY)
         self._writer.forget_room(room)
 
     def rooms_in_flight(self) -> frozenset[int]:
@@ -666,7 +666,7 @@ class PrefillTransfers:
                 state.failure = reason
                 state.kind = kind or classify(reason)
                 if self._tracer is not None:
-                    self._tracer.end(room, reason)
+                    self._tracer.end(room, reason, state.kind)
                 self._ended(state)
                 logger.warning("room %d failed on prefill: %s", room, reason, extra={"room": room})
                 self._cond.notify_all()
@@ -801,7 +801,7 @@ class PrefillTransfers:
         state.failure = reason
         state.kind = kind or classify(reason)
         if self._tracer is not None:
-            self._tracer.end(room, reason)
+            self._tracer.end(room, reason, state.kind)
         self._ended(state)
         self._cond.notify_all()
         logger.warning("room %d failed on prefill: %s", room, reason, extra={"room": room})

@@ -45,7 +45,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 import torch
 
@@ -87,6 +87,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_wall_clock: Final = time.time
+"""A room's end in wall time (for its transfer record; the latency uses ``time.monotonic``)."""
 
 WAIT_SLICE_S = 0.01
 """``wait_room`` re-checks finished scatters at least this often (CUDA events complete
@@ -748,7 +751,7 @@ class DecodeStagingHandler:
             state.pending_events.clear()
             del self._rooms[room]
             if self._tracer is not None:  # still open: released before it ended
-                self._tracer.end(room, "released before it finished")
+                self._tracer.end(room, "released before it finished", FailureReason.RELEASED_EARLY)
             self._resend.cancel_room(room)
             owner = _owner(state.plan)
             left = self._rooms_per_peer.get(owner, 1) - 1
@@ -1325,7 +1328,7 @@ class DecodeStagingHandler:
             state.status = RoomStatus.SUCCESS
             if not state.ended:
                 state.ended = True
-                state.ended_at = (time.monotonic(), time.time())
+                state.ended_at = (time.monotonic(), _wall_clock())
                 start = state.first_request
                 latency = None if start is None else self._clock() - start
                 self._tally.ended(Outcome.SUCCESS, latency_s=latency)
@@ -1352,10 +1355,10 @@ class DecodeStagingHandler:
         state.failure = reason
         state.kind = kind or classify(reason)
         if self._tracer is not None:
-            self._tracer.end(state.plan.room, reason)
+            self._tracer.end(state.plan.room, reason, state.kind)
         if not state.ended:
             state.ended = True
-            state.ended_at = (time.monotonic(), time.time())
+            state.ended_at = (time.monotonic(), _wall_clock())
             self._tally.ended(Outcome.FAILED, state.kind)
         self._resend.cancel_room(state.plan.room)
         self._idle.notify_all()
