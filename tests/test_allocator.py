@@ -297,3 +297,37 @@ def test_buffer_lives_on_the_given_device() -> None:
     assert ring.buffer.device == torch.device("meta")
     assert ring.buffer.shape == (16,)
     assert repr(ring).startswith("StagingAllocator(total_size=16, device=meta, live=0,")
+
+
+def test_in_use_bytes_leave_out_regions_waiting_for_the_bytes_under_them() -> None:
+    """Overcommit: a region of the next round over a live one is reserved, not in use, until
+    the bytes under it are freed; the bytes in use never exceed the ring."""
+    ring = StagingAllocator(100)
+    first, second = take(ring, 60), take(ring, 40)
+    ahead = take(ring, 50)  # round 1, over `first`: waits for it
+    assert (ring.live_bytes, ring.in_use_bytes) == (150, 100)
+    ring.free(first.alloc_id)  # the watermark passes `ahead`'s end: writable now
+    assert (ring.live_bytes, ring.in_use_bytes) == (90, 90)
+    ring.free(second.alloc_id)
+    ring.free(ahead.alloc_id)
+    assert (ring.live_bytes, ring.in_use_bytes) == (0, 0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(min_value=1, max_value=64),
+    st.lists(st.tuples(st.sampled_from(["assign", "free"]), st.integers(1, 64)), max_size=60),
+)
+def test_in_use_bytes_never_exceed_the_ring(total_size: int, ops: list[tuple[str, int]]) -> None:
+    """Whatever the order of assigns and frees, the bytes in use fit the ring and are part of
+    the bytes reserved."""
+    ring = StagingAllocator(total_size)
+    live: list[Allocation] = []
+    for op, n in ops:
+        if op == "assign":
+            allocation = ring.assign(n)
+            if allocation is not None:
+                live.append(allocation)
+        elif live:
+            ring.free(live.pop(n % len(live)).alloc_id)
+        assert 0 <= ring.in_use_bytes <= min(total_size, ring.live_bytes)

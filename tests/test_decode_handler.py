@@ -33,6 +33,7 @@ from staging_contracts.decode.handler import (
     peers_for,
 )
 from staging_contracts.decode.rooms import ChunkRegion
+from staging_contracts.outcomes import FailureReason, RoomFailure
 from staging_contracts.protocols import Allocation, KVBufferTensors
 from staging_contracts.staging.allocator import StagingAllocator
 from staging_contracts.staging.ordering import HostOrdering
@@ -335,10 +336,13 @@ def test_registering_twice_keeps_the_first_registration() -> None:
     ],
 )
 def test_a_bad_plan_fails_its_room_with_the_reason(room_plan: RoomPlan, reason: str) -> None:
-    """Every kind of bad plan fails the room at registration and says why."""
+    """Every kind of bad plan fails the room at registration and says why: a refusal
+    (typed there, whatever the wording), also in the room tally the metrics export."""
     r = rig(4, 1, 4)
     assert r.handler.register_room(room_plan) is RoomStatus.FAILED
     assert r.handler.room_failure(1) == reason
+    assert r.handler.room_failure_record(1) == RoomFailure(FailureReason.REFUSED, reason)
+    assert r.handler.room_tally().ended == (("failed", str(FailureReason.REFUSED), 1),)
     assert r.handler.poll_room(1) is RoomStatus.FAILED
     assert r.handler.live_rooms == 1
     assert r.handler.fenced_rooms == {}
@@ -456,11 +460,20 @@ def test_request_for_another_session_is_refused_without_failing_the_room() -> No
 
 
 def test_request_for_a_failed_room_is_refused() -> None:
-    """Once the room failed, every STAGING_REQ gets the -2 answer."""
+    """Once the room failed, every STAGING_REQ gets the -2 answer, the room's ROOM_FAILED
+    (its cause) going first, once: the writer fails the room for that cause, not as a
+    refusal."""
     r = rig()
     r.handler.register_room(plan(1))
+    opening = r.handler.opening(1)
+    assert opening is not None
     r.handler.fail_room(1, "gone")
     r.sender.take()
+    assert r.req(1, 0) is StagingReqOutcome.REJECTED
+    sent = r.sender.take()
+    assert [endpoint for endpoint, _ in sent] == [P0, P0]
+    assert RoomFailed.from_frames(sent[0][1]) == RoomFailed(1, "gone", opening, ME)
+    assert sent[1][1] == refusal(1, 0)
     assert r.req(1, 0) is StagingReqOutcome.REJECTED
     assert r.sender.take() == [(P0, refusal(1, 0))]
     assert r.handler.room_failure(1) == "gone"

@@ -87,6 +87,49 @@ def test_request_goes_through_every_state_and_lands_bit_exact() -> None:
         for sender in senders:
             sender.release()
         assert c.handlers[0].allocator.live_count == 0
+        # Released: the records are those kept at the end, not a failure of an unknown room.
+        kept = [x.get_transfer_metric() for x in senders] + [receiver.get_transfer_metric()]
+        assert kept == records
+
+
+def test_a_record_not_asked_for_before_release_is_kept_by_it() -> None:
+    """``release`` keeps the record of a room that ended; one that had not ended has none."""
+    with sides(Geometry(1, 1, 2)) as s:
+        c = s.cluster
+        request = c.add_request(58, num_pages=4, chunk_pages=2)
+        c.handlers[0].release_room(58)
+        receiver = KVReceiver(s.decode[0], 58)
+        receiver.init(request.decode_pages, chunk_pages=2)
+        receiver.send_metadata()
+        sender = KVSender(s.prefill[0], 58)
+        sender.init(4, c.targets)
+        for chunk in request.chunks():
+            sender.send(chunk.pages, last=chunk.chunk_idx == 1)
+        assert wait_states([sender]) == [KVPoll.Success]
+        assert wait_states([receiver]) == [KVPoll.Success]
+        sender.release()
+        receiver.release()
+        for record in (sender.get_transfer_metric(), receiver.get_transfer_metric()):
+            assert record is not None
+            assert record.outcome is Outcome.SUCCESS
+        idle = KVSender(s.prefill[0], 59)
+        idle.init(4, c.targets)
+        idle.release()
+        assert idle.get_transfer_metric() is None
+
+
+def test_a_room_in_flight_when_the_transfers_close_fails_as_draining() -> None:
+    """Closing ``PrefillTransfers`` with a room in flight ends it (failed, draining): it is
+    counted and its record says so."""
+    with sides(Geometry(1, 1, 2)) as s:
+        sender = KVSender(s.prefill[0], 57)
+        sender.init(2, s.cluster.targets)
+        s.prefill[0].close()
+        assert sender.poll() is KVPoll.Failed
+        record = sender.get_transfer_metric()
+        assert record is not None
+        assert record.reason is FailureReason.DRAINING
+        assert s.prefill[0].room_tally().ended == (("failed", str(FailureReason.DRAINING), 1),)
 
 
 def test_wait_wakes_when_the_request_ends(monkeypatch: pytest.MonkeyPatch) -> None:

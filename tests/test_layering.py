@@ -56,7 +56,9 @@ ALLOWED: Final[dict[str, frozenset[str]]] = {
     "decode": frozenset(
         {"staging", "control", "config", "tracing", "outcomes", "protocols", "stats"}
     ),
-    "prefill": frozenset({"staging", "control", "config", "tracing", "protocols", "stats"}),
+    "prefill": frozenset(
+        {"staging", "control", "config", "tracing", "outcomes", "protocols", "stats"}
+    ),
     "mixin": frozenset({"contract", "control", "protocols", "stats"}),
     "backends": _BELOW_BACKENDS,
     "run": _BELOW_BACKENDS | {"backends"},

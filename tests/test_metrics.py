@@ -100,7 +100,8 @@ def test_a_transfer_moves_every_series_and_the_sides_agree() -> None:
     )
     assert rsps >= 3
     assert value(after, "staging_contracts_ring_capacity_bytes", role="decode") == 1 << 20
-    assert value(after, "staging_contracts_ring_bytes_in_use", role="decode") == 0
+    assert value(after, "staging_contracts_ring_in_use_bytes", role="decode") == 0
+    assert value(after, "staging_contracts_ring_reserved_bytes", role="decode") == 0
     for name in (
         "staging_contracts_malformed_messages_total",
         "staging_contracts_unauthorized_messages_total",
@@ -126,7 +127,7 @@ def test_a_failed_room_is_counted_by_its_reason() -> None:
         samples,
         "staging_contracts_rooms_ended_total",
         outcome="failed",
-        reason=str(FailureReason.NO_ROOM_META),
+        reason=FailureReason.NO_ROOM_META.label,
     )
     assert failed == 1
     assert value(samples, "staging_contracts_room_latency_seconds_count") == 0
@@ -168,3 +169,61 @@ def test_room_latencies_fall_into_their_buckets() -> None:
     assert snap.latency_buckets[-1] == 1
     assert sum(snap.latency_buckets) == snap.latency_count == 2
     assert snap.ended == (("failed", "stalled", 1), ("success", "", 2))
+
+
+def test_each_side_exports_only_its_series_and_the_engine_by_name() -> None:
+    """Decode has no staged bytes, prefill no ring, scatters or fences; the ``engine`` label
+    is the engine's name (as the CLI's relay gives it), not its class; a prefill manager
+    registered without ``transfers=`` has them found."""
+    with sides(Geometry(1, 1, 2)) as s:
+        registry = CollectorRegistry()
+        register(s.cluster.decode[0], registry)
+        register(s.cluster.prefill[0], registry)
+        samples = scrape(registry)
+    by_role: dict[str, set[str]] = {}
+    for name, labels, _ in samples:
+        by_role.setdefault(labels["role"], set()).add(name)
+        assert labels["engine"] == "local", (name, labels)
+    decode_only = {
+        "staging_contracts_scattered_bytes_total",
+        "staging_contracts_ring_in_use_bytes",
+        "staging_contracts_ring_reserved_bytes",
+        "staging_contracts_ring_capacity_bytes",
+        "staging_contracts_fences_outstanding",
+    }
+    assert decode_only <= by_role["decode"]
+    assert not decode_only & by_role["prefill"]
+    assert "staging_contracts_staged_bytes_total" in by_role["prefill"]
+    assert "staging_contracts_staged_bytes_total" not in by_role["decode"]
+    # The prefill's transfers were found: its latency histogram is exported.
+    assert "staging_contracts_room_latency_seconds_count" in by_role["prefill"]
+
+
+def test_a_prefill_without_its_transfers_is_refused() -> None:
+    """Registering a prefill manager before its ``PrefillTransfers`` exist would export no
+    rooms nor latency, silently: it is refused, saying what to do."""
+    from staging_contracts.backends.common import Role
+    from staging_contracts.backends.local import LocalKVManager
+    from staging_contracts.testing import DecodeSetup
+
+    setup = DecodeSetup()
+    manager = LocalKVManager(setup.kv_args, role=Role.PREFILL, attn_tp_size=1)
+    try:
+        with pytest.raises(ValueError, match="transfers="):
+            register(manager, CollectorRegistry())
+    finally:
+        manager.close()
+
+
+def test_without_prometheus_client_the_error_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The extra's install command is in the ImportError."""
+    import sys
+
+    for name in [n for n in sys.modules if n.split(".")[0] == "prometheus_client"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "staging_contracts.metrics.collector")
+    with sides(Geometry(1, 1, 2)) as s, pytest.raises(ImportError) as caught:
+        register(s.cluster.decode[0], CollectorRegistry())
+    assert "pip install 'staging-contracts[metrics]'" in str(caught.value)

@@ -58,7 +58,7 @@ def test_every_demo_rank_reports_its_rooms_chunks_and_bytes() -> None:
     staged = snaps["prefill", 0].staged_bytes + snaps["prefill", 1].staged_bytes
     assert staged == result.bytes_moved > 0
     assert snaps["decode", 0].scattered_bytes == staged
-    assert snaps["decode", 0].ring_bytes_in_use == 0
+    assert snaps["decode", 0].ring_in_use_bytes == 0
 
 
 def test_the_demo_command_serves_its_metrics_on_the_port_it_is_given(

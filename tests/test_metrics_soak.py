@@ -125,7 +125,7 @@ def test_a_soak_serves_every_rank_and_its_final_series_agree_with_the_summary() 
         == result.rooms_succeeded * (config.transfer().request_bytes)
     )
     assert total(final, "staging_contracts_scattered_bytes_total", role="decode") == staged
-    assert total(final, "staging_contracts_ring_bytes_in_use") == result.ring_live_bytes_end == 0
+    assert total(final, "staging_contracts_ring_in_use_bytes") == result.ring_live_bytes_end == 0
     assert total(final, "staging_contracts_ring_capacity_bytes", role="decode") > 0
     assert total(final, "staging_contracts_fences_outstanding") == result.fenced_rooms_end
     assert total(final, "staging_contracts_unauthorized_messages_total") == result.unauthorized

@@ -28,6 +28,7 @@ from staging_contracts.control.wire import (
     WatermarkUpdate,
     decode_message,
 )
+from staging_contracts.outcomes import FailureReason
 from staging_contracts.prefill import writer as writer_module
 from staging_contracts.prefill.books import RegionAnswerTable, WatermarkTracker
 from staging_contracts.prefill.writer import (
@@ -644,6 +645,17 @@ def test_an_engine_error_fails_the_chunk_with_its_cause(r: Rig) -> None:
         r.writer.send_chunk(1, ChunkSpec(0, 0, (1, 2)), r.targets)
     assert info.value.__cause__ is error
     assert info.value.reason == "chunk 0: engine write failed: peer gone"
+    assert info.value.kind is FailureReason.ENGINE_ERROR
+
+
+def test_an_engine_error_is_typed_whatever_the_engine_says(r: Rig) -> None:
+    """An engine that reports its failure as a timeout is still an engine error (the label
+    is set where the write failed, not read from the engine's words)."""
+    r.answer(1, 0, 0, 1024)
+    r.engine.error = TransferError("transfer timed out")
+    with pytest.raises(StagingFailed) as info:
+        r.writer.send_chunk(1, ChunkSpec(0, 0, (1, 2)), r.targets)
+    assert info.value.kind is FailureReason.ENGINE_ERROR
     assert r.writer.bytes_written == 0
     assert r.sender.kinds() == [StagingReq.WIRE_TYPE]
 

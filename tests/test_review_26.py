@@ -80,7 +80,7 @@ def test_ring_bytes_in_use_never_exceeds_the_ring() -> None:
         peak = 0
         while time.monotonic() < deadline:  # prefill prefetches the rooms' regions
             snap = snapshot_of(c.decode[0])
-            peak = max(peak, snap.ring_bytes_in_use)
+            peak = max(peak, snap.ring_in_use_bytes)
             time.sleep(0.05)
         assert peak <= snap.ring_capacity_bytes, (peak, snap.ring_capacity_bytes)
 

@@ -1,10 +1,15 @@
 """Typed room outcomes: why a room failed (:class:`FailureReason`) and what one transfer did
 (:class:`TransferRecord`).
 
-The library's failure messages stay free text (they name ranks, rooms and timeouts);
-:func:`classify` maps such a message to its :class:`FailureReason` by its innermost cause, so
-a reason passed on by the other side (``"decode failed the room: prefill writer rank 0 ... is
-dead"``) counts as that cause (``PEER_DEAD``). :class:`RoomFailure` carries both.
+The library's failure messages stay free text (they name ranks, rooms and timeouts), and each
+site where the library fails a room itself sets its :class:`FailureReason` there (an engine
+write that failed is ``ENGINE_ERROR`` whatever the engine's message says). Only a reason that
+comes from the other side as text (``ROOM_FAILED``) is read back by :func:`classify`, by its
+innermost cause, so ``"decode failed the room: prefill writer rank 0 ... is dead"`` counts as
+that cause (``PEER_DEAD``). :class:`RoomFailure` carries both.
+
+Metrics label a reason by :attr:`FailureReason.label` (``peer_dead``, ``no_room_meta``: the
+Prometheus convention); the enum's values are the text the soak's summary shows.
 
 **Threads:** everything here is immutable or pure; any thread.
 """
@@ -15,11 +20,12 @@ import enum
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["FailureReason", "Outcome", "RoomFailure", "TransferRecord", "classify"]
+__all__ = ["FailureReason", "Outcome", "RoomEnd", "RoomFailure", "TransferRecord", "classify"]
 
 
 class FailureReason(enum.StrEnum):
-    """Why a room failed; the value is the label metrics and the soak summary show."""
+    """Why a room failed; the value is the text the soak summary shows, :attr:`label` the
+    metrics' ``reason`` label."""
 
     PEER_DEAD = "peer dead"
     """A peer rank went silent past the liveness timeout, or its endpoint is gone."""
@@ -30,9 +36,13 @@ class FailureReason(enum.StrEnum):
     TIMEOUT = "timeout"
     """A prefill deadline passed (room never writable, or no progress before the deadline)."""
     ENGINE_ERROR = "engine error"
-    """The transfer engine failed a write."""
+    """The transfer engine failed a write (whatever its message says: a write the engine
+    reports as timed out is an engine error, not a prefill ``TIMEOUT``), or decode's scatter
+    of a staged chunk into its KV pool failed (a device error)."""
     REFUSED = "refused"
-    """The room's registration or a request for it was refused."""
+    """The room's registration or a request for it was refused: the room does not fit the
+    rank (its plan, or no endpoint for one of its prefill writers), the rank does not know
+    the room (``unknown room``: never opened, or released), or decode refused a chunk."""
     UNAUTHORIZED = "unauthorized"
     """A message for the room came from a sender the listener does not accept."""
     RELEASED_EARLY = "released early"
@@ -52,6 +62,11 @@ class FailureReason(enum.StrEnum):
     OTHER = "other"
     """None of the above (the detail says what)."""
 
+    @property
+    def label(self) -> str:
+        """The metrics' ``reason`` label: the member's name in snake case (``peer_dead``)."""
+        return self.name.lower()
+
 
 class Outcome(enum.StrEnum):
     """How a room ended."""
@@ -60,10 +75,12 @@ class Outcome(enum.StrEnum):
     FAILED = "failed"
 
 
-# Ordered: the first group with a needle in the lowered message wins. "draining" before
-# "refused" (a room refused while draining is DRAINING), "dead" causes before the
-# wrappers that pass them on.
+# Ordered: the first group with a needle in the lowered message wins. An engine's or a
+# scatter's failure first (the engine's own words, "timed out", "is dead", do not pick the
+# label), "draining" before "refused" (a room refused while draining is DRAINING), "dead"
+# causes before the wrappers that pass them on.
 _NEEDLES: Final = (
+    (FailureReason.ENGINE_ERROR, ("engine write failed", "engine error", "scatter of chunk")),
     (FailureReason.DRAINING, ("draining",)),
     (FailureReason.PEER_DEAD, ("is dead", "peer dead", "is gone", "declared dead")),
     (FailureReason.STALLED, ("no progress for", "taken back with room")),
@@ -72,9 +89,11 @@ _NEEDLES: Final = (
         FailureReason.TIMEOUT,
         ("before the deadline", "never became writable", "without progress", "timed out"),
     ),
-    (FailureReason.ENGINE_ERROR, ("engine write failed", "engine error")),
     (FailureReason.UNAUTHORIZED, ("unauthorized",)),
-    (FailureReason.REFUSED, ("refused",)),
+    (
+        FailureReason.REFUSED,
+        ("refused", "unknown room", "room unknown on decode", "no endpoint registered"),
+    ),
     (FailureReason.RELEASED_EARLY, ("released before it finished",)),
     (FailureReason.RANK_ERROR, ("rank error",)),
     (FailureReason.FENCED, ("fenced the room",)),
@@ -105,6 +124,20 @@ class RoomFailure:
     def from_detail(cls, detail: str) -> RoomFailure:
         """The failure of a free-text message (its reason by :func:`classify`)."""
         return cls(classify(detail), detail)
+
+
+@dataclass(frozen=True, slots=True)
+class RoomEnd:
+    """How a room ended on one rank, stamped when it ended (its :class:`TransferRecord`'s
+    end, whenever the record is asked for)."""
+
+    succeeded: bool
+    failure: RoomFailure | None
+    """Why it failed (``None`` if it succeeded), typed where it failed."""
+    end_monotonic: float
+    end_wall: float
+    chunks: int
+    bytes: int | None
 
 
 @dataclass(frozen=True, slots=True)

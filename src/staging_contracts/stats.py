@@ -15,7 +15,23 @@ __all__ = [
     "StagingStats",
 ]
 
-LATENCY_BUCKETS_S: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LATENCY_BUCKETS_S: Final = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 """Upper bounds (seconds) of the room latency histogram's buckets (a last one is +Inf)."""
 
 

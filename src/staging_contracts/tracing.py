@@ -28,7 +28,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Final
 
-from .outcomes import Outcome, classify
+from .outcomes import FailureReason, Outcome, classify
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer, TracerProvider
@@ -99,9 +99,10 @@ class RoomTracer:
         if span is not None:
             span.add_event("chunk", {"staging.chunk": chunk_idx, "staging.pages": pages})
 
-    def end(self, room: int, failure: str | None) -> None:
+    def end(self, room: int, failure: str | None, reason: FailureReason | None = None) -> None:
         """End the room's open span: succeeded (``failure`` is ``None``) or failed (nothing
-        without an open span)."""
+        without an open span); ``reason``: the failure's, as the room's book typed it
+        (``None``: read from ``failure``)."""
         with self._lock:
             span = self._spans.pop(room, None)
         if span is None:
@@ -112,7 +113,8 @@ class RoomTracer:
             span.set_attribute("staging.outcome", Outcome.SUCCESS.value)
         else:
             span.set_attribute("staging.outcome", Outcome.FAILED.value)
-            span.set_attribute("staging.failure_reason", classify(failure).value)
+            kind = reason if reason is not None else classify(failure)
+            span.set_attribute("staging.failure_reason", kind.value)
             span.set_attribute("staging.failure_detail", failure)
             span.set_status(Status(StatusCode.ERROR, failure))
         span.end()

@@ -132,6 +132,12 @@ class DrainGate:
         if draining:
             book.refuse_new_rooms(DRAINING_REFUSAL, self._note_refused)
 
+    @property
+    def books(self) -> tuple[RoomBook, ...]:
+        """The books joined so far (e.g. for metrics to find a prefill's transfers)."""
+        with self._lock:
+            return tuple(self._books)
+
     def rooms_in_flight(self) -> int:
         """Rooms opened and not yet ended, over every book. **Blocking:** no."""
         with self._lock:

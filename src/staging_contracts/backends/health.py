@@ -49,5 +49,7 @@ class ManagerHealth:
 
     @property
     def ok(self) -> bool:
-        """Listening, not closed and no watched peer dead."""
-        return self.listener_alive and not self.closed and not self.dead_peers
+        """Ready for new rooms: listening, not closed, not draining (a draining manager
+        refuses every new room, so a readiness probe must take it out of rotation) and no
+        watched peer dead."""
+        return self.listener_alive and not self.closed and not self.draining and not self.dead_peers

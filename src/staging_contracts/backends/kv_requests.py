@@ -39,7 +39,14 @@ from ..decode.handler import (
     RoomStatus,
     peers_for,
 )
-from ..outcomes import Outcome, RoomFailure, TransferRecord, classify
+from ..outcomes import (
+    FailureReason,
+    Outcome,
+    RoomEnd,
+    RoomFailure,
+    TransferRecord,
+    classify,
+)
 from ..prefill.writer import ChunkSpec, DecodeTarget, StagingFailed, StagingWriter
 from ..protocols import KVArgs
 from ..stats import RoomTally, RoomTallySnapshot
@@ -93,6 +100,8 @@ class _SendState:
     last_submitted: bool = False
     status: KVPoll = KVPoll.Bootstrapping
     failure: str | None = None
+    kind: FailureReason | None = None
+    """Why it failed, typed where it failed (set with ``failure``)."""
     openings: dict[int, int] = field(default_factory=dict)
     """Decode rank -> its opening of the room (from its ``ROOM_META``)."""
     told: set[int] = field(default_factory=set)
@@ -101,10 +110,16 @@ class _SendState:
     """When ``open_room`` created it (its first ``STAGING_REQ`` goes out then), for latency."""
     ended: bool = False
     """Its end was counted in the room tally."""
+    ended_at: tuple[float, float] | None = None
+    """When it succeeded or failed (``time.monotonic()``, ``time.time()``)."""
     chunks_written: int = 0
     """Chunks this rank wrote for the room (every decode rank's share of each)."""
     bytes_written: int = 0
     """Bytes this rank wrote for the room, over every decode rank it feeds."""
+
+
+CLOSED_IN_FLIGHT: Final = "draining: the transfers closed with the room in flight"
+"""The failure reason of a room still in flight when :meth:`PrefillTransfers.close` ran."""
 
 
 @dataclass
@@ -289,7 +304,7 @@ class PrefillTransfers:
             if self._refusal is not None:
                 reason, refused = self._refusal
                 refused(room)
-                self._fail(room, state, reason)
+                self._fail(room, state, reason, FailureReason.DRAINING)
                 return
             self._check_meta(state)
             prefetch = self._take_prefetch(state)
@@ -325,6 +340,33 @@ class PrefillTransfers:
                 return KVPoll.Failed, "unknown room"
             return state.status, state.failure
 
+    def failure_of(self, room: int) -> RoomFailure | None:
+        """Why the room failed, typed where it failed (``None``: it did not, or unknown)."""
+        with self._cond:
+            state = self._rooms.get(room)
+            if state is None or state.failure is None:
+                return None
+            return RoomFailure(state.kind or classify(state.failure), state.failure)
+
+    def room_end(self, room: int) -> RoomEnd | None:
+        """How the room ended, stamped then (``None``: not ended, or unknown room).
+        **Called by:** :meth:`KVSender.get_transfer_metric`, any thread."""
+        with self._cond:
+            state = self._rooms.get(room)
+            if state is None or state.ended_at is None:
+                return None
+            failure = None
+            if state.status is not KVPoll.Success:
+                detail = state.failure or ""
+                failure = RoomFailure(state.kind or classify(detail), detail)
+            return RoomEnd(
+                state.status is KVPoll.Success,
+                failure,
+                *state.ended_at,
+                state.chunks_written,
+                state.bytes_written,
+            )
+
     def written(self, room: int) -> tuple[int, int] | None:
         """``(chunks, bytes)`` this rank wrote for the room so far (``None``: unknown room).
         **Called by:** :meth:`KVSender.get_transfer_metric`, any thread."""
@@ -358,7 +400,7 @@ class PrefillTransfers:
         with self._cond:
             self._rooms.pop(room, None)
             if self._tracer is not None:  # still open: released before it ended
-                self._tracer.end(room, "released before it finished")
+                self._tracer.end(room, "released before it finished", FailureReason.RELEASED_EARLY)
         self._writer.forget_room(room)
 
     def rooms_in_flight(self) -> frozenset[int]:
@@ -401,16 +443,25 @@ class PrefillTransfers:
         if state.ended:
             return
         state.ended = True
+        state.ended_at = (time.monotonic(), time.time())
         if state.status is KVPoll.Success:
-            self._tally.ended(Outcome.SUCCESS, latency_s=time.monotonic() - state.opened)
+            self._tally.ended(Outcome.SUCCESS, latency_s=state.ended_at[0] - state.opened)
         else:
-            self._tally.ended(Outcome.FAILED, classify(state.failure or ""))
+            kind = state.kind or classify(state.failure or "")
+            self._tally.ended(Outcome.FAILED, kind)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the worker after the queued chunks; safe to call twice."""
+        """Stop the worker after the queued chunks, then fail the rooms still in flight
+        (reason :data:`CLOSED_IN_FLIGHT`, *draining*: their spans end and they are counted);
+        safe to call twice."""
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join(timeout)
+        with self._cond:
+            done = (KVPoll.Success, KVPoll.Failed)
+            for room, state in list(self._rooms.items()):
+                if state.status not in done:
+                    self._fail(room, state, CLOSED_IN_FLIGHT, FailureReason.DRAINING)
 
     # ------------------------------------------------------------------ listener thread
 
@@ -605,15 +656,17 @@ class PrefillTransfers:
         """The writer's news: decode fenced the room, or one of its decode ranks died."""
         self._lose(room, reason)
 
-    def _lose(self, room: int, reason: str) -> None:
-        """Fail a room that the other side gave up or lost (nothing is sent back)."""
+    def _lose(self, room: int, reason: str, kind: FailureReason | None = None) -> None:
+        """Fail a room that the other side gave up or lost (nothing is sent back);
+        ``kind``: its reason, ``None`` to read it from ``reason`` (another side's words)."""
         with self._cond:
             state = self._rooms.get(room)
             if state is not None and state.status is not KVPoll.Failed:
                 state.status = KVPoll.Failed
                 state.failure = reason
+                state.kind = kind or classify(reason)
                 if self._tracer is not None:
-                    self._tracer.end(room, reason)
+                    self._tracer.end(room, reason, state.kind)
                 self._ended(state)
                 logger.warning("room %d failed on prefill: %s", room, reason, extra={"room": room})
                 self._cond.notify_all()
@@ -634,7 +687,7 @@ class PrefillTransfers:
             try:
                 self._stage(job)
             except StagingFailed as exc:
-                self._fail_job(job, exc.reason)
+                self._fail_job(job, exc.reason, exc.kind)
             except Exception as exc:  # any error fails this room, never the worker
                 logger.exception(
                     "room %d chunk %d: staging failed",
@@ -658,11 +711,11 @@ class PrefillTransfers:
         except queue.Empty:
             return stop
 
-    def _fail_job(self, job: _Job, reason: str) -> None:
+    def _fail_job(self, job: _Job, reason: str, kind: FailureReason | None = None) -> None:
         with self._cond:
             state = self._rooms.get(job.room)
             if state is job.opened and state.status is not KVPoll.Failed:
-                self._fail(job.room, state, reason)
+                self._fail(job.room, state, reason, kind)
 
     def _next_job(self, pending: list[_Job]) -> _Job | None:
         """The oldest job that can go now (or must fail now); re-requests for the others."""
@@ -704,7 +757,7 @@ class PrefillTransfers:
             if state is not job.opened or state.status is KVPoll.Failed:
                 return
             if state.fed is None or not state.fed <= state.ready:
-                raise StagingFailed(room, "decode never sent ROOM_META")
+                raise StagingFailed(room, "decode never sent ROOM_META", FailureReason.NO_ROOM_META)
             expected = min(state.chunk_pages or 0, state.num_pages - chunk.page_start)
             if len(chunk.pages) != expected:
                 raise StagingFailed(
@@ -718,6 +771,7 @@ class PrefillTransfers:
                 room,
                 f"chunk {chunk.chunk_idx}: no region or ring space for "
                 f"{self._writer.timeouts.deadline_s}s without progress",
+                FailureReason.TIMEOUT,
             )
         written = self._writer.send_chunk(room, chunk, decode)
         with self._cond:
@@ -738,12 +792,16 @@ class PrefillTransfers:
                 self._ended(state)
             self._cond.notify_all()
 
-    def _fail(self, room: int, state: _SendState, reason: str) -> None:
-        """Fail a room and tell the decode ranks it feeds (lock held)."""
+    def _fail(
+        self, room: int, state: _SendState, reason: str, kind: FailureReason | None = None
+    ) -> None:
+        """Fail a room and tell the decode ranks it feeds (lock held); ``kind``: why, where
+        the caller knows it (``None``: read from ``reason``)."""
         state.status = KVPoll.Failed
         state.failure = reason
+        state.kind = kind or classify(reason)
         if self._tracer is not None:
-            self._tracer.end(room, reason)
+            self._tracer.end(room, reason, state.kind)
         self._ended(state)
         self._cond.notify_all()
         logger.warning("room %d failed on prefill: %s", room, reason, extra={"room": room})
@@ -784,34 +842,33 @@ class PrefillTransfers:
 
 
 class _TransferClock:
-    """Start and end times of one request, for its :class:`TransferRecord`."""
+    """Start time of one request and, once it ended, its :class:`TransferRecord` (kept: after
+    ``release`` the record is the one kept then, or ``None``)."""
 
     def __init__(self, room: int) -> None:
         self.room = room
         self.start: tuple[float, float] | None = None
         self.record: TransferRecord | None = None
+        self.released = False
 
     def started(self) -> None:
         self.start = (time.monotonic(), time.time())
+        self.record = None
+        self.released = False
 
-    def ended(
-        self, state: KVPoll, failure: str | None, moved: tuple[int, int] | None
-    ) -> TransferRecord | None:
-        """The record once ``state`` is terminal (kept from the first time it is);
-        ``moved``: ``(chunks, bytes)`` the rank moved for the room (``None``: not known)."""
-        terminal = state is KVPoll.Success or state is KVPoll.Failed
-        if self.record is None and self.start is not None and terminal:
-            chunks, size = (0, None) if moved is None else moved
+    def ended(self, end: RoomEnd | None) -> TransferRecord | None:
+        """The record of the room's end as its book stamped it (kept from the first time)."""
+        if self.record is None and self.start is not None and end is not None:
             self.record = TransferRecord(
                 self.room,
-                size,
-                chunks,
+                end.bytes,
+                end.chunks,
                 self.start[0],
-                time.monotonic(),
+                end.end_monotonic,
                 self.start[1],
-                time.time(),
-                Outcome.SUCCESS if state is KVPoll.Success else Outcome.FAILED,
-                None if failure is None else RoomFailure.from_detail(failure),
+                end.end_wall,
+                Outcome.SUCCESS if end.succeeded else Outcome.FAILED,
+                end.failure,
             )
         return self.record
 
@@ -858,20 +915,27 @@ class KVSender:
         return self._transfers.status(self.room)[1]
 
     def failure_record(self) -> RoomFailure | None:
-        """Why the request failed, typed (``None`` if it did not)."""
+        """Why the request failed, typed where it failed (``None`` if it did not)."""
+        failure = self._transfers.failure_of(self.room)
+        if failure is not None:
+            return failure
         detail = self.failure()
         return None if detail is None else RoomFailure.from_detail(detail)
 
     def get_transfer_metric(self) -> TransferRecord | None:
         """What the request's transfer did, once it ended (``None`` before): ``chunks`` and
         ``bytes`` this rank wrote for it, over every decode rank it feeds (K and V, every
-        layer). **Called by:** the scheduler, any thread; kept from the first call after the
-        end (call it before :meth:`release`)."""
-        state, failure = self._transfers.status(self.room)
-        return self._clock.ended(state, failure, self._transfers.written(self.room))
+        layer); its end and latency are the room's (stamped when it ended, not when asked).
+        **Called by:** the scheduler, any thread. After :meth:`release`, the record kept
+        then (``None`` if the room had not ended)."""
+        if self._clock.released:
+            return self._clock.record
+        return self._clock.ended(self._transfers.room_end(self.room))
 
     def release(self) -> None:
-        """Forget the request (after success or failure)."""
+        """Forget the request (after success or failure); its record is kept."""
+        self.get_transfer_metric()
+        self._clock.released = True
         self._transfers.close_room(self.room)
 
 
@@ -920,6 +984,8 @@ class KVReceiver:
         self._meta_sent = False
         self._failure_reported = False
         self._clock = _TransferClock(room)
+        self._refused: RoomEnd | None = None
+        """The end of a registration refused at ``init`` (not kept by the handler)."""
 
     def init(
         self, page_indices: Sequence[int], *, chunk_pages: int, prefix_tokens: int = 0
@@ -927,10 +993,15 @@ class KVReceiver:
         """Register the room on decode (before its metadata goes to prefill)."""
         t = self._transfers
         self._clock.started()
+        self._refused = None
         self._plan = RoomPlan(
             self.room, tuple(page_indices), chunk_pages, t.prefill_tp, t.peers, prefix_tokens
         )
-        t.handler.register_room(self._plan)
+        status = t.handler.register_room(self._plan)
+        if status is RoomStatus.FAILED and t.handler.room_end(self.room) is None:
+            # Refused, not kept by the handler: the room ended here.
+            failure = t.handler.room_failure_record(self.room)
+            self._refused = RoomEnd(False, failure, time.monotonic(), time.time(), 0, None)
 
     def send_metadata(self) -> None:
         """Tell the prefill ranks feeding this decode rank that the room is ready."""
@@ -975,21 +1046,30 @@ class KVReceiver:
         return self._transfers.handler.room_failure(self.room)
 
     def failure_record(self) -> RoomFailure | None:
-        """Why the request failed, typed (``None`` if it did not)."""
+        """Why the request failed, typed where it failed (``None`` if it did not)."""
+        failure = self._transfers.handler.room_failure_record(self.room)
+        if failure is not None:
+            return failure
         detail = self.failure()
         return None if detail is None else RoomFailure.from_detail(detail)
 
     def get_transfer_metric(self) -> TransferRecord | None:
         """What the request's transfer did on this rank, once it ended (``None`` before):
         ``chunks`` and ``bytes`` scattered into this rank's KV pool for it (every writer's,
-        K and V, every layer). **Called by:** the scheduler, any thread; kept from the first
-        call after the end (call it before :meth:`release`)."""
-        moved = self._transfers.handler.room_scattered(self.room)
-        return self._clock.ended(self.poll(), self.failure(), moved)
+        K and V, every layer); its end and latency are the room's (stamped when it ended,
+        not when asked). **Called by:** the scheduler, any thread. After :meth:`release`,
+        the record kept then (``None`` if the room had not ended)."""
+        if self._clock.released:
+            return self._clock.record
+        end = self._refused or self._transfers.handler.room_end(self.room)
+        return self._clock.ended(end)
 
     def release(self) -> None:
-        """Tear the room down on decode (frees any ring regions it still holds)."""
+        """Tear the room down on decode (frees any ring regions it still holds); its record
+        is kept."""
+        self.get_transfer_metric()
         self._transfers.handler.release_room(self.room)
+        self._clock.released = True
 
     def _report_failure(self) -> None:
         if self._failure_reported:

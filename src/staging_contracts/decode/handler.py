@@ -45,7 +45,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 import torch
 
@@ -56,7 +56,7 @@ from ..control.resend import DEFAULT_RESEND_S, ResendBox
 from ..control.room_messages import RoomFailed, RoomFailedAck, RoomFence, RoomFenced
 from ..control.transport import PeerSockets
 from ..control.wire import StagingRsp, WatermarkUpdate
-from ..outcomes import Outcome, classify
+from ..outcomes import FailureReason, Outcome, RoomEnd, RoomFailure, classify
 from ..protocols import ArrivalOutcome, KVBufferTensors, StagingReqOutcome, Watermark
 from ..staging.allocator import StagingAllocator
 from ..staging.layout import (
@@ -87,6 +87,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_wall_clock: Final = time.time
+"""A room's end in wall time (for its transfer record; the latency uses ``time.monotonic``)."""
 
 WAIT_SLICE_S = 0.01
 """``wait_room`` re-checks finished scatters at least this often (CUDA events complete
@@ -437,7 +440,7 @@ class DecodeStagingHandler:
             self._watch(peer.endpoint for peer in plan.peers)
             problem = self._plan_problem(plan)
             if problem is not None:
-                self._fail(state, problem)
+                self._fail(state, problem, FailureReason.REFUSED)
                 return state.status
             state.writer_ranks = frozenset(
                 prefill_ranks_for_decode(plan.prefill_tp, self._decode_tp, self._decode_rank)
@@ -445,10 +448,16 @@ class DecodeStagingHandler:
             unanswered = sorted(state.writer_ranks - {peer.tp_rank for peer in plan.peers})
             dead = [peer for peer in plan.peers if self._is_dead(peer.endpoint)]
             if unanswered:
-                self._fail(state, f"no endpoint registered for prefill writer ranks {unanswered}")
+                self._fail(
+                    state,
+                    f"no endpoint registered for prefill writer ranks {unanswered}",
+                    FailureReason.REFUSED,
+                )
             elif dead:  # declared dead already: liveness will not say it again
                 self._fail(
-                    state, f"prefill writer rank {dead[0].tp_rank} ({dead[0].endpoint}) is dead"
+                    state,
+                    f"prefill writer rank {dead[0].tp_rank} ({dead[0].endpoint}) is dead",
+                    FailureReason.PEER_DEAD,
                 )
             return state.status
 
@@ -638,6 +647,41 @@ class DecodeStagingHandler:
             state = self._rooms.get(room)
             return None if state is None else (state.chunks_scattered, state.bytes_scattered)
 
+    def room_end(self, room: int) -> RoomEnd | None:
+        """How the room ended, stamped when it did (``None``: not shown ended yet, see
+        :meth:`poll_room`, or not registered). **Called by:** the decode scheduler (a
+        transfer record), any thread."""
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is None or state.ended_at is None:
+                return None
+            shown = _shown(state)
+            if shown not in (RoomStatus.SUCCESS, RoomStatus.FAILED):
+                return None
+            failure = None
+            if shown is RoomStatus.FAILED:
+                detail = state.failure or ""
+                failure = RoomFailure(state.kind or classify(detail), detail)
+            return RoomEnd(
+                shown is RoomStatus.SUCCESS,
+                failure,
+                *state.ended_at,
+                state.chunks_scattered,
+                state.bytes_scattered,
+            )
+
+    def room_failure_record(self, room: int) -> RoomFailure | None:
+        """:meth:`room_failure` typed where the room failed (a refused registration's reason
+        read from its text)."""
+        with self._lock:
+            state = self._rooms.get(room)
+            if state is None:
+                refused = self._refused.get(room)
+                return None if refused is None else RoomFailure.from_detail(refused)
+            if _shown(state) is not RoomStatus.FAILED or state.failure is None:
+                return None
+            return RoomFailure(state.kind or classify(state.failure), state.failure)
+
     def room_failure(self, room: int) -> str | None:
         """Why a failed room failed, or its registration was refused (``None`` if it did not,
         is unknown, or is not shown failed yet: see :meth:`poll_room`)."""
@@ -701,13 +745,13 @@ class DecodeStagingHandler:
                     )
                 self._idle.wait(min(remaining, WAIT_SLICE_S))
             if state.regions:
-                self._fail(state, "released before it finished")
+                self._fail(state, "released before it finished", FailureReason.RELEASED_EARLY)
             for alloc_id in state.held_allocations():
                 self._free(alloc_id)
             state.pending_events.clear()
             del self._rooms[room]
             if self._tracer is not None:  # still open: released before it ended
-                self._tracer.end(room, "released before it finished")
+                self._tracer.end(room, "released before it finished", FailureReason.RELEASED_EARLY)
             self._resend.cancel_room(room)
             owner = _owner(state.plan)
             left = self._rooms_per_peer.get(owner, 1) - 1
@@ -785,6 +829,7 @@ class DecodeStagingHandler:
                         state,
                         f"no STAGING_REQ for {self._room_timeout}s (a lost ROOM_META or "
                         "ROOM_FAILED, or a prefill that never started the room)",
+                        FailureReason.ROOM_BOUND,
                     )
                     continue
                 if state.status is not RoomStatus.TRANSFERRING or not state.regions:
@@ -796,6 +841,7 @@ class DecodeStagingHandler:
                     self._fail(
                         state,
                         f"no progress for {self._stall_timeout}s while holding a writable region",
+                        FailureReason.STALLED,
                     )
                     stalled.setdefault(_owner(state.plan), state.plan.room)
                     freed = True
@@ -839,6 +885,7 @@ class DecodeStagingHandler:
                     f"taken back with room {room}: its prefill instance left a writable region "
                     f"unwritten for {self._stall_timeout}s, and this room's regions were never "
                     "written either",
+                    FailureReason.STALLED,
                 )
 
     def _idle_region(self, region: ChunkRegion, now: float) -> bool:
@@ -898,7 +945,12 @@ class DecodeStagingHandler:
                 state.last_progress = self._clock()
             if state.first_request is None:
                 state.first_request = self._clock()
+            failed = state.failure if state.status is RoomStatus.FAILED else None
             outcome = self._answer_request(state, chunk_idx, num_pages, session_id, pp_rank, out)
+        if failed is not None:
+            # The room failed here earlier: its ROOM_FAILED (the cause) goes before the
+            # refusal, so the writer fails the room for that cause, not as "refused".
+            self.report_failure(room, failed)
         self._flush(out)
         self._send_fences()
         return outcome
@@ -1114,7 +1166,9 @@ class DecodeStagingHandler:
                     self._free(alloc.alloc_id)
                 elif known:
                     state.pending_events.append((token, alloc.alloc_id))
-                self._fail(state, f"scatter of chunk {chunk_idx} failed: {exc}")
+                self._fail(
+                    state, f"scatter of chunk {chunk_idx} failed: {exc}", FailureReason.ENGINE_ERROR
+                )
                 self._idle.notify_all()
             self._broadcast_watermark()
             return ArrivalOutcome.REJECTED
@@ -1248,7 +1302,11 @@ class DecodeStagingHandler:
                     continue
                 dead = [p.tp_rank for p in state.plan.peers if p.endpoint == endpoint]
                 if dead:
-                    self._fail(state, f"prefill writer rank {dead[0]} ({endpoint}) is dead")
+                    self._fail(
+                        state,
+                        f"prefill writer rank {dead[0]} ({endpoint}) is dead",
+                        FailureReason.PEER_DEAD,
+                    )
                     freed = True
             for fence in list(self._fences.values()):
                 ranks = [rank for rank, e in fence.awaiting.items() if e == endpoint]
@@ -1270,6 +1328,7 @@ class DecodeStagingHandler:
             state.status = RoomStatus.SUCCESS
             if not state.ended:
                 state.ended = True
+                state.ended_at = (time.monotonic(), _wall_clock())
                 start = state.first_request
                 latency = None if start is None else self._clock() - start
                 self._tally.ended(Outcome.SUCCESS, latency_s=latency)
@@ -1289,14 +1348,18 @@ class DecodeStagingHandler:
             self._idle.notify_all()  # a failed room may be drained now (see _shown)
         return bool(done)
 
-    def _fail(self, state: RoomState, reason: str) -> None:
+    def _fail(self, state: RoomState, reason: str, kind: FailureReason | None = None) -> None:
+        """Fail the room; ``kind``: why, where the caller knows it (``None``: read from
+        ``reason``, e.g. a prefill's ``ROOM_FAILED`` text)."""
         state.status = RoomStatus.FAILED
         state.failure = reason
+        state.kind = kind or classify(reason)
         if self._tracer is not None:
-            self._tracer.end(state.plan.room, reason)
+            self._tracer.end(state.plan.room, reason, state.kind)
         if not state.ended:
             state.ended = True
-            self._tally.ended(Outcome.FAILED, classify(reason))
+            state.ended_at = (time.monotonic(), _wall_clock())
+            self._tally.ended(Outcome.FAILED, state.kind)
         self._resend.cancel_room(state.plan.room)
         self._idle.notify_all()
         endpoints = {peer.tp_rank: peer.endpoint for peer in state.plan.peers}

@@ -9,6 +9,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..outcomes import FailureReason
 from ..protocols import Allocation
 
 if TYPE_CHECKING:
@@ -106,6 +107,10 @@ class RoomState:
     last_progress: float
     status: RoomStatus = RoomStatus.REGISTERED
     failure: str | None = None
+    kind: FailureReason | None = None
+    """Why it failed, typed where it failed (set with ``failure``)."""
+    ended_at: tuple[float, float] | None = None
+    """When it succeeded or failed (``time.monotonic()``, ``time.time()``)."""
     regions: dict[int, ChunkRegion] = field(default_factory=dict)
     """Chunks with a live region, waiting for their writers."""
     consumed: set[int] = field(default_factory=set)

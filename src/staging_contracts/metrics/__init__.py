@@ -12,13 +12,16 @@ Imported by: cluster, cli, and hosts that export metrics.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import threading
+import weakref
+from typing import TYPE_CHECKING, Final
 
 from .snapshot import (
     SCHEMA,
     ControlCount,
     MetricsSnapshot,
     RoomCount,
+    engine_name,
     snapshot_of,
 )
 
@@ -34,9 +37,17 @@ __all__ = [
     "ControlCount",
     "MetricsSnapshot",
     "RoomCount",
+    "engine_name",
     "register",
     "snapshot_of",
 ]
+
+INSTALL_HINT: Final = "pip install 'staging-contracts[metrics]'"
+"""How to install what :func:`register` needs."""
+
+_lock = threading.Lock()
+_collectors: weakref.WeakKeyDictionary[object, StagingCollector] = weakref.WeakKeyDictionary()
+"""Registry -> its one staging collector (every manager registered there shares it)."""
 
 
 def register(
@@ -52,8 +63,11 @@ def register(
 
     Nothing is counted for the metrics: each scrape reads the counters the library keeps
     anyway (:func:`snapshot_of`). Call it once per manager, after the staging set-up
-    (``enable_decode_staging`` / ``enable_prefill_staging``); on prefill pass the
-    ``PrefillTransfers`` too, whose rooms are counted there.
+    (``enable_decode_staging`` / ``enable_prefill_staging``) and, on prefill, after the
+    ``PrefillTransfers`` were made (its rooms are counted there: found from the manager when
+    ``transfers`` is not given). Several managers may share a registry: it gets one collector
+    that exports one family per series, a sample per manager (registering a manager again
+    replaces its labels).
 
     **Side:** either. **Called by:** the host, once, on any thread; the collector then runs on
     the thread that serves the scrape (``prometheus_client``'s HTTP thread), reading the
@@ -65,24 +79,52 @@ def register(
         transfers: the prefill side's ``PrefillTransfers`` (rooms ended, latency).
         role: the ``role`` label; the manager's role if ``None``.
         rank: the ``rank`` label; the manager's engine rank if ``None``.
-        engine: the ``engine`` label; the engine's class name if ``None``.
+        engine: the ``engine`` label; the engine's name (``"local"``, ``"mooncake"``,
+            ``"nixl"``, as the CLI's relay labels it) if ``None``.
 
     Returns:
-        The collector (``registry.unregister(collector)`` removes it).
+        The registry's staging collector, shared by the managers registered there
+        (``collector.remove(manager)`` stops exporting one).
 
     Raises:
-        ImportError: ``prometheus_client`` is not installed (``pip install
-            staging-contracts[metrics]``).
+        ImportError: ``prometheus_client`` is not installed (the message says
+            ``pip install 'staging-contracts[metrics]'``).
+        ValueError: a prefill manager with no ``transfers`` given and no ``PrefillTransfers``
+            made for it yet (its rooms and latency would never be exported).
     """
-    from .collector import StagingCollector  # noqa: PLC0415 - the optional extra
+    try:
+        from .collector import StagingCollector  # noqa: PLC0415 - the optional extra
+    except ImportError as exc:
+        raise ImportError(
+            f"staging_contracts.metrics.register needs prometheus_client: {INSTALL_HINT}"
+        ) from exc
+    if transfers is None and manager.role.value == "prefill":
+        transfers = _transfers_of(manager)
 
     def read() -> list[MetricsSnapshot]:
         return [snapshot_of(manager, transfers=transfers, role=role, rank=rank, engine=engine)]
 
-    collector = StagingCollector(read)
     if registry is None:
         from prometheus_client import REGISTRY  # noqa: PLC0415 - the optional extra
 
         registry = REGISTRY
-    registry.register(collector)
+    with _lock:
+        collector = _collectors.get(registry)
+        if collector is None:
+            collector = _collectors[registry] = StagingCollector()
+            registry.register(collector)
+        collector.add(manager, read)
     return collector
+
+
+def _transfers_of(manager: CommonKVManager) -> PrefillTransfers:
+    """The ``PrefillTransfers`` made for a prefill manager (it joined the drain gate)."""
+    from ..backends.kv_requests import PrefillTransfers  # noqa: PLC0415 - prefill only
+
+    found = [book for book in manager.drain_gate.books if isinstance(book, PrefillTransfers)]
+    if len(found) != 1:
+        raise ValueError(
+            f"register(prefill manager): {len(found)} PrefillTransfers made for it; make them "
+            "first or pass transfers= (a prefill's rooms and latency are counted there)"
+        )
+    return found[0]

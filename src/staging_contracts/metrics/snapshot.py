@@ -20,15 +20,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from ..decode.handler import DecodeStagingHandler
+from ..engines import ENGINES
 from ..stats import LATENCY_BUCKETS_S
 
 if TYPE_CHECKING:
     from ..backends.common import CommonKVManager
     from ..backends.kv_requests import PrefillTransfers
 
-__all__ = ["SCHEMA", "ControlCount", "MetricsSnapshot", "RoomCount", "snapshot_of"]
+__all__ = ["SCHEMA", "ControlCount", "MetricsSnapshot", "RoomCount", "engine_name", "snapshot_of"]
 
-SCHEMA: Final = 1
+SCHEMA: Final = 2
 """Version of :meth:`MetricsSnapshot.to_json`'s layout (``from_json`` refuses another)."""
 
 _BUCKETS: Final = len(LATENCY_BUCKETS_S) + 1
@@ -60,6 +61,9 @@ class MetricsSnapshot:
     role: str
     rank: int
     engine: str
+    side: str = ""
+    """The manager's own role (``"prefill"`` or ``"decode"``, whatever the ``role`` label
+    says): which series apply (decode has no staged bytes, prefill no ring)."""
     staged_bytes: int = 0
     """Prefill: bytes written into decode rings (every decode rank fed counts)."""
     scattered_bytes: int = 0
@@ -71,8 +75,12 @@ class MetricsSnapshot:
     """Successful rooms per latency bucket (not cumulative; ``LATENCY_BUCKETS_S``, +Inf)."""
     latency_sum_s: float = 0.0
     latency_count: int = 0
-    ring_bytes_in_use: int = 0
-    """Decode: ring bytes assigned and not yet freed."""
+    ring_in_use_bytes: int = 0
+    """Decode: ring bytes in use now, at most the ring's size (the regions their writers may
+    write; see :attr:`~staging_contracts.staging.allocator.StagingAllocator.in_use_bytes`)."""
+    ring_reserved_bytes: int = 0
+    """Decode: bytes of the regions assigned and not yet freed. The ring overcommits (regions
+    of the next round are handed out over ones still in use), so this may exceed the ring."""
     ring_capacity_bytes: int = 0
     """Decode: the ring's size."""
     control: tuple[ControlCount, ...] = ()
@@ -93,6 +101,7 @@ class MetricsSnapshot:
             "role": self.role,
             "rank": self.rank,
             "engine": self.engine,
+            "side": self.side,
             "staged_bytes": self.staged_bytes,
             "scattered_bytes": self.scattered_bytes,
             "chunks": self.chunks,
@@ -100,7 +109,8 @@ class MetricsSnapshot:
             "latency_buckets": list(self.latency_buckets),
             "latency_sum_s": self.latency_sum_s,
             "latency_count": self.latency_count,
-            "ring_bytes_in_use": self.ring_bytes_in_use,
+            "ring_in_use_bytes": self.ring_in_use_bytes,
+            "ring_reserved_bytes": self.ring_reserved_bytes,
             "ring_capacity_bytes": self.ring_capacity_bytes,
             "control": [[c.kind, c.count] for c in self.control],
             "malformed": self.malformed,
@@ -140,7 +150,8 @@ class MetricsSnapshot:
                 "scattered_bytes",
                 "chunks",
                 "latency_count",
-                "ring_bytes_in_use",
+                "ring_in_use_bytes",
+                "ring_reserved_bytes",
                 "ring_capacity_bytes",
                 "malformed",
                 "unauthorized",
@@ -152,6 +163,7 @@ class MetricsSnapshot:
         return cls(
             role=_str(doc, "role"),
             engine=_str(doc, "engine"),
+            side=_str(doc, "side"),
             rooms=rooms,
             latency_buckets=buckets,
             latency_sum_s=float(total),
@@ -200,7 +212,8 @@ def snapshot_of(
 
     The decode handler is the one attached to ``manager`` (none before the staging set-up:
     its series read 0). The labels default to the manager's role, engine rank and engine
-    class name.
+    name (``"local"``, ``"mooncake"``, ``"nixl"``: the name the CLI's ``--backend`` takes; an
+    engine not among :data:`~staging_contracts.engines.ENGINES` by its class name).
 
     **Called by:** a metrics collector or a rank's reporting loop, any thread. **Blocking:**
     no (short lock holds for copies).
@@ -209,11 +222,13 @@ def snapshot_of(
     staging = manager.staging_stats()  # type: ignore[attr-defined]
     handler = getattr(manager, "_staging_handler", None)
     tally = None
-    staged = scattered = chunks = in_use = capacity = fences = 0
+    staged = scattered = chunks = in_use = reserved = capacity = fences = 0
     if isinstance(handler, DecodeStagingHandler):
         tally = handler.room_tally()
         scattered, chunks = handler.scattered_bytes, handler.chunks_scattered
-        in_use, capacity = handler.allocator.live_bytes, handler.allocator.total_size
+        allocator = handler.allocator
+        in_use, reserved = allocator.in_use_bytes, allocator.live_bytes
+        capacity = allocator.total_size
         fences = len(handler.fenced_rooms)
     if transfers is not None:
         tally = transfers.room_tally()
@@ -222,7 +237,8 @@ def snapshot_of(
     return MetricsSnapshot(
         role=role if role is not None else manager.role.value,
         rank=rank if rank is not None else manager.kv_args.engine_rank,
-        engine=engine if engine is not None else type(manager.engine).__name__,
+        engine=engine if engine is not None else engine_name(manager.engine),
+        side=manager.role.value,
         staged_bytes=staged,
         scattered_bytes=scattered,
         chunks=chunks,
@@ -230,7 +246,8 @@ def snapshot_of(
         latency_buckets=(0,) * _BUCKETS if tally is None else tally.latency_buckets,
         latency_sum_s=0.0 if tally is None else tally.latency_sum_s,
         latency_count=0 if tally is None else tally.latency_count,
-        ring_bytes_in_use=in_use,
+        ring_in_use_bytes=in_use,
+        ring_reserved_bytes=reserved,
         ring_capacity_bytes=capacity,
         control=control,
         malformed=listener.malformed,
@@ -239,3 +256,13 @@ def snapshot_of(
         peers_declared_dead=manager.liveness.declared_dead,
         fences_outstanding=fences,
     )
+
+
+def engine_name(engine: object) -> str:
+    """The name of ``engine`` as :data:`~staging_contracts.engines.ENGINES` (and the CLI's
+    ``--backend``) spell it (``"nixl"``), else its class name."""
+    cls = type(engine)
+    for name, spec in ENGINES.items():
+        if spec.class_name == cls.__name__ and spec.module == cls.__module__:
+            return name
+    return cls.__name__

@@ -52,6 +52,7 @@ from ..control.liveness import PeerLiveness
 from ..control.room_messages import RoomFence, RoomFenced
 from ..control.transport import PeerSockets
 from ..control.wire import ChunkReady, StagingReq
+from ..outcomes import FailureReason
 from ..protocols import (
     ArrivalMode,
     KVBufferTensors,
@@ -118,12 +119,15 @@ class StagingFailed(RuntimeError):
     Attributes:
         room: the room.
         reason: what went wrong.
+        kind: why, typed where the writer knows it (an engine write that failed is
+            ``ENGINE_ERROR`` whatever the engine said); ``None``: read from ``reason``.
     """
 
-    def __init__(self, room: int, reason: str) -> None:
+    def __init__(self, room: int, reason: str, kind: FailureReason | None = None) -> None:
         super().__init__(f"room {room}: {reason}")
         self.room = room
         self.reason = reason
+        self.kind = kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -765,7 +769,9 @@ class StagingWriter:
             )
         except TransferError as exc:
             raise StagingFailed(
-                room, f"chunk {chunk.chunk_idx}: engine write failed: {exc}"
+                room,
+                f"chunk {chunk.chunk_idx}: engine write failed: {exc}",
+                FailureReason.ENGINE_ERROR,
             ) from exc
         finally:
             with self._fence_lock:
@@ -822,7 +828,9 @@ class StagingWriter:
             if answer is not None:
                 if answer.refused:
                     raise StagingFailed(
-                        room, f"decode refused chunk {chunk_idx} (offset {answer.offset})"
+                        room,
+                        f"decode refused chunk {chunk_idx} (offset {answer.offset})",
+                        FailureReason.REFUSED,
                     )
                 return answer
             now = time.monotonic()

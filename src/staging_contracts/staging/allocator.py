@@ -147,6 +147,20 @@ class StagingAllocator:
             return self._live_bytes
 
     @property
+    def in_use_bytes(self) -> int:
+        """Bytes of the ring in use now: the live allocations the watermark lets their
+        writers write (those of a later round that still wait for the bytes under them are
+        not counted). They never overlap, so this is at most :attr:`total_size`, unlike
+        :attr:`live_bytes`. O(live allocations): for monitoring, not the hot path."""
+        with self._lock:
+            watermark = self._watermark
+            return sum(
+                self._sizes[alloc_id]
+                for alloc_id, (alloc_round, offset) in self._live.items()
+                if is_watermark_ready(watermark, alloc_round, offset + self._sizes[alloc_id])
+            )
+
+    @property
     def peak_bytes(self) -> int:
         """The most bytes ever reserved at once: the **reserved peak**, the most of
         :attr:`live_bytes`. Regions of later rounds count from their ``assign``, before
