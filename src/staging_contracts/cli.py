@@ -13,7 +13,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .cluster import logformat
 from .cluster.summary_json import (
@@ -435,7 +435,9 @@ def _run_demo(args: argparse.Namespace) -> int:
         placement_from_args,
         run_demo,
     )
-    from .cluster.preflight import preflight  # noqa: PLC0415 - heavy imports
+    from .cluster.metrics_relay import check_metrics_available  # noqa: PLC0415
+    from .cluster.preflight import ignored_variables, preflight  # noqa: PLC0415 - heavy imports
+    from .config import RING_BYTES  # noqa: PLC0415
 
     _local_modules_importable()
     try:
@@ -444,31 +446,44 @@ def _run_demo(args: argparse.Namespace) -> int:
         preflight(config, ignore_memory=args.ignore_memory)
         if args.json:
             check_target(args.json)
-    except ValueError as exc:
+        if args.metrics_port is not None:
+            check_metrics_available()
+    except ValueError as exc:  # a ConfigError (a bad variable) is one too
         print(f"staging-contracts demo: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    for warning in ignored_variables({RING_BYTES: _RING_FIXED}):
+        _progress(f"staging-contracts demo: {warning}")
     return run_demo(
         config, placement=placement, json_path=args.json, metrics_port=args.metrics_port
     )
 
 
 def _run_soak(args: argparse.Namespace) -> int:
-    from .cluster.preflight import check_backend  # noqa: PLC0415
+    from .cluster.metrics_relay import check_metrics_available  # noqa: PLC0415
+    from .cluster.preflight import check_backend, ignored_variables  # noqa: PLC0415
     from .cluster.soak import run_soak  # noqa: PLC0415 - heavy imports
     from .cluster.soak_report import config_from_args, format_summary  # noqa: PLC0415
     from .cluster.stop_signals import exit_status  # noqa: PLC0415
     from .cluster.summary_json import soak_summary  # noqa: PLC0415
+    from .config import INTEGRITY, RING_BYTES, Setting  # noqa: PLC0415
     from .control.security import SecurityError  # noqa: PLC0415
 
     _local_modules_importable()
     try:
-        config = config_from_args(args)
+        config = config_from_args(args)  # checks every variable first (check_environment)
         check_backend(config.backend)
         if args.json:
             check_target(args.json)
-    except ValueError as exc:
+        if args.metrics_port is not None:
+            check_metrics_available()
+    except ValueError as exc:  # a ConfigError (a bad variable) is one too
         print(f"staging-contracts soak: {exc}", file=sys.stderr)
-        return EXIT_UNIMPORTABLE
+        return EXIT_USAGE
+    fixed: dict[Setting[Any], str] = {RING_BYTES: _RING_FIXED}
+    if config.integrity:
+        fixed[INTEGRITY] = "the pause and forge faults need the integrity check on"
+    for warning in ignored_variables(fixed):
+        _progress(f"staging-contracts soak: {warning}")
     _progress(
         f"soak over {config.backend}: {config.prefill_instances} x {config.prefill_tp} prefill "
         f"-> {config.decode_tp} decode ranks, {config.duration_s:g} s, "
@@ -578,7 +593,20 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+_RING_FIXED = (
+    "the ring holds --ring-chunks regions of the largest chunk (the soak: 4), as the memory "
+    "check counts it"
+)
+"""Why ``demo`` and ``soak`` size the ring themselves (``STAGING_CONTRACTS_RING_BYTES`` is
+ignored there, with a warning)."""
+
+
 def _progress(message: str) -> None:
+    """A progress (or fault, or warning) line of a command, on stderr with the log lines:
+    plain text, or with ``--log-format json`` one JSON log object (logger
+    ``staging_contracts.cli``, level INFO), so that stderr is JSON throughout."""
+    if os.environ.get(logformat.LOG_FORMAT_ENV) == "json":
+        message = logformat.json_line(message, logger="staging_contracts.cli")
     print(message, file=sys.stderr, flush=True)
 
 
