@@ -9,6 +9,7 @@ is shown only with ``--debug`` (or ``STAGING_CONTRACTS_DEBUG=1``), for bug repor
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import traceback
@@ -452,7 +453,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         print(f"staging-contracts demo: {exc}", file=sys.stderr)
         return EXIT_USAGE
     for warning in ignored_variables({RING_BYTES: _RING_FIXED}):
-        _progress(f"staging-contracts demo: {warning}")
+        _progress(f"staging-contracts demo: {warning}", logging.WARNING)
     return run_demo(
         config, placement=placement, json_path=args.json, metrics_port=args.metrics_port
     )
@@ -483,7 +484,7 @@ def _run_soak(args: argparse.Namespace) -> int:
     if config.integrity:
         fixed[INTEGRITY] = "the pause and forge faults need the integrity check on"
     for warning in ignored_variables(fixed):
-        _progress(f"staging-contracts soak: {warning}")
+        _progress(f"staging-contracts soak: {warning}", logging.WARNING)
     _progress(
         f"soak over {config.backend}: {config.prefill_instances} x {config.prefill_tp} prefill "
         f"-> {config.decode_tp} decode ranks, {config.duration_s:g} s, "
@@ -601,12 +602,12 @@ _RING_FIXED = (
 ignored there, with a warning)."""
 
 
-def _progress(message: str) -> None:
+def _progress(message: str, level: int = logging.INFO) -> None:
     """A progress (or fault, or warning) line of a command, on stderr with the log lines:
     plain text, or with ``--log-format json`` one JSON log object (logger
-    ``staging_contracts.cli``, level INFO), so that stderr is JSON throughout."""
+    ``staging_contracts.cli``), so that stderr is JSON throughout."""
     if os.environ.get(logformat.LOG_FORMAT_ENV) == "json":
-        message = logformat.json_line(message, logger="staging_contracts.cli")
+        message = logformat.json_line(message, logger="staging_contracts.cli", level=level)
     print(message, file=sys.stderr, flush=True)
 
 
