@@ -107,12 +107,11 @@ def test_a_soak_option_comes_from_the_command_line_then_the_variable_then_the_so
 
 
 def test_a_variable_the_command_fixes_is_named_in_a_warning() -> None:
-    fixed = {config.RING_BYTES: "the ring holds --ring-chunks regions"}
+    fixed = {config.RING_BYTES: "the command sizes the ring"}
     assert ignored_variables(fixed, environ={}) == []
     assert ignored_variables(fixed, environ={"STAGING_CONTRACTS_RING_BYTES": " "}) == []
     assert ignored_variables(fixed, environ={"STAGING_CONTRACTS_RING_BYTES": "4096"}) == [
-        "warning: STAGING_CONTRACTS_RING_BYTES=4096 is ignored here: the ring holds "
-        "--ring-chunks regions"
+        "warning: STAGING_CONTRACTS_RING_BYTES=4096 is ignored here: the command sizes the ring"
     ]
 
 

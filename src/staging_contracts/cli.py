@@ -147,7 +147,10 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
             "Fill each prefill rank's KV pool with seeded data, stage R requests into the "
             "decode ranks through the chosen engine, and verify every decode page. "
             "Exit 0 only when every page verified. Options the layout, the engine or this "
-            "machine's memory cannot serve are refused before any process starts."
+            "machine's memory cannot serve are refused before any process starts, as is a bad "
+            "STAGING_CONTRACTS_* variable. Prefill's chunk bounds take their variables, else "
+            "the demo's own (deadline 60 s); the ring is sized by the demo (4 regions of the "
+            "largest chunk): STAGING_CONTRACTS_RING_BYTES is ignored, with a warning."
         ),
         epilog=_examples(
             "staging-contracts demo",
@@ -595,8 +598,8 @@ def _cuda_available() -> bool:
 
 
 _RING_FIXED = (
-    "the ring holds --ring-chunks regions of the largest chunk (the soak: 4), as the memory "
-    "check counts it"
+    "the ring holds 4 regions of the largest chunk (TransferConfig.ring_chunks), as the "
+    "memory check counts it"
 )
 """Why ``demo`` and ``soak`` size the ring themselves (``STAGING_CONTRACTS_RING_BYTES`` is
 ignored there, with a warning)."""
