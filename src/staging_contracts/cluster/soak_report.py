@@ -364,8 +364,8 @@ class SoakConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
         if not 0 < self.liveness_interval_s < self.liveness_timeout_s:
             raise ValueError(
-                f"liveness_interval_s={self.liveness_interval_s!r} must be > 0 and below "
-                f"liveness_timeout_s={self.liveness_timeout_s!r}"
+                f"liveness_interval_s={self.liveness_interval_s!r} (the ping interval) must be "
+                f"> 0 and below liveness_timeout_s={self.liveness_timeout_s!r}"
             )
         ring_bytes(self.transfer())  # raises ValueError for a TP pair the heads do not allow
 
