@@ -336,13 +336,16 @@ def _one_line(text: str) -> str:
 
 
 def check_environment(
-    liveness_timeout_s: float | None = None, environ: Mapping[str, str] | None = None
+    liveness_timeout_s: float | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    timeout_source: str = "the command's",
 ) -> None:
     """Refuse, in the driver and before any rank process starts, a ``STAGING_CONTRACTS_*``
     variable of the settings table (:data:`~staging_contracts.config.SETTINGS`) that a rank
     would refuse: each is read as the rank's constructor reads it, and the liveness interval
     must stay below the liveness timeout (``liveness_timeout_s``: the command's, when it
-    sets one; else the variable's or the default).
+    sets one, named in a message as ``timeout_source``; else the variable's or the default).
 
     **Called by:** ``demo`` (through :func:`preflight`) and ``soak``, at start.
     **Blocking:** no.
@@ -358,7 +361,7 @@ def check_environment(
     timeout = settings.LIVENESS_TIMEOUT_S.value(liveness_timeout_s, environ)
     if not timeout > interval:
         shown_timeout = (
-            f"{liveness_timeout_s:g} s, the command's"
+            f"{liveness_timeout_s:g} s, {timeout_source}"
             if liveness_timeout_s is not None
             else settings.LIVENESS_TIMEOUT_S.source(environ=environ)
         )

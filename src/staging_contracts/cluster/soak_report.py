@@ -244,12 +244,15 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
         ValueError: an unknown fault (the message names the valid ones), or a value out of
             range.
     """
-    liveness_timeout_s = (
-        args.liveness_timeout
-        if args.liveness_timeout is not None
-        else settings.LIVENESS_TIMEOUT_S.value_or(SOAK_LIVENESS_TIMEOUT_S)
-    )
-    check_environment(liveness_timeout_s=liveness_timeout_s)  # names the variable if it is one
+    if args.liveness_timeout is not None:
+        liveness_timeout_s = args.liveness_timeout
+        check_environment(liveness_timeout_s, timeout_source="--liveness-timeout")
+    elif settings.LIVENESS_TIMEOUT_S.from_env() is not None:
+        liveness_timeout_s = settings.LIVENESS_TIMEOUT_S.value()
+        check_environment()  # the timeout is the variable's, and named so
+    else:
+        liveness_timeout_s = SOAK_LIVENESS_TIMEOUT_S
+        check_environment(liveness_timeout_s, timeout_source="the soak's default")
     return SoakConfig(
         backend=args.backend,
         duration_s=args.duration,
