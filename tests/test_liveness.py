@@ -128,8 +128,22 @@ def test_a_failing_subscriber_does_not_stop_the_others() -> None:
 
 def test_bad_bounds_are_refused() -> None:
     """The timeout must exceed the interval."""
-    with pytest.raises(ValueError, match=r"^interval_s=1.0 must be > 0 and timeout_s=1.0"):
+    with pytest.raises(
+        ValueError, match=r"^the liveness interval \(interval_s=1.0\) .* \(timeout_s=1.0\)$"
+    ):
         PeerLiveness(RecordingSender(), "e", interval_s=1.0, timeout_s=1.0)
+
+
+def test_bad_bounds_from_the_environment_name_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An interval that came from the environment is named by its variable (the operator set
+    it there, not in code), the timeout by its argument."""
+    monkeypatch.setenv("STAGING_CONTRACTS_LIVENESS_INTERVAL_S", "4")
+    with pytest.raises(ValueError, match="liveness interval") as caught:
+        PeerLiveness(RecordingSender(), "e", timeout_s=3.0)
+    assert "STAGING_CONTRACTS_LIVENESS_INTERVAL_S=4" in str(caught.value)
+    assert "timeout_s=3.0" in str(caught.value)
 
 
 # --------------------------------------------------------------------------- the per-peer switch

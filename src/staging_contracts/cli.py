@@ -9,11 +9,12 @@ is shown only with ``--debug`` (or ``STAGING_CONTRACTS_DEBUG=1``), for bug repor
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .cluster import logformat
 from .cluster.summary_json import (
@@ -146,7 +147,10 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
             "Fill each prefill rank's KV pool with seeded data, stage R requests into the "
             "decode ranks through the chosen engine, and verify every decode page. "
             "Exit 0 only when every page verified. Options the layout, the engine or this "
-            "machine's memory cannot serve are refused before any process starts."
+            "machine's memory cannot serve are refused before any process starts, as is a bad "
+            "STAGING_CONTRACTS_* variable. Prefill's chunk bounds take their variables, else "
+            "the demo's own (deadline 60 s); the ring is sized by the demo (4 regions of the "
+            "largest chunk): STAGING_CONTRACTS_RING_BYTES is ignored, with a warning."
         ),
         epilog=_examples(
             "staging-contracts demo",
@@ -435,7 +439,9 @@ def _run_demo(args: argparse.Namespace) -> int:
         placement_from_args,
         run_demo,
     )
-    from .cluster.preflight import preflight  # noqa: PLC0415 - heavy imports
+    from .cluster.metrics_relay import check_metrics_available  # noqa: PLC0415
+    from .cluster.preflight import ignored_variables, preflight  # noqa: PLC0415 - heavy imports
+    from .config import RING_BYTES  # noqa: PLC0415
 
     _local_modules_importable()
     try:
@@ -444,31 +450,44 @@ def _run_demo(args: argparse.Namespace) -> int:
         preflight(config, ignore_memory=args.ignore_memory)
         if args.json:
             check_target(args.json)
-    except ValueError as exc:
+        if args.metrics_port is not None:
+            check_metrics_available()
+    except ValueError as exc:  # a ConfigError (a bad variable) is one too
         print(f"staging-contracts demo: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    for warning in ignored_variables({RING_BYTES: _RING_FIXED}):
+        _progress(f"staging-contracts demo: {warning}", logging.WARNING)
     return run_demo(
         config, placement=placement, json_path=args.json, metrics_port=args.metrics_port
     )
 
 
 def _run_soak(args: argparse.Namespace) -> int:
-    from .cluster.preflight import check_backend  # noqa: PLC0415
+    from .cluster.metrics_relay import check_metrics_available  # noqa: PLC0415
+    from .cluster.preflight import check_backend, ignored_variables  # noqa: PLC0415
     from .cluster.soak import run_soak  # noqa: PLC0415 - heavy imports
     from .cluster.soak_report import config_from_args, format_summary  # noqa: PLC0415
     from .cluster.summary_json import soak_summary  # noqa: PLC0415
+    from .config import INTEGRITY, RING_BYTES, Setting  # noqa: PLC0415
     from .control.security import SecurityError  # noqa: PLC0415
     from .run import exit_status  # noqa: PLC0415
 
     _local_modules_importable()
     try:
-        config = config_from_args(args)
+        config = config_from_args(args)  # checks every variable first (check_environment)
         check_backend(config.backend)
         if args.json:
             check_target(args.json)
-    except ValueError as exc:
+        if args.metrics_port is not None:
+            check_metrics_available()
+    except ValueError as exc:  # a ConfigError (a bad variable) is one too
         print(f"staging-contracts soak: {exc}", file=sys.stderr)
-        return EXIT_UNIMPORTABLE
+        return EXIT_USAGE
+    fixed: dict[Setting[Any], str] = {RING_BYTES: _RING_FIXED}
+    if config.integrity:
+        fixed[INTEGRITY] = "the pause and forge faults need the integrity check on"
+    for warning in ignored_variables(fixed):
+        _progress(f"staging-contracts soak: {warning}", logging.WARNING)
     _progress(
         f"soak over {config.backend}: {config.prefill_instances} x {config.prefill_tp} prefill "
         f"-> {config.decode_tp} decode ranks, {config.duration_s:g} s, "
@@ -578,7 +597,20 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _progress(message: str) -> None:
+_RING_FIXED = (
+    "the ring holds 4 regions of the largest chunk (TransferConfig.ring_chunks), as the "
+    "memory check counts it"
+)
+"""Why ``demo`` and ``soak`` size the ring themselves (``STAGING_CONTRACTS_RING_BYTES`` is
+ignored there, with a warning)."""
+
+
+def _progress(message: str, level: int = logging.INFO) -> None:
+    """A progress (or fault, or warning) line of a command, on stderr with the log lines:
+    plain text, or with ``--log-format json`` one JSON log object (logger
+    ``staging_contracts.cli``), so that stderr is JSON throughout."""
+    if os.environ.get(logformat.LOG_FORMAT_ENV) == "json":
+        message = logformat.json_line(message, logger="staging_contracts.cli", level=level)
     print(message, file=sys.stderr, flush=True)
 
 

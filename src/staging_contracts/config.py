@@ -152,6 +152,30 @@ class Setting(Generic[_T]):
         found = self.from_env(environ)
         return self.default if found is None else found
 
+    def value_or(self, default: _T, environ: Mapping[str, str] | None = None) -> _T:
+        """The variable's value, else ``default``: a command's own default, for a command
+        that passes the argument explicitly (the command line's option, when given, goes
+        first and never reaches here).
+
+        **Called by:** ``demo`` and ``soak`` (the driver), at start. **Blocking:** no.
+
+        Raises:
+            ConfigError: the variable is unusable.
+        """
+        found = self.from_env(environ)
+        return default if found is None else found
+
+    def source(self, explicit: object = None, environ: Mapping[str, str] | None = None) -> str:
+        """Where :meth:`value` takes the value from, for an error message: ``argument=...``
+        when ``explicit`` is given, else ``NAME=RAW`` when the variable is set, else
+        ``argument default``."""
+        if explicit is not None:
+            return f"{self.argument.split('(')[-1].rstrip('.)')}{explicit!r}"
+        raw = (os.environ if environ is None else environ).get(self.name)
+        if raw is not None and raw.strip():
+            return f"{self.name}={raw.strip()}"
+        return f"the default {self.default!r}"
+
 
 LIVENESS_TIMEOUT_S: Final[Setting[float]] = Setting(
     "STAGING_CONTRACTS_LIVENESS_TIMEOUT_S",

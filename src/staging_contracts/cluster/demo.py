@@ -483,6 +483,9 @@ def run_demo(
     with stop_on_signals(raise_on_signal=False) as stop:
         try:
             with serving(metrics_port) as relay:
+                if relay is not None:
+                    stream.write(f"serving metrics at {relay.url}\n")
+                    stream.flush()
                 result = run_cluster(
                     config,
                     progress=bar,

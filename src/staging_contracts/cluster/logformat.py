@@ -40,6 +40,7 @@ __all__ = [
     "TextFormatter",
     "install",
     "installed",
+    "json_line",
     "log_format",
 ]
 
@@ -118,6 +119,18 @@ class JsonFormatter(logging.Formatter):
         if record.stack_info:
             doc["stack"] = self.formatStack(record.stack_info)
         return json.dumps(doc, default=str)
+
+
+def json_line(
+    message: str, *, logger: str, level: int = logging.INFO, role: str | None = "driver"
+) -> str:
+    """``message`` as one JSON log line of this process (the keys of :data:`JSON_KEYS`):
+    for the lines a command prints itself (its progress), so that they read as its logs do.
+
+    **Called by:** the CLI, with ``--log-format json``.
+    """
+    record = logging.LogRecord(logger, level, "", 0, message, None, None)
+    return JsonFormatter(role, None).format(record)
 
 
 class _StderrHandler(logging.Handler):

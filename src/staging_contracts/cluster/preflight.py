@@ -3,7 +3,9 @@
 A run that the layout, the engines or the machine cannot serve used to start every rank
 process and fail a minute later (a bootstrap timeout, or each rank failing to allocate its
 pool). :func:`preflight` refuses it at once instead, with one line that names the options and
-the rule: the TP pair and the head count (the same validation the ranks run), the backend
+the rule: every ``STAGING_CONTRACTS_*`` variable of the settings table
+(:func:`check_environment`: a bad one would kill a rank process a while after the start),
+the TP pair and the head count (the same validation the ranks run), the backend
 spec (a name, ``MODULE:CLASS`` or ``MODULE:CLASS=MODULE:FACTORY``: it resolves, its class
 satisfies the contract, its engine's extra is installed, and its engine crosses processes:
 known by name for an in-tree backend, else from one probe manager built and closed here, see
@@ -16,12 +18,15 @@ host's (``MemAvailable``) and, on CUDA, the free memory of the one GPU all ranks
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import torch
 
+from .. import config as settings
 from ..backends import BACKENDS, resolve_backend
 from ..staging.layout import (
     compute_head_slice_params,
@@ -41,6 +46,8 @@ __all__ = [
     "backend_engine",
     "check_backend",
     "check_device",
+    "check_environment",
+    "ignored_variables",
     "memory_need",
     "preflight",
 ]
@@ -209,6 +216,7 @@ def preflight(
             :func:`available_device_memory`, which creates a CUDA context here).
 
     Raises:
+        ConfigError: a variable of the settings table is unusable (:func:`check_environment`).
         ValueError: one line naming the options and the rule: TP sizes that do not divide
             one another or the head count, a backend spec that does not resolve (an unknown
             name, a module that cannot be imported, a missing class, a class that fails its
@@ -218,6 +226,7 @@ def preflight(
             memory than is available (host, or on CUDA the GPU's), counted for
             ``config.mode`` and ``config.device`` (:func:`memory_need`).
     """
+    check_environment()
     try:
         validate_tp_pair(config.prefill_tp, config.decode_tp, config.kv_heads)
     except ValueError as exc:
@@ -324,3 +333,55 @@ def check_backend(spec: str, option: str = "--backend") -> None:
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+def check_environment(
+    liveness_timeout_s: float | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    timeout_source: str = "the command's",
+) -> None:
+    """Refuse, in the driver and before any rank process starts, a ``STAGING_CONTRACTS_*``
+    variable of the settings table (:data:`~staging_contracts.config.SETTINGS`) that a rank
+    would refuse: each is read as the rank's constructor reads it, and the liveness interval
+    must stay below the liveness timeout (``liveness_timeout_s``: the command's, when it
+    sets one, named in a message as ``timeout_source``; else the variable's or the default).
+
+    **Called by:** ``demo`` (through :func:`preflight`) and ``soak``, at start.
+    **Blocking:** no.
+
+    Raises:
+        ConfigError: a variable is unusable; the message names it and its value.
+        ValueError: the liveness interval is not below the timeout; the message names the
+            variable the interval came from.
+    """
+    for setting in settings.SETTINGS:
+        setting.from_env(environ)
+    interval = settings.LIVENESS_INTERVAL_S.value(environ=environ)
+    timeout = settings.LIVENESS_TIMEOUT_S.value(liveness_timeout_s, environ)
+    if not timeout > interval:
+        shown_timeout = (
+            f"{liveness_timeout_s:g} s, {timeout_source}"
+            if liveness_timeout_s is not None
+            else settings.LIVENESS_TIMEOUT_S.source(environ=environ)
+        )
+        raise ValueError(
+            f"the liveness interval ({settings.LIVENESS_INTERVAL_S.source(environ=environ)}) "
+            f"must be below the liveness timeout ({shown_timeout})"
+        )
+
+
+def ignored_variables(
+    fixed: Mapping[settings.Setting[Any], str], environ: Mapping[str, str] | None = None
+) -> list[str]:
+    """One warning line per variable of ``fixed`` that is set, though the command fixes its
+    value (``fixed``: setting -> what the command uses instead, and why).
+
+    **Called by:** ``demo`` and ``soak``, at start, once each.
+    """
+    env = os.environ if environ is None else environ
+    return [
+        f"warning: {setting.name}={env[setting.name].strip()} is ignored here: {instead}"
+        for setting, instead in fixed.items()
+        if env.get(setting.name, "").strip()
+    ]

@@ -69,6 +69,7 @@ from typing import Any, Final, Protocol
 import torch
 import zmq
 
+from .. import config as settings
 from ..backends import resolve_backend
 from ..backends.common import CommonKVManager, Role
 from ..backends.kv_requests import DecodeTransfers, KVPoll, KVReceiver, KVSender, PrefillTransfers
@@ -317,7 +318,13 @@ def _run_prefill(
             manager,
             kv_buffers=pool,
             max_chunk_pages=config.chunk_pages,
-            timeouts=PrefillTimeouts(answer_s=0.5, ready_s=0.5, deadline_s=60.0),
+            # the demo's own bounds, unless the environment sets them (a deadline well past
+            # the library's 30 s: a slow machine's first chunk is not a stall)
+            timeouts=PrefillTimeouts(
+                answer_s=settings.PREFILL_ANSWER_S.value_or(0.5),
+                ready_s=settings.PREFILL_READY_S.value_or(0.5),
+                deadline_s=settings.PREFILL_DEADLINE_S.value_or(60.0),
+            ),
         )
         transfers = PrefillTransfers(common, writer)
         if pusher is not None:

@@ -174,6 +174,8 @@ def run_soak(
     if relay is not None:
         return _run(config, progress, relay)
     with serving(metrics_port) as served:
+        if served is not None and progress is not None:
+            progress(f"serving metrics at {served.url}")
         return _run(config, progress, served)
 
 
@@ -432,6 +434,8 @@ class _Driver:
         it is ready every rank is sent the peers (``_ready``), and once it took them rooms
         reach it again (rooms keep coming to the survivors meanwhile, see ``_top_up``)."""
         rank.gone = True
+        if self.relay is not None:  # its last values are no longer current
+            self.relay.mark_dead(*rank.key)
         if unexpected:
             self.unexpected.append(
                 f"{rank.key[0]} {rank.key[1]} (pid {rank.pid}) exited with {rank.process.exitcode}"

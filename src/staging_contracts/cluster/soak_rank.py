@@ -61,6 +61,7 @@ from typing import Any, Final, Protocol
 import torch
 import zmq
 
+from .. import config as variables
 from ..backends import resolve_backend
 from ..backends.common import CommonKVManager, Role
 from ..backends.kv_requests import DecodeTransfers, KVPoll, KVReceiver, KVSender, PrefillTransfers
@@ -114,6 +115,8 @@ class RankSettings:
     loopback)."""
     liveness_timeout_s: float = 3.0
     """Seconds of silence after which a peer is declared dead (``manager.liveness``)."""
+    liveness_interval_s: float = variables.LIVENESS_INTERVAL_S.default
+    """Seconds between two ``PING`` to a watched peer (below the timeout)."""
     stall_timeout_s: float = 4.0
     """Decode: a room holding a writable region without progress this long fails."""
     prefill_timeouts: PrefillTimeouts = SOAK_PREFILL_TIMEOUTS
@@ -412,6 +415,10 @@ class _RankServer(CommandLoop):
         # host reaches the manager only when its class or factory takes ``host``.
         factory = resolve_backend(self.config.backend)
         logging.getLogger("nixl").setLevel(max(logging.WARNING, settings.log_level))
+        # the liveness bounds reach the manager's PeerLiveness through its settings (this
+        # process's environment), so that its constructor checks the interval against them
+        os.environ[variables.LIVENESS_TIMEOUT_S.name] = repr(settings.liveness_timeout_s)
+        os.environ[variables.LIVENESS_INTERVAL_S.name] = repr(settings.liveness_interval_s)
         manager = factory(
             self.config.kv_args(tp, rank), role=self.role, attn_tp_size=tp, host=settings.host
         )
@@ -420,7 +427,6 @@ class _RankServer(CommandLoop):
         self.common: CommonKVManager = manager  # type: ignore[assignment]
         """The same object as a ``CommonKVManager`` (every backend is one: the contract's
         members and the control plane come from it)."""
-        self.manager.liveness.timeout_s = settings.liveness_timeout_s
         self.drops = DropCounter()
         if settings.drop_share > 0:
             rng = random.Random(f"{settings.seed}-{self.role.value}-{rank}-{os.getpid()}")

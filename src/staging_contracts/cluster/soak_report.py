@@ -31,11 +31,23 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final
 
+from .. import config as settings
 from ..backends import BACKENDS
 from ..outcomes import classify
+from ..prefill.writer import PrefillTimeouts
+from .preflight import check_environment
 from .soak_memory import MemoryVerdict, memory_rows
-from .soak_rank import RankSettings, ring_bytes
+from .soak_rank import SOAK_PREFILL_TIMEOUTS, RankSettings, ring_bytes
 from .workload import TransferConfig
+
+SOAK_LIVENESS_TIMEOUT_S: Final = 3.0
+"""The soak's liveness timeout (short, so that kills are found quickly), unless
+``--liveness-timeout`` or ``STAGING_CONTRACTS_LIVENESS_TIMEOUT_S`` says otherwise."""
+SOAK_STALL_TIMEOUT_S: Final = 4.0
+"""The soak's decode stall timeout, unless ``STAGING_CONTRACTS_STALL_TIMEOUT_S`` says otherwise."""
+SOAK_META_TIMEOUT_S: Final = 5.0
+"""The soak's ``ROOM_META`` timeout, unless ``STAGING_CONTRACTS_META_TIMEOUT_S`` says
+otherwise."""
 
 NO_MEMORY: Final = MemoryVerdict((), 0.0)
 """No samples (a result built without them)."""
@@ -207,10 +219,13 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--liveness-timeout",
         type=float,
-        default=default.liveness_timeout_s,
+        default=None,
         metavar="S",
-        help="seconds of silence before a rank declares a peer dead "
-        f"(default {default.liveness_timeout_s:g})",
+        help="seconds of silence before a rank declares a peer dead (default: "
+        f"STAGING_CONTRACTS_LIVENESS_TIMEOUT_S, else {default.liveness_timeout_s:g}; the "
+        "soak's stall and ROOM_META timeouts and prefill's chunk bounds likewise take their "
+        "variable, else the soak's own short values; the ring is sized by the soak, "
+        "STAGING_CONTRACTS_RING_BYTES is ignored with a warning)",
     )
     parser.add_argument(
         "--verbose", action="store_true", help="let the ranks log warnings (every failed room)"
@@ -220,10 +235,24 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> SoakConfig:
     """Build the soak's configuration from parsed options.
 
+    The liveness timeout is ``--liveness-timeout``, else its variable, else the soak's
+    default; the stall and ``ROOM_META`` timeouts are their variables, else the soak's
+    defaults; the liveness interval is its variable, else the library's default.
+
     Raises:
+        ConfigError: a variable of the settings table is unusable.
         ValueError: an unknown fault (the message names the valid ones), or a value out of
             range.
     """
+    if args.liveness_timeout is not None:
+        liveness_timeout_s = args.liveness_timeout
+        check_environment(liveness_timeout_s, timeout_source="--liveness-timeout")
+    elif settings.LIVENESS_TIMEOUT_S.from_env() is not None:
+        liveness_timeout_s = settings.LIVENESS_TIMEOUT_S.value()
+        check_environment()  # the timeout is the variable's, and named so
+    else:
+        liveness_timeout_s = SOAK_LIVENESS_TIMEOUT_S
+        check_environment(liveness_timeout_s, timeout_source="the soak's default")
     return SoakConfig(
         backend=args.backend,
         duration_s=args.duration,
@@ -235,7 +264,11 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
         prefill_instances=args.prefill_instances,
         rooms_in_flight=args.rooms_in_flight,
         drop_share=args.drop_share,
-        liveness_timeout_s=args.liveness_timeout,
+        # the command line, else the environment, else the soak's own value
+        liveness_timeout_s=liveness_timeout_s,
+        liveness_interval_s=settings.LIVENESS_INTERVAL_S.value(),
+        stall_timeout_s=settings.STALL_TIMEOUT_S.value_or(SOAK_STALL_TIMEOUT_S),
+        meta_timeout_s=settings.META_TIMEOUT_S.value_or(SOAK_META_TIMEOUT_S),
         log_level=logging.WARNING if args.verbose else logging.ERROR,
     )
 
@@ -286,11 +319,13 @@ class SoakConfig:
     """Share of control messages the ``drop`` fault discards."""
     flood_frames: int = 20_000
     """Malformed messages in one ``flood`` burst (over its two threads)."""
-    liveness_timeout_s: float = 3.0
+    liveness_timeout_s: float = SOAK_LIVENESS_TIMEOUT_S
     """Ranks declare a peer dead after this long without a word from it."""
-    stall_timeout_s: float = 4.0
+    liveness_interval_s: float = settings.LIVENESS_INTERVAL_S.default
+    """Ranks ping a watched peer this often; must be below :attr:`liveness_timeout_s`."""
+    stall_timeout_s: float = SOAK_STALL_TIMEOUT_S
     """Decode fails a room that holds a writable region without progress this long."""
-    meta_timeout_s: float = 5.0
+    meta_timeout_s: float = SOAK_META_TIMEOUT_S
     """Prefill fails a room whose ``ROOM_META`` has not come this long after its first chunk."""
     room_bound_s: float = 45.0
     """A room not ended this long after it was issued is hung."""
@@ -330,8 +365,11 @@ class SoakConfig:
         for name in ("liveness_timeout_s", "stall_timeout_s", "meta_timeout_s", "room_bound_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
-        if self.liveness_timeout_s <= 0.5:
-            raise ValueError("liveness_timeout_s must exceed the 0.5 s ping interval")
+        if not 0 < self.liveness_interval_s < self.liveness_timeout_s:
+            raise ValueError(
+                f"liveness_interval_s={self.liveness_interval_s!r} (the ping interval) must be "
+                f"> 0 and below liveness_timeout_s={self.liveness_timeout_s!r}"
+            )
         ring_bytes(self.transfer())  # raises ValueError for a TP pair the heads do not allow
 
     def transfer(self) -> TransferConfig:
@@ -365,7 +403,13 @@ class SoakConfig:
             transfer=self.transfer(),
             host=self.host,
             liveness_timeout_s=self.liveness_timeout_s,
+            liveness_interval_s=self.liveness_interval_s,
             stall_timeout_s=self.stall_timeout_s,
+            prefill_timeouts=PrefillTimeouts(
+                answer_s=settings.PREFILL_ANSWER_S.value_or(SOAK_PREFILL_TIMEOUTS.answer_s),
+                ready_s=settings.PREFILL_READY_S.value_or(SOAK_PREFILL_TIMEOUTS.ready_s),
+                deadline_s=settings.PREFILL_DEADLINE_S.value_or(SOAK_PREFILL_TIMEOUTS.deadline_s),
+            ),
             meta_timeout_s=self.meta_timeout_s,
             room_bound_s=self.room_bound_s,
             drop_share=self.drop_share if "drop" in self.faults else 0.0,

@@ -84,11 +84,14 @@ class PeerLiveness:
         clock: Callable[[], float] = time.monotonic,
         identity: Callable[[], str | None] | None = None,
     ) -> None:
+        given = (interval_s, timeout_s)
         interval_s = config.LIVENESS_INTERVAL_S.value(interval_s)
         timeout_s = config.LIVENESS_TIMEOUT_S.value(timeout_s)
         if not interval_s > 0 or not timeout_s > interval_s:
+            # name where each came from: an argument, a variable of the environment, a default
             raise ValueError(
-                f"interval_s={interval_s!r} must be > 0 and timeout_s={timeout_s!r} > interval_s"
+                f"the liveness interval ({config.LIVENESS_INTERVAL_S.source(given[0])}) must "
+                f"be > 0 and below the timeout ({config.LIVENESS_TIMEOUT_S.source(given[1])})"
             )
         self._sender = sender
         self.endpoint = endpoint
