@@ -52,7 +52,10 @@ def test_rooms_are_counted_once_on_decodes_side() -> None:
 
 
 def test_the_ring_is_decodes_and_never_divided_by_zero() -> None:
-    (expr,) = exprs("ring use")
-    assert expr.count('role="decode"') == 2
-    assert "staging_contracts_ring_capacity_bytes{" in expr
-    assert re.search(r"ring_capacity_bytes\{[^}]*\} > 0\)", expr), expr
+    in_use, reserved = exprs("ring use")
+    assert "staging_contracts_ring_in_use_bytes{" in in_use
+    assert "staging_contracts_ring_reserved_bytes{" in reserved
+    for expr in (in_use, reserved):
+        assert expr.count('role="decode"') == 2
+        assert "staging_contracts_ring_capacity_bytes{" in expr
+        assert re.search(r"ring_capacity_bytes\{[^}]*\} > 0\)", expr), expr
