@@ -48,7 +48,6 @@ final report with ``stopped: true``, the ``phase`` it was in and the ``rooms`` i
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -69,19 +68,25 @@ from typing import Any, Final, Protocol
 import torch
 import zmq
 
-from ..backends import resolve_backend
-from ..backends.common import CommonKVManager, Role
-from ..backends.kv_requests import DecodeTransfers, KVPoll, KVReceiver, KVSender, PrefillTransfers
-from ..backends.staging_setup import StagingBackend, enable_decode_staging, enable_prefill_staging
+from ..backends.common import Role
+from ..backends.kv_requests import DecodeTransfers, KVPoll
 from ..control.transport import PeerSockets
 from ..control.wire import StagingReq
-from ..prefill.writer import DecodeTarget, PrefillTimeouts
 from ..protocols import KVBufferTensors, Transfer, TransferError
 from ..staging.layout import (
     decode_ranks_for_prefill,
     prefill_ranks_for_decode,
 )
 from . import logformat
+from ._rank_body import (
+    BodyOptions,
+    DecodeBody,
+    PrefillBody,
+    RankBody,
+    filled_prefill_pool,
+    freeze_heap,
+    settle,
+)
 from .bootstrap import RankInfo, arrive, curve_key_text, query_ranks, register_rank, wait_barrier
 from .metrics_relay import MetricsPusher
 from .plain_paths import (
@@ -101,9 +106,7 @@ from .plain_paths import (
 from .workload import (
     RequestPlan,
     TransferConfig,
-    fill_prefill_pool,
     request_plans,
-    ring_bytes,
     verify_decode_pool,
     warmup_plans,
     zero_pool,
@@ -203,13 +206,8 @@ def rank_main(
         reporter.close()
 
 
-def _make_manager(config: TransferConfig, role: Role, rank: int) -> StagingBackend:
-    # config.backend is a spec string (a name or MODULE:CLASS[=MODULE:FACTORY]), resolved
-    # here again; host reaches the manager only when its class or factory takes ``host``.
-    factory = resolve_backend(config.backend)
-    logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL installs an INFO handler
-    tp = config.prefill_tp if role is Role.PREFILL else config.decode_tp
-    return factory(config.kv_args(tp, rank), role=role, attn_tp_size=tp, host=config.host)
+def _options(config: TransferConfig) -> BodyOptions:
+    return BodyOptions(host=config.host)
 
 
 def _run_decode(
@@ -219,53 +217,34 @@ def _run_decode(
     report: Any,
     pusher: MetricsPusher | None = None,
 ) -> dict[str, Any]:
-    pool = config.empty_pool(config.decode_tp, rank)
-    manager = _make_manager(config, Role.DECODE, rank)
-    common: CommonKVManager = manager  # type: ignore[assignment]  # every backend is one
+    body = DecodeBody(config, rank, _options(config))
+    common, allocator = body.common, body.handler.allocator
     try:
-        handler = enable_decode_staging(manager, kv_buffers=pool, ring_bytes=ring_bytes(config))
         if pusher is not None:
             pusher.start(common)
-        _settle(config)  # the pool's and the ring's zeros, before any peer may write
+        settle(config)  # the pool's and the ring's zeros, before any peer may write
         common.start()
-        engine = manager.engine
-        allocator = handler.allocator
-        register_rank(
-            bootstrap,
-            RankInfo(
-                "decode",
-                rank,
-                common.endpoint,
-                engine.session_id,
-                engine.metadata(),
-                allocator.base_ptr,
-                allocator.total_size,
-                curve_key_text(common.curve_key),
-            ),
-        )
+        register_rank(bootstrap, body.info())
         prefill = query_ranks(bootstrap, "prefill", config.prefill_tp, RENDEZVOUS_TIMEOUT_S)
-        _trust(common, prefill)
-        transfers = DecodeTransfers(common, handler, [info.endpoint for info in prefill])
-        _freeze_heap()
+        body.trust(prefill)
+        transfers = DecodeTransfers(common, body.handler, [info.endpoint for info in prefill])
+        freeze_heap()
         report("ready")
         if config.warmup_requests:
-            warm: dict[int, KVReceiver] = {}
-            for number, plan in enumerate(warmup_plans(config)):
-                warm[number] = KVReceiver(transfers, plan.room)
-                warm[number].init(plan.decode_pages, chunk_pages=config.chunk_pages)
-                warm[number].send_metadata()
+            warm = {
+                number: body.receive(transfers, plan.room, plan.decode_pages)
+                for number, plan in enumerate(warmup_plans(config))
+            }
             arrive(bootstrap, "warm-rooms", f"decode-{rank}")
             _warmed(_wait_all(warm, _quiet)[0], {i: r.failure for i, r in warm.items()})
             for receiver in warm.values():
                 receiver.release()
-            _zero_for_timed(config, pool, None)
-        before = manager.staging_stats()
-        receivers: dict[int, KVReceiver] = {}
-        for plan in request_plans(config):
-            receiver = KVReceiver(transfers, plan.room)
-            receiver.init(plan.decode_pages, chunk_pages=config.chunk_pages)
-            receiver.send_metadata()
-            receivers[plan.index] = receiver
+            _zero_for_timed(config, body.pool, None)
+        before = body.manager.staging_stats()
+        receivers = {
+            plan.index: body.receive(transfers, plan.room, plan.decode_pages)
+            for plan in request_plans(config)
+        }
         memory = TransferMemory(config)
         arrive(bootstrap, "rooms", f"decode-{rank}")
         start = time.monotonic()
@@ -274,11 +253,11 @@ def _run_decode(
         at_done = memory.at_done()
         arrive(bootstrap, "done", f"decode-{rank}")
         succeeded = {i for i, state in outcome.items() if state is KVPoll.Success}
-        problems = verify_decode_pool(pool, config, rank, succeeded)
+        problems = verify_decode_pool(body.pool, config, rank, succeeded)
         failures = {i: receivers[i].failure() for i in outcome if i not in succeeded}
         for receiver in receivers.values():
             receiver.release()
-        stats = manager.staging_stats()
+        stats = body.manager.staging_stats()
         return {
             "start": start,
             "end": end,
@@ -293,13 +272,13 @@ def _run_decode(
             "control_messages": stats.received - before.received,
             "malformed": stats.malformed,
             "chunks": stats.allocated - before.allocated,
-            "registered_after": _release_staging(manager, allocator.base_ptr),
+            "registered_after": body.release_ring(),
             **at_done,
         }
     finally:
         if pusher is not None:
             pusher.stop()  # its last snapshot, while the counters are still there
-        common.close()
+        body.close()
 
 
 def _run_prefill(
@@ -309,82 +288,43 @@ def _run_prefill(
     report: Any,
     pusher: MetricsPusher | None = None,
 ) -> dict[str, Any]:
-    pool = _filled_prefill_pool(config, rank)
-    manager = _make_manager(config, Role.PREFILL, rank)
-    common: CommonKVManager = manager  # type: ignore[assignment]  # every backend is one
+    body = PrefillBody(config, rank, _options(config))
+    common, writer = body.common, body.writer
     try:
-        writer = enable_prefill_staging(
-            manager,
-            kv_buffers=pool,
-            max_chunk_pages=config.chunk_pages,
-            timeouts=PrefillTimeouts(answer_s=0.5, ready_s=0.5, deadline_s=60.0),
-        )
-        transfers = PrefillTransfers(common, writer)
         if pusher is not None:
-            pusher.start(common, transfers)
-        clock = FirstRequestClock(manager.peers)
+            pusher.start(common, body.transfers)
+        clock = FirstRequestClock(body.manager.peers)
         common.start()
-        engine = manager.engine
         decode = query_ranks(bootstrap, "decode", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
-        _trust(common, decode)
-        for info in decode:
-            engine.add_peer(info.session_id, info.metadata)
-        targets = [
-            DecodeTarget(i.tp_rank, i.session_id, i.endpoint, i.ring_base, i.ring_size)
-            for i in decode
-        ]
-        register_rank(
-            bootstrap,
-            RankInfo(
-                "prefill",
-                rank,
-                common.endpoint,
-                engine.session_id,
-                engine.metadata(),
-                curve_key=curve_key_text(common.curve_key),
-            ),
-        )
-        _freeze_heap()
+        targets = body.meet(decode)
+        register_rank(bootstrap, body.info())
+        freeze_heap()
         report("ready")
         if config.warmup_requests:
             wait_barrier(bootstrap, "warm-rooms", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
-            warm: dict[int, KVSender] = {}
-            chunks = list(config.chunks())
-            for number, plan in enumerate(warmup_plans(config)):
-                warm[number] = KVSender(transfers, plan.room)
-                warm[number].init(config.num_pages, targets)
-                for chunk, (page_start, count) in enumerate(chunks):
-                    warm[number].send(
-                        plan.prefill_pages[page_start : page_start + count],
-                        last=chunk == len(chunks) - 1,
-                    )
+            warm = {
+                number: body.send(plan.room, plan, targets)
+                for number, plan in enumerate(warmup_plans(config))
+            }
             _warmed(_wait_all(warm, _quiet)[0], {i: s.failure for i, s in warm.items()})
             for sender in warm.values():
                 sender.release()
         bytes_before, requests_before = writer.bytes_written, writer.requests_sent
-        before = manager.staging_stats()
+        before = body.manager.staging_stats()
         memory = TransferMemory(config)
         # Start once decode has registered every room, as a serving decode does before
         # prefill computes: the clock then measures the transfer, not the bootstrap.
         wait_barrier(bootstrap, "rooms", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
         start = time.monotonic()
-        senders: dict[int, KVSender] = {}
-        for plan in request_plans(config):
-            sender = KVSender(transfers, plan.room)
-            faulty = rank == 0 and plan.index in config.fail_rooms
-            sender.init(
-                config.num_pages,
-                [replace(t, ring_base=t.ring_base + _FAULT_OFFSET) for t in targets]
-                if faulty
-                else targets,
+        faulty = [replace(t, ring_base=t.ring_base + _FAULT_OFFSET) for t in targets]
+        senders = {
+            plan.index: body.send(
+                plan.room,
+                plan,
+                faulty if rank == 0 and plan.index in config.fail_rooms else targets,
             )
-            chunks = list(config.chunks())
-            for number, (page_start, count) in enumerate(chunks):
-                sender.send(
-                    plan.prefill_pages[page_start : page_start + count],
-                    last=number == len(chunks) - 1,
-                )
-            senders[plan.index] = sender
+            for plan in request_plans(config)
+        }
         outcome, _ = _wait_all(senders, report)
         end = time.monotonic()
         # Stay up until every decode rank is done, as a serving prefill does: tearing four
@@ -398,9 +338,8 @@ def _run_prefill(
         }
         for sender in senders.values():
             sender.release()
-        transfers.close()
-        writer.close()
-        stats = manager.staging_stats()
+        body.close_side()
+        stats = body.manager.staging_stats()
         return {
             "start": start,
             "end": end,
@@ -417,13 +356,13 @@ def _run_prefill(
             - before.received
             + writer.requests_sent
             - requests_before,
-            "registered_after": _registered(manager),
+            "registered_after": body.registered(),
             **at_done,
         }
     finally:
         if pusher is not None:
             pusher.stop()  # its last snapshot, while the counters are still there
-        common.close()
+        body.close()
 
 
 def _run_plain_decode(
@@ -442,12 +381,12 @@ def _run_plain_decode(
         if raw
         else None
     )
-    _settle(config)  # the zeros, before the engine registers the memory and peers write it
+    settle(config)  # the zeros, before the engine registers the memory and peers write it
     regions = [(buffer.data_ptr(), buffer.numel())] if buffer is not None else []
     if pool is not None:
         regions = pool_regions(pool)
-    manager = _make_manager(config, Role.DECODE, rank)
-    common: CommonKVManager = manager  # type: ignore[assignment]  # every backend is one
+    body = RankBody(config, Role.DECODE, rank, _options(config))
+    manager, common = body.manager, body.common
     book = ArrivalBook(prefill_ranks_for_decode(config.prefill_tp, config.decode_tp, rank))
     try:
         engine = manager.engine
@@ -471,9 +410,9 @@ def _run_plain_decode(
             ),
         )
         prefill = query_ranks(bootstrap, "prefill", config.prefill_tp, RENDEZVOUS_TIMEOUT_S)
-        _trust(common, prefill)
+        body.trust(prefill)
         book.set_endpoints({info.tp_rank: info.endpoint for info in prefill})
-        _freeze_heap()
+        freeze_heap()
         report("ready")
         if config.warmup_requests:
             warm = warmup_plans(config)
@@ -518,11 +457,11 @@ def _run_plain_decode(
             "control_messages": len(plans) * len(book.writers),
             "malformed": book.malformed,
             "chunks": 0,
-            "registered_after": _registered(manager),
+            "registered_after": body.registered(),
             **at_done,
         }
     finally:
-        common.close()
+        body.close()
 
 
 def _run_plain_prefill(
@@ -533,15 +472,15 @@ def _run_plain_prefill(
     raw = config.mode == "raw"
     fed = list(decode_ranks_for_prefill(config.prefill_tp, config.decode_tp, rank))
     plans = request_plans(config)
-    pool = None if raw else _filled_prefill_pool(config, rank)
+    pool = None if raw else filled_prefill_pool(config, rank)
     source, offsets = _raw_source(config, rank, fed) if raw else (None, {})
     if source is not None:
-        _settle(config)  # the source's copy to the device, before the engine reads it
+        settle(config)  # the source's copy to the device, before the engine reads it
     regions = pool_regions(pool) if pool is not None else []
     if source is not None:
         regions = [(source.data_ptr(), source.numel())]
-    manager = _make_manager(config, Role.PREFILL, rank)
-    common: CommonKVManager = manager  # type: ignore[assignment]  # every backend is one
+    body = RankBody(config, Role.PREFILL, rank, _options(config))
+    manager, common = body.manager, body.common
     try:
         engine = manager.engine
         for ptr, size in regions:
@@ -551,7 +490,7 @@ def _run_plain_prefill(
             info.tp_rank: info
             for info in query_ranks(bootstrap, "decode", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
         }
-        _trust(common, list(decode.values()))
+        body.trust(list(decode.values()))
         for d in fed:
             engine.add_peer(decode[d].session_id, decode[d].metadata)
         register_rank(
@@ -580,7 +519,7 @@ def _run_plain_prefill(
                     calls[(plan.index, d)] = per_token_writes(
                         config, plan, rank, pool_pointers(pool), d, decode[d].pool_ptrs, batch
                     )
-        _freeze_heap()
+        freeze_heap()
         report("ready")
 
         def send(plan: RequestPlan) -> str | None:
@@ -631,46 +570,24 @@ def _run_plain_prefill(
             "failed": failures,
             "room_first_request_s": {str(i): at for i, at in sorted(first.items())},
             "control_messages": len(plans) * len(fed),
-            "registered_after": _registered(manager),
+            "registered_after": body.registered(),
             **at_done,
         }
     finally:
-        common.close()
-
-
-def _settle(config: TransferConfig) -> None:
-    """Wait until the device work this rank enqueued has run (zeroed allocations, filling,
-    zeroing, copies), before an engine touches that memory: CUDA kernels run asynchronously,
-    and an engine reads or writes device memory outside torch's streams (NIXL, a peer's
-    write), so a fill still queued could be read half done, or a zeroing still queued could
-    land over a peer's write. Nothing to wait for on the CPU.
-
-    **Blocking:** on CUDA, until the rank's device is idle (``torch.cuda.synchronize``).
-    """
-    if config.device == "cuda":
-        torch.cuda.synchronize(config.torch_device)
-
-
-def _filled_prefill_pool(config: TransferConfig, rank: int) -> KVBufferTensors:
-    """A prefill rank's KV pool holding every request's data, settled (:func:`_settle`)
-    before any engine reads it."""
-    pool = config.empty_pool(config.prefill_tp, rank)
-    fill_prefill_pool(pool, config, rank)
-    _settle(config)
-    return pool
+        body.close()
 
 
 def _zero_for_timed(
     config: TransferConfig, pool: KVBufferTensors | None, buffer: torch.Tensor | None
 ) -> None:
     """Zero what the warm-up wrote (decode's pool, or its raw buffer), settled
-    (:func:`_settle`) before the rank lets the writers start the timed requests: they must
+    (:func:`settle`) before the rank lets the writers start the timed requests: they must
     write every byte they are checked on, and no zeroing may land over their writes."""
     if pool is not None:
         zero_pool(pool)
     if buffer is not None:
         buffer.zero_()
-    _settle(config)
+    settle(config)
 
 
 def _raw_source(
@@ -707,24 +624,6 @@ def _warmed(outcome: Mapping[int, KVPoll], failure: Mapping[int, Callable[[], st
     failed = {i: failure[i]() for i, state in outcome.items() if state is not KVPoll.Success}
     if failed:
         raise RuntimeError(f"warm-up requests failed: {failed}")
-
-
-def _trust(manager: CommonKVManager, peers: list[RankInfo]) -> None:
-    """Trust each peer's listener by the key it published (a no-op without a secret)."""
-    for info in peers:
-        manager.trust_peer(info.endpoint, info.curve_key.encode("ascii") or None)
-
-
-def _freeze_heap() -> None:
-    """Collect once and move every object made during start-up out of the collector's reach,
-    as serving engines do once they are up (``gc.freeze``).
-
-    Otherwise the first full collection falls inside the transfer: with torch, NumPy and an
-    engine loaded it walks every module object, about 80 ms of CPU per process here, and it
-    came in four prefill processes at once.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 class _Waitable(Protocol):
@@ -882,13 +781,3 @@ class TransferMemory:
         if self._cuda is not None:
             fields["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated(self._cuda))
         return fields
-
-
-def _release_staging(manager: StagingBackend, ring_base: int) -> int:
-    manager.engine.deregister(ring_base)
-    return _registered(manager)
-
-
-def _registered(manager: StagingBackend) -> int:
-    count = getattr(manager.engine, "registered_regions", -1)
-    return int(count) if isinstance(count, int) else -1

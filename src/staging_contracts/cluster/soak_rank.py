@@ -61,22 +61,20 @@ from typing import Any, Final, Protocol
 import torch
 import zmq
 
-from ..backends import resolve_backend
-from ..backends.common import CommonKVManager, Role
-from ..backends.kv_requests import DecodeTransfers, KVPoll, KVReceiver, KVSender, PrefillTransfers
-from ..backends.staging_setup import StagingBackend, enable_decode_staging, enable_prefill_staging
+from ..backends.common import Role
+from ..backends.kv_requests import DecodeTransfers, KVPoll, PrefillTransfers
+from ..backends.staging_setup import StagingBackend
 from ..control.transport import PeerSockets
-from ..decode.handler import DecodeStagingHandler, PrefillPeer, peers_for
+from ..decode.handler import PrefillPeer, peers_for
 from ..metrics import snapshot_of
-from ..prefill.writer import DecodeTarget, PrefillTimeouts, StagingWriter
-from ..protocols import KVBufferTensors
+from ..prefill.writer import DecodeTarget, PrefillTimeouts
 from . import logformat
-from .bootstrap import RankInfo, curve_key_text
+from ._rank_body import BodyOptions, DecodeBody, PrefillBody, RankBody
+from .bootstrap import RankInfo
 from .metrics_relay import RankReporter
 from .soak_memory import RssSampler
 from .workload import (
     TransferConfig,
-    fill_prefill_pool,
     request_plans,
     ring_bytes,
     verify_decode_pool,
@@ -392,41 +390,37 @@ class CommandLoop:
 
 
 class _RankServer(CommandLoop):
-    """What both sides share: the backend, the command loop, status, the room threads."""
+    """What both sides share: the body, the command loop, status, the room threads."""
 
     role: Role
+    body: RankBody
 
     def __init__(self, rank: int, settings: RankSettings, events: _Events) -> None:
         super().__init__(events, settings)
         self.config = settings.transfer
         tp = self.config.prefill_tp if self.role is Role.PREFILL else self.config.decode_tp
-        self.tp = tp
         # Prefill ranks of every instance are numbered on: instance i's TP rank r is rank
         # i * prefill_tp + r (its events carry that number; its engine and pool, r).
         self.label_rank = rank
         """The rank's number in the soak (its events' and its metrics' ``rank``)."""
-        rank %= tp
-        self.rank = rank
-        self.pool: KVBufferTensors = self.config.empty_pool(tp, rank)
-        # A spec string (a name or MODULE:CLASS[=MODULE:FACTORY]), resolved in this process;
-        # host reaches the manager only when its class or factory takes ``host``.
-        factory = resolve_backend(self.config.backend)
-        logging.getLogger("nixl").setLevel(max(logging.WARNING, settings.log_level))
-        manager = factory(
-            self.config.kv_args(tp, rank), role=self.role, attn_tp_size=tp, host=settings.host
-        )
-        self.manager: StagingBackend = manager
-        """The backend as the staging set-up sees it."""
-        self.common: CommonKVManager = manager  # type: ignore[assignment]
-        """The same object as a ``CommonKVManager`` (every backend is one: the contract's
-        members and the control plane come from it)."""
-        self.manager.liveness.timeout_s = settings.liveness_timeout_s
+        self.rank = rank % tp
         self.drops = DropCounter()
-        if settings.drop_share > 0:
-            rng = random.Random(f"{settings.seed}-{self.role.value}-{rank}-{os.getpid()}")
-            self.drops = install_drop(self.manager.peers, settings.drop_share, rng)
+
+        def drop(manager: StagingBackend) -> None:
+            rng = random.Random(f"{settings.seed}-{self.role.value}-{self.rank}-{os.getpid()}")
+            self.drops = install_drop(manager.peers, settings.drop_share, rng)
+
+        self.options = BodyOptions(
+            host=settings.host,
+            log_level=settings.log_level,
+            liveness_timeout_s=settings.liveness_timeout_s,
+            stall_timeout_s=settings.stall_timeout_s,
+            integrity=settings.integrity,
+            prefill_timeouts=settings.prefill_timeouts,
+            meta_timeout_s=settings.meta_timeout_s,
+            prepare=drop if settings.drop_share > 0 else None,
+        )
         self.listener_reported = False
-        self.closed = False
         self.memory = RssSampler()
         """This process's RSS samples, sent with every ``status`` (see ``soak_memory``)."""
         self.reporter = RankReporter() if settings.metrics else None
@@ -438,9 +432,6 @@ class _RankServer(CommandLoop):
 
     def side_status(self) -> dict[str, Any]:
         raise NotImplementedError
-
-    def close_side(self) -> None:
-        """Close what the side opened beyond the manager (before it closes)."""
 
     # ------------------------------------------------------------------ the loop
 
@@ -469,7 +460,7 @@ class _RankServer(CommandLoop):
             commands.close(linger=0)
 
     def _check_listener(self) -> None:
-        if not self.listener_reported and not self.common.listener.alive:
+        if not self.listener_reported and not self.body.common.listener.alive:
             self.listener_reported = True
             logger.error("the control listener thread ended")
             self.events.send("listener_down")
@@ -481,7 +472,7 @@ class _RankServer(CommandLoop):
     def send_metrics(self) -> None:
         """Send this rank's counters to the driver (a ``metrics`` event)."""
         snapshot = snapshot_of(
-            self.common,
+            self.body.common,
             transfers=self.metrics_transfers(),
             role=self.role.value,
             rank=self.label_rank,
@@ -492,16 +483,16 @@ class _RankServer(CommandLoop):
     def status(self) -> dict[str, Any]:
         if self.reporter is not None:  # ahead of the status: the driver's last word agrees
             self.send_metrics()
-        stats = self.manager.staging_stats()
-        listener = self.common.listener.stats()
+        stats = self.body.manager.staging_stats()
+        listener = self.body.common.listener.stats()
         return {
-            "listener_alive": self.common.listener.alive,
+            "listener_alive": self.body.common.listener.alive,
             "listener_received": listener.received,
             "listener_malformed": listener.malformed,
             "listener_errors": listener.errors,
             "staging_malformed": stats.malformed,
             "staging_dropped": stats.dropped,
-            "unauthorized": self.manager.unauthorized,
+            "unauthorized": self.body.manager.unauthorized,
             "control_sent": self.drops.sent,
             "control_dropped": self.drops.dropped,
             "room_threads": sum(t.is_alive() for t in self.threads),
@@ -511,57 +502,30 @@ class _RankServer(CommandLoop):
         }
 
     def trust_one(self, endpoint: str, key: str) -> None:
-        self.common.trust_peer(endpoint, key.encode("ascii") or None)
-
-    def trust(self, ranks: list[RankInfo]) -> None:
-        """Trust the listeners of ``ranks`` by their published keys (no-op without a secret)."""
-        for info in ranks:
-            self.common.trust_peer(info.endpoint, info.curve_key.encode("ascii") or None)
+        self.body.common.trust_peer(endpoint, key.encode("ascii") or None)
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self.close_side()
-        finally:
-            self.common.close()
+        self.body.close()
 
 
 class _DecodeServer(_RankServer):
     role = Role.DECODE
+    body: DecodeBody
 
     def __init__(self, rank: int, settings: RankSettings, events: _Events) -> None:
         super().__init__(rank, settings, events)
-        self.handler: DecodeStagingHandler = enable_decode_staging(
-            self.manager,
-            kv_buffers=self.pool,
-            ring_bytes=ring_bytes(self.config),
-            stall_timeout_s=settings.stall_timeout_s,
-            integrity=settings.integrity,
-        )
-        self.common.start()
+        self.body = DecodeBody(self.config, self.rank, self.options)
+        self.body.common.start()
         self.transfers: DecodeTransfers | None = None
         self.instance_peers: list[tuple[PrefillPeer, ...]] = []
         """Each prefill instance's peers for this rank (``peers_for``), by instance."""
         self.plans = request_plans(self.config)
 
     def info(self) -> RankInfo:
-        engine = self.manager.engine
-        allocator = self.handler.allocator
-        return RankInfo(
-            "decode",
-            self.rank,
-            self.common.endpoint,
-            engine.session_id,
-            engine.metadata(),
-            allocator.base_ptr,
-            allocator.total_size,
-            curve_key_text(self.common.curve_key),
-        )
+        return self.body.info()
 
     def on_peers(self, ranks: list[RankInfo]) -> None:
-        self.trust(ranks)
+        self.body.trust(ranks)
         # The driver sends every instance's ranks, instance by instance, each in TP order.
         tp = self.config.prefill_tp
         endpoints = [info.endpoint for info in ranks]
@@ -574,7 +538,7 @@ class _DecodeServer(_RankServer):
             peers_for(group, tp, self.config.decode_tp, self.rank) for group in groups
         ]
         if self.transfers is None:
-            self.transfers = DecodeTransfers(self.common, self.handler, groups[0])
+            self.transfers = DecodeTransfers(self.body.common, self.body.handler, groups[0])
         self.transfers.peers = self.instance_peers[0]
 
     def peers_known(self) -> bool:
@@ -590,20 +554,14 @@ class _DecodeServer(_RankServer):
         # The command thread opens every room: the peers set here are the ones init reads.
         self.transfers.peers = self.instance_peers[instance]
         self._zero(plan.decode_pages)
-        receiver = KVReceiver(self.transfers, room)
-        receiver.init(plan.decode_pages, chunk_pages=self.config.chunk_pages)
-        try:
-            receiver.send_metadata()
-        except Exception:  # the room fails (CommandLoop reports it): leave nothing held
-            _release_after_failure(room, receiver.release)
-            raise
+        receiver = self.body.receive(self.transfers, room, plan.decode_pages)
         deadline = time.monotonic() + self.settings.room_bound_s
 
         def finish() -> dict[str, Any]:
             state = receiver.wait(max(0.0, deadline - time.monotonic()))
             fields: dict[str, Any] = {"t": time.monotonic()}
             if state is KVPoll.Success:
-                problems = verify_decode_pool(self.pool, self.config, self.rank, {index})
+                problems = verify_decode_pool(self.body.pool, self.config, self.rank, {index})
                 fields.update(state="ok", verified=not problems, problems=problems[:3])
             elif state is KVPoll.Failed:
                 fields.update(state="failed", reason=receiver.failure() or "unknown")
@@ -622,68 +580,41 @@ class _DecodeServer(_RankServer):
         size = self.config.page_size
         rows = torch.tensor(pages, dtype=torch.int64).unsqueeze(1) * size + torch.arange(size)
         flat = rows.reshape(-1)
-        for buffers in (self.pool.k_buffers, self.pool.v_buffers):
+        for buffers in (self.body.pool.k_buffers, self.body.pool.v_buffers):
             for buffer in buffers:
                 buffer[flat] = 0
 
     def side_status(self) -> dict[str, Any]:
-        allocator = self.handler.allocator
+        allocator, handler = self.body.handler.allocator, self.body.handler
         return {
             "ring_live_count": allocator.live_count,
             "ring_live_bytes": allocator.live_bytes,
             "ring_size": allocator.total_size,
-            "fenced_rooms": len(self.handler.fenced_rooms),
-            "open_rooms": self.handler.live_rooms,
+            "fenced_rooms": len(handler.fenced_rooms),
+            "open_rooms": handler.live_rooms,
         }
 
 
 class _PrefillServer(_RankServer):
     role = Role.PREFILL
+    body: PrefillBody
 
     def __init__(self, rank: int, settings: RankSettings, events: _Events) -> None:
         super().__init__(rank, settings, events)
-        fill_prefill_pool(self.pool, self.config, self.rank)
-        self.writer: StagingWriter = enable_prefill_staging(
-            self.manager,
-            kv_buffers=self.pool,
-            max_chunk_pages=self.config.chunk_pages,
-            timeouts=settings.prefill_timeouts,
-            integrity=settings.integrity,
-        )
-        self.transfers = PrefillTransfers(
-            self.common, self.writer, meta_timeout_s=settings.meta_timeout_s
-        )
-        self.common.start()
+        self.body = PrefillBody(self.config, self.rank, self.options)
+        self.body.common.start()
         self.targets: list[DecodeTarget] = []
-        self.sessions: dict[str, bytes] = {}
         self.plans = request_plans(self.config)
         self.open = 0
         self.lock = threading.Lock()
 
     def info(self) -> RankInfo:
-        engine = self.manager.engine
-        return RankInfo(
-            "prefill",
-            self.rank,
-            self.common.endpoint,
-            engine.session_id,
-            engine.metadata(),
-            curve_key=curve_key_text(self.common.curve_key),
-        )
+        return self.body.info()
 
     def on_peers(self, ranks: list[RankInfo]) -> None:
-        self.trust(ranks)
-        ordered = sorted(ranks, key=lambda i: i.tp_rank)
-        if len(ordered) != self.config.decode_tp:
-            raise ValueError(f"{len(ordered)} decode ranks, expected {self.config.decode_tp}")
-        for info in ordered:
-            if self.sessions.get(info.session_id) != info.metadata:
-                self.manager.engine.add_peer(info.session_id, info.metadata)
-                self.sessions[info.session_id] = info.metadata
-        self.targets = [
-            DecodeTarget(i.tp_rank, i.session_id, i.endpoint, i.ring_base, i.ring_size)
-            for i in ordered
-        ]
+        if len(ranks) != self.config.decode_tp:
+            raise ValueError(f"{len(ranks)} decode ranks, expected {self.config.decode_tp}")
+        self.targets = self.body.meet(ranks)
 
     def peers_known(self) -> bool:
         return bool(self.targets)
@@ -691,17 +622,7 @@ class _PrefillServer(_RankServer):
     def open_room(self, room: int, index: int) -> Callable[[], dict[str, Any]]:
         if not self.targets:  # CommandLoop holds rooms until the peers are known
             raise RuntimeError("a room before the decode ranks are known")
-        plan = self.plans[index]
-        sender = KVSender(self.transfers, room)
-        sender.init(self.config.num_pages, self.targets)
-        chunks = list(self.config.chunks())
-        try:
-            for number, (start, count) in enumerate(chunks):
-                pages = plan.prefill_pages[start : start + count]
-                sender.send(pages, last=number == len(chunks) - 1)
-        except Exception:  # the room fails (CommandLoop reports it): leave nothing held
-            _release_after_failure(room, sender.release)
-            raise
+        sender = self.body.send(room, self.plans[index], self.targets)
         deadline = time.monotonic() + self.settings.room_bound_s
         with self.lock:
             self.open += 1
@@ -725,30 +646,20 @@ class _PrefillServer(_RankServer):
     def side_status(self) -> dict[str, Any]:
         with self.lock:
             open_rooms = self.open
+        writer, transfers = self.body.writer, self.body.transfers
         return {
             "open_rooms": open_rooms,
-            "bytes_written": self.writer.bytes_written,
-            "answers_held": self.writer.answers_held,
-            "answers_dropped": self.writer.answers_dropped,
-            "early_meta": self.transfers.early_meta_count,
-            "early_meta_held": self.transfers.early_meta_held,
-            "early_meta_dropped": self.transfers.early_meta_dropped,
+            "bytes_written": writer.bytes_written,
+            "answers_held": writer.answers_held,
+            "answers_dropped": writer.answers_dropped,
+            "early_meta": transfers.early_meta_count,
+            "early_meta_held": transfers.early_meta_held,
+            "early_meta_dropped": transfers.early_meta_dropped,
         }
 
     def metrics_transfers(self) -> PrefillTransfers | None:
-        return self.transfers
+        return self.body.transfers
 
-    def close_side(self) -> None:
-        self.transfers.close(CLOSE_TIMEOUT_S)
-        self.writer.close()
-
-
-def _release_after_failure(room: int, release: Callable[[], None]) -> None:
-    """Release a room whose opening failed; a failing release is logged (the opening's error
-    is the one reported)."""
-    try:
-        release()
-    except Exception:  # the room already fails with the first error
-        logger.exception(
-            "room %d: releasing it after a failed opening failed too", room, extra={"room": room}
-        )
+    def close(self) -> None:
+        self.body.close_side(CLOSE_TIMEOUT_S)
+        super().close()
