@@ -16,9 +16,7 @@ restarts starts its counters again from zero (Prometheus reads that as a counter
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +25,7 @@ from typing import TYPE_CHECKING, Final
 import zmq
 
 from ..metrics import MetricsSnapshot, snapshot_of
+from ._messages import Metrics, encode
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -93,7 +92,6 @@ class MetricsPusher:
     ) -> None:
         self._ctx = ctx
         self._endpoint = endpoint
-        self._head = {"kind": "metrics", "role": role, "rank": rank, "pid": os.getpid()}
         self._labels = (role, rank, engine)
         self._every_s = every_s
         self._stop = threading.Event()
@@ -126,8 +124,7 @@ class MetricsPusher:
             while True:
                 stopping = self._stop.wait(self._every_s)
                 try:
-                    event = {**self._head, "snapshot": read().to_json()}
-                    sock.send(json.dumps(event).encode())
+                    sock.send(encode(Metrics(read()), self._labels[0], self._labels[1]))
                 except zmq.ZMQError as exc:  # the driver takes none now: the next one goes
                     logger.warning("metrics snapshot not sent: %s", exc)
                 except Exception:  # a counter that could not be read: the rank goes on
@@ -156,15 +153,6 @@ class MetricsRelay:
         """Keep ``snapshot`` as its rank's latest. **Called by:** the driver, per event."""
         with self._lock:
             self._latest[(snapshot.role, snapshot.rank)] = snapshot
-
-    def update_from(self, doc: object) -> bool:
-        """:meth:`update` from a ``metrics`` event's JSON; ``False`` (logged) if malformed."""
-        try:
-            self.update(MetricsSnapshot.from_json(doc))
-        except ValueError as exc:
-            logger.warning("malformed metrics snapshot from a rank dropped: %s", exc)
-            return False
-        return True
 
     def snapshots(self) -> list[MetricsSnapshot]:
         """The latest snapshot of every rank heard from, by role and rank."""

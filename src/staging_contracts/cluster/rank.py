@@ -48,7 +48,6 @@ final report with ``stopped: true``, the ``phase`` it was in and the ``rooms`` i
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -63,7 +62,7 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from types import FrameType
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 import torch
 import zmq
@@ -78,6 +77,7 @@ from ..staging.layout import (
     prefill_ranks_for_decode,
 )
 from . import logformat
+from ._messages import Message, RankMemory, RankSummary, Ready, RequestDone, encode
 from ._rank_body import (
     BodyOptions,
     DecodeBody,
@@ -171,39 +171,45 @@ def rank_main(
     reporter.setsockopt(zmq.LINGER, 5000)
     reporter.connect(report_to)
 
-    seen: dict[str, Any] = {"phase": "starting", "rooms": {}}
+    phase, rooms = "starting", dict[int, bool]()
     """What the rank did so far, for a report that ends the run early."""
 
-    def report(kind: str, **fields: Any) -> None:
-        if kind == "ready":
-            seen["phase"] = "running requests"
-        elif kind == "room":
-            seen["rooms"][str(fields.get("index"))] = bool(fields.get("ok"))
-        event = {"kind": kind, "role": role, "rank": rank, "pid": os.getpid(), **fields}
-        reporter.send(json.dumps(event).encode())
+    def report(event: Message) -> None:
+        nonlocal phase
+        if isinstance(event, Ready):
+            phase = "running requests"
+        elif isinstance(event, RequestDone):
+            rooms[event.index] = event.ok
+        reporter.send(encode(event, role, rank))
 
     pusher = MetricsPusher(ctx, report_to, role, rank, config.backend) if metrics else None
     try:
         staged = config.mode == "staged"
-        run: Callable[[int, TransferConfig, str, Any], dict[str, Any]]
+        run: Callable[[int, TransferConfig, str, Report], RankSummary]
         if role == "decode":
             run = partial(_run_decode, pusher=pusher) if staged else _run_plain_decode
         else:
             run = partial(_run_prefill, pusher=pusher) if staged else _run_plain_prefill
         summary = run(rank, config, bootstrap, report)
-        seen["phase"] = "done"
-        report("report", ok=True, peak_rss_bytes=peak_rss_bytes(), **summary)
+        phase = "done"
+        report(replace(summary, ok=True, mode=config.mode, peak_rss_bytes=peak_rss_bytes()))
     except BaseException as exc:  # noqa: BLE001 - a rank reports every failure, then exits
         report(
-            "report",
-            ok=False,
-            stopped=isinstance(exc, RankStopped),
-            error=f"{type(exc).__name__}: {exc}",
-            trace=traceback.format_exc(),
-            **seen,
+            RankSummary(
+                ok=False,
+                stopped=isinstance(exc, RankStopped),
+                error=f"{type(exc).__name__}: {exc}",
+                trace=traceback.format_exc(),
+                phase=phase,
+                rooms=rooms,
+            )
         )
     finally:
         reporter.close()
+
+
+Report = Callable[[Message], None]
+"""Where a rank's events go (the driver's socket; nowhere for the warm-up)."""
 
 
 def _options(config: TransferConfig) -> BodyOptions:
@@ -214,9 +220,9 @@ def _run_decode(
     rank: int,
     config: TransferConfig,
     bootstrap: str,
-    report: Any,
+    report: Report,
     pusher: MetricsPusher | None = None,
-) -> dict[str, Any]:
+) -> RankSummary:
     body = DecodeBody(config, rank, _options(config))
     common, allocator = body.common, body.handler.allocator
     try:
@@ -229,7 +235,7 @@ def _run_decode(
         body.trust(prefill)
         transfers = DecodeTransfers(common, body.handler, [info.endpoint for info in prefill])
         freeze_heap()
-        report("ready")
+        report(Ready())
         if config.warmup_requests:
             warm = {
                 number: body.receive(transfers, plan.room, plan.decode_pages)
@@ -258,23 +264,23 @@ def _run_decode(
         for receiver in receivers.values():
             receiver.release()
         stats = body.manager.staging_stats()
-        return {
-            "start": start,
-            "end": end,
-            "verified": not problems,
-            "problems": problems[:10],
-            "succeeded": sorted(succeeded),
-            "failed": {str(i): reason for i, reason in failures.items()},
-            "room_done_s": {str(i): at for i, at in sorted(done_at.items())},
-            "ring_peak": allocator.peak_bytes,
-            "ring_size": allocator.total_size,
-            "ring_live_after": allocator.live_count,
-            "control_messages": stats.received - before.received,
-            "malformed": stats.malformed,
-            "chunks": stats.allocated - before.allocated,
-            "registered_after": body.release_ring(),
-            **at_done,
-        }
+        return RankSummary(
+            start=start,
+            end=end,
+            verified=not problems,
+            problems=tuple(problems[:10]),
+            succeeded=tuple(sorted(succeeded)),
+            failed=failures,
+            room_done_s=dict(sorted(done_at.items())),
+            ring_peak=allocator.peak_bytes,
+            ring_size=allocator.total_size,
+            ring_live_after=allocator.live_count,
+            control_messages=stats.received - before.received,
+            malformed=stats.malformed,
+            chunks=stats.allocated - before.allocated,
+            registered_after=body.release_ring(),
+            memory=at_done,
+        )
     finally:
         if pusher is not None:
             pusher.stop()  # its last snapshot, while the counters are still there
@@ -285,9 +291,9 @@ def _run_prefill(
     rank: int,
     config: TransferConfig,
     bootstrap: str,
-    report: Any,
+    report: Report,
     pusher: MetricsPusher | None = None,
-) -> dict[str, Any]:
+) -> RankSummary:
     body = PrefillBody(config, rank, _options(config))
     common, writer = body.common, body.writer
     try:
@@ -299,7 +305,7 @@ def _run_prefill(
         targets = body.meet(decode)
         register_rank(bootstrap, body.info())
         freeze_heap()
-        report("ready")
+        report(Ready())
         if config.warmup_requests:
             wait_barrier(bootstrap, "warm-rooms", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
             warm = {
@@ -332,33 +338,31 @@ def _run_prefill(
         wait_barrier(bootstrap, "done", config.decode_tp, timeout=ROOM_TIMEOUT_S)
         at_done = memory.at_done()
         failures = {
-            str(i): senders[i].failure()
-            for i, state in outcome.items()
-            if state is not KVPoll.Success
+            i: senders[i].failure() for i, state in outcome.items() if state is not KVPoll.Success
         }
         for sender in senders.values():
             sender.release()
         body.close_side()
         stats = body.manager.staging_stats()
-        return {
-            "start": start,
-            "end": end,
-            "bytes_written": writer.bytes_written - bytes_before,
-            "requests_sent": writer.requests_sent - requests_before,
-            "succeeded": sorted(i for i, s in outcome.items() if s is KVPoll.Success),
-            "failed": failures,
-            "room_first_request_s": {
-                str(plan.index): clock.first[plan.room]
+        return RankSummary(
+            start=start,
+            end=end,
+            bytes_written=writer.bytes_written - bytes_before,
+            requests_sent=writer.requests_sent - requests_before,
+            succeeded=tuple(sorted(i for i, s in outcome.items() if s is KVPoll.Success)),
+            failed=failures,
+            room_first_request_s={
+                plan.index: clock.first[plan.room]
                 for plan in request_plans(config)
                 if plan.room in clock.first
             },
-            "control_messages": stats.received
+            control_messages=stats.received
             - before.received
             + writer.requests_sent
             - requests_before,
-            "registered_after": body.registered(),
-            **at_done,
-        }
+            registered_after=body.registered(),
+            memory=at_done,
+        )
     finally:
         if pusher is not None:
             pusher.stop()  # its last snapshot, while the counters are still there
@@ -366,8 +370,8 @@ def _run_prefill(
 
 
 def _run_plain_decode(
-    rank: int, config: TransferConfig, bootstrap: str, report: Any
-) -> dict[str, Any]:
+    rank: int, config: TransferConfig, bootstrap: str, report: Report
+) -> RankSummary:
     """A decode rank of the per-token or raw path (``config.mode``; see
     :mod:`~staging_contracts.cluster.plain_paths`): its pool, or its raw buffer, registered
     with the engine and published; a room ends when every writer's ``PLAIN_DONE`` arrived."""
@@ -413,7 +417,7 @@ def _run_plain_decode(
         body.trust(prefill)
         book.set_endpoints({info.tp_rank: info.endpoint for info in prefill})
         freeze_heap()
-        report("ready")
+        report(Ready())
         if config.warmup_requests:
             warm = warmup_plans(config)
             book.expect(plan.room for plan in warm)
@@ -440,33 +444,33 @@ def _run_plain_decode(
         done_at = {p.index: book.done_at(p.room) for p in plans}
         for ptr, _ in regions:
             engine.deregister(ptr)
-        return {
-            "start": start,
-            "end": end,
-            "mode": config.mode,
-            "verified": not problems,
-            "problems": problems[:10],
-            "succeeded": sorted(succeeded),
-            "failed": {
-                str(p.index): book.failure(p.room) or "not every writer reported"
+        return RankSummary(
+            start=start,
+            end=end,
+            mode=config.mode,
+            verified=not problems,
+            problems=tuple(problems[:10]),
+            succeeded=tuple(sorted(succeeded)),
+            failed={
+                p.index: book.failure(p.room) or "not every writer reported"
                 for p in plans
                 if p.index not in succeeded
             },
-            "room_done_s": {str(i): at for i, at in sorted(done_at.items()) if at is not None},
-            "ring_live_after": 0,
-            "control_messages": len(plans) * len(book.writers),
-            "malformed": book.malformed,
-            "chunks": 0,
-            "registered_after": body.registered(),
-            **at_done,
-        }
+            room_done_s={i: at for i, at in sorted(done_at.items()) if at is not None},
+            ring_live_after=0,
+            control_messages=len(plans) * len(book.writers),
+            malformed=book.malformed,
+            chunks=0,
+            registered_after=body.registered(),
+            memory=at_done,
+        )
     finally:
         body.close()
 
 
 def _run_plain_prefill(
-    rank: int, config: TransferConfig, bootstrap: str, report: Any
-) -> dict[str, Any]:
+    rank: int, config: TransferConfig, bootstrap: str, report: Report
+) -> RankSummary:
     """A prefill rank of the per-token or raw path: every write of a request to each decode
     rank it feeds (planned before the clock starts), then ``PLAIN_DONE`` to that rank."""
     raw = config.mode == "raw"
@@ -520,7 +524,7 @@ def _run_plain_prefill(
                         config, plan, rank, pool_pointers(pool), d, decode[d].pool_ptrs, batch
                     )
         freeze_heap()
-        report("ready")
+        report(Ready())
 
         def send(plan: RequestPlan) -> str | None:
             """Write one request to every decode rank fed, then tell each; the first error."""
@@ -545,34 +549,34 @@ def _run_plain_prefill(
         wait_barrier(bootstrap, "rooms", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
         start = time.monotonic()
         first: dict[int, float] = {}
-        failures: dict[str, str] = {}
+        failures: dict[int, str | None] = {}
         for plan in plans:
             first[plan.index] = time.monotonic()
             error = send(plan)
             if error is not None:
-                failures[str(plan.index)] = error
-            report("room", index=plan.index, ok=error is None)
+                failures[plan.index] = error
+            report(RequestDone(plan.index, error is None))
         end = time.monotonic()
         wait_barrier(bootstrap, "done", config.decode_tp, timeout=ROOM_TIMEOUT_S)
         at_done = memory.at_done()
         writes = [calls[(plan.index, d)] for plan in plans for d in fed]
         for ptr, _ in regions:
             engine.deregister(ptr)
-        return {
-            "start": start,
-            "end": end,
-            "mode": config.mode,
-            "bytes_written": sum(t.length for call in writes for ts in call for t in ts),
-            "write_calls": sum(len(call) for call in writes),
-            "transfers": sum(len(ts) for call in writes for ts in call),
-            "requests_sent": 0,
-            "succeeded": sorted(p.index for p in plans if str(p.index) not in failures),
-            "failed": failures,
-            "room_first_request_s": {str(i): at for i, at in sorted(first.items())},
-            "control_messages": len(plans) * len(fed),
-            "registered_after": body.registered(),
-            **at_done,
-        }
+        return RankSummary(
+            start=start,
+            end=end,
+            mode=config.mode,
+            bytes_written=sum(t.length for call in writes for ts in call for t in ts),
+            write_calls=sum(len(call) for call in writes),
+            transfers=sum(len(ts) for call in writes for ts in call),
+            requests_sent=0,
+            succeeded=tuple(sorted(p.index for p in plans if p.index not in failures)),
+            failed=failures,
+            room_first_request_s=dict(sorted(first.items())),
+            control_messages=len(plans) * len(fed),
+            registered_after=body.registered(),
+            memory=at_done,
+        )
     finally:
         body.close()
 
@@ -610,9 +614,9 @@ def _raw_source(
     return source, offsets
 
 
-def _quiet(kind: str, **fields: Any) -> None:
+def _quiet(event: Message) -> None:
     """Report nothing (warm-up requests are not the run's)."""
-    del kind, fields
+    del event
 
 
 def _warmed(outcome: Mapping[int, KVPoll], failure: Mapping[int, Callable[[], str | None]]) -> None:
@@ -633,7 +637,7 @@ class _Waitable(Protocol):
 
 
 def _wait_all(
-    requests: Mapping[int, _Waitable], report: Any, timeout_s: float = ROOM_TIMEOUT_S
+    requests: Mapping[int, _Waitable], report: Report, timeout_s: float = ROOM_TIMEOUT_S
 ) -> tuple[dict[int, KVPoll], dict[int, float]]:
     """Wait for every request at once; report each as it ends, in the order they end.
 
@@ -677,7 +681,7 @@ def _wait_all(
             raise TimeoutError(f"requests {sorted(set(requests) - set(done))} did not finish")
         done[index] = state
         at[index] = when
-        report("room", index=index, ok=state is KVPoll.Success)
+        report(RequestDone(index, state is KVPoll.Success))
     return done, at
 
 
@@ -764,20 +768,13 @@ class TransferMemory:
             torch.cuda.reset_peak_memory_stats(self._cuda)
         self._reset = reset_peak_rss()
 
-    def at_done(self) -> dict[str, Any]:
-        """The report fields: ``rss_at_done_bytes`` (``VmRSS`` now; left out where unknown),
-        ``peak_rss_before_verify_bytes`` (``VmHWM`` now, else ``ru_maxrss``),
-        ``peak_rss_from`` (``"timed requests"`` or ``"process start"``) and, on CUDA,
-        ``cuda_max_allocated_bytes``."""
+    def at_done(self) -> RankMemory:
+        """``VmRSS`` now (``None`` where unknown), ``VmHWM`` now (else ``ru_maxrss``), where
+        that peak counts from and, on CUDA, the allocator's peak."""
         rss, hwm = rss_status()
-        fields: dict[str, Any] = {
-            "peak_rss_before_verify_bytes": hwm if hwm is not None else peak_rss_bytes(),
-            "peak_rss_from": "timed requests"
-            if self._reset and hwm is not None
-            else "process start",
-        }
-        if rss is not None:
-            fields["rss_at_done_bytes"] = rss
-        if self._cuda is not None:
-            fields["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated(self._cuda))
-        return fields
+        return RankMemory(
+            hwm if hwm is not None else peak_rss_bytes(),
+            "timed requests" if self._reset and hwm is not None else "process start",
+            rss,
+            None if self._cuda is None else int(torch.cuda.max_memory_allocated(self._cuda)),
+        )

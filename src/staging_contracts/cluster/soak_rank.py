@@ -47,7 +47,6 @@ The rank exits by itself when the driver's process is gone (its parent changed).
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import random
@@ -55,8 +54,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from dataclasses import dataclass, replace
+from typing import Final, Protocol
 
 import torch
 import zmq
@@ -69,6 +68,24 @@ from ..decode.handler import PrefillPeer, peers_for
 from ..metrics import snapshot_of
 from ..prefill.writer import DecodeTarget, PrefillTimeouts
 from . import logformat
+from ._messages import (
+    AskStatus,
+    Exit,
+    ListenerDown,
+    Message,
+    Metrics,
+    OpenRoom,
+    Peers,
+    PeersTaken,
+    RankError,
+    RankStatus,
+    RoomEnded,
+    Serving,
+    Stop,
+    Trust,
+    decode,
+    encode,
+)
 from ._rank_body import BodyOptions, DecodeBody, PrefillBody, RankBody
 from .bootstrap import RankInfo
 from .metrics_relay import RankReporter
@@ -208,9 +225,9 @@ def soak_rank_main(role: str, rank: int, settings: RankSettings, driver: str) ->
         server.serve(ctx, parent)
     except BaseException as exc:  # the driver hears of every failure, even KeyboardInterrupt
         logger.exception("soak rank failed")
-        events.send("exit", ok=False, error=f"{type(exc).__name__}: {exc}")
+        events.send(Exit(False, f"{type(exc).__name__}: {exc}"))
     else:
-        events.send("exit", ok=True)
+        events.send(Exit(True))
     finally:
         if server is not None:
             server.close()
@@ -220,7 +237,7 @@ def soak_rank_main(role: str, rank: int, settings: RankSettings, driver: str) ->
 class EventSink(Protocol):
     """Where a rank's events go (the driver's socket; a list in tests)."""
 
-    def send(self, kind: str, **fields: Any) -> None:
+    def send(self, event: Message) -> None:
         """Send one event; never raises (a lost event is logged)."""
 
 
@@ -233,16 +250,15 @@ class _Events:
         self._sock.setsockopt(zmq.SNDTIMEO, 2000)
         self._sock.connect(driver)
         self._lock = threading.Lock()
-        self._head = {"role": role, "rank": rank, "pid": os.getpid()}
+        self._sender = (role, rank)
 
-    def send(self, kind: str, **fields: Any) -> None:
-        event = {"kind": kind, **self._head, "t": time.monotonic(), **fields}
-        data = json.dumps(event, default=str).encode()  # any field: never a TypeError
+    def send(self, event: Message) -> None:
+        data = encode(event, *self._sender)
         with self._lock:
             try:
                 self._sock.send(data)
             except zmq.ZMQError as exc:  # zmq.Again (the driver takes none), or closed
-                logger.error("%s event dropped: %s", kind, exc)
+                logger.error("%s event dropped: %s", type(event).__name__, exc)
 
     def close(self) -> None:
         with self._lock:
@@ -295,11 +311,11 @@ class CommandLoop:
     def on_peers(self, ranks: list[RankInfo]) -> None:
         raise NotImplementedError
 
-    def open_room(self, room: int, index: int) -> Callable[[], dict[str, Any]]:
+    def open_room(self, room: int, index: int) -> Callable[[], RoomEnded]:
         """Start a room; returns the function its thread calls to wait, report and release."""
         raise NotImplementedError
 
-    def status(self) -> dict[str, Any]:
+    def status(self, ask: AskStatus) -> RankStatus:
         raise NotImplementedError
 
     def trust_one(self, endpoint: str, key: str) -> None:
@@ -311,27 +327,25 @@ class CommandLoop:
     def command(self, raw: bytes) -> bool:
         """Run one command; ``False`` on ``stop``. A failing command is reported, not fatal."""
         try:
-            doc = json.loads(raw)
-            name = doc["cmd"]
-            if name == "stop":
+            command = decode(raw).message
+            if isinstance(command, Stop):
                 return False
-            if name == "peers":
-                ranks = [RankInfo.from_json(item) for item in doc["ranks"]]
-                self.on_peers(ranks)
-                self.events.send("peers", count=len(ranks))
+            if isinstance(command, Peers):
+                self.on_peers(list(command.ranks))
+                self.events.send(PeersTaken(len(command.ranks)))
                 self._open_waiting()
-            elif name == "room":
-                self.room_instance[int(doc["room"])] = int(doc.get("instance", 0))
-                self._room(int(doc["room"]), int(doc["index"]))
-            elif name == "status":
-                self.events.send("status", id=doc.get("id"), **self.status())
-            elif name == "trust":
-                self.trust_one(str(doc["endpoint"]), str(doc["key"]))
+            elif isinstance(command, OpenRoom):
+                self.room_instance[command.room] = command.instance
+                self._room(command.room, command.index)
+            elif isinstance(command, AskStatus):
+                self.events.send(self.status(command))
+            elif isinstance(command, Trust):
+                self.trust_one(command.endpoint, command.key)
             else:
-                raise ValueError(f"unknown command {name!r}")
+                raise ValueError(f"not a command: {type(command).__name__}")
         except Exception as exc:  # a bad command or a failing call: report, keep serving
             logger.exception("command failed")
-            self.events.send("error", error=f"{type(exc).__name__}: {exc}", command=raw[:200].hex())
+            self.events.send(RankError(f"{type(exc).__name__}: {exc}", raw[:200].hex()))
         return True
 
     def expire(self) -> None:
@@ -344,7 +358,7 @@ class CommandLoop:
         for room, index, _ in due:
             self.room_instance.pop(room, None)
             reason = f"no peers known {self.settings.peers_wait_s:g} s after the room came"
-            self.events.send("room", room=room, index=index, state="failed", reason=reason, t=now)
+            self.events.send(RoomEnded(room, index, "failed", now, reason))
 
     def _room(self, room: int, index: int) -> None:
         if self.peers_known():
@@ -364,24 +378,19 @@ class CommandLoop:
         except Exception as exc:  # the room fails with the error; the rank lives on
             logger.exception("room %d: opening it failed", room, extra={"room": room})
             error = f"{type(exc).__name__}: {exc}"
-            self.events.send("error", error=f"room {room}: {error}")
-            self.events.send(
-                "room",
-                room=room,
-                index=index,
-                state="failed",
-                reason=f"rank error: opening the room failed: {error}",
-                t=self.clock(),
-            )
+            self.events.send(RankError(f"room {room}: {error}"))
+            reason = f"rank error: opening the room failed: {error}"
+            self.events.send(RoomEnded(room, index, "failed", self.clock(), reason))
             return
 
         def run() -> None:
             try:
-                fields = finish()
+                ended = finish()
             except Exception as exc:  # the room's end could not be read: say so
                 logger.exception("room %d: waiting for its end failed", room, extra={"room": room})
-                fields = {"state": "failed", "reason": f"rank error: {type(exc).__name__}: {exc}"}
-            self.events.send("room", room=room, index=index, **fields)
+                reason = f"rank error: {type(exc).__name__}: {exc}"
+                ended = RoomEnded(room, index, "failed", time.monotonic(), reason)
+            self.events.send(ended)
 
         thread = threading.Thread(target=run, name=f"soak-room-{room}", daemon=True)
         thread.start()
@@ -430,7 +439,8 @@ class _RankServer(CommandLoop):
     def info(self) -> RankInfo:
         raise NotImplementedError
 
-    def side_status(self) -> dict[str, Any]:
+    def side_status(self, status: RankStatus) -> RankStatus:
+        """``status`` with the side's counters."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the loop
@@ -444,7 +454,7 @@ class _RankServer(CommandLoop):
             endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
             gc.collect()
             gc.freeze()  # as rank.py: keep start-up objects out of the collector's walks
-            self.events.send("ready", info=self.info().to_json(), commands=endpoint)
+            self.events.send(Serving(self.info(), endpoint))
             while True:
                 if commands.poll(COMMAND_POLL_MS) and not self.command(commands.recv()):
                     return
@@ -463,7 +473,7 @@ class _RankServer(CommandLoop):
         if not self.listener_reported and not self.body.common.listener.alive:
             self.listener_reported = True
             logger.error("the control listener thread ended")
-            self.events.send("listener_down")
+            self.events.send(ListenerDown())
 
     def metrics_transfers(self) -> PrefillTransfers | None:
         """The prefill side's transfers (its rooms and bytes); ``None`` on decode."""
@@ -478,28 +488,30 @@ class _RankServer(CommandLoop):
             rank=self.label_rank,
             engine=self.config.backend,
         )
-        self.events.send("metrics", snapshot=snapshot.to_json())
+        self.events.send(Metrics(snapshot))
 
-    def status(self) -> dict[str, Any]:
+    def status(self, ask: AskStatus) -> RankStatus:
         if self.reporter is not None:  # ahead of the status: the driver's last word agrees
             self.send_metrics()
         stats = self.body.manager.staging_stats()
         listener = self.body.common.listener.stats()
-        return {
-            "listener_alive": self.body.common.listener.alive,
-            "listener_received": listener.received,
-            "listener_malformed": listener.malformed,
-            "listener_errors": listener.errors,
-            "staging_malformed": stats.malformed,
-            "staging_dropped": stats.dropped,
-            "unauthorized": self.body.manager.unauthorized,
-            "control_sent": self.drops.sent,
-            "control_dropped": self.drops.dropped,
-            "room_threads": sum(t.is_alive() for t in self.threads),
-            "waiting_rooms": len(self.waiting_rooms),
-            "rss": self.memory.samples,
-            **self.side_status(),
-        }
+        return self.side_status(
+            RankStatus(
+                ask.id,
+                self.body.common.listener.alive,
+                listener.received,
+                listener.malformed,
+                listener.errors,
+                stats.malformed,
+                stats.dropped,
+                self.body.manager.unauthorized,
+                self.drops.sent,
+                self.drops.dropped,
+                sum(t.is_alive() for t in self.threads),
+                len(self.waiting_rooms),
+                tuple((t, rss) for t, rss in self.memory.samples),
+            )
+        )
 
     def trust_one(self, endpoint: str, key: str) -> None:
         self.body.common.trust_peer(endpoint, key.encode("ascii") or None)
@@ -544,7 +556,7 @@ class _DecodeServer(_RankServer):
     def peers_known(self) -> bool:
         return self.transfers is not None
 
-    def open_room(self, room: int, index: int) -> Callable[[], dict[str, Any]]:
+    def open_room(self, room: int, index: int) -> Callable[[], RoomEnded]:
         if self.transfers is None:  # CommandLoop holds rooms until the peers are known
             raise RuntimeError("a room before the prefill ranks are known")
         plan = self.plans[index]
@@ -557,21 +569,22 @@ class _DecodeServer(_RankServer):
         receiver = self.body.receive(self.transfers, room, plan.decode_pages)
         deadline = time.monotonic() + self.settings.room_bound_s
 
-        def finish() -> dict[str, Any]:
+        def finish() -> RoomEnded:
             state = receiver.wait(max(0.0, deadline - time.monotonic()))
-            fields: dict[str, Any] = {"t": time.monotonic()}
+            end = time.monotonic()
             if state is KVPoll.Success:
                 problems = verify_decode_pool(self.body.pool, self.config, self.rank, {index})
-                fields.update(state="ok", verified=not problems, problems=problems[:3])
+                ended = RoomEnded(room, index, "ok", end, verified=not problems)
+                ended = replace(ended, problems=tuple(problems[:3]))
             elif state is KVPoll.Failed:
-                fields.update(state="failed", reason=receiver.failure() or "unknown")
+                ended = RoomEnded(room, index, "failed", end, receiver.failure() or "unknown")
             else:
-                fields.update(state="hung", reason=f"still {state.name}")
+                ended = RoomEnded(room, index, "hung", end, f"still {state.name}")
             try:
                 receiver.release()
             except TimeoutError as exc:
-                fields["release_error"] = str(exc)
-            return fields
+                ended = replace(ended, release_error=str(exc))
+            return ended
 
         return finish
 
@@ -584,15 +597,16 @@ class _DecodeServer(_RankServer):
             for buffer in buffers:
                 buffer[flat] = 0
 
-    def side_status(self) -> dict[str, Any]:
+    def side_status(self, status: RankStatus) -> RankStatus:
         allocator, handler = self.body.handler.allocator, self.body.handler
-        return {
-            "ring_live_count": allocator.live_count,
-            "ring_live_bytes": allocator.live_bytes,
-            "ring_size": allocator.total_size,
-            "fenced_rooms": len(handler.fenced_rooms),
-            "open_rooms": handler.live_rooms,
-        }
+        return replace(
+            status,
+            ring_live_count=allocator.live_count,
+            ring_live_bytes=allocator.live_bytes,
+            ring_size=allocator.total_size,
+            fenced_rooms=len(handler.fenced_rooms),
+            open_rooms=handler.live_rooms,
+        )
 
 
 class _PrefillServer(_RankServer):
@@ -619,7 +633,7 @@ class _PrefillServer(_RankServer):
     def peers_known(self) -> bool:
         return bool(self.targets)
 
-    def open_room(self, room: int, index: int) -> Callable[[], dict[str, Any]]:
+    def open_room(self, room: int, index: int) -> Callable[[], RoomEnded]:
         if not self.targets:  # CommandLoop holds rooms until the peers are known
             raise RuntimeError("a room before the decode ranks are known")
         sender = self.body.send(room, self.plans[index], self.targets)
@@ -627,15 +641,15 @@ class _PrefillServer(_RankServer):
         with self.lock:
             self.open += 1
 
-        def finish() -> dict[str, Any]:
+        def finish() -> RoomEnded:
             try:
                 state = sender.wait(max(0.0, deadline - time.monotonic()))
                 end = time.monotonic()
                 if state is KVPoll.Success:
-                    return {"state": "ok", "t": end}
+                    return RoomEnded(room, index, "ok", end)
                 if state is KVPoll.Failed:
-                    return {"state": "failed", "reason": sender.failure() or "unknown", "t": end}
-                return {"state": "hung", "reason": f"still {state.name}", "t": end}
+                    return RoomEnded(room, index, "failed", end, sender.failure() or "unknown")
+                return RoomEnded(room, index, "hung", end, f"still {state.name}")
             finally:
                 sender.release()
                 with self.lock:
@@ -643,19 +657,20 @@ class _PrefillServer(_RankServer):
 
         return finish
 
-    def side_status(self) -> dict[str, Any]:
+    def side_status(self, status: RankStatus) -> RankStatus:
         with self.lock:
             open_rooms = self.open
         writer, transfers = self.body.writer, self.body.transfers
-        return {
-            "open_rooms": open_rooms,
-            "bytes_written": writer.bytes_written,
-            "answers_held": writer.answers_held,
-            "answers_dropped": writer.answers_dropped,
-            "early_meta": transfers.early_meta_count,
-            "early_meta_held": transfers.early_meta_held,
-            "early_meta_dropped": transfers.early_meta_dropped,
-        }
+        return replace(
+            status,
+            open_rooms=open_rooms,
+            bytes_written=writer.bytes_written,
+            answers_held=writer.answers_held,
+            answers_dropped=writer.answers_dropped,
+            early_meta=transfers.early_meta_count,
+            early_meta_held=transfers.early_meta_held,
+            early_meta_dropped=transfers.early_meta_dropped,
+        )
 
     def metrics_transfers(self) -> PrefillTransfers | None:
         return self.body.transfers
