@@ -24,30 +24,6 @@ from ..control.wire import MalformedMessage
 from ..metrics.snapshot import MetricsSnapshot
 from .bootstrap import RankInfo
 
-__all__ = [
-    "AskStatus",
-    "Exit",
-    "ListenerDown",
-    "Message",
-    "Metrics",
-    "OpenRoom",
-    "Peers",
-    "PeersTaken",
-    "RankError",
-    "RankMemory",
-    "RankStatus",
-    "RankSummary",
-    "Ready",
-    "Received",
-    "RequestDone",
-    "RoomEnded",
-    "Serving",
-    "Stop",
-    "Trust",
-    "decode",
-    "encode",
-]
-
 
 class Message:
     """A command or an event; every subclass is a frozen dataclass, known by its name."""
@@ -76,22 +52,16 @@ class RequestDone(Message):
 
 @dataclass(frozen=True, slots=True)
 class RankMemory:
-    """What one rank's process held as the transfer phase ended: sampled at the ``done``
-    barrier, before verification (see :class:`~staging_contracts.cluster.rank.TransferMemory`).
-    """
+    """What one rank's process held at the ``done`` barrier, before verification (see
+    :class:`~staging_contracts.cluster.rank.TransferMemory`): its peak RSS, counted from
+    ``peak_rss_from`` (``"timed requests"``, or ``"process start"`` where the peak could not
+    be reset), its RSS then (``None``: the kernel did not say) and, on CUDA, the allocator's
+    peak since the timed requests began."""
 
     peak_rss_before_verify_bytes: int
-    """Peak resident set size up to the ``done`` barrier, counted from
-    :attr:`peak_rss_from`."""
     peak_rss_from: str
-    """``"timed requests"`` (the peak was reset as they began: the pools, rings and buffers
-    are counted, the temporaries of filling them and the warm-up's are not) or
-    ``"process start"`` (it could not be reset)."""
     rss_at_done_bytes: int | None = None
-    """Resident set size at the ``done`` barrier (``None``: the kernel did not say)."""
     cuda_max_allocated_bytes: int | None = None
-    """On CUDA, the most bytes torch's allocator held on the rank's device from the start of
-    the timed requests to the ``done`` barrier; ``None`` on the CPU."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +70,6 @@ class RankSummary(Message):
     for the clocks and the memory), or the error it stopped on and how far it got."""
 
     ok: bool = False
-    """The rank ran to the end without an exception."""
     stopped: bool = False
     """The driver stopped it (``SIGTERM``); :attr:`phase` and :attr:`rooms` say how far."""
     error: str | None = None
@@ -112,11 +81,9 @@ class RankSummary(Message):
     start: float | None = None
     end: float | None = None
     verified: bool = False
-    """Decode: every succeeded request's pages hold exactly the expected heads."""
     problems: tuple[str, ...] = ()
     succeeded: tuple[int, ...] = ()
     failed: dict[int, str | None] = field(default_factory=dict)
-    """Request -> why it failed on this rank."""
     room_first_request_s: dict[int, float] = field(default_factory=dict)
     room_done_s: dict[int, float] = field(default_factory=dict)
     ring_peak: int | None = None
@@ -131,7 +98,6 @@ class RankSummary(Message):
     write_calls: int = 0
     transfers: int = 0
     peak_rss_bytes: int | None = None
-    """``ru_maxrss`` at the end, in bytes."""
     memory: RankMemory | None = None
 
 
@@ -164,7 +130,6 @@ class RoomEnded(Message):
     t: float
     reason: str = ""
     verified: bool = False
-    """Decode, ``ok``: the room's pages hold exactly the expected heads."""
     problems: tuple[str, ...] = ()
     release_error: str | None = None
 
@@ -187,7 +152,6 @@ class RankStatus(Message):
     room_threads: int = 0
     waiting_rooms: int = 0
     rss: tuple[tuple[float, int], ...] = ()
-    """``(time.monotonic(), RSS bytes)`` samples (see ``soak_memory``)."""
     open_rooms: int = 0
     ring_live_count: int | None = None
     ring_live_bytes: int | None = None

@@ -32,16 +32,6 @@ from ..protocols import KVBufferTensors
 from .bootstrap import RankInfo, curve_key_text
 from .workload import RequestPlan, TransferConfig, fill_prefill_pool, ring_bytes
 
-__all__ = [
-    "BodyOptions",
-    "DecodeBody",
-    "PrefillBody",
-    "RankBody",
-    "filled_prefill_pool",
-    "freeze_heap",
-    "settle",
-]
-
 logger = logging.getLogger(__name__)
 
 
@@ -85,6 +75,23 @@ class RankBody:
             options.prepare(self.manager)
         self._closed = False
         self._side_closed = False
+
+    def info(
+        self, ring_base: int = 0, ring_size: int = 0, pool_ptrs: tuple[int, ...] = ()
+    ) -> RankInfo:
+        """What this rank publishes: its listener and engine (decode: and where peers write)."""
+        engine = self.manager.engine
+        return RankInfo(
+            self.role.value,
+            self.rank,
+            self.common.endpoint,
+            engine.session_id,
+            engine.metadata(),
+            ring_base,
+            ring_size,
+            curve_key_text(self.common.curve_key),
+            pool_ptrs,
+        )
 
     def trust(self, peers: Sequence[RankInfo]) -> None:
         """Trust each peer's listener by the key it published (a no-op without a secret)."""
@@ -131,19 +138,11 @@ class DecodeBody(RankBody):
             integrity=options.integrity,
         )
 
-    def info(self) -> RankInfo:
-        """What this rank publishes: its listener, engine and ring."""
-        engine, allocator = self.manager.engine, self.handler.allocator
-        return RankInfo(
-            "decode",
-            self.rank,
-            self.common.endpoint,
-            engine.session_id,
-            engine.metadata(),
-            allocator.base_ptr,
-            allocator.total_size,
-            curve_key_text(self.common.curve_key),
-        )
+    def info(
+        self, ring_base: int = 0, ring_size: int = 0, pool_ptrs: tuple[int, ...] = ()
+    ) -> RankInfo:
+        allocator = self.handler.allocator
+        return super().info(allocator.base_ptr, allocator.total_size, pool_ptrs)
 
     def receive(self, transfers: DecodeTransfers, room: int, pages: Sequence[int]) -> KVReceiver:
         """Register ``room`` for ``pages`` (``init``, ``send_metadata``); released if that
@@ -181,18 +180,6 @@ class PrefillBody(RankBody):
         )
         self.sessions: dict[str, bytes] = {}
         """Decode engines added so far: session id -> its metadata."""
-
-    def info(self) -> RankInfo:
-        """What this rank publishes: its listener and engine."""
-        engine = self.manager.engine
-        return RankInfo(
-            "prefill",
-            self.rank,
-            self.common.endpoint,
-            engine.session_id,
-            engine.metadata(),
-            curve_key=curve_key_text(self.common.curve_key),
-        )
 
     def meet(self, decode: Sequence[RankInfo]) -> list[DecodeTarget]:
         """Trust the decode ranks, add the engines not known yet; their targets, by rank."""

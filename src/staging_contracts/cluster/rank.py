@@ -1,10 +1,10 @@
 """One prefill or decode rank of a staged-transfer run, as an OS process of its own.
 
 Started by :func:`staging_contracts.cluster.runner.run_cluster` (``multiprocessing`` spawn). The
-rank builds its KV pool and backend, meets its peers through the bootstrap server, runs every
-request of the :class:`~staging_contracts.cluster.workload.TransferConfig` through the per-request
-API, verifies (decode) and reports to the driver as JSON over ZMQ: ``ready``, one ``room``
-event per finished request, and a final ``report``; every event carries the rank's ``pid``.
+rank builds its body (:mod:`._rank_body`), meets its peers through the bootstrap server, runs
+every request of the :class:`~staging_contracts.cluster.workload.TransferConfig` through the
+per-request API, verifies (decode) and reports to the driver (:mod:`._messages`): ``Ready``,
+one ``RequestDone`` per finished request, and a final ``RankSummary``.
 
 **Modes and warm-up.** ``config.mode`` chooses how the rank moves each request: through
 the staging rings (``"staged"``), or along one of the benchmark's anchor paths with the same
@@ -13,37 +13,25 @@ In every mode ``config.warmup_requests`` untimed copies of the timed requests ru
 (barrier ``warm-rooms``); decode then zeroes what they wrote, and the timed requests start
 at barrier ``rooms``. Reported byte and message counts are the timed requests' only.
 
-**Memory.** Every final report of a rank that ran to the end carries what its process held
-as the transfer phase ended, sampled at the ``done`` barrier, before verification
-(:class:`TransferMemory`): ``rss_at_done_bytes`` (``VmRSS`` then),
-``peak_rss_before_verify_bytes`` (``VmHWM`` then) and ``peak_rss_from``, where that peak
-counts from: ``"timed requests"`` when the rank could reset its peak as the timed requests
-began (``/proc/self/clear_refs``, Linux >= 4.0; the pools, rings and buffers allocated
-before are counted, the temporaries of filling them and the warm-up's are not), else
-``"process start"``; on CUDA also ``cuda_max_allocated_bytes``
-(``torch.cuda.max_memory_allocated`` of the rank's device, reset at the same moment). It
-also carries ``peak_rss_bytes`` (``resource.getrusage``'s ``ru_maxrss`` at the end): Linux
-reads the same high-water mark, so after the reset it counts from the timed requests too,
-verification included; elsewhere it is the whole process life.
+**Memory.** A rank that ran to the end reports what its process held at the ``done``
+barrier, before verification (:class:`TransferMemory`): ``VmRSS`` and ``VmHWM`` then, the
+latter counted from the timed requests' start where the rank could reset it
+(``/proc/self/clear_refs``), else from the process start; on CUDA the allocator's peak over
+the same span; and ``ru_maxrss`` at the end (``peak_rss_bytes``).
 
-**Per-request clocks.** Every final report of a rank that ran to the end carries per
-request index (``str(index)`` keys) ``time.monotonic()`` stamps: a prefill rank's
-``room_first_request_s`` (when its first ``STAGING_REQ`` of the room left, stamped as it was
-handed to the control socket; in the anchor modes, when its first write of the room
-started) and a decode rank's ``room_done_s`` (when the room reached SUCCESS or FAILED,
-stamped by one waiter thread per room as the decode handler's completion wakes it,
-whatever order the rooms end in; in the anchor modes, on the listener thread as the room's
-last ``PLAIN_DONE`` arrives). ``CLOCK_MONOTONIC`` is system-wide on Linux, so stamps of
-different processes of one host compare.
+**Per-request clocks.** It also reports ``time.monotonic()`` stamps per request index: a
+prefill rank's ``room_first_request_s`` (its first ``STAGING_REQ`` of the room handed to the
+control socket; in the anchor modes, its first write) and a decode rank's ``room_done_s``
+(the room reached SUCCESS or FAILED, stamped by the waiter thread the completion wakes; in
+the anchor modes, as the last ``PLAIN_DONE`` arrives). ``CLOCK_MONOTONIC`` is system-wide
+on Linux, so stamps of different processes of one host compare.
 
-The rank binds and advertises ``config.host``: its control listener and its transfer
-engine (the NIXL backend confines UCX to the interface holding it); Mooncake listens on
-every interface whatever it is told, and says so at start-up (see
-:mod:`staging_contracts.engines.mooncake`).
+The rank binds and advertises ``config.host`` (its control listener and engine; Mooncake
+listens on every interface whatever it is told, see :mod:`staging_contracts.engines.mooncake`).
 
 ``SIGTERM`` (the driver's "stop": another rank died, or the run timed out) raises
-:class:`RankStopped` in the rank's main thread: the rank closes its backend and sends a
-final report with ``stopped: true``, the ``phase`` it was in and the ``rooms`` it finished.
+:class:`RankStopped` in the rank's main thread: the rank closes its backend and reports
+``stopped``, the ``phase`` it was in and the ``rooms`` it finished.
 """
 
 from __future__ import annotations
@@ -87,7 +75,7 @@ from ._rank_body import (
     freeze_heap,
     settle,
 )
-from .bootstrap import RankInfo, arrive, curve_key_text, query_ranks, register_rank, wait_barrier
+from .bootstrap import arrive, query_ranks, register_rank, wait_barrier
 from .metrics_relay import MetricsPusher
 from .plain_paths import (
     ArrivalBook,
@@ -399,20 +387,8 @@ def _run_plain_decode(
         common.register_control(PlainDone.KIND, book.on_message)
         common.add_authorizer(book.authorize)
         common.start()
-        register_rank(
-            bootstrap,
-            RankInfo(
-                "decode",
-                rank,
-                common.endpoint,
-                engine.session_id,
-                engine.metadata(),
-                ring_base=regions[0][0] if raw else 0,
-                ring_size=regions[0][1] if raw else 0,
-                curve_key=curve_key_text(common.curve_key),
-                pool_ptrs=pool_pointers(pool) if pool is not None else (),
-            ),
-        )
+        ring = regions[0] if raw else (0, 0)
+        register_rank(bootstrap, body.info(*ring, pool_pointers(pool) if pool is not None else ()))
         prefill = query_ranks(bootstrap, "prefill", config.prefill_tp, RENDEZVOUS_TIMEOUT_S)
         body.trust(prefill)
         book.set_endpoints({info.tp_rank: info.endpoint for info in prefill})
@@ -497,17 +473,7 @@ def _run_plain_prefill(
         body.trust(list(decode.values()))
         for d in fed:
             engine.add_peer(decode[d].session_id, decode[d].metadata)
-        register_rank(
-            bootstrap,
-            RankInfo(
-                "prefill",
-                rank,
-                common.endpoint,
-                engine.session_id,
-                engine.metadata(),
-                curve_key=curve_key_text(common.curve_key),
-            ),
-        )
+        register_rank(bootstrap, body.info())
         # Every write call of every request, planned before the clock starts (as the
         # reference's per-token path could at best): the anchor is, if anything, favoured.
         batch = per_token_batch(engine_name(engine), config.num_pages * config.page_size)

@@ -4,38 +4,24 @@ Started by :func:`staging_contracts.cluster.soak.run_soak` (``multiprocessing`` 
 process per rank, and started again after the soak kills it. Unlike a
 :mod:`~staging_contracts.cluster.rank` process, which runs a fixed list of requests and exits,
 a soak rank serves rooms until it is told to stop: the driver sends it commands and it
-reports events, both as JSON over ZMQ.
+reports events (:mod:`._messages`; commands on the rank's PULL socket, bound on loopback).
 
-**Commands** (driver → rank, PUSH to the rank's PULL socket, bound on loopback: the driver
-runs on the same host, whatever address the control listeners bind):
+**Commands.** ``Peers``: the current ranks of the other side; the rank trusts their
+listeners by the CURVE keys they published, decode points its per-request layer at them,
+prefill adds the decode engines it does not know yet; it answers ``PeersTaken``, and only
+then is it sent rooms. ``OpenRoom``: decode zeroes the request's pages and registers the
+room, prefill opens it and queues every chunk; a thread per room waits for its end (bounded
+by :attr:`RankSettings.room_bound_s`) and answers ``RoomEnded`` (``ok``, ``failed`` or
+``hung``). A room that comes before the peers waits for them up to
+:attr:`RankSettings.peers_wait_s`, then fails; one that cannot be opened fails with the
+error (and a ``RankError``): every ``OpenRoom`` is answered by one ``RoomEnded``.
+``AskStatus``: answered by the rank's counters (``RankStatus``). ``Trust``: a participant to
+trust, as one learned from the bootstrap would be (the authenticated ``flood``'s sender).
+``Stop``: close the backend and exit.
 
-* ``peers``: the current ranks of the other side (:class:`~.bootstrap.RankInfo` as JSON).
-  The rank trusts their listeners by the CURVE keys they published (a no-op without a cluster
-  secret); decode points its per-request layer at their listeners; prefill adds the engines of
-  decode sessions it does not know yet and writes new rooms to the ranks given. Once done the
-  rank answers with a ``peers`` event: from then on it can open rooms (the driver sends a
-  rank no room before that answer).
-* ``room``: ``room`` id and workload request ``index``. Decode zeroes that request's pages and
-  registers the room (``KVReceiver.init`` and ``send_metadata``); prefill opens it and queues
-  every chunk (``KVSender.init`` and ``send``). A thread per room waits for its end (bounded
-  by :attr:`RankSettings.room_bound_s`), reports it, and releases it. A room that comes
-  before the rank knows its peers waits for them, up to :attr:`RankSettings.peers_wait_s`,
-  then is reported ``failed``; a room that cannot be opened (the call raised) is reported
-  ``failed`` with the error as its reason (and an ``error`` event): every room command is
-  answered by one ``room`` event.
-* ``status``: answers with the rank's counters (ring use, fences, open rooms, rooms waiting
-  for peers, listener health, malformed messages, control messages dropped by the ``drop``
-  fault).
-* ``trust``: ``endpoint`` and ``key`` (Z85) of a participant to trust, as one learned from
-  the bootstrap would be (the authenticated ``flood``'s sender; a no-op without a secret).
-* ``stop``: close the backend and exit.
-
-**Events** (rank → driver; each carries ``kind``, ``role``, ``rank``, ``pid`` and ``t``, the
-rank's ``time.monotonic()``, which is the same clock in every process of the host):
-``ready`` (its ``RankInfo`` and command endpoint), ``peers`` (it took a ``peers`` command;
-``count``: how many ranks), ``room`` (``state`` ``ok``, ``failed`` or ``hung``; decode adds
-``verified`` and the first mismatches), ``status``, ``error`` (a command that raised; the rank
-lives on), ``listener_down`` (its control listener thread ended) and ``exit``.
+**Events** besides those answers: ``Serving`` (its ``RankInfo`` and command endpoint, once
+up), ``RankError`` (a command that raised; the rank lives on), ``ListenerDown`` (its control
+listener thread ended), ``Metrics`` and ``Exit``.
 
 **Fault ``drop``:** with :attr:`RankSettings.drop_share` above 0, the rank's
 ``PeerSockets.send`` drops that share of its outgoing control messages (a seeded draw): every
@@ -46,7 +32,6 @@ The rank exits by itself when the driver's process is gone (its parent changed).
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import random
@@ -86,7 +71,7 @@ from ._messages import (
     decode,
     encode,
 )
-from ._rank_body import BodyOptions, DecodeBody, PrefillBody, RankBody
+from ._rank_body import BodyOptions, DecodeBody, PrefillBody, RankBody, freeze_heap
 from .bootstrap import RankInfo
 from .metrics_relay import RankReporter
 from .soak_memory import RssSampler
@@ -253,11 +238,10 @@ class _Events:
         self._sender = (role, rank)
 
     def send(self, event: Message) -> None:
-        data = encode(event, *self._sender)
         with self._lock:
             try:
-                self._sock.send(data)
-            except zmq.ZMQError as exc:  # zmq.Again (the driver takes none), or closed
+                self._sock.send(encode(event, *self._sender))
+            except (zmq.ZMQError, TypeError, ValueError) as exc:  # zmq.Again, closed, or a bug
                 logger.error("%s event dropped: %s", type(event).__name__, exc)
 
     def close(self) -> None:
@@ -452,8 +436,7 @@ class _RankServer(CommandLoop):
             commands.bind("tcp://127.0.0.1:*")
             raw = commands.getsockopt(zmq.LAST_ENDPOINT)
             endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
-            gc.collect()
-            gc.freeze()  # as rank.py: keep start-up objects out of the collector's walks
+            freeze_heap()
             self.events.send(Serving(self.info(), endpoint))
             while True:
                 if commands.poll(COMMAND_POLL_MS) and not self.command(commands.recv()):
