@@ -101,6 +101,15 @@ CLOSE_TIMEOUT_S: Final = 10.0
 SOAK_PREFILL_TIMEOUTS: Final = PrefillTimeouts(answer_s=0.2, ready_s=0.2, deadline_s=10.0)
 """A soak prefill's chunk waits: quick re-requests (lost answers are part of the soak), and
 a deadline well under the room bound."""
+SOAK_BODY: Final = BodyOptions(
+    liveness_timeout_s=3.0,
+    stall_timeout_s=4.0,
+    prefill_timeouts=SOAK_PREFILL_TIMEOUTS,
+    meta_timeout_s=5.0,
+    log_level=logging.ERROR,
+)
+"""A soak rank's backend set-up unless told otherwise: a peer silent 3 s is dead, a decode
+room without progress 4 s fails, a prefill chunk waits 5 s for ``ROOM_META``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,17 +118,9 @@ class RankSettings:
 
     transfer: TransferConfig
     """Geometry, TP sizes, backend and seeded requests (rooms pick a request by index)."""
-    host: str = "127.0.0.1"
-    """Address the rank's control listener and engine bind (its command socket is always on
-    loopback)."""
-    liveness_timeout_s: float = 3.0
-    """Seconds of silence after which a peer is declared dead (``manager.liveness``)."""
-    stall_timeout_s: float = 4.0
-    """Decode: a room holding a writable region without progress this long fails."""
-    prefill_timeouts: PrefillTimeouts = SOAK_PREFILL_TIMEOUTS
-    """Prefill: the bounds of a chunk's waits."""
-    meta_timeout_s: float = 5.0
-    """Prefill: how long a chunk waits for decode's ``ROOM_META``."""
+    body: BodyOptions = SOAK_BODY
+    """Where the backend binds (the command socket is always on loopback), its peer liveness,
+    stall and chunk bounds, integrity check and log level."""
     room_bound_s: float = 45.0
     """A room not ended on this rank this long after its ``room`` command is reported
     ``hung`` (and released)."""
@@ -128,13 +129,8 @@ class RankSettings:
     then the room is reported ``failed``."""
     drop_share: float = 0.0
     """Share of outgoing control messages the ``drop`` fault discards (0: none)."""
-    integrity: bool | None = None
-    """Check staged bytes against their integrity tags (both sides); ``None``: as
-    ``STAGING_CONTRACTS_INTEGRITY`` says in the rank process."""
     seed: int = 0
     """Seeds the ``drop`` draws (mixed with the role, rank and process id)."""
-    log_level: int = logging.ERROR
-    """Level of the rank's log lines (stderr)."""
     metrics: bool = False
     """Send a ``metrics`` event every second, and before each ``status`` (``--metrics-port``)."""
 
@@ -193,7 +189,10 @@ def soak_rank_main(role: str, rank: int, settings: RankSettings, driver: str) ->
     # Ctrl-C reaches every process of the terminal's group: the driver stops the ranks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logformat.install(
-        role=role, rank=rank, label=f"soak {role}{rank} pid {os.getpid()}", level=settings.log_level
+        role=role,
+        rank=rank,
+        label=f"soak {role}{rank} pid {os.getpid()}",
+        level=settings.body.log_level,
     )
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's C++ info and warning logs
     torch.set_num_threads(1)
@@ -403,16 +402,7 @@ class _RankServer(CommandLoop):
             rng = random.Random(f"{settings.seed}-{self.role.value}-{self.rank}-{os.getpid()}")
             self.drops = install_drop(manager.peers, settings.drop_share, rng)
 
-        self.options = BodyOptions(
-            host=settings.host,
-            log_level=settings.log_level,
-            liveness_timeout_s=settings.liveness_timeout_s,
-            stall_timeout_s=settings.stall_timeout_s,
-            integrity=settings.integrity,
-            prefill_timeouts=settings.prefill_timeouts,
-            meta_timeout_s=settings.meta_timeout_s,
-            prepare=drop if settings.drop_share > 0 else None,
-        )
+        self.options = replace(settings.body, prepare=drop if settings.drop_share > 0 else None)
         self.listener_reported = False
         self.memory = RssSampler()
         """This process's RSS samples, sent with every ``status`` (see ``soak_memory``)."""

@@ -27,14 +27,14 @@ import argparse
 import logging
 import textwrap
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Final
 
 from ..backends import BACKENDS
 from ..outcomes import classify
 from .soak_memory import MemoryVerdict, memory_rows
-from .soak_rank import RankSettings, ring_bytes
+from .soak_rank import SOAK_BODY, RankSettings, ring_bytes
 from .workload import TransferConfig
 
 NO_MEMORY: Final = MemoryVerdict((), 0.0)
@@ -361,17 +361,21 @@ class SoakConfig:
 
     def rank_settings(self) -> RankSettings:
         """What every rank process is started with."""
-        return RankSettings(
-            transfer=self.transfer(),
+        body = replace(
+            SOAK_BODY,
             host=self.host,
             liveness_timeout_s=self.liveness_timeout_s,
             stall_timeout_s=self.stall_timeout_s,
             meta_timeout_s=self.meta_timeout_s,
+            integrity=True if self.integrity else None,
+            log_level=self.log_level,
+        )
+        return RankSettings(
+            transfer=self.transfer(),
+            body=body,
             room_bound_s=self.room_bound_s,
             drop_share=self.drop_share if "drop" in self.faults else 0.0,
-            integrity=True if self.integrity else None,
             seed=self.seed,
-            log_level=self.log_level,
         )
 
 
