@@ -4,8 +4,8 @@ soak rank (:mod:`.soak_rank`, served commands) build alike.
 :class:`RankBody` is a rank's backend (built from the spec string in this process) and what
 every path does with it: trust peers, count registered regions, close. The staged sides add
 their staging set-up: :class:`DecodeBody` (an empty pool, the decode handler, the published
-ring) and :class:`PrefillBody` (a filled pool, the staging writer and its transfers). The
-per-token and raw paths (:mod:`.plain_paths`) use :class:`RankBody` as it is.
+ring) and :class:`PrefillBody` (a filled pool, the staging writer and its transfers). A demo
+rank's per-token and raw paths (over :mod:`.plain_paths`) use :class:`RankBody` as it is.
 
 Nothing here starts the control listener: the caller does (``body.common.start()``), after
 whatever must precede it (a metrics pusher, a fault on the peer sockets, device settling).
@@ -43,7 +43,7 @@ class BodyOptions:
     host: str = "127.0.0.1"
     """Where the control listener and the engine bind."""
     log_level: int = logging.WARNING
-    """The floor of NIXL's own logger (it installs an INFO handler)."""
+    """The rank's log level (a soak rank's lines; the floor of NIXL's own logger)."""
     liveness_timeout_s: float | None = None
     stall_timeout_s: float | None = None
     integrity: bool | None = None
