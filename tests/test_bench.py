@@ -11,6 +11,7 @@ import pytest
 
 from staging_contracts.bench import BenchOptions, BenchRow, format_table
 from staging_contracts.cli import main
+from staging_contracts.cluster._messages import RankMemory, RankSummary
 from staging_contracts.cluster.runner import ClusterResult, RankReport
 from staging_contracts.cluster.workload import TransferConfig
 
@@ -96,24 +97,25 @@ def _fake_cluster(
     def fake(config: TransferConfig) -> ClusterResult:
         seen.append(config)
         share = config.request_bytes // config.prefill_tp
-        cuda = {"cuda_max_allocated_bytes": 7 << 20} if config.device == "cuda" else {}
+        cuda = 7 << 20 if config.device == "cuda" else None
         # on CUDA the stand-in ranks could not reset their peak: it counts from their start
         since = "process start" if config.device == "cuda" else "timed requests"
-        memory = {"peak_rss_from": since, **cuda}
         prefill = tuple(
             RankReport(
                 "prefill",
                 p,
                 True,
-                {"bytes_written": share, "peak_rss_before_verify_bytes": 3 << 20, **memory},
+                RankSummary(bytes_written=share, memory=RankMemory(3 << 20, since, None, cuda)),
                 0,
             )
             for p in range(config.prefill_tp)
         )
-        ring = {"ring_peak": 256 << 20, "ring_size": 128 << 20} if config.mode == "staged" else {}
+        staged = config.mode == "staged"
+        ring = (256 << 20, 128 << 20) if staged else (None, None)
+        held = RankMemory(5 << 20, since, None, cuda)
         decode = tuple(
             RankReport(
-                "decode", d, True, {"peak_rss_before_verify_bytes": 5 << 20, **memory, **ring}, 0
+                "decode", d, True, RankSummary(memory=held, ring_peak=ring[0], ring_size=ring[1]), 0
             )
             for d in range(config.decode_tp)
         )

@@ -35,6 +35,7 @@ from staging_contracts.bench.scaling import (
     slope_stderr,
 )
 from staging_contracts.cli import main
+from staging_contracts.cluster._messages import RankSummary
 from staging_contracts.cluster.runner import ClusterResult, RankReport
 from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.engines import engine_available
@@ -364,14 +365,14 @@ def test_plans_sweep_one_dimension_at_a_time_around_the_base() -> None:
 
 
 def _fake_cluster_result(config: TransferConfig, elapsed: float) -> ClusterResult:
-    stamps = {str(i): 10.0 + 0.1 * i for i in range(config.requests)}
-    done = {str(i): 10.0 + 0.1 * i + 0.5 + 0.25 * i for i in range(config.requests)}
+    stamps = {i: 10.0 + 0.1 * i for i in range(config.requests)}
+    done = {i: 10.0 + 0.1 * i + 0.5 + 0.25 * i for i in range(config.requests)}
     prefill = tuple(
         RankReport(
             "prefill",
             p,
             True,
-            {"room_first_request_s": stamps, "peak_rss_bytes": 100 + p, "start": 0.0},
+            RankSummary(room_first_request_s=stamps, peak_rss_bytes=100 + p, start=0.0),
             0,
         )
         for p in range(config.prefill_tp)
@@ -381,13 +382,13 @@ def _fake_cluster_result(config: TransferConfig, elapsed: float) -> ClusterResul
             "decode",
             d,
             True,
-            {
-                "verified": True,
-                "room_done_s": done,
-                "peak_rss_bytes": 200 + d,
-                "ring_peak": 1000 * (d + 1),
-                "ring_size": 5000,
-            },
+            RankSummary(
+                verified=True,
+                room_done_s=done,
+                peak_rss_bytes=200 + d,
+                ring_peak=1000 * (d + 1),
+                ring_size=5000,
+            ),
             0,
         )
         for d in range(config.decode_tp)

@@ -9,10 +9,11 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import pytest
 
+from staging_contracts.cluster._messages import Ready, Received
 from staging_contracts.cluster.demo import format_summary
 from staging_contracts.cluster.preflight import PROCESS_OVERHEAD_BYTES, memory_need, preflight
 from staging_contracts.cluster.runner import run_cluster
@@ -198,9 +199,9 @@ def test_a_rank_failing_mid_run_is_named_first_and_the_others_stop() -> None:
     names that rank and why, before the table."""
     killed: list[float] = []
 
-    def kill_decode(kind: str, event: dict[str, Any]) -> None:
-        if kind == "ready" and event["role"] == "decode" and not killed:
-            os.kill(int(event["pid"]), 9)
+    def kill_decode(got: Received) -> None:
+        if isinstance(got.message, Ready) and got.role == "decode" and not killed:
+            os.kill(got.pid or 0, 9)
             killed.append(time.monotonic())
 
     result = run_cluster(tiny_config(), progress=kill_decode, timeout_s=60)

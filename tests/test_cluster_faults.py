@@ -7,10 +7,10 @@ import multiprocessing
 import os
 import signal
 import time
-from typing import Any
 
 import pytest
 
+from staging_contracts.cluster._messages import RankSummary, Ready, Received, RequestDone
 from staging_contracts.cluster.runner import ClusterResult, RankExit, RankReport, run_cluster
 from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.engines import engine_available
@@ -42,9 +42,9 @@ def test_a_rank_killed_mid_run_is_named_and_the_survivor_is_stopped_at_once() ->
     that rank and its signal, and holds the survivor's own report of where it stopped."""
     killed_at: list[float] = []
 
-    def kill_decode_when_ready(kind: str, event: dict[str, Any]) -> None:
-        if kind == "ready" and event["role"] == "decode" and not killed_at:
-            os.kill(int(event["pid"]), signal.SIGKILL)
+    def kill_decode_when_ready(got: Received) -> None:
+        if isinstance(got.message, Ready) and got.role == "decode" and not killed_at:
+            os.kill(got.pid or 0, signal.SIGKILL)
             killed_at.append(time.monotonic())
 
     result = run_cluster(tiny_config(), progress=kill_decode_when_ready, timeout_s=60)
@@ -63,12 +63,12 @@ def test_a_rank_killed_mid_run_is_named_and_the_survivor_is_stopped_at_once() ->
     (decode,) = result.ranks("decode")
     assert not decode.ok
     assert decode.signal == "SIGKILL"
-    assert decode.fields["error"] == "no report (the process died or timed out)"
+    assert decode.fields.error == "no report (the process died or timed out)"
     (prefill,) = result.ranks("prefill")
     assert prefill.stopped
     assert prefill.exitcode == 0  # it closed its engine and returned
-    assert prefill.fields["error"] == "RankStopped: stopped by the driver (SIGTERM)"
-    assert prefill.fields["phase"] == "running requests"
+    assert prefill.fields.error == "RankStopped: stopped by the driver (SIGTERM)"
+    assert prefill.fields.phase == "running requests"
     assert multiprocessing.active_children() == []
 
 
@@ -80,10 +80,10 @@ def test_a_rank_killed_after_the_transfer_leaves_the_survivors_report_whole() ->
     killed_at: list[float] = []
     prefill_pid: list[int] = []
 
-    def kill_prefill_after_the_room(kind: str, event: dict[str, Any]) -> None:
-        if kind == "ready" and event["role"] == "prefill":
-            prefill_pid.append(int(event["pid"]))
-        if kind == "room" and event["role"] == "decode" and not killed_at:
+    def kill_prefill_after_the_room(got: Received) -> None:
+        if isinstance(got.message, Ready) and got.role == "prefill":
+            prefill_pid.append(got.pid or 0)
+        if isinstance(got.message, RequestDone) and got.role == "decode" and not killed_at:
             os.kill(prefill_pid[0], signal.SIGKILL)
             killed_at.append(time.monotonic())
 
@@ -94,13 +94,13 @@ def test_a_rank_killed_after_the_transfer_leaves_the_survivors_report_whole() ->
     assert death is not None
     assert (death.role, death.rank, death.signal) == ("prefill", 0, "SIGKILL")
     (decode,) = result.ranks("decode")
-    assert decode.fields.get("error") != "no report (the process died or timed out)"
+    assert decode.fields.error != "no report (the process died or timed out)"
     if decode.ok:  # it finished before the driver saw the death
-        assert decode.fields["verified"]
-        assert decode.fields["succeeded"] == [0]
+        assert decode.fields.verified
+        assert decode.fields.succeeded == (0,)
     else:  # it was told to stop while closing: it says what it had done
         assert decode.stopped
-        assert decode.fields["rooms"] == {"0": True}
+        assert decode.fields.rooms == {0: True}
     assert multiprocessing.active_children() == []
 
 
@@ -112,10 +112,10 @@ def test_rank_exit_says_why_a_rank_died() -> None:
     assert RankExit("prefill", 0, 3, None, 2.0).signal is None
     failed = RankExit("prefill", 0, 0, "TimeoutError: rooms", 2.0)
     assert failed.reason == "reported a failure: TimeoutError: rooms"
-    report = RankReport("decode", 0, False, {"stopped": True}, -6)
+    report = RankReport("decode", 0, False, RankSummary(stopped=True), -6)
     assert report.stopped
     assert report.signal == "SIGABRT"
-    assert RankReport("decode", 0, True, {}, 0).signal is None
+    assert RankReport("decode", 0, True, RankSummary(), 0).signal is None
 
 
 def test_a_result_without_a_death_says_so() -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from staging_contracts.backends.kv_requests import KVPoll
+from staging_contracts.cluster._messages import Message, RankMemory, RankSummary, RequestDone
 from staging_contracts.cluster.rank import (
     FirstRequestClock,
     TransferMemory,
@@ -21,7 +22,7 @@ from staging_contracts.cluster.rank import (
     reset_peak_rss,
     rss_status,
 )
-from staging_contracts.cluster.runner import ClusterResult, RankMemory, RankReport, run_cluster
+from staging_contracts.cluster.runner import ClusterResult, RankReport, run_cluster
 from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.control.transport import PeerSockets
 from staging_contracts.control.wire import StagingReq, WatermarkUpdate
@@ -55,7 +56,7 @@ def test_every_rank_reports_its_peak_rss_and_every_request_its_clocks() -> None:
     a done stamp per room on every decode rank, and latencies that lie inside the run."""
     config = small_config()
     result = run_cluster(config, timeout_s=180)
-    assert result.verified, [r.fields.get("trace") for r in result.reports]
+    assert result.verified, [r.fields.trace for r in result.reports]
     for role in ("prefill", "decode"):
         rss = result.peak_rss_bytes(role)
         assert sorted(rss) == [0, 1]
@@ -67,15 +68,14 @@ def test_every_rank_reports_its_peak_rss_and_every_request_its_clocks() -> None:
             assert 50 << 20 < held.rss_at_done_bytes <= held.peak_rss_before_verify_bytes
             assert held.peak_rss_before_verify_bytes <= rss[rank]
             assert held.cuda_max_allocated_bytes is None
-    indexes = [str(i) for i in range(config.requests)]
-    for report in result.ranks("prefill"):
-        stamps = report.fields["room_first_request_s"]
+    indexes = list(range(config.requests))
+    for report in result.reports:
+        fields = report.fields
+        stamps = fields.room_first_request_s if report.role == "prefill" else fields.room_done_s
         assert sorted(stamps) == indexes
-        assert all(report.fields["start"] <= t <= report.fields["end"] for t in stamps.values())
-    for report in result.ranks("decode"):
-        stamps = report.fields["room_done_s"]
-        assert sorted(stamps) == indexes
-        assert all(report.fields["start"] <= t <= report.fields["end"] for t in stamps.values())
+        assert fields.start is not None
+        assert fields.end is not None
+        assert all(fields.start <= t <= fields.end for t in stamps.values())
     latencies = result.request_latencies_s()
     assert sorted(latencies) == list(range(config.requests))
     assert all(0 < s <= result.elapsed_s for s in latencies.values())
@@ -89,14 +89,14 @@ def test_latencies_take_the_earliest_request_and_the_latest_completion() -> None
     requests a rank did not stamp are left out."""
     config = TransferConfig(requests=3)
     prefill = [
-        RankReport("prefill", 0, True, {"room_first_request_s": {"0": 10.0, "1": 11.0}}, 0),
+        RankReport("prefill", 0, True, RankSummary(room_first_request_s={0: 10.0, 1: 11.0}), 0),
         RankReport(
-            "prefill", 1, True, {"room_first_request_s": {"0": 9.5, "1": 11.5, "2": 12.0}}, 0
+            "prefill", 1, True, RankSummary(room_first_request_s={0: 9.5, 1: 11.5, 2: 12.0}), 0
         ),
     ]
     decode = [
-        RankReport("decode", 0, True, {"room_done_s": {"0": 12.0, "1": 14.0, "2": 15.0}}, 0),
-        RankReport("decode", 1, True, {"room_done_s": {"0": 12.5, "1": 13.0, "2": 16.0}}, 0),
+        RankReport("decode", 0, True, RankSummary(room_done_s={0: 12.0, 1: 14.0, 2: 15.0}), 0),
+        RankReport("decode", 1, True, RankSummary(room_done_s={0: 12.5, 1: 13.0, 2: 16.0}), 0),
     ]
     result = ClusterResult(config, (*decode, *prefill), 7.0)
     assert result.request_latencies_s() == {0: 3.0, 1: 3.0}
@@ -109,9 +109,9 @@ def test_peak_rss_and_ring_peaks_by_rank() -> None:
     """Ranks that did not report a figure (a dead rank) are left out."""
     config = TransferConfig()
     reports = (
-        RankReport("decode", 1, True, {"peak_rss_bytes": 300, "ring_peak": 5, "ring_size": 8}, 0),
-        RankReport("decode", 0, False, {"error": "died"}, -9),
-        RankReport("prefill", 0, True, {"peak_rss_bytes": 200}, 0),
+        RankReport("decode", 1, True, RankSummary(peak_rss_bytes=300, ring_peak=5, ring_size=8), 0),
+        RankReport("decode", 0, False, RankSummary(error="died"), -9),
+        RankReport("prefill", 0, True, RankSummary(peak_rss_bytes=200), 0),
     )
     result = ClusterResult(config, reports, 1.0)
     assert result.peak_rss_bytes("decode") == {1: 300}
@@ -127,16 +127,11 @@ def test_transfer_memory_by_rank() -> None:
             "decode",
             0,
             True,
-            {
-                "peak_rss_before_verify_bytes": 300,
-                "peak_rss_from": "timed requests",
-                "rss_at_done_bytes": 250,
-                "cuda_max_allocated_bytes": 70,
-            },
+            RankSummary(memory=RankMemory(300, "timed requests", 250, 70)),
             0,
         ),
-        RankReport("decode", 1, False, {"error": "died"}, -9),
-        RankReport("prefill", 0, True, {"peak_rss_before_verify_bytes": 200}, 0),
+        RankReport("decode", 1, False, RankSummary(error="died"), -9),
+        RankReport("prefill", 0, True, RankSummary(memory=RankMemory(200, "process start")), 0),
     )
     result = ClusterResult(config, reports, 1.0)
     assert result.transfer_memory("decode") == {0: RankMemory(300, "timed requests", 250, 70)}
@@ -165,11 +160,12 @@ def test_the_transfer_peak_leaves_out_what_was_freed_before_the_timed_requests()
     fields = memory.at_done()
     rss, _ = rss_status()
     assert rss is not None
-    assert fields["peak_rss_from"] == "timed requests"
-    assert fields["rss_at_done_bytes"] >= len(held)
-    assert fields["peak_rss_before_verify_bytes"] < before - (128 << 20)
-    assert fields["peak_rss_before_verify_bytes"] < rss + (128 << 20)
-    assert "cuda_max_allocated_bytes" not in fields
+    assert fields.peak_rss_from == "timed requests"
+    assert fields.rss_at_done_bytes is not None
+    assert fields.rss_at_done_bytes >= len(held)
+    assert fields.peak_rss_before_verify_bytes < before - (128 << 20)
+    assert fields.peak_rss_before_verify_bytes < rss + (128 << 20)
+    assert fields.cuda_max_allocated_bytes is None
     del held
 
 
@@ -191,7 +187,7 @@ def test_on_cuda_the_allocator_peak_is_reset_at_the_start_and_read_at_done(
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", max_allocated)
     memory = TransferMemory(TransferConfig(device="cuda"))
     assert calls == [("reset", "cuda:3")]
-    assert memory.at_done()["cuda_max_allocated_bytes"] == 7 << 20
+    assert memory.at_done().cuda_max_allocated_bytes == 7 << 20
     assert calls == [("reset", "cuda:3"), ("max", "cuda:3")]
 
 
@@ -219,9 +215,9 @@ def test_each_request_is_stamped_when_it_ends_not_when_its_turn_comes() -> None:
     requests = {0: _Gate(KVPoll.Success), 1: _Gate(KVPoll.Failed), 2: _Gate(KVPoll.Success)}
     events: list[int] = []
 
-    def report(kind: str, **fields: object) -> None:
-        assert kind == "room"
-        events.append(int(str(fields["index"])))
+    def report(event: Message) -> None:
+        assert isinstance(event, RequestDone)
+        events.append(event.index)
         if len(events) < len(requests):  # open the next gate only once this one is reported
             requests[2 - len(events)].gate.set()
 

@@ -237,18 +237,16 @@ def test_anchor_modes_run_in_the_rank_processes_verified(
     bytes through the same processes, verified on decode, with every clock stamped."""
     config = small(prefill_tp, decode_tp, heads, backend=backend, mode=mode, warmup_requests=1)
     result = run_cluster(config, timeout_s=180)
-    assert result.verified, [
-        r.fields.get("trace") or r.fields.get("problems") for r in result.reports
-    ]
+    assert result.verified, [r.fields.trace or r.fields.problems for r in result.reports]
     # What the staged path's writers stage for each decode rank (replicated heads included).
     staged = sum(raw_request_bytes(config, d) for d in range(decode_tp))
     assert result.bytes_moved == config.requests * staged
     for report in result.reports:
         assert report.exitcode == 0
-        assert report.fields["registered_after"] == 0
-        assert report.fields["mode"] == mode
+        assert report.fields.registered_after == 0
+        assert report.fields.mode == mode
     for report in result.ranks("decode"):
-        assert report.fields["malformed"] == 0
+        assert report.fields.malformed == 0
     assert sorted(result.request_latencies_s()) == list(range(config.requests))
     assert multiprocessing.active_children() == []
 
@@ -259,6 +257,6 @@ def test_staged_warmup_is_not_counted_and_pages_verify(backend: str) -> None:
     """Two warm-up requests first: the timed figures count the timed requests only."""
     config = small(backend=backend, warmup_requests=2)
     result = run_cluster(config, timeout_s=180)
-    assert result.verified, [r.fields.get("trace") for r in result.reports]
+    assert result.verified, [r.fields.trace for r in result.reports]
     assert result.bytes_moved == config.requests * config.request_bytes
-    assert result.total("decode", "chunks") == config.decode_tp * config.requests * 3
+    assert result.chunks == config.decode_tp * config.requests * 3

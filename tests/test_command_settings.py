@@ -88,7 +88,7 @@ def test_a_soak_option_comes_from_the_command_line_then_the_variable_then_the_so
     plain = _soak_config()
     assert plain.liveness_timeout_s == SOAK_LIVENESS_TIMEOUT_S
     assert plain.stall_timeout_s == SOAK_STALL_TIMEOUT_S
-    assert plain.rank_settings().prefill_timeouts == SOAK_PREFILL_TIMEOUTS
+    assert plain.rank_settings().body.prefill_timeouts == SOAK_PREFILL_TIMEOUTS
 
     monkeypatch.setenv("STAGING_CONTRACTS_LIVENESS_TIMEOUT_S", "7")
     monkeypatch.setenv("STAGING_CONTRACTS_LIVENESS_INTERVAL_S", "0.25")
@@ -97,10 +97,10 @@ def test_a_soak_option_comes_from_the_command_line_then_the_variable_then_the_so
     monkeypatch.setenv("STAGING_CONTRACTS_PREFILL_DEADLINE_S", "12")
     env = _soak_config()
     settings = env.rank_settings()
-    assert (settings.liveness_timeout_s, settings.liveness_interval_s) == (7.0, 0.25)
-    assert (settings.stall_timeout_s, settings.meta_timeout_s) == (9.0, 11.0)
-    assert settings.prefill_timeouts.deadline_s == 12.0
-    assert settings.prefill_timeouts.answer_s == SOAK_PREFILL_TIMEOUTS.answer_s
+    assert (settings.body.liveness_timeout_s, settings.body.liveness_interval_s) == (7.0, 0.25)
+    assert (settings.body.stall_timeout_s, settings.body.meta_timeout_s) == (9.0, 11.0)
+    assert settings.body.prefill_timeouts.deadline_s == 12.0
+    assert settings.body.prefill_timeouts.answer_s == SOAK_PREFILL_TIMEOUTS.answer_s
 
     explicit = _soak_config("--liveness-timeout", "2")
     assert explicit.liveness_timeout_s == 2.0

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from staging_contracts.cli import main
+from staging_contracts.cluster._messages import RankMemory, RankSummary
 from staging_contracts.cluster.demo import format_summary
 from staging_contracts.cluster.runner import ClusterResult, RankReport
 from staging_contracts.cluster.workload import TransferConfig
@@ -84,36 +85,32 @@ def test_summary_reports_failures_and_peak_use() -> None:
         "decode",
         0,
         True,
-        {
-            "verified": True,
-            "chunks": 2,
-            "ring_peak": 2 << 20,
-            "ring_size": 4 << 20,
-            "control_messages": 10,
-            "failed": {"1": "boom"},
-            "peak_rss_bytes": 900 << 20,
-            "peak_rss_before_verify_bytes": 300 << 20,
-            "peak_rss_from": "timed requests",
-            "rss_at_done_bytes": 280 << 20,
-        },
+        RankSummary(
+            verified=True,
+            chunks=2,
+            ring_peak=2 << 20,
+            ring_size=4 << 20,
+            control_messages=10,
+            failed={1: "boom"},
+            peak_rss_bytes=900 << 20,
+            memory=RankMemory(300 << 20, "timed requests", 280 << 20),
+        ),
         0,
     )
     wrapped = RankReport(
-        "decode", 1, True, {"ring_peak": 6 << 20, "ring_size": 4 << 20, "verified": True}, 0
+        "decode", 1, True, RankSummary(ring_peak=6 << 20, ring_size=4 << 20, verified=True), 0
     )
     prefill = RankReport(
         "prefill",
         0,
         True,
-        {
-            "bytes_written": 1 << 20,
-            "control_messages": 5,
-            "failed": {"1": "engine write failed"},
-            "peak_rss_bytes": 800 << 20,
-            "peak_rss_before_verify_bytes": 512 << 20,
-            "peak_rss_from": "timed requests",
-            "rss_at_done_bytes": 500 << 20,
-        },
+        RankSummary(
+            bytes_written=1 << 20,
+            control_messages=5,
+            failed={1: "engine write failed"},
+            peak_rss_bytes=800 << 20,
+            memory=RankMemory(512 << 20, "timed requests", 500 << 20),
+        ),
         0,
     )
     result = ClusterResult(config, (decode, wrapped, prefill), 0.5, frozenset({1}))
@@ -140,11 +137,7 @@ def test_summary_says_where_a_peak_counts_from_and_the_cuda_peak() -> None:
     """A rank that could not reset its peak makes the line say 'since the process started';
     on CUDA the allocator's peak is shown, and the device line says the ranks share a GPU."""
     config = TransferConfig(prefill_tp=1, decode_tp=1, kv_heads=1, device="cuda")
-    fields = {
-        "peak_rss_before_verify_bytes": 100 << 20,
-        "peak_rss_from": "process start",
-        "cuda_max_allocated_bytes": 64 << 20,
-    }
+    fields = RankSummary(memory=RankMemory(100 << 20, "process start", None, 64 << 20))
     reports = (RankReport("decode", 0, True, fields, 0), RankReport("prefill", 0, True, fields, 0))
     text = format_summary(ClusterResult(config, reports, 0.5))
     assert "(by rank; since the process started to the done barrier" in text

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import pytest
 
 from staging_contracts.cli import main
+from staging_contracts.cluster._messages import RankSummary
 from staging_contracts.cluster.demo import (
     DEFAULT_TIMEOUT_S,
     DemoPlacement,
@@ -107,8 +109,8 @@ def test_roles_of_each_side_decode_first() -> None:
     assert _roles(config, "decode") == [("decode", 0)]
 
 
-def _report(role: str, rank: int, **fields: object) -> RankReport:
-    return RankReport(role, rank, True, dict(fields), 0)
+def _report(role: str, rank: int, **fields: Any) -> RankReport:
+    return RankReport(role, rank, True, RankSummary(**fields), 0)
 
 
 def test_summary_of_the_prefill_side_points_at_the_decode_side() -> None:

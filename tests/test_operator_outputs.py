@@ -21,6 +21,7 @@ import pytest
 
 from staging_contracts import cli
 from staging_contracts.cluster import logformat, summary_json
+from staging_contracts.cluster._messages import RankSummary
 from staging_contracts.cluster.runner import ClusterResult, RankReport
 from staging_contracts.cluster.soak_ticker import Ticker, tally_line
 from staging_contracts.cluster.summary_json import COMMON_KEYS, SCHEMA, demo_summary, soak_summary
@@ -147,11 +148,11 @@ def test_a_stopped_demo_says_partial_and_counts_the_rooms_it_had() -> None:
         "decode",
         0,
         False,
-        {"stopped": True, "error": "RankStopped: stopped", "rooms": {"0": True, "1": False}},
+        RankSummary(stopped=True, error="RankStopped: stopped", rooms={0: True, 1: False}),
         0,
     )
     prefill = RankReport(
-        "prefill", 0, True, {"bytes_written": 4096, "failed": {"1": "engine write failed"}}, 0
+        "prefill", 0, True, RankSummary(bytes_written=4096, failed={1: "engine write failed"}), 0
     )
     result = ClusterResult(
         config, (decode, prefill), 0.5, frozenset({1}), interrupted="SIGINT", side="all"

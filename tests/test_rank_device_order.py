@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from staging_contracts.backends.kv_requests import KVPoll
+from staging_contracts.cluster import _rank_body as rank_body
 from staging_contracts.cluster import rank as rank_module
 from staging_contracts.cluster import workload
 from staging_contracts.cluster.bootstrap import RankInfo
@@ -58,22 +59,22 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         real_zero(pool)
         seen.append("zero")
 
-    monkeypatch.setattr(rank_module, "fill_prefill_pool", fill)
+    monkeypatch.setattr(rank_body, "fill_prefill_pool", fill)
     monkeypatch.setattr(rank_module, "zero_pool", zero)
     return seen
 
 
 def test_settle_synchronises_the_ranks_device_on_cuda_only(events: list[str]) -> None:
     """CUDA: one torch.cuda.synchronize of the rank's device; CPU: none."""
-    rank_module._settle(cuda_config())
+    rank_body.settle(cuda_config())
     assert events == ["sync"]
-    rank_module._settle(cuda_config(device="cpu"))
+    rank_body.settle(cuda_config(device="cpu"))
     assert events == ["sync"]
 
 
 def test_a_filled_prefill_pool_is_settled_after_filling(events: list[str]) -> None:
     """The pool is filled, then the device synchronised, before it is handed back."""
-    rank_module._filled_prefill_pool(cuda_config(), 0)
+    rank_body.filled_prefill_pool(cuda_config(), 0)
     assert events == ["fill", "sync"]
 
 
@@ -162,7 +163,7 @@ def fake_cluster(events: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     def wait_all(requests: Mapping[int, Any], report: Any, timeout_s: float = 0.0) -> Any:
         return {i: KVPoll.Success for i in requests}, {i: 0.0 for i in requests}
 
-    monkeypatch.setattr(rank_module, "_make_manager", lambda c, role, r: _Manager(events))
+    monkeypatch.setattr(rank_body, "resolve_backend", lambda spec: lambda *a, **k: _Manager(events))
     monkeypatch.setattr(rank_module, "register_rank", lambda b, info: events.append("publish"))
     monkeypatch.setattr(rank_module, "query_ranks", query)
     monkeypatch.setattr(rank_module, "arrive", lambda b, name, who: events.append(name))
@@ -170,7 +171,7 @@ def fake_cluster(events: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
         rank_module, "wait_barrier", lambda b, name, count, timeout: events.append(name)
     )
     monkeypatch.setattr(rank_module, "_wait_all", wait_all)
-    monkeypatch.setattr(rank_module, "_freeze_heap", lambda: None)
+    monkeypatch.setattr(rank_module, "freeze_heap", lambda: None)
     monkeypatch.setattr(rank_module, "verify_decode_pool", lambda *args: [])
     monkeypatch.setattr(rank_module, "verify_raw", lambda *args: [])
 

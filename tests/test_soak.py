@@ -499,8 +499,8 @@ def test_the_summary_says_when_forge_was_skipped() -> None:
 
 
 def test_the_pause_fault_turns_the_integrity_check_on_in_every_rank() -> None:
-    assert SoakConfig(faults=("pause",)).rank_settings().integrity is True
-    assert SoakConfig(faults=("stall",)).rank_settings().integrity is None
+    assert SoakConfig(faults=("pause",)).rank_settings().body.integrity is True
+    assert SoakConfig(faults=("stall",)).rank_settings().body.integrity is None
     assert reason_group("integrity: chunk 2 of room 7 does not match its tag") == "integrity"
 
 

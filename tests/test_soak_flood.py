@@ -14,6 +14,7 @@ import secrets
 
 import pytest
 
+from staging_contracts.cluster._messages import RankStatus
 from staging_contracts.cluster.soak import run_soak
 from staging_contracts.cluster.soak_flood import (
     COUNTERS,
@@ -58,8 +59,8 @@ def test_every_unwanted_flood_message_is_well_formed_and_names_no_room_in_flight
 
 
 def test_flood_counts_are_the_moves_of_each_counter() -> None:
-    before = {"listener_malformed": 5, "unauthorized": 1}
-    after = {"listener_malformed": 105, "unauthorized": 51, "early_meta_held": 7}
+    before = RankStatus(1, True, listener_malformed=5, unauthorized=1)
+    after = RankStatus(2, True, listener_malformed=105, unauthorized=51, early_meta_held=7)
     counts = flood_counts(before, after)
     assert set(counts) == set(COUNTERS)
     assert counts["listener_malformed"] == 100

@@ -32,7 +32,7 @@ def forge_config() -> SoakConfig:
 
 
 def test_the_forge_fault_turns_the_integrity_check_on_in_every_rank() -> None:
-    assert forge_config().rank_settings().integrity is True
+    assert forge_config().rank_settings().body.integrity is True
 
 
 def test_hostile_mooncake_writes_over_decodes_ring_fail_rooms_with_integrity_never_succeed(
@@ -67,7 +67,7 @@ def test_without_the_integrity_check_the_hostile_writes_pass_as_success(
     monkeypatch.setenv("STAGING_CONTRACTS_INTEGRITY", "0")
     monkeypatch.setattr(SoakConfig, "integrity", property(lambda self: False))
     config = forge_config()
-    assert config.rank_settings().integrity is None  # each rank reads the variable: off
+    assert config.rank_settings().body.integrity is None  # each rank reads the variable: off
     result = run_soak(config, progress=print)
     print(format_summary(result))
 

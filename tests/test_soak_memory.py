@@ -11,14 +11,11 @@ from staging_contracts.cluster.soak_memory import RULE, RssSampler, judge_memory
 MIB = 1 << 20
 
 
-def statuses(growth_per_s: float) -> dict[int, dict[str, object]]:
+def statuses(growth_per_s: float) -> dict[int, tuple[str, int, list[tuple[float, int]]]]:
     """Two processes sampled once a second for 120 s: decode grows, prefill jitters."""
-    decode = [[t, int(400 * MIB + growth_per_s * t)] for t in range(120)]
-    prefill = [[t, int(300 * MIB + (t % 3) * MIB)] for t in range(120)]
-    return {
-        1: {"role": "decode", "rank": 0, "rss": decode},
-        2: {"role": "prefill", "rank": 0, "rss": prefill},
-    }
+    decode = [(float(t), int(400 * MIB + growth_per_s * t)) for t in range(120)]
+    prefill = [(float(t), int(300 * MIB + (t % 3) * MIB)) for t in range(120)]
+    return {1: ("decode", 0, decode), 2: ("prefill", 0, prefill)}
 
 
 def test_flat_memory_passes_and_steady_growth_fails() -> None:

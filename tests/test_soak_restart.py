@@ -18,14 +18,25 @@ These tests drive the two halves the race was between, one event at a time:
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 
 from staging_contracts.cluster import soak
+from staging_contracts.cluster._messages import (
+    AskStatus,
+    Message,
+    OpenRoom,
+    Peers,
+    PeersTaken,
+    RankError,
+    RankStatus,
+    RoomEnded,
+    Serving,
+    Stop,
+    encode,
+)
 from staging_contracts.cluster.bootstrap import RankInfo
 from staging_contracts.cluster.soak_rank import CommandLoop, RankSettings
 from staging_contracts.cluster.soak_report import (
@@ -59,12 +70,17 @@ class FakeProcess:
         del timeout
 
 
+def _name(command: Message) -> str:
+    """A command's name as the tests say it: ``peers``, ``room``, ..."""
+    return {Peers: "peers", OpenRoom: "room"}.get(type(command), type(command).__name__)
+
+
 class Harness:
     """A driver with fake rank processes; its commands are recorded, its events given."""
 
     def __init__(self, config: SoakConfig) -> None:
         self.driver = soak._Driver(config, None)
-        self.sent: list[tuple[Key, int, dict[str, Any]]] = []
+        self.sent: list[tuple[Key, int, Message]] = []
         """Every command the driver sent: ``(key, pid, command)``, in order."""
         self.next_pid = 100
         self.refusing: set[Key] = set()
@@ -73,10 +89,10 @@ class Harness:
         for key in self.driver.keys:
             self.start(key)
 
-    def _record(self, rank: soak._Rank, doc: dict[str, Any]) -> bool:
+    def _record(self, rank: soak._Rank, command: Message) -> bool:
         if rank.commands is None or rank.gone or rank.key in self.refusing:
             return False
-        self.sent.append((rank.key, rank.pid or 0, doc))
+        self.sent.append((rank.key, rank.pid or 0, command))
         return True
 
     def start(self, key: Key) -> soak._Rank:
@@ -87,16 +103,14 @@ class Harness:
         self.driver.ranks[key] = rank
         return rank
 
-    def event(self, key: Key, kind: str, **fields: Any) -> None:
-        pid = self.driver.ranks[key].pid
-        doc = {"kind": kind, "role": key[0], "rank": key[1], "pid": pid, "t": 0.0, **fields}
-        self.driver._event(json.dumps(doc).encode())
+    def event(self, key: Key, event: Message) -> None:
+        self.driver._event(encode(event, *key, self.driver.ranks[key].pid))
 
     def ready(self, key: Key) -> None:
         role, rank = key
         info = RankInfo(role, rank, f"tcp://127.0.0.1:{9000 + rank}", f"s-{role}-{rank}", b"m")
         # Nothing listens there: the driver's PUSH socket connects lazily and sends nothing.
-        self.event(key, "ready", info=info.to_json(), commands="tcp://127.0.0.1:1")
+        self.event(key, Serving(info, "tcp://127.0.0.1:1"))
 
     def pump(self) -> None:
         """What one driver step does after its events: issue rooms."""
@@ -104,7 +118,7 @@ class Harness:
 
     def commands(self, key: Key, pid: int | None = None) -> list[str]:
         """The names of the commands ``key`` (its process ``pid``) was sent, in order."""
-        return [doc["cmd"] for k, p, doc in self.sent if k == key and (pid is None or p == pid)]
+        return [_name(d) for k, p, d in self.sent if k == key and (pid is None or p == pid)]
 
     def report_all(self, state: str = "ok") -> None:
         """Every rank reports every unsettled room it was sent."""
@@ -114,12 +128,9 @@ class Harness:
                     continue
                 if self.driver.ranks[key].pid != pid:
                     continue
-                fields: dict[str, Any] = {"room": room.room, "state": state}
-                if state == "ok" and key[0] == "decode":
-                    fields["verified"] = True
-                if state == "failed":
-                    fields["reason"] = f"{key[0]} {key[1]} failed it"
-                self.event(key, "room", **fields)
+                reason = f"{key[0]} {key[1]} failed it" if state == "failed" else ""
+                verified = state == "ok" and key[0] == "decode"
+                self.event(key, RoomEnded(room.room, 0, state, 0.0, reason, verified))
 
     def close(self) -> None:
         for rank in self.driver.ranks.values():
@@ -160,9 +171,9 @@ def start_soak(h: Harness) -> None:
     h.driver.issuing = True
     h.pump()
     assert h.sent
-    assert all(doc["cmd"] == "peers" for _, _, doc in h.sent)  # no answer yet: no room
+    assert all(isinstance(doc, Peers) for _, _, doc in h.sent)  # no answer yet: no room
     for key in h.driver.keys:
-        h.event(key, "peers", count=1)
+        h.event(key, PeersTaken(1))
     h.pump()
     for key in h.driver.keys:
         assert h.commands(key)[0] == "peers"
@@ -189,11 +200,11 @@ def test_a_restarted_rank_gets_no_room_before_its_peers(harness: Harness) -> Non
     h.ready(victim)  # the restarted rank is ready ...
     h.pump()  # ... and the same step issues rooms: the race
     assert h.commands(victim, new.pid) == ["peers"]
-    assert [d["cmd"] for k, p, d in h.sent if k == ("decode", 0)][-1] == "peers"
+    assert [_name(d) for k, p, d in h.sent if k == ("decode", 0)][-1] == "peers"
     assert not new.peered
     assert len(h.driver._unsettled()) == 0  # no room at all while it answers
 
-    h.event(victim, "peers", count=1)
+    h.event(victim, PeersTaken(1))
     h.pump()
     sent = h.commands(victim, new.pid)
     assert sent[0] == "peers"
@@ -230,9 +241,9 @@ def test_a_room_a_rank_could_not_open_fails_with_its_reason_not_hung(harness: Ha
     start_soak(h)
     room = h.driver._unsettled()[0]
     reason = "rank error: opening the room failed: RuntimeError: boom"
-    h.event(("decode", 0), "room", room=room.room, state="failed", reason=reason)
-    h.event(("prefill", 0), "room", room=room.room, state="failed", reason="decode failed it")
-    h.event(("prefill", 1), "room", room=room.room, state="failed", reason="decode failed it")
+    h.event(("decode", 0), RoomEnded(room.room, 0, "failed", 0.0, reason))
+    h.event(("prefill", 0), RoomEnded(room.room, 0, "failed", 0.0, "decode failed it"))
+    h.event(("prefill", 1), RoomEnded(room.room, 0, "failed", 0.0, "decode failed it"))
     assert (room.outcome, room.reason) == ("failed", reason)
     assert reason_group(room.reason) == "rank error"
     result = h.driver.result()
@@ -250,8 +261,8 @@ def test_a_room_command_that_cannot_be_sent_fails_the_room_on_that_rank(
     h.pump()
     for room in h.driver._unsettled():
         report = room.reports[("prefill", 1)]
-        assert report["state"] == "failed"
-        assert "could not be sent" in report["reason"]
+        assert report.state == "failed"
+        assert "could not be sent" in report.reason
     h.report_all("failed")
     assert not h.driver._unsettled()
 
@@ -297,7 +308,7 @@ class FakeSide(CommandLoop):
     test says."""
 
     def __init__(self, clock: Callable[[], float], fail_open: bool = False) -> None:
-        self.sent: list[dict[str, Any]] = []
+        self.sent: list[Message] = []
         self.lock = threading.Lock()
         super().__init__(self, RankSettings(SoakConfig().transfer(), peers_wait_s=5.0), clock=clock)
         self.peers: list[RankInfo] | None = None
@@ -305,9 +316,9 @@ class FakeSide(CommandLoop):
         self.fail_open = fail_open
         self.end = threading.Event()
 
-    def send(self, kind: str, **fields: Any) -> None:  # the EventSink
+    def send(self, event: Message) -> None:  # the EventSink
         with self.lock:
-            self.sent.append({"kind": kind, **fields})
+            self.sent.append(event)
 
     def peers_known(self) -> bool:
         return self.peers is not None
@@ -315,22 +326,22 @@ class FakeSide(CommandLoop):
     def on_peers(self, ranks: list[RankInfo]) -> None:
         self.peers = ranks
 
-    def open_room(self, room: int, index: int) -> Callable[[], dict[str, Any]]:
+    def open_room(self, room: int, index: int) -> Callable[[], RoomEnded]:
         if self.peers is None:
             raise RuntimeError("a room before the decode ranks are known")
         if self.fail_open:
             raise RuntimeError("boom")
         self.opened.append(room)
 
-        def finish() -> dict[str, Any]:
+        def finish() -> RoomEnded:
             if not self.end.wait(10.0):
-                return {"state": "hung", "reason": "the test never ended it"}
-            return {"state": "ok"}
+                return RoomEnded(room, index, "hung", 0.0, "the test never ended it")
+            return RoomEnded(room, index, "ok", 0.0)
 
         return finish
 
-    def status(self) -> dict[str, Any]:
-        return {}
+    def status(self, ask: AskStatus) -> RankStatus:
+        return RankStatus(ask.id, True)
 
     def finish_rooms(self) -> None:
         self.end.set()
@@ -338,16 +349,12 @@ class FakeSide(CommandLoop):
             thread.join(10.0)
             assert not thread.is_alive()
 
-    def rooms(self) -> dict[int, dict[str, Any]]:
+    def rooms(self) -> dict[int, RoomEnded]:
         with self.lock:
-            return {event["room"]: event for event in self.sent if event["kind"] == "room"}
+            return {e.room: e for e in self.sent if isinstance(e, RoomEnded)}
 
 
-def command(name: str, **fields: Any) -> bytes:
-    return json.dumps({"cmd": name, **fields}).encode()
-
-
-PEERS = command("peers", ranks=[RankInfo("decode", 0, "tcp://127.0.0.1:9", "s", b"m").to_json()])
+PEERS = encode(Peers((RankInfo("decode", 0, "tcp://127.0.0.1:9", "s", b"m"),)))
 
 
 class Clock:
@@ -361,7 +368,7 @@ class Clock:
 def test_a_room_before_the_peers_waits_for_them_then_opens() -> None:
     clock = Clock()
     side = FakeSide(clock)
-    assert side.command(command("room", room=7, index=1))
+    assert side.command(encode(OpenRoom(7, 1)))
     assert side.opened == []
     assert side.waiting_rooms == [(7, 1, 55.0)]
     assert side.sent == []  # no error: it waits
@@ -369,26 +376,26 @@ def test_a_room_before_the_peers_waits_for_them_then_opens() -> None:
     side.expire()
     assert side.sent == []
     assert side.command(PEERS)
-    assert side.sent[0] == {"kind": "peers", "count": 1}
+    assert side.sent[0] == PeersTaken(1)
     assert side.opened == [7]
     assert side.waiting_rooms == []
     side.finish_rooms()
-    assert side.rooms() == {7: {"kind": "room", "room": 7, "index": 1, "state": "ok"}}
-    assert [event["kind"] for event in side.sent] == ["peers", "room"]
+    assert side.rooms() == {7: RoomEnded(7, 1, "ok", 0.0)}
+    assert [type(event) for event in side.sent] == [PeersTaken, RoomEnded]
 
 
 def test_a_room_whose_peers_never_come_fails_with_a_reason_at_its_bound() -> None:
     clock = Clock()
     side = FakeSide(clock)
-    side.command(command("room", room=7, index=1))
-    side.command(command("room", room=8, index=2))
+    side.command(encode(OpenRoom(7, 1)))
+    side.command(encode(OpenRoom(8, 2)))
     clock.now = 55.0
     side.expire()
     rooms = side.rooms()
     assert sorted(rooms) == [7, 8]
     for event in rooms.values():
-        assert event["state"] == "failed"
-        assert event["reason"] == "no peers known 5 s after the room came"
+        assert event.state == "failed"
+        assert event.reason == "no peers known 5 s after the room came"
     assert side.waiting_rooms == []
     side.command(PEERS)  # too late for them: nothing opens twice
     assert side.opened == []
@@ -398,27 +405,29 @@ def test_a_room_whose_peers_never_come_fails_with_a_reason_at_its_bound() -> Non
 def test_a_room_that_cannot_be_opened_fails_with_the_error() -> None:
     side = FakeSide(Clock(), fail_open=True)
     side.command(PEERS)
-    assert side.command(command("room", room=9, index=0))  # the rank lives on
+    assert side.command(encode(OpenRoom(9, 0)))  # the rank lives on
     (event,) = side.rooms().values()
-    assert event["state"] == "failed"
-    assert event["reason"] == "rank error: opening the room failed: RuntimeError: boom"
-    errors = [e for e in side.sent if e["kind"] == "error"]
-    assert errors == [{"kind": "error", "error": "room 9: RuntimeError: boom"}]
+    assert event.state == "failed"
+    assert event.reason == "rank error: opening the room failed: RuntimeError: boom"
+    errors = [e for e in side.sent if isinstance(e, RankError)]
+    assert errors == [RankError("room 9: RuntimeError: boom")]
 
 
 def test_a_room_waiting_for_peers_that_cannot_open_fails_too() -> None:
     side = FakeSide(Clock(), fail_open=True)
-    side.command(command("room", room=3, index=0))
+    side.command(encode(OpenRoom(3, 0)))
     side.command(PEERS)
     (event,) = side.rooms().values()
-    assert event["state"] == "failed"
-    assert "opening the room failed" in event["reason"]
+    assert event.state == "failed"
+    assert "opening the room failed" in event.reason
 
 
 def test_stop_and_a_bad_command() -> None:
     side = FakeSide(Clock())
     assert side.command(b"not json")
-    assert side.sent[-1]["kind"] == "error"
-    assert side.command(command("nope"))
-    assert "unknown command 'nope'" in side.sent[-1]["error"]
-    assert not side.command(command("stop"))
+    assert isinstance(side.sent[-1], RankError)
+    assert side.command(encode(PeersTaken(1)))  # an event is no command
+    last = side.sent[-1]
+    assert isinstance(last, RankError)
+    assert "not a command: PeersTaken" in last.error
+    assert not side.command(encode(Stop()))

@@ -259,9 +259,7 @@ def _run_once(config: TransferConfig) -> ClusterResult:
     """
     result = run_cluster(config)
     if not result.verified:
-        errors = [r.fields.get("error") for r in result.reports if not r.ok]
-        problems = [p for r in result.ranks("decode") for p in r.fields.get("problems", [])]
-        why = errors or problems[:3] or ["no decode rank verified"]
+        why = result.errors() or result.problems()[:3] or ["no decode rank verified"]
         timed = " (timed out)" if result.timed_out else ""
         raise RunFailed(f"{config.mode} transfer did not verify{timed}: {why}")
     return result

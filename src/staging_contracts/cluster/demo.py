@@ -21,16 +21,17 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final, TextIO
+from typing import Final, TextIO
 
 import torch
 
 from ..control.security import SecurityError, check_insecure_bind, load_cluster_secret
 from ..run import exit_status, stop_on_signals
+from ._messages import RankMemory, Ready, Received, RequestDone
 from .bootstrap import BootstrapServer
 from .metrics_relay import serving
 from .preflight import check_device
-from .runner import ClusterResult, RankMemory, RankSet, run_cluster
+from .runner import ClusterResult, RankSet, run_cluster
 from .summary_json import demo_summary, write_summary
 from .workload import DTYPES, TransferConfig
 
@@ -256,14 +257,15 @@ class _ProgressBar:
         self._out = out
         self._tty = out.isatty()
 
-    def __call__(self, kind: str, event: dict[str, Any]) -> None:
-        if kind == "ready":
+    def __call__(self, got: Received) -> None:
+        event = got.message
+        if isinstance(event, Ready):
             self._ready += 1
             return
-        if kind != "room" or event.get("role") != self._role:
+        if not isinstance(event, RequestDone) or got.role != self._role:
             return
         self._done += 1
-        self._failed += 0 if event.get("ok") else 1
+        self._failed += 0 if event.ok else 1
         filled = _BAR_WIDTH * self._done // max(1, self._total)
         bar = "#" * filled + "-" * (_BAR_WIDTH - filled)
         failed = f", {self._failed} failed" if self._failed else ""
@@ -290,9 +292,7 @@ def format_summary(result: ClusterResult) -> str:
     A rank that reported none of these (it died) shows ``?``.
     """
     config = result.config
-    decode = result.ranks("decode")
-    problems = [line for r in decode for line in r.fields.get("problems", [])]
-    errors = [f"{r.role} {r.rank}: {r.fields.get('error')}" for r in result.reports if not r.ok]
+    problems, errors = result.problems(), result.errors()
     prefill_here = result.side != "decode"
     decode_here = result.side != "prefill"
     elsewhere = "(on the prefill side)" if decode_here else "(on the decode side)"
@@ -333,14 +333,8 @@ def format_summary(result: ClusterResult) -> str:
             f"{result.elapsed_s:.3f} s" + (" (this side's clock)" if result.side != "all" else ""),
         ),
         ("throughput", f"{result.gbps:.2f} GB/s" if prefill_here else elsewhere),
-        ("chunks staged", str(result.total("decode", "chunks")) if decode_here else elsewhere),
-        (
-            "control messages",
-            str(
-                result.total("decode", "control_messages")
-                + result.total("prefill", "control_messages")
-            ),
-        ),
+        ("chunks staged", str(result.chunks) if decode_here else elsewhere),
+        ("control messages", str(result.control_messages)),
         ("ring reserved peak", _ring_peaks(result) if decode_here else elsewhere),
         *_memory_rows(result),
         ("failed requests", ", ".join(map(str, sorted(result.failed_requests))) or "none"),

@@ -22,9 +22,7 @@ are not read as current). A new snapshot of that rank (its new process) brings i
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -34,6 +32,7 @@ from typing import TYPE_CHECKING, Final
 import zmq
 
 from ..metrics import MetricsSnapshot, snapshot_of
+from ._messages import Metrics, encode
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -115,7 +114,6 @@ class MetricsPusher:
     ) -> None:
         self._ctx = ctx
         self._endpoint = endpoint
-        self._head = {"kind": "metrics", "role": role, "rank": rank, "pid": os.getpid()}
         self._labels = (role, rank, engine)
         self._every_s = every_s
         self._stop = threading.Event()
@@ -148,8 +146,7 @@ class MetricsPusher:
             while True:
                 stopping = self._stop.wait(self._every_s)
                 try:
-                    event = {**self._head, "snapshot": read().to_json()}
-                    sock.send(json.dumps(event).encode())
+                    sock.send(encode(Metrics(read()), self._labels[0], self._labels[1]))
                 except zmq.ZMQError as exc:  # the driver takes none now: the next one goes
                     logger.warning("metrics snapshot not sent: %s", exc)
                 except Exception:  # a counter that could not be read: the rank goes on
@@ -209,15 +206,6 @@ class MetricsRelay:
         """The snapshots the scrape serves: every rank heard from but those known dead."""
         with self._lock:
             return [self._latest[key] for key in sorted(self._latest) if key not in self._dead]
-
-    def update_from(self, doc: object) -> bool:
-        """:meth:`update` from a ``metrics`` event's JSON; ``False`` (logged) if malformed."""
-        try:
-            self.update(MetricsSnapshot.from_json(doc))
-        except ValueError as exc:
-            logger.warning("malformed metrics snapshot from a rank dropped: %s", exc)
-            return False
-        return True
 
     def snapshots(self) -> list[MetricsSnapshot]:
         """The latest snapshot of every rank heard from, by role and rank (a dead one's

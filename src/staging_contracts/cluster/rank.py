@@ -1,10 +1,10 @@
 """One prefill or decode rank of a staged-transfer run, as an OS process of its own.
 
 Started by :func:`staging_contracts.cluster.runner.run_cluster` (``multiprocessing`` spawn). The
-rank builds its KV pool and backend, meets its peers through the bootstrap server, runs every
-request of the :class:`~staging_contracts.cluster.workload.TransferConfig` through the per-request
-API, verifies (decode) and reports to the driver as JSON over ZMQ: ``ready``, one ``room``
-event per finished request, and a final ``report``; every event carries the rank's ``pid``.
+rank builds its body (:mod:`._rank_body`), meets its peers through the bootstrap server, runs
+every request of the :class:`~staging_contracts.cluster.workload.TransferConfig` through the
+per-request API, verifies (decode) and reports to the driver (:mod:`._messages`): ``Ready``,
+one ``RequestDone`` per finished request, and a final ``RankSummary``.
 
 **Modes and warm-up.** ``config.mode`` chooses how the rank moves each request: through
 the staging rings (``"staged"``), or along one of the benchmark's anchor paths with the same
@@ -13,43 +13,29 @@ In every mode ``config.warmup_requests`` untimed copies of the timed requests ru
 (barrier ``warm-rooms``); decode then zeroes what they wrote, and the timed requests start
 at barrier ``rooms``. Reported byte and message counts are the timed requests' only.
 
-**Memory.** Every final report of a rank that ran to the end carries what its process held
-as the transfer phase ended, sampled at the ``done`` barrier, before verification
-(:class:`TransferMemory`): ``rss_at_done_bytes`` (``VmRSS`` then),
-``peak_rss_before_verify_bytes`` (``VmHWM`` then) and ``peak_rss_from``, where that peak
-counts from: ``"timed requests"`` when the rank could reset its peak as the timed requests
-began (``/proc/self/clear_refs``, Linux >= 4.0; the pools, rings and buffers allocated
-before are counted, the temporaries of filling them and the warm-up's are not), else
-``"process start"``; on CUDA also ``cuda_max_allocated_bytes``
-(``torch.cuda.max_memory_allocated`` of the rank's device, reset at the same moment). It
-also carries ``peak_rss_bytes`` (``resource.getrusage``'s ``ru_maxrss`` at the end): Linux
-reads the same high-water mark, so after the reset it counts from the timed requests too,
-verification included; elsewhere it is the whole process life.
+**Memory.** A rank that ran to the end reports what its process held at the ``done``
+barrier, before verification (:class:`TransferMemory`): ``VmRSS`` and ``VmHWM`` then, the
+latter counted from the timed requests' start where the rank could reset it
+(``/proc/self/clear_refs``), else from the process start; on CUDA the allocator's peak over
+the same span; and ``ru_maxrss`` at the end (``peak_rss_bytes``).
 
-**Per-request clocks.** Every final report of a rank that ran to the end carries per
-request index (``str(index)`` keys) ``time.monotonic()`` stamps: a prefill rank's
-``room_first_request_s`` (when its first ``STAGING_REQ`` of the room left, stamped as it was
-handed to the control socket; in the anchor modes, when its first write of the room
-started) and a decode rank's ``room_done_s`` (when the room reached SUCCESS or FAILED,
-stamped by one waiter thread per room as the decode handler's completion wakes it,
-whatever order the rooms end in; in the anchor modes, on the listener thread as the room's
-last ``PLAIN_DONE`` arrives). ``CLOCK_MONOTONIC`` is system-wide on Linux, so stamps of
-different processes of one host compare.
+**Per-request clocks.** It also reports ``time.monotonic()`` stamps per request index: a
+prefill rank's ``room_first_request_s`` (its first ``STAGING_REQ`` of the room handed to the
+control socket; in the anchor modes, its first write) and a decode rank's ``room_done_s``
+(the room reached SUCCESS or FAILED, stamped by the waiter thread the completion wakes; in
+the anchor modes, as the last ``PLAIN_DONE`` arrives). ``CLOCK_MONOTONIC`` is system-wide
+on Linux, so stamps of different processes of one host compare.
 
-The rank binds and advertises ``config.host``: its control listener and its transfer
-engine (the NIXL backend confines UCX to the interface holding it); Mooncake listens on
-every interface whatever it is told, and says so at start-up (see
-:mod:`staging_contracts.engines.mooncake`).
+The rank binds and advertises ``config.host`` (its control listener and engine; Mooncake
+listens on every interface whatever it is told, see :mod:`staging_contracts.engines.mooncake`).
 
 ``SIGTERM`` (the driver's "stop": another rank died, or the run timed out) raises
-:class:`RankStopped` in the rank's main thread: the rank closes its backend and sends a
-final report with ``stopped: true``, the ``phase`` it was in and the ``rooms`` it finished.
+:class:`RankStopped` in the rank's main thread: the rank closes its backend and reports
+``stopped``, the ``phase`` it was in and the ``rooms`` it finished.
 """
 
 from __future__ import annotations
 
-import gc
-import json
 import logging
 import os
 import queue
@@ -64,26 +50,32 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from types import FrameType
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 import torch
 import zmq
 
-from .. import config as settings
-from ..backends import resolve_backend
-from ..backends.common import CommonKVManager, Role
-from ..backends.kv_requests import DecodeTransfers, KVPoll, KVReceiver, KVSender, PrefillTransfers
-from ..backends.staging_setup import StagingBackend, enable_decode_staging, enable_prefill_staging
+from ..backends.common import Role
+from ..backends.kv_requests import DecodeTransfers, KVPoll
 from ..control.transport import PeerSockets
 from ..control.wire import StagingReq
-from ..prefill.writer import DecodeTarget, PrefillTimeouts
 from ..protocols import KVBufferTensors, Transfer, TransferError
 from ..staging.layout import (
     decode_ranks_for_prefill,
     prefill_ranks_for_decode,
 )
 from . import logformat
-from .bootstrap import RankInfo, arrive, curve_key_text, query_ranks, register_rank, wait_barrier
+from ._messages import Message, RankMemory, RankSummary, Ready, RequestDone, encode
+from ._rank_body import (
+    BodyOptions,
+    DecodeBody,
+    PrefillBody,
+    RankBody,
+    filled_prefill_pool,
+    freeze_heap,
+    settle,
+)
+from .bootstrap import arrive, query_ranks, register_rank, wait_barrier
 from .metrics_relay import MetricsPusher
 from .plain_paths import (
     ArrivalBook,
@@ -102,9 +94,7 @@ from .plain_paths import (
 from .workload import (
     RequestPlan,
     TransferConfig,
-    fill_prefill_pool,
     request_plans,
-    ring_bytes,
     verify_decode_pool,
     warmup_plans,
     zero_pool,
@@ -169,104 +159,86 @@ def rank_main(
     reporter.setsockopt(zmq.LINGER, 5000)
     reporter.connect(report_to)
 
-    seen: dict[str, Any] = {"phase": "starting", "rooms": {}}
+    phase, rooms = "starting", dict[int, bool]()
     """What the rank did so far, for a report that ends the run early."""
 
-    def report(kind: str, **fields: Any) -> None:
-        if kind == "ready":
-            seen["phase"] = "running requests"
-        elif kind == "room":
-            seen["rooms"][str(fields.get("index"))] = bool(fields.get("ok"))
-        event = {"kind": kind, "role": role, "rank": rank, "pid": os.getpid(), **fields}
-        reporter.send(json.dumps(event).encode())
+    def report(event: Message) -> None:
+        nonlocal phase
+        if isinstance(event, Ready):
+            phase = "running requests"
+        elif isinstance(event, RequestDone):
+            rooms[event.index] = event.ok
+        reporter.send(encode(event, role, rank))
 
     pusher = MetricsPusher(ctx, report_to, role, rank, config.backend) if metrics else None
     try:
         staged = config.mode == "staged"
-        run: Callable[[int, TransferConfig, str, Any], dict[str, Any]]
+        run: Callable[[int, TransferConfig, str, Report], RankSummary]
         if role == "decode":
             run = partial(_run_decode, pusher=pusher) if staged else _run_plain_decode
         else:
             run = partial(_run_prefill, pusher=pusher) if staged else _run_plain_prefill
         summary = run(rank, config, bootstrap, report)
-        seen["phase"] = "done"
-        report("report", ok=True, peak_rss_bytes=peak_rss_bytes(), **summary)
+        phase = "done"
+        report(replace(summary, ok=True, mode=config.mode, peak_rss_bytes=peak_rss_bytes()))
     except BaseException as exc:  # noqa: BLE001 - a rank reports every failure, then exits
         report(
-            "report",
-            ok=False,
-            stopped=isinstance(exc, RankStopped),
-            error=f"{type(exc).__name__}: {exc}",
-            trace=traceback.format_exc(),
-            **seen,
+            RankSummary(
+                ok=False,
+                stopped=isinstance(exc, RankStopped),
+                error=f"{type(exc).__name__}: {exc}",
+                trace=traceback.format_exc(),
+                phase=phase,
+                rooms=rooms,
+            )
         )
     finally:
         reporter.close()
 
 
-def _make_manager(config: TransferConfig, role: Role, rank: int) -> StagingBackend:
-    # config.backend is a spec string (a name or MODULE:CLASS[=MODULE:FACTORY]), resolved
-    # here again; host reaches the manager only when its class or factory takes ``host``.
-    factory = resolve_backend(config.backend)
-    logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL installs an INFO handler
-    tp = config.prefill_tp if role is Role.PREFILL else config.decode_tp
-    return factory(config.kv_args(tp, rank), role=role, attn_tp_size=tp, host=config.host)
+Report = Callable[[Message], None]
+"""Where a rank's events go (the driver's socket; nowhere for the warm-up)."""
+
+
+def _options(config: TransferConfig) -> BodyOptions:
+    return BodyOptions(host=config.host)
 
 
 def _run_decode(
     rank: int,
     config: TransferConfig,
     bootstrap: str,
-    report: Any,
+    report: Report,
     pusher: MetricsPusher | None = None,
-) -> dict[str, Any]:
-    pool = config.empty_pool(config.decode_tp, rank)
-    manager = _make_manager(config, Role.DECODE, rank)
-    common: CommonKVManager = manager  # type: ignore[assignment]  # every backend is one
+) -> RankSummary:
+    body = DecodeBody(config, rank, _options(config))
+    common, allocator = body.common, body.handler.allocator
     try:
-        handler = enable_decode_staging(manager, kv_buffers=pool, ring_bytes=ring_bytes(config))
         if pusher is not None:
             pusher.start(common)
-        _settle(config)  # the pool's and the ring's zeros, before any peer may write
+        settle(config)  # the pool's and the ring's zeros, before any peer may write
         common.start()
-        engine = manager.engine
-        allocator = handler.allocator
-        register_rank(
-            bootstrap,
-            RankInfo(
-                "decode",
-                rank,
-                common.endpoint,
-                engine.session_id,
-                engine.metadata(),
-                allocator.base_ptr,
-                allocator.total_size,
-                curve_key_text(common.curve_key),
-            ),
-        )
+        register_rank(bootstrap, body.info())
         prefill = query_ranks(bootstrap, "prefill", config.prefill_tp, RENDEZVOUS_TIMEOUT_S)
-        _trust(common, prefill)
-        transfers = DecodeTransfers(common, handler, [info.endpoint for info in prefill])
-        _freeze_heap()
-        report("ready")
+        body.trust(prefill)
+        transfers = DecodeTransfers(common, body.handler, [info.endpoint for info in prefill])
+        freeze_heap()
+        report(Ready())
         if config.warmup_requests:
-            warm: dict[int, KVReceiver] = {}
-            for number, plan in enumerate(warmup_plans(config)):
-                warm[number] = KVReceiver(transfers, plan.room)
-                warm[number].init(plan.decode_pages, chunk_pages=config.chunk_pages)
-                warm[number].send_metadata()
+            warm = {
+                number: body.receive(transfers, plan.room, plan.decode_pages)
+                for number, plan in enumerate(warmup_plans(config))
+            }
             arrive(bootstrap, "warm-rooms", f"decode-{rank}")
             _warmed(_wait_all(warm, _quiet)[0], {i: r.failure for i, r in warm.items()})
             for receiver in warm.values():
                 receiver.release()
-            _zero_for_timed(config, pool, None)
-        before = manager.staging_stats()
-        receivers: dict[int, KVReceiver] = {}
-        for plan in request_plans(config):
-            receiver = KVReceiver(transfers, plan.room)
-            receiver.init(plan.decode_pages, chunk_pages=config.chunk_pages)
-            receiver.send_metadata()
-            receivers[plan.index] = receiver
+            _zero_for_timed(config, body.pool, None)
+        before = body.manager.staging_stats()
+        receivers = {
+            plan.index: body.receive(transfers, plan.room, plan.decode_pages)
+            for plan in request_plans(config)
+        }
         memory = TransferMemory(config)
         arrive(bootstrap, "rooms", f"decode-{rank}")
         start = time.monotonic()
@@ -275,123 +247,78 @@ def _run_decode(
         at_done = memory.at_done()
         arrive(bootstrap, "done", f"decode-{rank}")
         succeeded = {i for i, state in outcome.items() if state is KVPoll.Success}
-        problems = verify_decode_pool(pool, config, rank, succeeded)
+        problems = verify_decode_pool(body.pool, config, rank, succeeded)
         failures = {i: receivers[i].failure() for i in outcome if i not in succeeded}
         for receiver in receivers.values():
             receiver.release()
-        stats = manager.staging_stats()
-        return {
-            "start": start,
-            "end": end,
-            "verified": not problems,
-            "problems": problems[:10],
-            "succeeded": sorted(succeeded),
-            "failed": {str(i): reason for i, reason in failures.items()},
-            "room_done_s": {str(i): at for i, at in sorted(done_at.items())},
-            "ring_peak": allocator.peak_bytes,
-            "ring_size": allocator.total_size,
-            "ring_live_after": allocator.live_count,
-            "control_messages": stats.received - before.received,
-            "malformed": stats.malformed,
-            "chunks": stats.allocated - before.allocated,
-            "registered_after": _release_staging(manager, allocator.base_ptr),
-            **at_done,
-        }
+        stats = body.manager.staging_stats()
+        return RankSummary(
+            start=start,
+            end=end,
+            verified=not problems,
+            problems=tuple(problems[:10]),
+            succeeded=tuple(sorted(succeeded)),
+            failed=failures,
+            room_done_s=dict(sorted(done_at.items())),
+            ring_peak=allocator.peak_bytes,
+            ring_size=allocator.total_size,
+            ring_live_after=allocator.live_count,
+            control_messages=stats.received - before.received,
+            malformed=stats.malformed,
+            chunks=stats.allocated - before.allocated,
+            registered_after=body.release_ring(),
+            memory=at_done,
+        )
     finally:
         if pusher is not None:
             pusher.stop()  # its last snapshot, while the counters are still there
-        common.close()
+        body.close()
 
 
 def _run_prefill(
     rank: int,
     config: TransferConfig,
     bootstrap: str,
-    report: Any,
+    report: Report,
     pusher: MetricsPusher | None = None,
-) -> dict[str, Any]:
-    pool = _filled_prefill_pool(config, rank)
-    manager = _make_manager(config, Role.PREFILL, rank)
-    common: CommonKVManager = manager  # type: ignore[assignment]  # every backend is one
+) -> RankSummary:
+    body = PrefillBody(config, rank, _options(config))
+    common, writer = body.common, body.writer
     try:
-        writer = enable_prefill_staging(
-            manager,
-            kv_buffers=pool,
-            max_chunk_pages=config.chunk_pages,
-            # the demo's own bounds, unless the environment sets them (a deadline well past
-            # the library's 30 s: a slow machine's first chunk is not a stall)
-            timeouts=PrefillTimeouts(
-                answer_s=settings.PREFILL_ANSWER_S.value_or(0.5),
-                ready_s=settings.PREFILL_READY_S.value_or(0.5),
-                deadline_s=settings.PREFILL_DEADLINE_S.value_or(60.0),
-            ),
-        )
-        transfers = PrefillTransfers(common, writer)
         if pusher is not None:
-            pusher.start(common, transfers)
-        clock = FirstRequestClock(manager.peers)
+            pusher.start(common, body.transfers)
+        clock = FirstRequestClock(body.manager.peers)
         common.start()
-        engine = manager.engine
         decode = query_ranks(bootstrap, "decode", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
-        _trust(common, decode)
-        for info in decode:
-            engine.add_peer(info.session_id, info.metadata)
-        targets = [
-            DecodeTarget(i.tp_rank, i.session_id, i.endpoint, i.ring_base, i.ring_size)
-            for i in decode
-        ]
-        register_rank(
-            bootstrap,
-            RankInfo(
-                "prefill",
-                rank,
-                common.endpoint,
-                engine.session_id,
-                engine.metadata(),
-                curve_key=curve_key_text(common.curve_key),
-            ),
-        )
-        _freeze_heap()
-        report("ready")
+        targets = body.meet(decode)
+        register_rank(bootstrap, body.info())
+        freeze_heap()
+        report(Ready())
         if config.warmup_requests:
             wait_barrier(bootstrap, "warm-rooms", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
-            warm: dict[int, KVSender] = {}
-            chunks = list(config.chunks())
-            for number, plan in enumerate(warmup_plans(config)):
-                warm[number] = KVSender(transfers, plan.room)
-                warm[number].init(config.num_pages, targets)
-                for chunk, (page_start, count) in enumerate(chunks):
-                    warm[number].send(
-                        plan.prefill_pages[page_start : page_start + count],
-                        last=chunk == len(chunks) - 1,
-                    )
+            warm = {
+                number: body.send(plan.room, plan, targets)
+                for number, plan in enumerate(warmup_plans(config))
+            }
             _warmed(_wait_all(warm, _quiet)[0], {i: s.failure for i, s in warm.items()})
             for sender in warm.values():
                 sender.release()
         bytes_before, requests_before = writer.bytes_written, writer.requests_sent
-        before = manager.staging_stats()
+        before = body.manager.staging_stats()
         memory = TransferMemory(config)
         # Start once decode has registered every room, as a serving decode does before
         # prefill computes: the clock then measures the transfer, not the bootstrap.
         wait_barrier(bootstrap, "rooms", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
         start = time.monotonic()
-        senders: dict[int, KVSender] = {}
-        for plan in request_plans(config):
-            sender = KVSender(transfers, plan.room)
-            faulty = rank == 0 and plan.index in config.fail_rooms
-            sender.init(
-                config.num_pages,
-                [replace(t, ring_base=t.ring_base + _FAULT_OFFSET) for t in targets]
-                if faulty
-                else targets,
+        faulty = [replace(t, ring_base=t.ring_base + _FAULT_OFFSET) for t in targets]
+        senders = {
+            plan.index: body.send(
+                plan.room,
+                plan,
+                faulty if rank == 0 and plan.index in config.fail_rooms else targets,
             )
-            chunks = list(config.chunks())
-            for number, (page_start, count) in enumerate(chunks):
-                sender.send(
-                    plan.prefill_pages[page_start : page_start + count],
-                    last=number == len(chunks) - 1,
-                )
-            senders[plan.index] = sender
+            for plan in request_plans(config)
+        }
         outcome, _ = _wait_all(senders, report)
         end = time.monotonic()
         # Stay up until every decode rank is done, as a serving prefill does: tearing four
@@ -399,43 +326,40 @@ def _run_prefill(
         wait_barrier(bootstrap, "done", config.decode_tp, timeout=ROOM_TIMEOUT_S)
         at_done = memory.at_done()
         failures = {
-            str(i): senders[i].failure()
-            for i, state in outcome.items()
-            if state is not KVPoll.Success
+            i: senders[i].failure() for i, state in outcome.items() if state is not KVPoll.Success
         }
         for sender in senders.values():
             sender.release()
-        transfers.close()
-        writer.close()
-        stats = manager.staging_stats()
-        return {
-            "start": start,
-            "end": end,
-            "bytes_written": writer.bytes_written - bytes_before,
-            "requests_sent": writer.requests_sent - requests_before,
-            "succeeded": sorted(i for i, s in outcome.items() if s is KVPoll.Success),
-            "failed": failures,
-            "room_first_request_s": {
-                str(plan.index): clock.first[plan.room]
+        body.close_side()
+        stats = body.manager.staging_stats()
+        return RankSummary(
+            start=start,
+            end=end,
+            bytes_written=writer.bytes_written - bytes_before,
+            requests_sent=writer.requests_sent - requests_before,
+            succeeded=tuple(sorted(i for i, s in outcome.items() if s is KVPoll.Success)),
+            failed=failures,
+            room_first_request_s={
+                plan.index: clock.first[plan.room]
                 for plan in request_plans(config)
                 if plan.room in clock.first
             },
-            "control_messages": stats.received
+            control_messages=stats.received
             - before.received
             + writer.requests_sent
             - requests_before,
-            "registered_after": _registered(manager),
-            **at_done,
-        }
+            registered_after=body.registered(),
+            memory=at_done,
+        )
     finally:
         if pusher is not None:
             pusher.stop()  # its last snapshot, while the counters are still there
-        common.close()
+        body.close()
 
 
 def _run_plain_decode(
-    rank: int, config: TransferConfig, bootstrap: str, report: Any
-) -> dict[str, Any]:
+    rank: int, config: TransferConfig, bootstrap: str, report: Report
+) -> RankSummary:
     """A decode rank of the per-token or raw path (``config.mode``; see
     :mod:`~staging_contracts.cluster.plain_paths`): its pool, or its raw buffer, registered
     with the engine and published; a room ends when every writer's ``PLAIN_DONE`` arrived."""
@@ -449,12 +373,12 @@ def _run_plain_decode(
         if raw
         else None
     )
-    _settle(config)  # the zeros, before the engine registers the memory and peers write it
+    settle(config)  # the zeros, before the engine registers the memory and peers write it
     regions = [(buffer.data_ptr(), buffer.numel())] if buffer is not None else []
     if pool is not None:
         regions = pool_regions(pool)
-    manager = _make_manager(config, Role.DECODE, rank)
-    common: CommonKVManager = manager  # type: ignore[assignment]  # every backend is one
+    body = RankBody(config, Role.DECODE, rank, _options(config))
+    manager, common = body.manager, body.common
     book = ArrivalBook(prefill_ranks_for_decode(config.prefill_tp, config.decode_tp, rank))
     try:
         engine = manager.engine
@@ -463,25 +387,13 @@ def _run_plain_decode(
         common.register_control(PlainDone.KIND, book.on_message)
         common.add_authorizer(book.authorize)
         common.start()
-        register_rank(
-            bootstrap,
-            RankInfo(
-                "decode",
-                rank,
-                common.endpoint,
-                engine.session_id,
-                engine.metadata(),
-                ring_base=regions[0][0] if raw else 0,
-                ring_size=regions[0][1] if raw else 0,
-                curve_key=curve_key_text(common.curve_key),
-                pool_ptrs=pool_pointers(pool) if pool is not None else (),
-            ),
-        )
+        ring = regions[0] if raw else (0, 0)
+        register_rank(bootstrap, body.info(*ring, pool_pointers(pool) if pool is not None else ()))
         prefill = query_ranks(bootstrap, "prefill", config.prefill_tp, RENDEZVOUS_TIMEOUT_S)
-        _trust(common, prefill)
+        body.trust(prefill)
         book.set_endpoints({info.tp_rank: info.endpoint for info in prefill})
-        _freeze_heap()
-        report("ready")
+        freeze_heap()
+        report(Ready())
         if config.warmup_requests:
             warm = warmup_plans(config)
             book.expect(plan.room for plan in warm)
@@ -508,47 +420,47 @@ def _run_plain_decode(
         done_at = {p.index: book.done_at(p.room) for p in plans}
         for ptr, _ in regions:
             engine.deregister(ptr)
-        return {
-            "start": start,
-            "end": end,
-            "mode": config.mode,
-            "verified": not problems,
-            "problems": problems[:10],
-            "succeeded": sorted(succeeded),
-            "failed": {
-                str(p.index): book.failure(p.room) or "not every writer reported"
+        return RankSummary(
+            start=start,
+            end=end,
+            mode=config.mode,
+            verified=not problems,
+            problems=tuple(problems[:10]),
+            succeeded=tuple(sorted(succeeded)),
+            failed={
+                p.index: book.failure(p.room) or "not every writer reported"
                 for p in plans
                 if p.index not in succeeded
             },
-            "room_done_s": {str(i): at for i, at in sorted(done_at.items()) if at is not None},
-            "ring_live_after": 0,
-            "control_messages": len(plans) * len(book.writers),
-            "malformed": book.malformed,
-            "chunks": 0,
-            "registered_after": _registered(manager),
-            **at_done,
-        }
+            room_done_s={i: at for i, at in sorted(done_at.items()) if at is not None},
+            ring_live_after=0,
+            control_messages=len(plans) * len(book.writers),
+            malformed=book.malformed,
+            chunks=0,
+            registered_after=body.registered(),
+            memory=at_done,
+        )
     finally:
-        common.close()
+        body.close()
 
 
 def _run_plain_prefill(
-    rank: int, config: TransferConfig, bootstrap: str, report: Any
-) -> dict[str, Any]:
+    rank: int, config: TransferConfig, bootstrap: str, report: Report
+) -> RankSummary:
     """A prefill rank of the per-token or raw path: every write of a request to each decode
     rank it feeds (planned before the clock starts), then ``PLAIN_DONE`` to that rank."""
     raw = config.mode == "raw"
     fed = list(decode_ranks_for_prefill(config.prefill_tp, config.decode_tp, rank))
     plans = request_plans(config)
-    pool = None if raw else _filled_prefill_pool(config, rank)
+    pool = None if raw else filled_prefill_pool(config, rank)
     source, offsets = _raw_source(config, rank, fed) if raw else (None, {})
     if source is not None:
-        _settle(config)  # the source's copy to the device, before the engine reads it
+        settle(config)  # the source's copy to the device, before the engine reads it
     regions = pool_regions(pool) if pool is not None else []
     if source is not None:
         regions = [(source.data_ptr(), source.numel())]
-    manager = _make_manager(config, Role.PREFILL, rank)
-    common: CommonKVManager = manager  # type: ignore[assignment]  # every backend is one
+    body = RankBody(config, Role.PREFILL, rank, _options(config))
+    manager, common = body.manager, body.common
     try:
         engine = manager.engine
         for ptr, size in regions:
@@ -558,20 +470,10 @@ def _run_plain_prefill(
             info.tp_rank: info
             for info in query_ranks(bootstrap, "decode", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
         }
-        _trust(common, list(decode.values()))
+        body.trust(list(decode.values()))
         for d in fed:
             engine.add_peer(decode[d].session_id, decode[d].metadata)
-        register_rank(
-            bootstrap,
-            RankInfo(
-                "prefill",
-                rank,
-                common.endpoint,
-                engine.session_id,
-                engine.metadata(),
-                curve_key=curve_key_text(common.curve_key),
-            ),
-        )
+        register_rank(bootstrap, body.info())
         # Every write call of every request, planned before the clock starts (as the
         # reference's per-token path could at best): the anchor is, if anything, favoured.
         batch = per_token_batch(engine_name(engine), config.num_pages * config.page_size)
@@ -587,8 +489,8 @@ def _run_plain_prefill(
                     calls[(plan.index, d)] = per_token_writes(
                         config, plan, rank, pool_pointers(pool), d, decode[d].pool_ptrs, batch
                     )
-        _freeze_heap()
-        report("ready")
+        freeze_heap()
+        report(Ready())
 
         def send(plan: RequestPlan) -> str | None:
             """Write one request to every decode rank fed, then tell each; the first error."""
@@ -613,71 +515,49 @@ def _run_plain_prefill(
         wait_barrier(bootstrap, "rooms", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
         start = time.monotonic()
         first: dict[int, float] = {}
-        failures: dict[str, str] = {}
+        failures: dict[int, str | None] = {}
         for plan in plans:
             first[plan.index] = time.monotonic()
             error = send(plan)
             if error is not None:
-                failures[str(plan.index)] = error
-            report("room", index=plan.index, ok=error is None)
+                failures[plan.index] = error
+            report(RequestDone(plan.index, error is None))
         end = time.monotonic()
         wait_barrier(bootstrap, "done", config.decode_tp, timeout=ROOM_TIMEOUT_S)
         at_done = memory.at_done()
         writes = [calls[(plan.index, d)] for plan in plans for d in fed]
         for ptr, _ in regions:
             engine.deregister(ptr)
-        return {
-            "start": start,
-            "end": end,
-            "mode": config.mode,
-            "bytes_written": sum(t.length for call in writes for ts in call for t in ts),
-            "write_calls": sum(len(call) for call in writes),
-            "transfers": sum(len(ts) for call in writes for ts in call),
-            "requests_sent": 0,
-            "succeeded": sorted(p.index for p in plans if str(p.index) not in failures),
-            "failed": failures,
-            "room_first_request_s": {str(i): at for i, at in sorted(first.items())},
-            "control_messages": len(plans) * len(fed),
-            "registered_after": _registered(manager),
-            **at_done,
-        }
+        return RankSummary(
+            start=start,
+            end=end,
+            mode=config.mode,
+            bytes_written=sum(t.length for call in writes for ts in call for t in ts),
+            write_calls=sum(len(call) for call in writes),
+            transfers=sum(len(ts) for call in writes for ts in call),
+            requests_sent=0,
+            succeeded=tuple(sorted(p.index for p in plans if p.index not in failures)),
+            failed=failures,
+            room_first_request_s=dict(sorted(first.items())),
+            control_messages=len(plans) * len(fed),
+            registered_after=body.registered(),
+            memory=at_done,
+        )
     finally:
-        common.close()
-
-
-def _settle(config: TransferConfig) -> None:
-    """Wait until the device work this rank enqueued has run (zeroed allocations, filling,
-    zeroing, copies), before an engine touches that memory: CUDA kernels run asynchronously,
-    and an engine reads or writes device memory outside torch's streams (NIXL, a peer's
-    write), so a fill still queued could be read half done, or a zeroing still queued could
-    land over a peer's write. Nothing to wait for on the CPU.
-
-    **Blocking:** on CUDA, until the rank's device is idle (``torch.cuda.synchronize``).
-    """
-    if config.device == "cuda":
-        torch.cuda.synchronize(config.torch_device)
-
-
-def _filled_prefill_pool(config: TransferConfig, rank: int) -> KVBufferTensors:
-    """A prefill rank's KV pool holding every request's data, settled (:func:`_settle`)
-    before any engine reads it."""
-    pool = config.empty_pool(config.prefill_tp, rank)
-    fill_prefill_pool(pool, config, rank)
-    _settle(config)
-    return pool
+        body.close()
 
 
 def _zero_for_timed(
     config: TransferConfig, pool: KVBufferTensors | None, buffer: torch.Tensor | None
 ) -> None:
     """Zero what the warm-up wrote (decode's pool, or its raw buffer), settled
-    (:func:`_settle`) before the rank lets the writers start the timed requests: they must
+    (:func:`settle`) before the rank lets the writers start the timed requests: they must
     write every byte they are checked on, and no zeroing may land over their writes."""
     if pool is not None:
         zero_pool(pool)
     if buffer is not None:
         buffer.zero_()
-    _settle(config)
+    settle(config)
 
 
 def _raw_source(
@@ -700,9 +580,9 @@ def _raw_source(
     return source, offsets
 
 
-def _quiet(kind: str, **fields: Any) -> None:
+def _quiet(event: Message) -> None:
     """Report nothing (warm-up requests are not the run's)."""
-    del kind, fields
+    del event
 
 
 def _warmed(outcome: Mapping[int, KVPoll], failure: Mapping[int, Callable[[], str | None]]) -> None:
@@ -716,24 +596,6 @@ def _warmed(outcome: Mapping[int, KVPoll], failure: Mapping[int, Callable[[], st
         raise RuntimeError(f"warm-up requests failed: {failed}")
 
 
-def _trust(manager: CommonKVManager, peers: list[RankInfo]) -> None:
-    """Trust each peer's listener by the key it published (a no-op without a secret)."""
-    for info in peers:
-        manager.trust_peer(info.endpoint, info.curve_key.encode("ascii") or None)
-
-
-def _freeze_heap() -> None:
-    """Collect once and move every object made during start-up out of the collector's reach,
-    as serving engines do once they are up (``gc.freeze``).
-
-    Otherwise the first full collection falls inside the transfer: with torch, NumPy and an
-    engine loaded it walks every module object, about 80 ms of CPU per process here, and it
-    came in four prefill processes at once.
-    """
-    gc.collect()
-    gc.freeze()
-
-
 class _Waitable(Protocol):
     """A request a driver can wait for (``KVSender``, ``KVReceiver``)."""
 
@@ -741,7 +603,7 @@ class _Waitable(Protocol):
 
 
 def _wait_all(
-    requests: Mapping[int, _Waitable], report: Any, timeout_s: float = ROOM_TIMEOUT_S
+    requests: Mapping[int, _Waitable], report: Report, timeout_s: float = ROOM_TIMEOUT_S
 ) -> tuple[dict[int, KVPoll], dict[int, float]]:
     """Wait for every request at once; report each as it ends, in the order they end.
 
@@ -785,7 +647,7 @@ def _wait_all(
             raise TimeoutError(f"requests {sorted(set(requests) - set(done))} did not finish")
         done[index] = state
         at[index] = when
-        report("room", index=index, ok=state is KVPoll.Success)
+        report(RequestDone(index, state is KVPoll.Success))
     return done, at
 
 
@@ -872,30 +734,13 @@ class TransferMemory:
             torch.cuda.reset_peak_memory_stats(self._cuda)
         self._reset = reset_peak_rss()
 
-    def at_done(self) -> dict[str, Any]:
-        """The report fields: ``rss_at_done_bytes`` (``VmRSS`` now; left out where unknown),
-        ``peak_rss_before_verify_bytes`` (``VmHWM`` now, else ``ru_maxrss``),
-        ``peak_rss_from`` (``"timed requests"`` or ``"process start"``) and, on CUDA,
-        ``cuda_max_allocated_bytes``."""
+    def at_done(self) -> RankMemory:
+        """``VmRSS`` now (``None`` where unknown), ``VmHWM`` now (else ``ru_maxrss``), where
+        that peak counts from and, on CUDA, the allocator's peak."""
         rss, hwm = rss_status()
-        fields: dict[str, Any] = {
-            "peak_rss_before_verify_bytes": hwm if hwm is not None else peak_rss_bytes(),
-            "peak_rss_from": "timed requests"
-            if self._reset and hwm is not None
-            else "process start",
-        }
-        if rss is not None:
-            fields["rss_at_done_bytes"] = rss
-        if self._cuda is not None:
-            fields["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated(self._cuda))
-        return fields
-
-
-def _release_staging(manager: StagingBackend, ring_base: int) -> int:
-    manager.engine.deregister(ring_base)
-    return _registered(manager)
-
-
-def _registered(manager: StagingBackend) -> int:
-    count = getattr(manager.engine, "registered_regions", -1)
-    return int(count) if isinstance(count, int) else -1
+        return RankMemory(
+            hwm if hwm is not None else peak_rss_bytes(),
+            "timed requests" if self._reset and hwm is not None else "process start",
+            rss,
+            None if self._cuda is None else int(torch.cuda.max_memory_allocated(self._cuda)),
+        )

@@ -18,17 +18,18 @@ collecting their reports for up to :data:`STOP_GRACE_S`, then kills what is left
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Final, Literal
+from typing import Final, Literal
 
 import zmq
 
+from ..control.wire import MalformedMessage
 from ..run import INTERRUPT_GRACE_S, StopRequest, Supervisor
+from ._messages import Metrics, RankMemory, RankSummary, Ready, Received, RequestDone, decode
 from .bootstrap import BootstrapServer
 from .metrics_relay import MetricsRelay
 from .rank import rank_main
@@ -116,8 +117,8 @@ class RankReport:
     rank: int
     ok: bool
     """The rank ran to the end without an exception."""
-    fields: dict[str, Any]
-    """The rank's summary (see ``cluster_rank``), or ``error`` and ``trace``."""
+    fields: RankSummary
+    """The rank's summary, or its ``error`` and ``trace``."""
     exitcode: int | None
     """The process's exit status (0 when it exited by itself, ``-N`` when signal ``N``
     killed it)."""
@@ -131,28 +132,7 @@ class RankReport:
     def stopped(self) -> bool:
         """The rank reported that the driver stopped it (after another rank died, or at the
         run's timeout); its ``fields`` then hold what it had done until then."""
-        return bool(self.fields.get("stopped"))
-
-
-@dataclass(frozen=True, slots=True)
-class RankMemory:
-    """What one rank's process held as the transfer phase ended: sampled at the ``done``
-    barrier, before verification (see :class:`~staging_contracts.cluster.rank.TransferMemory`).
-    """
-
-    peak_rss_before_verify_bytes: int
-    """Peak resident set size up to the ``done`` barrier, counted from
-    :attr:`peak_rss_from`."""
-    peak_rss_from: str
-    """``"timed requests"`` (the peak was reset as they began: the pools, rings and buffers
-    are counted, the temporaries of filling them and the warm-up's are not) or
-    ``"process start"`` (it could not be reset)."""
-    rss_at_done_bytes: int | None
-    """Resident set size at the ``done`` barrier (``None``: the kernel did not say)."""
-    cuda_max_allocated_bytes: int | None
-    """On CUDA, the most bytes torch's allocator held on the rank's device from the start of
-    the timed requests to the ``done`` barrier (every rank uses the same current device);
-    ``None`` on the CPU."""
+        return self.fields.stopped
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,22 +182,36 @@ class ClusterResult:
         return (
             self.all_ok
             and not self.failed_requests
-            and all(bool(r.fields.get("verified")) for r in self.ranks("decode"))
+            and all(r.fields.verified for r in self.ranks("decode"))
         )
 
     @property
     def bytes_moved(self) -> int:
         """Payload bytes the prefill ranks wrote into decode rings."""
-        return sum(int(r.fields.get("bytes_written", 0)) for r in self.ranks("prefill"))
+        return sum(r.fields.bytes_written for r in self.ranks("prefill"))
 
     @property
     def gbps(self) -> float:
         """Payload bandwidth of the transfer phase, GB/s."""
         return self.bytes_moved / self.elapsed_s / 1e9 if self.elapsed_s > 0 else 0.0
 
-    def total(self, role: str, key: str) -> int:
-        """Sum of an integer field over one side's reports."""
-        return sum(int(r.fields.get(key, 0)) for r in self.ranks(role))
+    @property
+    def chunks(self) -> int:
+        """Chunks the decode ranks staged."""
+        return sum(r.fields.chunks for r in self.ranks("decode"))
+
+    @property
+    def control_messages(self) -> int:
+        """Control messages every rank sent and received."""
+        return sum(r.fields.control_messages for r in self.reports)
+
+    def errors(self) -> list[str]:
+        """The error of each rank that did not run to the end, named."""
+        return [f"{r.role} {r.rank}: {r.fields.error}" for r in self.reports if not r.ok]
+
+    def problems(self) -> list[str]:
+        """The decode ranks' first mismatches."""
+        return [line for r in self.ranks("decode") for line in r.fields.problems]
 
     def request_latencies_s(self) -> dict[int, float]:
         """Seconds each request took, by request index: from the earliest first
@@ -230,8 +224,8 @@ class ClusterResult:
         only: empty). Only requests that no rank reported failed and that every rank of both
         sides stamped are given.
         """
-        first = _stamps(self.ranks("prefill"), "room_first_request_s", min)
-        done = _stamps(self.ranks("decode"), "room_done_s", max)
+        first = _stamps([r.fields.room_first_request_s for r in self.ranks("prefill")], min)
+        done = _stamps([r.fields.room_done_s for r in self.ranks("decode")], max)
         return {
             index: done[index] - first[index]
             for index in sorted(first.keys() & done.keys())
@@ -245,29 +239,16 @@ class ClusterResult:
         the rank resets its peak; elsewhere from the process start (filling the pools and the
         warm-up included). :meth:`transfer_memory` gives what the transfer phase held."""
         return {
-            r.rank: int(r.fields["peak_rss_bytes"])
+            r.rank: r.fields.peak_rss_bytes
             for r in self.ranks(role)
-            if "peak_rss_bytes" in r.fields
+            if r.fields.peak_rss_bytes is not None
         }
 
     def transfer_memory(self, role: str) -> dict[int, RankMemory]:
         """What each rank process of one side held as the transfer phase ended (at the
         ``done`` barrier, before verification), by rank; ranks that did not report it (they
         died) are left out."""
-        found: dict[int, RankMemory] = {}
-        for r in self.ranks(role):
-            fields = r.fields
-            if "peak_rss_before_verify_bytes" not in fields:
-                continue
-            rss = fields.get("rss_at_done_bytes")
-            cuda = fields.get("cuda_max_allocated_bytes")
-            found[r.rank] = RankMemory(
-                int(fields["peak_rss_before_verify_bytes"]),
-                str(fields.get("peak_rss_from", "process start")),
-                None if rss is None else int(rss),
-                None if cuda is None else int(cuda),
-            )
-        return found
+        return {r.rank: r.fields.memory for r in self.ranks(role) if r.fields.memory is not None}
 
     def ring_peaks(self) -> dict[int, tuple[int, int]]:
         """``(reserved peak, ring bytes)`` of each decode rank's staging ring, by rank.
@@ -278,29 +259,26 @@ class ClusterResult:
         before writing, so the reserved peak may exceed the ring (2x: two rounds reserved at
         once) while the bytes in use never do."""
         return {
-            r.rank: (int(r.fields["ring_peak"]), int(r.fields["ring_size"]))
+            r.rank: (r.fields.ring_peak, r.fields.ring_size)
             for r in self.ranks("decode")
-            if "ring_peak" in r.fields and "ring_size" in r.fields
+            if r.fields.ring_peak is not None and r.fields.ring_size is not None
         }
 
 
 def _stamps(
-    reports: list[RankReport], key: str, pick: Callable[[list[float]], float]
+    per_rank: list[dict[int, float]], pick: Callable[[list[float]], float]
 ) -> dict[int, float]:
-    """One stamp per request index over a side's reports (``min`` or ``max`` of the ranks'),
-    for the requests that every one of those ranks stamped."""
-    per_rank = [r.fields.get(key) for r in reports]
-    if not per_rank or not all(isinstance(stamps, dict) for stamps in per_rank):
+    """One stamp per request index over a side's ranks (``min`` or ``max`` of theirs), for
+    the requests that every one of those ranks stamped."""
+    if not per_rank or not all(per_rank):
         return {}
-    maps = [{int(i): float(t) for i, t in stamps.items()} for stamps in per_rank if stamps]
-    if len(maps) != len(per_rank):
-        return {}
-    common = set.intersection(*(set(m) for m in maps))
-    return {index: pick([m[index] for m in maps]) for index in common}
+    common = set.intersection(*(set(m) for m in per_rank))
+    return {index: pick([m[index] for m in per_rank]) for index in common}
 
 
-ProgressCallback = Callable[[str, dict[str, Any]], None]
-"""Called on the driver's thread with each event kind (``ready``, ``room``) and its fields."""
+ProgressCallback = Callable[[Received], None]
+"""Called on the driver's thread with each progress event of a rank (:class:`Ready`,
+:class:`RequestDone`) and who sent it."""
 
 
 def run_cluster(
@@ -396,8 +374,8 @@ class _Watch:
         self.progress = progress
         self.stop = stop
         self.interrupted: str | None = None
-        self.reports: dict[RankKey, dict[str, Any]] = {}
-        self.rooms: dict[RankKey, dict[str, bool]] = {key: {} for key in self.roles}
+        self.reports: dict[RankKey, RankSummary] = {}
+        self.rooms: dict[RankKey, dict[int, bool]] = {key: {} for key in self.roles}
         self.ended_at: dict[RankKey, float] = {}
         """When the driver first saw each process no longer alive."""
         self.dead: set[RankKey] = set()
@@ -454,31 +432,31 @@ class _Watch:
 
     def _receive(self, raw: bytes) -> None:
         try:
-            event = json.loads(raw)
-            key = (str(event.get("role")), int(event.get("rank", -1)))
-            kind = str(event.get("kind"))
-        except (ValueError, TypeError, AttributeError) as exc:
-            logger.warning("malformed message from a rank dropped: %r", exc)
+            got = decode(raw)
+        except MalformedMessage as exc:
+            logger.warning("malformed message from a rank dropped: %s", exc)
             return
+        key, event = (got.role, got.rank), got.message
         if key not in self.rooms:
             logger.warning("message from unknown rank %s dropped", key)
             return
-        if kind == "report":
-            self.reports[key] = event
-            if not event.get("ok") and not (event.get("stopped") and key in self.stopped):
-                self._died(key, str(event.get("error")))
+        role_rank = (str(got.role), int(got.rank or 0))
+        if isinstance(event, RankSummary):
+            self.reports[role_rank] = event
+            if not event.ok and not (event.stopped and role_rank in self.stopped):
+                self._died(role_rank, str(event.error))
             return
-        if kind == "metrics":
+        if isinstance(event, Metrics):
             if self.metrics is not None:
-                self.metrics.update_from(event.get("snapshot"))
+                self.metrics.update(event.snapshot)
             return
-        if kind == "room":
-            self.rooms[key][str(event.get("index"))] = bool(event.get("ok"))
-        if self.progress is not None:
+        if isinstance(event, RequestDone):
+            self.rooms[role_rank][event.index] = event.ok
+        if self.progress is not None and isinstance(event, Ready | RequestDone):
             try:
-                self.progress(kind, event)
+                self.progress(got)
             except Exception:  # the driver keeps following the ranks
-                logger.exception("progress callback failed on a %r event", kind)
+                logger.exception("progress callback failed on %s", type(event).__name__)
 
     def _look(self, now: float) -> None:
         """Note processes that ended; one without a report by the grace has died."""
@@ -527,18 +505,17 @@ def _result(
     for key in roles:
         fields = watch.reports.get(key)
         if fields is None:
-            fields = {"error": "no report (the process died or timed out)"}
-            if watch.rooms[key]:
-                fields["rooms"] = dict(watch.rooms[key])
+            error = "no report (the process died or timed out)"
+            fields = RankSummary(error=error, rooms=dict(watch.rooms[key]))
         exitcode = watch.processes[key].exitcode
-        out.append(RankReport(key[0], key[1], bool(fields.get("ok")), fields, exitcode))
-        failed.update(int(i) for i in fields.get("failed", {}))
+        out.append(RankReport(key[0], key[1], fields.ok, fields, exitcode))
+        failed.update(fields.failed)
     # The transfer starts with prefill's requests and ends with decode's last room; a split
     # run's driver sees one side only, and measures that side on its own clock.
     first = "prefill" if ranks != "decode" else "decode"
     last = "decode" if ranks != "prefill" else "prefill"
-    starts = [float(r.fields["start"]) for r in out if r.role == first and "start" in r.fields]
-    ends = [float(r.fields["end"]) for r in out if r.role == last and "end" in r.fields]
+    starts = [r.fields.start for r in out if r.role == first and r.fields.start is not None]
+    ends = [r.fields.end for r in out if r.role == last and r.fields.end is not None]
     elapsed = max(ends) - min(starts) if starts and ends else 0.0
     return ClusterResult(
         config,

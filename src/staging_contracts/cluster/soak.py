@@ -34,7 +34,6 @@ config's bounds); every process it started is gone when it returns.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import random
@@ -42,23 +41,42 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import Any, Final
+from typing import Final
 
 import zmq
 
 from ..control.security import CurveKeys, check_insecure_bind, load_cluster_secret
+from ..control.wire import MalformedMessage
 from ..run import INTERRUPT_GRACE_S, Interrupted, Supervisor, stop_on_signals
+from ._messages import (
+    AskStatus,
+    Exit,
+    ListenerDown,
+    Message,
+    Metrics,
+    OpenRoom,
+    Peers,
+    PeersTaken,
+    RankError,
+    RankStatus,
+    RoomEnded,
+    Serving,
+    Stop,
+    Trust,
+    decode,
+    encode,
+)
 from .bootstrap import RankInfo
 from .metrics_relay import MetricsRelay, serving
 from .soak_flood import (
     FLOOD_DEADLINE_S,
     FLOOD_ENDPOINT,
-    STATE,
     FloodTarget,
     flood_counts,
+    flood_state,
     malformed_message,
     send_flood,
     state_bounds,
@@ -225,7 +243,7 @@ class _Room:
     issued: float
     expected: dict[RankKey, int]
     """The ranks (and their process ids) that must report the room."""
-    reports: dict[RankKey, dict[str, Any]] = field(default_factory=dict)
+    reports: dict[RankKey, RoomEnded] = field(default_factory=dict)
     lost: set[RankKey] = field(default_factory=set)
     """Ranks that died before reporting it."""
     outcome: str | None = None
@@ -277,9 +295,9 @@ class _Driver:
         self.ticker = Ticker(self.start)
         self.last_status_poll = 0.0
         self.status_id = 0
-        self.answers: dict[int, dict[RankKey, dict[str, Any]]] = {}
-        self.last_status: dict[int, dict[str, Any]] = {}
-        """Process id -> its latest status (so killed processes' counts are kept)."""
+        self.answers: dict[int, dict[RankKey, RankStatus]] = {}
+        self.last_status: dict[int, tuple[RankKey, RankStatus]] = {}
+        """Process id -> its rank and latest status (so killed processes' counts are kept)."""
         self.kills: list[KillRecord] = []
         self.replacements: list[_Rank | None] = []
         """The new process of each kill (``None``: it did not take its peers in time)."""
@@ -294,7 +312,7 @@ class _Driver:
         self.exit_errors: dict[int, str] = {}
         """Process id -> the error it reported on its way out."""
         self.errors: list[str] = []
-        self.final: dict[RankKey, dict[str, Any]] = {}
+        self.final: dict[RankKey, RankStatus] = {}
         self.idle = False
         self.startup_s = 10.0
 
@@ -367,7 +385,7 @@ class _Driver:
         self.issuing = False
         for rank in self.ranks.values():
             if not rank.gone:
-                self._send(rank, {"cmd": "stop"})
+                self._send(rank, Stop())
         self.processes.close(grace_s)
         for rank in self.ranks.values():
             if rank.commands is not None:
@@ -451,11 +469,11 @@ class _Driver:
             lambda: all(r.outcome is not None for r in dependent), self._until_hung(dependent)
         )
         failed_at = [
-            float(report["t"])
+            report.t
             for room in dependent
             if room.outcome == "failed"
             for report in room.reports.values()
-            if report.get("state") == "failed" and float(report["t"]) >= at
+            if report.state == "failed" and report.t >= at
         ]
         failed = sum(room.outcome == "failed" for room in dependent)
         detect = max(failed_at) - at if failed_at else None
@@ -532,10 +550,8 @@ class _Driver:
             return
         keys = CurveKeys.generate() if load_cluster_secret() is not None else None
         if keys is not None:
-            self._send(
-                rank, {"cmd": "trust", "endpoint": FLOOD_ENDPOINT, "key": keys.public.decode()}
-            )
-        before = self._status([rank.key]).get(rank.key, {})  # answered after the trust
+            self._send(rank, Trust(FLOOD_ENDPOINT, keys.public.decode()))
+        before = self._status([rank.key]).get(rank.key, _NO_STATUS)  # answered after the trust
         decode = [r.info for k, r in self.ranks.items() if k[0] == "decode" and r.info]
         late = [room.room for room in self.rooms.values() if room.outcome is not None][-64:]
         target = FloodTarget(
@@ -571,13 +587,11 @@ class _Driver:
         seconds = time.monotonic() - at
         by_kind = sent[0] + sent[1]
         total = sum(by_kind.values())
-        after: dict[str, Any] = {}
+        after = _NO_STATUS
 
         def counted_all() -> bool:
-            answer = self._status([rank.key]).get(rank.key)
-            if answer is not None:
-                after.clear()
-                after.update(answer)
+            nonlocal after
+            after = self._status([rank.key]).get(rank.key, after)
             return sum(flood_counts(before, after).values()) >= total
 
         deadline = time.monotonic() + STATUS_S
@@ -595,7 +609,7 @@ class _Driver:
             keys is not None,
             dict(by_kind),
             counts,
-            {name: int(after[name]) for name in STATE if name in after},
+            flood_state(after),
             bounds,
         )
         self.floods.append(record)
@@ -620,7 +634,7 @@ class _Driver:
             return
         if self.forger is None:
             self.forger = Forger(self.config.host)
-        before = int(self._status([rank.key]).get(rank.key, {}).get("unauthorized", 0))
+        before = self._status([rank.key]).get(rank.key, _NO_STATUS).unauthorized
         rooms = [room.room for room in self._unsettled()]
         chunks = list(self.config.transfer().chunks())
         payloads = forged_arrivals(rooms, chunks, info.session_id, self.config.prefill_tp, self.rng)
@@ -634,7 +648,7 @@ class _Driver:
                 self.forger.progress()
             answer = self._status([rank.key]).get(rank.key)
             if answer is not None:
-                counted = int(answer.get("unauthorized", 0)) - before
+                counted = answer.unauthorized - before
             return counted >= sent
 
         deadline = time.monotonic() + STATUS_S
@@ -758,39 +772,41 @@ class _Driver:
 
     def _event(self, raw: bytes) -> None:
         try:
-            event = json.loads(raw)
-            key: RankKey = (str(event["role"]), int(event["rank"]))
-            kind, pid = str(event["kind"]), int(event["pid"])
-        except (ValueError, TypeError, KeyError) as exc:
-            logger.warning("malformed event from a rank dropped: %r", exc)
+            got = decode(raw)
+        except MalformedMessage as exc:
+            logger.warning("malformed event from a rank dropped: %s", exc)
             return
+        if got.role is None or got.rank is None or got.pid is None:
+            logger.warning("event without a sender dropped: %s", type(got.message).__name__)
+            return
+        key, pid, event = (got.role, got.rank), got.pid, got.message
         rank = self.ranks.get(key)
         current = rank is not None and rank.pid == pid
-        if kind == "room":
-            room = self.rooms.get(int(event.get("room", -1)))
+        if isinstance(event, RoomEnded):
+            room = self.rooms.get(event.room)
             if room is not None and room.expected.get(key) == pid and room.outcome is None:
                 room.reports[key] = event
                 self._maybe_settle(room)
-        elif kind == "status":
-            self.last_status[pid] = event
-            answers = self.answers.get(int(event.get("id") or 0))
+        elif isinstance(event, RankStatus):
+            self.last_status[pid] = (key, event)
+            answers = self.answers.get(event.id)
             if answers is not None and current:
                 answers[key] = event
-            if not event.get("listener_alive", True):
+            if not event.listener_alive:
                 self.listener_deaths.add(pid)
-        elif kind == "ready" and rank is not None and current:
+        elif isinstance(event, Serving) and rank is not None and current:
             self._ready(rank, event)
-        elif kind == "peers" and rank is not None and current and rank.info is not None:
+        elif isinstance(event, PeersTaken) and rank is not None and current and rank.info:
             rank.peered = True
-        elif kind == "metrics" and self.relay is not None and current:
-            self.relay.update_from(event.get("snapshot"))
-        elif kind == "listener_down":
+        elif isinstance(event, Metrics) and self.relay is not None and current:
+            self.relay.update(event.snapshot)
+        elif isinstance(event, ListenerDown):
             self.listener_deaths.add(pid)
-        elif kind == "error":
-            self.errors.append(f"{key[0]} {key[1]}: {event.get('error')}")
-        elif kind == "exit" and not event.get("ok", True):
-            self.exit_errors[pid] = str(event.get("error"))
-            self.errors.append(f"{key[0]} {key[1]} exited: {event.get('error')}")
+        elif isinstance(event, RankError):
+            self.errors.append(f"{key[0]} {key[1]}: {event.error}")
+        elif isinstance(event, Exit) and not event.ok:
+            self.exit_errors[pid] = str(event.error)
+            self.errors.append(f"{key[0]} {key[1]} exited: {event.error}")
 
     # ------------------------------------------------------------------ ranks
 
@@ -801,13 +817,8 @@ class _Driver:
         self.ranks[key] = rank
         return rank
 
-    def _ready(self, rank: _Rank, event: dict[str, Any]) -> None:
-        try:
-            info = RankInfo.from_json(event["info"])
-            endpoint = str(event["commands"])
-        except (KeyError, ValueError) as exc:
-            self.errors.append(f"{rank.key[0]} {rank.key[1]}: bad ready event: {exc}")
-            return
+    def _ready(self, rank: _Rank, event: Serving) -> None:
+        info, endpoint = event.info, event.commands
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
@@ -840,13 +851,13 @@ class _Driver:
     def _unready(self) -> str:
         return ", ".join(f"{k[0]} {k[1]}" for k, r in self.ranks.items() if r.info is None)
 
-    def _send(self, rank: _Rank, doc: dict[str, Any]) -> bool:
+    def _send(self, rank: _Rank, command: Message) -> bool:
         if rank.commands is None or rank.gone:
             return False
         try:
-            rank.commands.send(json.dumps(doc).encode())
+            rank.commands.send(encode(command))
         except zmq.Again:
-            logger.warning("%s %d takes no commands; %s dropped", *rank.key, doc.get("cmd"))
+            logger.warning("%s %d takes no commands; %s dropped", *rank.key, type(command).__name__)
             return False
         return True
 
@@ -854,19 +865,19 @@ class _Driver:
         infos = {key: rank.info for key, rank in self.ranks.items() if rank.info is not None}
         for key, rank in self.ranks.items():
             other = "prefill" if key[0] == "decode" else "decode"
-            peers = [info.to_json() for k, info in sorted(infos.items()) if k[0] == other]
-            if self._send(rank, {"cmd": "peers", "ranks": peers}):
+            peers = tuple(info for k, info in sorted(infos.items()) if k[0] == other)
+            if self._send(rank, Peers(peers)):
                 rank.peers_sent = time.monotonic()
 
     def _ask_status(self, keys: Iterable[RankKey]) -> int:
         self.status_id += 1
         self.answers[self.status_id] = {}
         for key in keys:
-            self._send(self.ranks[key], {"cmd": "status", "id": self.status_id})
+            self._send(self.ranks[key], AskStatus(self.status_id))
         self.answers = {i: a for i, a in self.answers.items() if i > self.status_id - 50}
         return self.status_id
 
-    def _status(self, keys: list[RankKey]) -> dict[RankKey, dict[str, Any]]:
+    def _status(self, keys: list[RankKey]) -> dict[RankKey, RankStatus]:
         """Ask ``keys`` for their counters and wait (bounded) for every answer."""
         asked = self._ask_status(keys)
         answers = self.answers[asked]
@@ -879,15 +890,15 @@ class _Driver:
         while True:
             self.final = self._status(self.keys)
             complete = len(self.final) == len(self.keys)
-            if complete and not any(_holds(answer) for answer in self.final.values()):
+            if complete and not any(answer.holds() for answer in self.final.values()):
                 return True
             if time.monotonic() >= deadline:
                 return False
             self._wait(_never, 0.25)
 
     def _drops(self) -> tuple[int, int]:
-        sent = sum(int(s.get("control_sent", 0)) for s in self.last_status.values())
-        dropped = sum(int(s.get("control_dropped", 0)) for s in self.last_status.values())
+        sent = sum(s.control_sent for _, s in self.last_status.values())
+        dropped = sum(s.control_dropped for _, s in self.last_status.values())
         return sent, dropped
 
     # ------------------------------------------------------------------ rooms
@@ -931,14 +942,12 @@ class _Driver:
             self.next_room += 1
             self.rooms[room.room] = room
             for key in keys:  # decode first: it registers the room before prefill asks
-                command = {"cmd": "room", "room": room.room, "index": index}
-                command["instance"] = instance
+                command = OpenRoom(room.room, index, instance)
                 if key in live and not self._send(live[key], command):
-                    room.reports[key] = {
-                        "state": "failed",
-                        "reason": "the room command could not be sent",
-                        "t": time.monotonic(),
-                    }
+                    reason = "the room command could not be sent"
+                    room.reports[key] = RoomEnded(
+                        room.room, index, "failed", time.monotonic(), reason
+                    )
             self._maybe_settle(room)
 
     def _room_keys(self, instance: int) -> list[RankKey]:
@@ -957,20 +966,20 @@ class _Driver:
         reports = room.reports
         corrupt = [
             f"room {room.room} (request {room.index}) on {key[0]} {key[1]}: "
-            + "; ".join(report.get("problems") or ["pages differ"])
+            + "; ".join(report.problems or ["pages differ"])
             for key, report in sorted(reports.items())
-            if report.get("state") == "ok" and key[0] == "decode" and not report.get("verified")
+            if report.state == "ok" and key[0] == "decode" and not report.verified
         ]
-        stuck = [key for key, report in reports.items() if report.get("state") == "hung"]
+        stuck = [key for key, report in reports.items() if report.state == "hung"]
         if hung is not None:
             stuck += sorted(room.waiting())
         failures = [
-            str(report.get("reason"))
+            report.reason
             for key, report in sorted(reports.items(), key=lambda item: item[0][0] != "decode")
-            if report.get("state") == "failed"
+            if report.state == "failed"
         ]
         decode = [key for key in self.keys if key[0] == "decode"]
-        decode_done = all(reports.get(key, {}).get("state") == "ok" for key in decode)
+        decode_done = all(key in reports and reports[key].state == "ok" for key in decode)
         room.settled_at = time.monotonic()
         if corrupt:
             room.outcome, room.reason = "corrupt", "\n".join(corrupt)
@@ -996,9 +1005,7 @@ class _Driver:
             if report is None:
                 state = "killed" if key in room.lost else missing
             else:
-                state = str(report.get("state"))
-                if report.get("reason"):
-                    state += f": {report.get('reason')}"
+                state = report.state + (f": {report.reason}" if report.reason else "")
             parts.append(f"{key[0]} {key[1]} {state}")
         return f"room {room.room} (request {room.index}): " + "; ".join(parts)
 
@@ -1049,20 +1056,24 @@ class _Driver:
             stalls=tuple(self.stalls),
             floods=tuple(self.floods),
             forges=tuple(self.forges),
-            unauthorized=sum(int(s.get("unauthorized", 0)) for s in self.last_status.values()),
+            unauthorized=sum(s.unauthorized for _, s in self.last_status.values()),
             faults_injected={name: self.injected[name] for name in self.config.faults},
             control_sent=sent,
             control_dropped=dropped,
-            ring_live_bytes_end=sum(int(a.get("ring_live_bytes", 0)) for a in final),
-            ring_live_regions_end=sum(int(a.get("ring_live_count", 0)) for a in final),
-            fenced_rooms_end=sum(int(a.get("fenced_rooms", 0)) for a in final),
-            open_rooms_end=sum(int(a.get("open_rooms", 0)) for a in final),
+            ring_live_bytes_end=sum(a.ring_live_bytes or 0 for a in final),
+            ring_live_regions_end=sum(a.ring_live_count or 0 for a in final),
+            fenced_rooms_end=sum(a.fenced_rooms or 0 for a in final),
+            open_rooms_end=sum(a.open_rooms for a in final),
             idle_reached=self.idle,
             listener_restarts=len(self.listener_deaths),
-            listener_errors=sum(int(a.get("listener_errors", 0)) for a in final),
+            listener_errors=sum(a.listener_errors for a in final),
             unexpected_exits=tuple(self.unexpected),
             rank_errors=tuple(self.errors),
-            memory=judge_memory(self.last_status, self.start, self.ended - self.start),
+            memory=judge_memory(
+                {pid: (*key, s.rss) for pid, (key, s) in self.last_status.items()},
+                self.start,
+                self.ended - self.start,
+            ),
         )
 
 
@@ -1074,20 +1085,9 @@ def _can_forge(config: SoakConfig) -> bool:
     return config.backend == "nixl" and load_cluster_secret() is not None
 
 
+_NO_STATUS: Final = RankStatus(0, listener_alive=False)
+"""What a rank that did not answer ``status`` counts as (every counter 0)."""
+
+
 def _never() -> bool:
     return False
-
-
-def _holds(status: Mapping[str, Any]) -> bool:
-    """Whether a rank's status shows anything held: ring, fences, open rooms, rooms waiting
-    for peers, or a dead listener."""
-    return any(
-        int(status.get(name, 0))
-        for name in (
-            "ring_live_count",
-            "ring_live_bytes",
-            "fenced_rooms",
-            "open_rooms",
-            "waiting_rooms",
-        )
-    ) or not status.get("listener_alive", False)

@@ -26,8 +26,8 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from collections.abc import Sequence
+from typing import Final
 
 import zmq
 
@@ -44,6 +44,7 @@ from ..control.room_messages import (
 from ..control.security import CurveKeys
 from ..control.transport import MAX_FRAMES
 from ..control.wire import MESSAGE_TYPES, ChunkReady, StagingRsp
+from ._messages import RankStatus
 
 __all__ = [
     "COUNTERS",
@@ -53,6 +54,7 @@ __all__ = [
     "STATE",
     "FloodTarget",
     "flood_counts",
+    "flood_state",
     "malformed_message",
     "send_flood",
     "state_bounds",
@@ -207,10 +209,23 @@ def send_flood(
         sock.close()
 
 
-def flood_counts(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, int]:
+def flood_counts(before: RankStatus, after: RankStatus) -> dict[str, int]:
     """How much each of :data:`COUNTERS` moved on the target between two ``status`` answers
     (a counter the target does not report moved 0)."""
-    return {name: int(after.get(name, 0)) - int(before.get(name, 0)) for name in COUNTERS}
+    moved = [
+        (after.listener_malformed - before.listener_malformed),
+        (after.unauthorized - before.unauthorized),
+        (after.staging_dropped - before.staging_dropped),
+        (after.answers_dropped or 0) - (before.answers_dropped or 0),
+        (after.early_meta_held or 0) - (before.early_meta_held or 0),
+    ]
+    return dict(zip(COUNTERS, moved, strict=True))
+
+
+def flood_state(status: RankStatus) -> dict[str, int]:
+    """What ``status`` says of each of :data:`STATE` (those its side reports)."""
+    held = (status.answers_held, status.early_meta, status.open_rooms)
+    return {name: value for name, value in zip(STATE, held, strict=True) if value is not None}
 
 
 def state_bounds(rooms_in_flight: int, chunks: int, decode_tp: int) -> dict[str, int]:

@@ -20,7 +20,7 @@ import os
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 __all__ = [
     "GROWTH_BOUND_BYTES",
@@ -192,25 +192,21 @@ def judge_process(
 
 
 def judge_memory(
-    statuses: Mapping[int, Mapping[str, Any]], start: float, elapsed_s: float
+    statuses: Mapping[int, tuple[str, int, Sequence[tuple[float, int]]]],
+    start: float,
+    elapsed_s: float,
 ) -> MemoryVerdict:
-    """Judge every rank process's RSS samples, from its latest ``status`` (``rss`` field).
+    """Judge every rank process's RSS samples, from its latest ``status``.
 
     Args:
-        statuses: process id -> its latest status (with ``role``, ``rank`` and ``rss``).
+        statuses: process id -> its role, rank and RSS samples (its latest status's).
         start: when the soak started (``time.monotonic()``, the ranks' clock too).
         elapsed_s: the soak's length.
     """
     warmup = min(WARMUP_MAX_S, elapsed_s * WARMUP_SHARE)
     processes = []
-    for pid, status in sorted(statuses.items()):
-        raw = status.get("rss")
-        if not isinstance(raw, list):
-            continue
-        samples = [s for s in raw if isinstance(s, list | tuple) and len(s) == 2]
-        judged = judge_process(
-            str(status.get("role", "?")), int(status.get("rank", -1)), pid, samples, start + warmup
-        )
+    for pid, (role, rank, samples) in sorted(statuses.items()):
+        judged = judge_process(role, rank, pid, samples, start + warmup)
         if judged is not None:
             processes.append(judged)
     return MemoryVerdict(tuple(processes), warmup)

@@ -4,38 +4,24 @@ Started by :func:`staging_contracts.cluster.soak.run_soak` (``multiprocessing`` 
 process per rank, and started again after the soak kills it. Unlike a
 :mod:`~staging_contracts.cluster.rank` process, which runs a fixed list of requests and exits,
 a soak rank serves rooms until it is told to stop: the driver sends it commands and it
-reports events, both as JSON over ZMQ.
+reports events (:mod:`._messages`; commands on the rank's PULL socket, bound on loopback).
 
-**Commands** (driver → rank, PUSH to the rank's PULL socket, bound on loopback: the driver
-runs on the same host, whatever address the control listeners bind):
+**Commands.** ``Peers``: the current ranks of the other side; the rank trusts their
+listeners by the CURVE keys they published, decode points its per-request layer at them,
+prefill adds the decode engines it does not know yet; it answers ``PeersTaken``, and only
+then is it sent rooms. ``OpenRoom``: decode zeroes the request's pages and registers the
+room, prefill opens it and queues every chunk; a thread per room waits for its end (bounded
+by :attr:`RankSettings.room_bound_s`) and answers ``RoomEnded`` (``ok``, ``failed`` or
+``hung``). A room that comes before the peers waits for them up to
+:attr:`RankSettings.peers_wait_s`, then fails; one that cannot be opened fails with the
+error (and a ``RankError``): every ``OpenRoom`` is answered by one ``RoomEnded``.
+``AskStatus``: answered by the rank's counters (``RankStatus``). ``Trust``: a participant to
+trust, as one learned from the bootstrap would be (the authenticated ``flood``'s sender).
+``Stop``: close the backend and exit.
 
-* ``peers``: the current ranks of the other side (:class:`~.bootstrap.RankInfo` as JSON).
-  The rank trusts their listeners by the CURVE keys they published (a no-op without a cluster
-  secret); decode points its per-request layer at their listeners; prefill adds the engines of
-  decode sessions it does not know yet and writes new rooms to the ranks given. Once done the
-  rank answers with a ``peers`` event: from then on it can open rooms (the driver sends a
-  rank no room before that answer).
-* ``room``: ``room`` id and workload request ``index``. Decode zeroes that request's pages and
-  registers the room (``KVReceiver.init`` and ``send_metadata``); prefill opens it and queues
-  every chunk (``KVSender.init`` and ``send``). A thread per room waits for its end (bounded
-  by :attr:`RankSettings.room_bound_s`), reports it, and releases it. A room that comes
-  before the rank knows its peers waits for them, up to :attr:`RankSettings.peers_wait_s`,
-  then is reported ``failed``; a room that cannot be opened (the call raised) is reported
-  ``failed`` with the error as its reason (and an ``error`` event): every room command is
-  answered by one ``room`` event.
-* ``status``: answers with the rank's counters (ring use, fences, open rooms, rooms waiting
-  for peers, listener health, malformed messages, control messages dropped by the ``drop``
-  fault).
-* ``trust``: ``endpoint`` and ``key`` (Z85) of a participant to trust, as one learned from
-  the bootstrap would be (the authenticated ``flood``'s sender; a no-op without a secret).
-* ``stop``: close the backend and exit.
-
-**Events** (rank → driver; each carries ``kind``, ``role``, ``rank``, ``pid`` and ``t``, the
-rank's ``time.monotonic()``, which is the same clock in every process of the host):
-``ready`` (its ``RankInfo`` and command endpoint), ``peers`` (it took a ``peers`` command;
-``count``: how many ranks), ``room`` (``state`` ``ok``, ``failed`` or ``hung``; decode adds
-``verified`` and the first mismatches), ``status``, ``error`` (a command that raised; the rank
-lives on), ``listener_down`` (its control listener thread ended) and ``exit``.
+**Events** besides those answers: ``Serving`` (its ``RankInfo`` and command endpoint, once
+up), ``RankError`` (a command that raised; the rank lives on), ``ListenerDown`` (its control
+listener thread ended), ``Metrics`` and ``Exit``.
 
 **Fault ``drop``:** with :attr:`RankSettings.drop_share` above 0, the rank's
 ``PeerSockets.send`` drops that share of its outgoing control messages (a seeded draw): every
@@ -46,8 +32,6 @@ The rank exits by itself when the driver's process is gone (its parent changed).
 
 from __future__ import annotations
 
-import gc
-import json
 import logging
 import os
 import random
@@ -55,29 +39,44 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from dataclasses import dataclass, replace
+from typing import Final, Protocol
 
 import torch
 import zmq
 
-from .. import config as variables
-from ..backends import resolve_backend
-from ..backends.common import CommonKVManager, Role
-from ..backends.kv_requests import DecodeTransfers, KVPoll, KVReceiver, KVSender, PrefillTransfers
-from ..backends.staging_setup import StagingBackend, enable_decode_staging, enable_prefill_staging
+from ..backends.common import Role
+from ..backends.kv_requests import DecodeTransfers, KVPoll, PrefillTransfers
+from ..backends.staging_setup import StagingBackend
 from ..control.transport import PeerSockets
-from ..decode.handler import DecodeStagingHandler, PrefillPeer, peers_for
+from ..decode.handler import PrefillPeer, peers_for
 from ..metrics import snapshot_of
-from ..prefill.writer import DecodeTarget, PrefillTimeouts, StagingWriter
-from ..protocols import KVBufferTensors
+from ..prefill.writer import DecodeTarget, PrefillTimeouts
 from . import logformat
-from .bootstrap import RankInfo, curve_key_text
+from ._messages import (
+    AskStatus,
+    Exit,
+    ListenerDown,
+    Message,
+    Metrics,
+    OpenRoom,
+    Peers,
+    PeersTaken,
+    RankError,
+    RankStatus,
+    RoomEnded,
+    Serving,
+    Stop,
+    Trust,
+    decode,
+    encode,
+)
+from ._rank_body import BodyOptions, DecodeBody, PrefillBody, RankBody, freeze_heap
+from .bootstrap import RankInfo
 from .metrics_relay import RankReporter
 from .soak_memory import RssSampler
 from .workload import (
     TransferConfig,
-    fill_prefill_pool,
     request_plans,
     ring_bytes,
     verify_decode_pool,
@@ -102,6 +101,15 @@ CLOSE_TIMEOUT_S: Final = 10.0
 SOAK_PREFILL_TIMEOUTS: Final = PrefillTimeouts(answer_s=0.2, ready_s=0.2, deadline_s=10.0)
 """A soak prefill's chunk waits: quick re-requests (lost answers are part of the soak), and
 a deadline well under the room bound."""
+SOAK_BODY: Final = BodyOptions(
+    liveness_timeout_s=3.0,
+    stall_timeout_s=4.0,
+    prefill_timeouts=SOAK_PREFILL_TIMEOUTS,
+    meta_timeout_s=5.0,
+    log_level=logging.ERROR,
+)
+"""A soak rank's backend set-up unless told otherwise: a peer silent 3 s is dead, a decode
+room without progress 4 s fails, a prefill chunk waits 5 s for ``ROOM_META``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,19 +118,9 @@ class RankSettings:
 
     transfer: TransferConfig
     """Geometry, TP sizes, backend and seeded requests (rooms pick a request by index)."""
-    host: str = "127.0.0.1"
-    """Address the rank's control listener and engine bind (its command socket is always on
-    loopback)."""
-    liveness_timeout_s: float = 3.0
-    """Seconds of silence after which a peer is declared dead (``manager.liveness``)."""
-    liveness_interval_s: float = variables.LIVENESS_INTERVAL_S.default
-    """Seconds between two ``PING`` to a watched peer (below the timeout)."""
-    stall_timeout_s: float = 4.0
-    """Decode: a room holding a writable region without progress this long fails."""
-    prefill_timeouts: PrefillTimeouts = SOAK_PREFILL_TIMEOUTS
-    """Prefill: the bounds of a chunk's waits."""
-    meta_timeout_s: float = 5.0
-    """Prefill: how long a chunk waits for decode's ``ROOM_META``."""
+    body: BodyOptions = SOAK_BODY
+    """Where the backend binds (the command socket is always on loopback), its peer liveness,
+    stall and chunk bounds, integrity check and log level."""
     room_bound_s: float = 45.0
     """A room not ended on this rank this long after its ``room`` command is reported
     ``hung`` (and released)."""
@@ -131,13 +129,8 @@ class RankSettings:
     then the room is reported ``failed``."""
     drop_share: float = 0.0
     """Share of outgoing control messages the ``drop`` fault discards (0: none)."""
-    integrity: bool | None = None
-    """Check staged bytes against their integrity tags (both sides); ``None``: as
-    ``STAGING_CONTRACTS_INTEGRITY`` says in the rank process."""
     seed: int = 0
     """Seeds the ``drop`` draws (mixed with the role, rank and process id)."""
-    log_level: int = logging.ERROR
-    """Level of the rank's log lines (stderr)."""
     metrics: bool = False
     """Send a ``metrics`` event every second, and before each ``status`` (``--metrics-port``)."""
 
@@ -196,7 +189,10 @@ def soak_rank_main(role: str, rank: int, settings: RankSettings, driver: str) ->
     # Ctrl-C reaches every process of the terminal's group: the driver stops the ranks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logformat.install(
-        role=role, rank=rank, label=f"soak {role}{rank} pid {os.getpid()}", level=settings.log_level
+        role=role,
+        rank=rank,
+        label=f"soak {role}{rank} pid {os.getpid()}",
+        level=settings.body.log_level,
     )
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's C++ info and warning logs
     torch.set_num_threads(1)
@@ -213,9 +209,9 @@ def soak_rank_main(role: str, rank: int, settings: RankSettings, driver: str) ->
         server.serve(ctx, parent)
     except BaseException as exc:  # the driver hears of every failure, even KeyboardInterrupt
         logger.exception("soak rank failed")
-        events.send("exit", ok=False, error=f"{type(exc).__name__}: {exc}")
+        events.send(Exit(False, f"{type(exc).__name__}: {exc}"))
     else:
-        events.send("exit", ok=True)
+        events.send(Exit(True))
     finally:
         if server is not None:
             server.close()
@@ -225,7 +221,7 @@ def soak_rank_main(role: str, rank: int, settings: RankSettings, driver: str) ->
 class EventSink(Protocol):
     """Where a rank's events go (the driver's socket; a list in tests)."""
 
-    def send(self, kind: str, **fields: Any) -> None:
+    def send(self, event: Message) -> None:
         """Send one event; never raises (a lost event is logged)."""
 
 
@@ -238,16 +234,14 @@ class _Events:
         self._sock.setsockopt(zmq.SNDTIMEO, 2000)
         self._sock.connect(driver)
         self._lock = threading.Lock()
-        self._head = {"role": role, "rank": rank, "pid": os.getpid()}
+        self._sender = (role, rank)
 
-    def send(self, kind: str, **fields: Any) -> None:
-        event = {"kind": kind, **self._head, "t": time.monotonic(), **fields}
-        data = json.dumps(event, default=str).encode()  # any field: never a TypeError
+    def send(self, event: Message) -> None:
         with self._lock:
             try:
-                self._sock.send(data)
-            except zmq.ZMQError as exc:  # zmq.Again (the driver takes none), or closed
-                logger.error("%s event dropped: %s", kind, exc)
+                self._sock.send(encode(event, *self._sender))
+            except (zmq.ZMQError, TypeError, ValueError) as exc:  # zmq.Again, closed, or a bug
+                logger.error("%s event dropped: %s", type(event).__name__, exc)
 
     def close(self) -> None:
         with self._lock:
@@ -300,11 +294,11 @@ class CommandLoop:
     def on_peers(self, ranks: list[RankInfo]) -> None:
         raise NotImplementedError
 
-    def open_room(self, room: int, index: int) -> Callable[[], dict[str, Any]]:
+    def open_room(self, room: int, index: int) -> Callable[[], RoomEnded]:
         """Start a room; returns the function its thread calls to wait, report and release."""
         raise NotImplementedError
 
-    def status(self) -> dict[str, Any]:
+    def status(self, ask: AskStatus) -> RankStatus:
         raise NotImplementedError
 
     def trust_one(self, endpoint: str, key: str) -> None:
@@ -316,27 +310,25 @@ class CommandLoop:
     def command(self, raw: bytes) -> bool:
         """Run one command; ``False`` on ``stop``. A failing command is reported, not fatal."""
         try:
-            doc = json.loads(raw)
-            name = doc["cmd"]
-            if name == "stop":
+            command = decode(raw).message
+            if isinstance(command, Stop):
                 return False
-            if name == "peers":
-                ranks = [RankInfo.from_json(item) for item in doc["ranks"]]
-                self.on_peers(ranks)
-                self.events.send("peers", count=len(ranks))
+            if isinstance(command, Peers):
+                self.on_peers(list(command.ranks))
+                self.events.send(PeersTaken(len(command.ranks)))
                 self._open_waiting()
-            elif name == "room":
-                self.room_instance[int(doc["room"])] = int(doc.get("instance", 0))
-                self._room(int(doc["room"]), int(doc["index"]))
-            elif name == "status":
-                self.events.send("status", id=doc.get("id"), **self.status())
-            elif name == "trust":
-                self.trust_one(str(doc["endpoint"]), str(doc["key"]))
+            elif isinstance(command, OpenRoom):
+                self.room_instance[command.room] = command.instance
+                self._room(command.room, command.index)
+            elif isinstance(command, AskStatus):
+                self.events.send(self.status(command))
+            elif isinstance(command, Trust):
+                self.trust_one(command.endpoint, command.key)
             else:
-                raise ValueError(f"unknown command {name!r}")
+                raise ValueError(f"not a command: {type(command).__name__}")
         except Exception as exc:  # a bad command or a failing call: report, keep serving
             logger.exception("command failed")
-            self.events.send("error", error=f"{type(exc).__name__}: {exc}", command=raw[:200].hex())
+            self.events.send(RankError(f"{type(exc).__name__}: {exc}", raw[:200].hex()))
         return True
 
     def expire(self) -> None:
@@ -349,7 +341,7 @@ class CommandLoop:
         for room, index, _ in due:
             self.room_instance.pop(room, None)
             reason = f"no peers known {self.settings.peers_wait_s:g} s after the room came"
-            self.events.send("room", room=room, index=index, state="failed", reason=reason, t=now)
+            self.events.send(RoomEnded(room, index, "failed", now, reason))
 
     def _room(self, room: int, index: int) -> None:
         if self.peers_known():
@@ -369,24 +361,19 @@ class CommandLoop:
         except Exception as exc:  # the room fails with the error; the rank lives on
             logger.exception("room %d: opening it failed", room, extra={"room": room})
             error = f"{type(exc).__name__}: {exc}"
-            self.events.send("error", error=f"room {room}: {error}")
-            self.events.send(
-                "room",
-                room=room,
-                index=index,
-                state="failed",
-                reason=f"rank error: opening the room failed: {error}",
-                t=self.clock(),
-            )
+            self.events.send(RankError(f"room {room}: {error}"))
+            reason = f"rank error: opening the room failed: {error}"
+            self.events.send(RoomEnded(room, index, "failed", self.clock(), reason))
             return
 
         def run() -> None:
             try:
-                fields = finish()
+                ended = finish()
             except Exception as exc:  # the room's end could not be read: say so
                 logger.exception("room %d: waiting for its end failed", room, extra={"room": room})
-                fields = {"state": "failed", "reason": f"rank error: {type(exc).__name__}: {exc}"}
-            self.events.send("room", room=room, index=index, **fields)
+                reason = f"rank error: {type(exc).__name__}: {exc}"
+                ended = RoomEnded(room, index, "failed", time.monotonic(), reason)
+            self.events.send(ended)
 
         thread = threading.Thread(target=run, name=f"soak-room-{room}", daemon=True)
         thread.start()
@@ -395,44 +382,28 @@ class CommandLoop:
 
 
 class _RankServer(CommandLoop):
-    """What both sides share: the backend, the command loop, status, the room threads."""
+    """What both sides share: the body, the command loop, status, the room threads."""
 
     role: Role
+    body: RankBody
 
     def __init__(self, rank: int, settings: RankSettings, events: _Events) -> None:
         super().__init__(events, settings)
         self.config = settings.transfer
         tp = self.config.prefill_tp if self.role is Role.PREFILL else self.config.decode_tp
-        self.tp = tp
         # Prefill ranks of every instance are numbered on: instance i's TP rank r is rank
         # i * prefill_tp + r (its events carry that number; its engine and pool, r).
         self.label_rank = rank
         """The rank's number in the soak (its events' and its metrics' ``rank``)."""
-        rank %= tp
-        self.rank = rank
-        self.pool: KVBufferTensors = self.config.empty_pool(tp, rank)
-        # A spec string (a name or MODULE:CLASS[=MODULE:FACTORY]), resolved in this process;
-        # host reaches the manager only when its class or factory takes ``host``.
-        factory = resolve_backend(self.config.backend)
-        logging.getLogger("nixl").setLevel(max(logging.WARNING, settings.log_level))
-        # the liveness bounds reach the manager's PeerLiveness through its settings (this
-        # process's environment), so that its constructor checks the interval against them
-        os.environ[variables.LIVENESS_TIMEOUT_S.name] = repr(settings.liveness_timeout_s)
-        os.environ[variables.LIVENESS_INTERVAL_S.name] = repr(settings.liveness_interval_s)
-        manager = factory(
-            self.config.kv_args(tp, rank), role=self.role, attn_tp_size=tp, host=settings.host
-        )
-        self.manager: StagingBackend = manager
-        """The backend as the staging set-up sees it."""
-        self.common: CommonKVManager = manager  # type: ignore[assignment]
-        """The same object as a ``CommonKVManager`` (every backend is one: the contract's
-        members and the control plane come from it)."""
+        self.rank = rank % tp
         self.drops = DropCounter()
-        if settings.drop_share > 0:
-            rng = random.Random(f"{settings.seed}-{self.role.value}-{rank}-{os.getpid()}")
-            self.drops = install_drop(self.manager.peers, settings.drop_share, rng)
+
+        def drop(manager: StagingBackend) -> None:
+            rng = random.Random(f"{settings.seed}-{self.role.value}-{self.rank}-{os.getpid()}")
+            self.drops = install_drop(manager.peers, settings.drop_share, rng)
+
+        self.options = replace(settings.body, prepare=drop if settings.drop_share > 0 else None)
         self.listener_reported = False
-        self.closed = False
         self.memory = RssSampler()
         """This process's RSS samples, sent with every ``status`` (see ``soak_memory``)."""
         self.reporter = RankReporter() if settings.metrics else None
@@ -442,11 +413,9 @@ class _RankServer(CommandLoop):
     def info(self) -> RankInfo:
         raise NotImplementedError
 
-    def side_status(self) -> dict[str, Any]:
+    def side_status(self, status: RankStatus) -> RankStatus:
+        """``status`` with the side's counters."""
         raise NotImplementedError
-
-    def close_side(self) -> None:
-        """Close what the side opened beyond the manager (before it closes)."""
 
     # ------------------------------------------------------------------ the loop
 
@@ -457,9 +426,8 @@ class _RankServer(CommandLoop):
             commands.bind("tcp://127.0.0.1:*")
             raw = commands.getsockopt(zmq.LAST_ENDPOINT)
             endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
-            gc.collect()
-            gc.freeze()  # as rank.py: keep start-up objects out of the collector's walks
-            self.events.send("ready", info=self.info().to_json(), commands=endpoint)
+            freeze_heap()
+            self.events.send(Serving(self.info(), endpoint))
             while True:
                 if commands.poll(COMMAND_POLL_MS) and not self.command(commands.recv()):
                     return
@@ -475,10 +443,10 @@ class _RankServer(CommandLoop):
             commands.close(linger=0)
 
     def _check_listener(self) -> None:
-        if not self.listener_reported and not self.common.listener.alive:
+        if not self.listener_reported and not self.body.common.listener.alive:
             self.listener_reported = True
             logger.error("the control listener thread ended")
-            self.events.send("listener_down")
+            self.events.send(ListenerDown())
 
     def metrics_transfers(self) -> PrefillTransfers | None:
         """The prefill side's transfers (its rooms and bytes); ``None`` on decode."""
@@ -487,87 +455,62 @@ class _RankServer(CommandLoop):
     def send_metrics(self) -> None:
         """Send this rank's counters to the driver (a ``metrics`` event)."""
         snapshot = snapshot_of(
-            self.common,
+            self.body.common,
             transfers=self.metrics_transfers(),
             role=self.role.value,
             rank=self.label_rank,
             engine=self.config.backend,
         )
-        self.events.send("metrics", snapshot=snapshot.to_json())
+        self.events.send(Metrics(snapshot))
 
-    def status(self) -> dict[str, Any]:
+    def status(self, ask: AskStatus) -> RankStatus:
         if self.reporter is not None:  # ahead of the status: the driver's last word agrees
             self.send_metrics()
-        stats = self.manager.staging_stats()
-        listener = self.common.listener.stats()
-        return {
-            "listener_alive": self.common.listener.alive,
-            "listener_received": listener.received,
-            "listener_malformed": listener.malformed,
-            "listener_errors": listener.errors,
-            "staging_malformed": stats.malformed,
-            "staging_dropped": stats.dropped,
-            "unauthorized": self.manager.unauthorized,
-            "control_sent": self.drops.sent,
-            "control_dropped": self.drops.dropped,
-            "room_threads": sum(t.is_alive() for t in self.threads),
-            "waiting_rooms": len(self.waiting_rooms),
-            "rss": self.memory.samples,
-            **self.side_status(),
-        }
+        stats = self.body.manager.staging_stats()
+        listener = self.body.common.listener.stats()
+        return self.side_status(
+            RankStatus(
+                ask.id,
+                self.body.common.listener.alive,
+                listener.received,
+                listener.malformed,
+                listener.errors,
+                stats.malformed,
+                stats.dropped,
+                self.body.manager.unauthorized,
+                self.drops.sent,
+                self.drops.dropped,
+                sum(t.is_alive() for t in self.threads),
+                len(self.waiting_rooms),
+                tuple((t, rss) for t, rss in self.memory.samples),
+            )
+        )
 
     def trust_one(self, endpoint: str, key: str) -> None:
-        self.common.trust_peer(endpoint, key.encode("ascii") or None)
-
-    def trust(self, ranks: list[RankInfo]) -> None:
-        """Trust the listeners of ``ranks`` by their published keys (no-op without a secret)."""
-        for info in ranks:
-            self.common.trust_peer(info.endpoint, info.curve_key.encode("ascii") or None)
+        self.body.common.trust_peer(endpoint, key.encode("ascii") or None)
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self.close_side()
-        finally:
-            self.common.close()
+        self.body.close()
 
 
 class _DecodeServer(_RankServer):
     role = Role.DECODE
+    body: DecodeBody
 
     def __init__(self, rank: int, settings: RankSettings, events: _Events) -> None:
         super().__init__(rank, settings, events)
-        self.handler: DecodeStagingHandler = enable_decode_staging(
-            self.manager,
-            kv_buffers=self.pool,
-            ring_bytes=ring_bytes(self.config),
-            stall_timeout_s=settings.stall_timeout_s,
-            integrity=settings.integrity,
-        )
-        self.common.start()
+        self.body = DecodeBody(self.config, self.rank, self.options)
+        self.body.common.start()
         self.transfers: DecodeTransfers | None = None
         self.instance_peers: list[tuple[PrefillPeer, ...]] = []
         """Each prefill instance's peers for this rank (``peers_for``), by instance."""
         self.plans = request_plans(self.config)
 
     def info(self) -> RankInfo:
-        engine = self.manager.engine
-        allocator = self.handler.allocator
-        return RankInfo(
-            "decode",
-            self.rank,
-            self.common.endpoint,
-            engine.session_id,
-            engine.metadata(),
-            allocator.base_ptr,
-            allocator.total_size,
-            curve_key_text(self.common.curve_key),
-        )
+        return self.body.info()
 
     def on_peers(self, ranks: list[RankInfo]) -> None:
-        self.trust(ranks)
+        self.body.trust(ranks)
         # The driver sends every instance's ranks, instance by instance, each in TP order.
         tp = self.config.prefill_tp
         endpoints = [info.endpoint for info in ranks]
@@ -580,13 +523,13 @@ class _DecodeServer(_RankServer):
             peers_for(group, tp, self.config.decode_tp, self.rank) for group in groups
         ]
         if self.transfers is None:
-            self.transfers = DecodeTransfers(self.common, self.handler, groups[0])
+            self.transfers = DecodeTransfers(self.body.common, self.body.handler, groups[0])
         self.transfers.peers = self.instance_peers[0]
 
     def peers_known(self) -> bool:
         return self.transfers is not None
 
-    def open_room(self, room: int, index: int) -> Callable[[], dict[str, Any]]:
+    def open_room(self, room: int, index: int) -> Callable[[], RoomEnded]:
         if self.transfers is None:  # CommandLoop holds rooms until the peers are known
             raise RuntimeError("a room before the prefill ranks are known")
         plan = self.plans[index]
@@ -596,30 +539,25 @@ class _DecodeServer(_RankServer):
         # The command thread opens every room: the peers set here are the ones init reads.
         self.transfers.peers = self.instance_peers[instance]
         self._zero(plan.decode_pages)
-        receiver = KVReceiver(self.transfers, room)
-        receiver.init(plan.decode_pages, chunk_pages=self.config.chunk_pages)
-        try:
-            receiver.send_metadata()
-        except Exception:  # the room fails (CommandLoop reports it): leave nothing held
-            _release_after_failure(room, receiver.release)
-            raise
+        receiver = self.body.receive(self.transfers, room, plan.decode_pages)
         deadline = time.monotonic() + self.settings.room_bound_s
 
-        def finish() -> dict[str, Any]:
+        def finish() -> RoomEnded:
             state = receiver.wait(max(0.0, deadline - time.monotonic()))
-            fields: dict[str, Any] = {"t": time.monotonic()}
+            end = time.monotonic()
             if state is KVPoll.Success:
-                problems = verify_decode_pool(self.pool, self.config, self.rank, {index})
-                fields.update(state="ok", verified=not problems, problems=problems[:3])
+                problems = verify_decode_pool(self.body.pool, self.config, self.rank, {index})
+                ended = RoomEnded(room, index, "ok", end, verified=not problems)
+                ended = replace(ended, problems=tuple(problems[:3]))
             elif state is KVPoll.Failed:
-                fields.update(state="failed", reason=receiver.failure() or "unknown")
+                ended = RoomEnded(room, index, "failed", end, receiver.failure() or "unknown")
             else:
-                fields.update(state="hung", reason=f"still {state.name}")
+                ended = RoomEnded(room, index, "hung", end, f"still {state.name}")
             try:
                 receiver.release()
             except TimeoutError as exc:
-                fields["release_error"] = str(exc)
-            return fields
+                ended = replace(ended, release_error=str(exc))
+            return ended
 
         return finish
 
@@ -628,99 +566,63 @@ class _DecodeServer(_RankServer):
         size = self.config.page_size
         rows = torch.tensor(pages, dtype=torch.int64).unsqueeze(1) * size + torch.arange(size)
         flat = rows.reshape(-1)
-        for buffers in (self.pool.k_buffers, self.pool.v_buffers):
+        for buffers in (self.body.pool.k_buffers, self.body.pool.v_buffers):
             for buffer in buffers:
                 buffer[flat] = 0
 
-    def side_status(self) -> dict[str, Any]:
-        allocator = self.handler.allocator
-        return {
-            "ring_live_count": allocator.live_count,
-            "ring_live_bytes": allocator.live_bytes,
-            "ring_size": allocator.total_size,
-            "fenced_rooms": len(self.handler.fenced_rooms),
-            "open_rooms": self.handler.live_rooms,
-        }
+    def side_status(self, status: RankStatus) -> RankStatus:
+        allocator, handler = self.body.handler.allocator, self.body.handler
+        return replace(
+            status,
+            ring_live_count=allocator.live_count,
+            ring_live_bytes=allocator.live_bytes,
+            ring_size=allocator.total_size,
+            fenced_rooms=len(handler.fenced_rooms),
+            open_rooms=handler.live_rooms,
+        )
 
 
 class _PrefillServer(_RankServer):
     role = Role.PREFILL
+    body: PrefillBody
 
     def __init__(self, rank: int, settings: RankSettings, events: _Events) -> None:
         super().__init__(rank, settings, events)
-        fill_prefill_pool(self.pool, self.config, self.rank)
-        self.writer: StagingWriter = enable_prefill_staging(
-            self.manager,
-            kv_buffers=self.pool,
-            max_chunk_pages=self.config.chunk_pages,
-            timeouts=settings.prefill_timeouts,
-            integrity=settings.integrity,
-        )
-        self.transfers = PrefillTransfers(
-            self.common, self.writer, meta_timeout_s=settings.meta_timeout_s
-        )
-        self.common.start()
+        self.body = PrefillBody(self.config, self.rank, self.options)
+        self.body.common.start()
         self.targets: list[DecodeTarget] = []
-        self.sessions: dict[str, bytes] = {}
         self.plans = request_plans(self.config)
         self.open = 0
         self.lock = threading.Lock()
 
     def info(self) -> RankInfo:
-        engine = self.manager.engine
-        return RankInfo(
-            "prefill",
-            self.rank,
-            self.common.endpoint,
-            engine.session_id,
-            engine.metadata(),
-            curve_key=curve_key_text(self.common.curve_key),
-        )
+        return self.body.info()
 
     def on_peers(self, ranks: list[RankInfo]) -> None:
-        self.trust(ranks)
-        ordered = sorted(ranks, key=lambda i: i.tp_rank)
-        if len(ordered) != self.config.decode_tp:
-            raise ValueError(f"{len(ordered)} decode ranks, expected {self.config.decode_tp}")
-        for info in ordered:
-            if self.sessions.get(info.session_id) != info.metadata:
-                self.manager.engine.add_peer(info.session_id, info.metadata)
-                self.sessions[info.session_id] = info.metadata
-        self.targets = [
-            DecodeTarget(i.tp_rank, i.session_id, i.endpoint, i.ring_base, i.ring_size)
-            for i in ordered
-        ]
+        if len(ranks) != self.config.decode_tp:
+            raise ValueError(f"{len(ranks)} decode ranks, expected {self.config.decode_tp}")
+        self.targets = self.body.meet(ranks)
 
     def peers_known(self) -> bool:
         return bool(self.targets)
 
-    def open_room(self, room: int, index: int) -> Callable[[], dict[str, Any]]:
+    def open_room(self, room: int, index: int) -> Callable[[], RoomEnded]:
         if not self.targets:  # CommandLoop holds rooms until the peers are known
             raise RuntimeError("a room before the decode ranks are known")
-        plan = self.plans[index]
-        sender = KVSender(self.transfers, room)
-        sender.init(self.config.num_pages, self.targets)
-        chunks = list(self.config.chunks())
-        try:
-            for number, (start, count) in enumerate(chunks):
-                pages = plan.prefill_pages[start : start + count]
-                sender.send(pages, last=number == len(chunks) - 1)
-        except Exception:  # the room fails (CommandLoop reports it): leave nothing held
-            _release_after_failure(room, sender.release)
-            raise
+        sender = self.body.send(room, self.plans[index], self.targets)
         deadline = time.monotonic() + self.settings.room_bound_s
         with self.lock:
             self.open += 1
 
-        def finish() -> dict[str, Any]:
+        def finish() -> RoomEnded:
             try:
                 state = sender.wait(max(0.0, deadline - time.monotonic()))
                 end = time.monotonic()
                 if state is KVPoll.Success:
-                    return {"state": "ok", "t": end}
+                    return RoomEnded(room, index, "ok", end)
                 if state is KVPoll.Failed:
-                    return {"state": "failed", "reason": sender.failure() or "unknown", "t": end}
-                return {"state": "hung", "reason": f"still {state.name}", "t": end}
+                    return RoomEnded(room, index, "failed", end, sender.failure() or "unknown")
+                return RoomEnded(room, index, "hung", end, f"still {state.name}")
             finally:
                 sender.release()
                 with self.lock:
@@ -728,33 +630,24 @@ class _PrefillServer(_RankServer):
 
         return finish
 
-    def side_status(self) -> dict[str, Any]:
+    def side_status(self, status: RankStatus) -> RankStatus:
         with self.lock:
             open_rooms = self.open
-        return {
-            "open_rooms": open_rooms,
-            "bytes_written": self.writer.bytes_written,
-            "answers_held": self.writer.answers_held,
-            "answers_dropped": self.writer.answers_dropped,
-            "early_meta": self.transfers.early_meta_count,
-            "early_meta_held": self.transfers.early_meta_held,
-            "early_meta_dropped": self.transfers.early_meta_dropped,
-        }
+        writer, transfers = self.body.writer, self.body.transfers
+        return replace(
+            status,
+            open_rooms=open_rooms,
+            bytes_written=writer.bytes_written,
+            answers_held=writer.answers_held,
+            answers_dropped=writer.answers_dropped,
+            early_meta=transfers.early_meta_count,
+            early_meta_held=transfers.early_meta_held,
+            early_meta_dropped=transfers.early_meta_dropped,
+        )
 
     def metrics_transfers(self) -> PrefillTransfers | None:
-        return self.transfers
+        return self.body.transfers
 
-    def close_side(self) -> None:
-        self.transfers.close(CLOSE_TIMEOUT_S)
-        self.writer.close()
-
-
-def _release_after_failure(room: int, release: Callable[[], None]) -> None:
-    """Release a room whose opening failed; a failing release is logged (the opening's error
-    is the one reported)."""
-    try:
-        release()
-    except Exception:  # the room already fails with the first error
-        logger.exception(
-            "room %d: releasing it after a failed opening failed too", room, extra={"room": room}
-        )
+    def close(self) -> None:
+        self.body.close_side(CLOSE_TIMEOUT_S)
+        super().close()

@@ -27,7 +27,7 @@ import argparse
 import logging
 import textwrap
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Final
 
@@ -37,7 +37,7 @@ from ..outcomes import classify
 from ..prefill.writer import PrefillTimeouts
 from .preflight import check_environment
 from .soak_memory import MemoryVerdict, memory_rows
-from .soak_rank import SOAK_PREFILL_TIMEOUTS, RankSettings, ring_bytes
+from .soak_rank import SOAK_BODY, SOAK_PREFILL_TIMEOUTS, RankSettings, ring_bytes
 from .workload import TransferConfig
 
 SOAK_LIVENESS_TIMEOUT_S: Final = 3.0
@@ -399,8 +399,8 @@ class SoakConfig:
 
     def rank_settings(self) -> RankSettings:
         """What every rank process is started with."""
-        return RankSettings(
-            transfer=self.transfer(),
+        body = replace(
+            SOAK_BODY,
             host=self.host,
             liveness_timeout_s=self.liveness_timeout_s,
             liveness_interval_s=self.liveness_interval_s,
@@ -411,11 +411,15 @@ class SoakConfig:
                 deadline_s=settings.PREFILL_DEADLINE_S.value_or(SOAK_PREFILL_TIMEOUTS.deadline_s),
             ),
             meta_timeout_s=self.meta_timeout_s,
+            integrity=True if self.integrity else None,
+            log_level=self.log_level,
+        )
+        return RankSettings(
+            transfer=self.transfer(),
+            body=body,
             room_bound_s=self.room_bound_s,
             drop_share=self.drop_share if "drop" in self.faults else 0.0,
-            integrity=True if self.integrity else None,
             seed=self.seed,
-            log_level=self.log_level,
         )
 
 

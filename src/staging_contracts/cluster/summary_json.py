@@ -168,9 +168,9 @@ def _room_marks(report: RankReport) -> dict[int, bool]:
     """Request index -> succeeded, as one rank reported it (in full, or what it had done
     when it stopped)."""
     fields = report.fields
-    marks = {int(i): ok for i, ok in dict(fields.get("rooms") or {}).items()}
-    marks.update({int(i): True for i in fields.get("succeeded") or ()})
-    marks.update({int(i): False for i in dict(fields.get("failed") or {})})
+    marks = dict(fields.rooms)
+    marks.update(dict.fromkeys(fields.succeeded, True))
+    marks.update(dict.fromkeys(fields.failed, False))
     return marks
 
 
@@ -182,8 +182,8 @@ def _demo_rooms(result: ClusterResult) -> dict[str, Any]:
     marks = [_room_marks(r) for r in reports]
     reasons: dict[int, str] = {}
     for report in sorted(result.reports, key=lambda r: (r.role != judge, r.rank)):
-        for index, reason in dict(report.fields.get("failed") or {}).items():
-            reasons.setdefault(int(index), str(reason))
+        for index, reason in report.fields.failed.items():
+            reasons.setdefault(index, str(reason))
     total = result.config.requests
     failed = set(result.failed_requests) | {i for m in marks for i, ok in m.items() if not ok}
     succeeded = {
@@ -207,10 +207,8 @@ def _demo_rooms(result: ClusterResult) -> dict[str, Any]:
 def _demo_problems(result: ClusterResult) -> list[str]:
     if result.verified and result.interrupted is None:
         return []
-    errors = [f"{r.role} {r.rank}: {r.fields.get('error')}" for r in result.reports if not r.ok]
-    pages = [line for r in result.ranks("decode") for line in r.fields.get("problems", [])]
     out = [f"interrupted by {result.interrupted}: a partial run"] if result.interrupted else []
-    return out + errors + [str(p) for p in pages] or ["not every page verified"]
+    return out + result.errors() + result.problems() or ["not every page verified"]
 
 
 def demo_summary(result: ClusterResult) -> dict[str, Any]:
@@ -244,9 +242,8 @@ def demo_summary(result: ClusterResult) -> dict[str, Any]:
         "bytes": result.bytes_moved if prefill_here else None,
         "elapsed_s": result.elapsed_s,
         "gbps": result.gbps if prefill_here else None,
-        "chunks": result.total("decode", "chunks") if decode_here else None,
-        "control_messages": result.total("decode", "control_messages")
-        + result.total("prefill", "control_messages"),
+        "chunks": result.chunks if decode_here else None,
+        "control_messages": result.control_messages,
         "ring_peaks": {
             str(rank): {"reserved_peak_bytes": peak, "ring_bytes": size}
             for rank, (peak, size) in sorted(result.ring_peaks().items())
