@@ -377,21 +377,29 @@ def test_staging_req_answers_only_the_matching_pp_rank(
     other.bind("tcp://127.0.0.1:*")
     other_endpoint = other.getsockopt(zmq.LAST_ENDPOINT)
     assert isinstance(other_endpoint, bytes)
-    with local_cluster(Geometry(1, 1, 2)) as cluster:
-        handler = cluster.handlers[0]
-        peers = (PrefillPeer(0, endpoint, pp_rank=0), PrefillPeer(0, other_endpoint.decode(), 1))
-        handler.register_room(RoomPlan(22, (1, 2), 2, 1, peers))
-        outcome = handler.handle_staging_req(
-            22, 0, num_pages=2, session_id=handler.session_id, pp_rank=1
-        )
-        assert outcome is StagingReqOutcome.REJECTED
-        (answer,) = receive(other, 1)
-        rsp = decode_message(answer)
-        assert isinstance(rsp, StagingRsp)
-        assert rsp.offset == -2
-        assert receive(sock, 1, timeout=0.2) == []
-        handler.release_room(22)
-    other.close(linger=0)
+    try:
+        with local_cluster(Geometry(1, 1, 2)) as cluster:
+            handler = cluster.handlers[0]
+            peers = (
+                PrefillPeer(0, endpoint, pp_rank=0),
+                PrefillPeer(0, other_endpoint.decode(), 1),
+            )
+            handler.register_room(RoomPlan(22, (1, 2), 2, 1, peers))
+            outcome = handler.handle_staging_req(
+                22, 0, num_pages=2, session_id=handler.session_id, pp_rank=1
+            )
+            assert outcome is StagingReqOutcome.REJECTED
+            # The refusal of a failed room follows its ROOM_FAILED (the cause, for prefill).
+            failed, answer = receive(other, 2)
+            assert failed[0] == b"ROOM_FAILED", failed
+            rsp = decode_message(answer)
+            assert isinstance(rsp, StagingRsp)
+            assert rsp.offset == -2
+            answers = receive(other, 1, timeout=0.2) + receive(sock, 3, timeout=0.2)
+            assert all(f[0] != StagingRsp.WIRE_TYPE for f in answers)  # pp rank 0 is not answered
+            handler.release_room(22)
+    finally:
+        other.close(linger=0)
 
 
 def test_send_to_a_dead_peer_never_blocks_and_prunes_it() -> None:
