@@ -16,6 +16,7 @@ from staging_contracts.cluster.soak import run_soak
 from staging_contracts.cluster.soak_report import SoakConfig
 from staging_contracts.control.security import SECRET_ENV, SECRET_FILE_ENV
 from staging_contracts.engines import engine_available
+from staging_contracts.outcomes import FailureReason
 
 NIXL_OK, NIXL_WHY = engine_available("nixl")
 
@@ -129,6 +130,41 @@ def test_a_soak_serves_every_rank_and_its_final_series_agree_with_the_summary() 
     assert total(final, "staging_contracts_ring_capacity_bytes", role="decode") > 0
     assert total(final, "staging_contracts_fences_outstanding") == result.fenced_rooms_end
     assert total(final, "staging_contracts_unauthorized_messages_total") == result.unauthorized
+
+
+def test_under_a_fault_decode_s_failed_rooms_by_reason_agree_with_the_summary() -> None:
+    """2 prefill -> 1 decode with ``stall-long`` (a prefill rank stopped past the liveness
+    timeout): rooms fail; decode's ``rooms_ended_total{outcome="failed"}`` by ``reason``
+    equals the summary's failed rooms by reason (the summary groups by decode's first
+    reason, the same enum), and every room started ended on decode."""
+    config = SoakConfig(duration_s=9.0, faults=("stall-long",), settle_s=0.5, room_bound_s=30.0)
+    relay = MetricsRelay()
+    relay.serve(0)
+    assert relay.port
+    try:
+        result = run_soak(config, relay=relay)
+        final = scrape(relay.port)
+    finally:
+        relay.close()
+    assert result.ok, result.problems
+    assert result.faults_injected.get("stall-long") == 1
+    assert result.rooms_failed > 0
+    failed: dict[str, float] = {}
+    for (name, labels), value in final.items():
+        label = dict(labels)
+        if (name, label["role"], label.get("outcome")) == (
+            "staging_contracts_rooms_ended_total",
+            "decode",
+            "failed",
+        ):
+            failed[label["reason"]] = failed.get(label["reason"], 0) + value
+    expected = {FailureReason(group).label: n for group, n in result.failed_by_reason.items()}
+    assert {k: v for k, v in failed.items() if v} == expected
+    ended = total(final, "staging_contracts_rooms_ended_total", role="decode")
+    assert ended == result.rooms_started
+    assert total(final, "staging_contracts_scattered_bytes_total", role="decode") >= (
+        result.bytes_verified
+    )
 
 
 def free_port() -> int:
