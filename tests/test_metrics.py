@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from staging_contracts.backends.kv_requests import KVPoll, KVReceiver, KVSender
-from staging_contracts.metrics import MetricsSnapshot, register, snapshot_of
+from staging_contracts.cluster._messages import Metrics, decode, encode
+from staging_contracts.control.wire import MalformedMessage
+from staging_contracts.metrics import register, snapshot_of
 from staging_contracts.metrics.collector import SERIES
 from staging_contracts.outcomes import FailureReason
 from staging_contracts.stats import LATENCY_BUCKETS_S, RoomTally
@@ -146,17 +150,20 @@ def test_a_malformed_message_is_counted() -> None:
     assert value(samples, "staging_contracts_malformed_messages_total") == 1
 
 
-def test_a_snapshot_survives_its_json_and_junk_is_refused() -> None:
+def test_a_snapshot_survives_the_rank_message_codec_and_junk_is_refused() -> None:
+    """The snapshot travels to the driver's relay as a :class:`Metrics` message."""
     with sides(Geometry(1, 1, 2)) as s:
         snap = snapshot_of(s.cluster.decode[0], engine="local")
     assert snap.role == "decode"
     assert snap.ring_capacity_bytes == 1 << 20
-    assert MetricsSnapshot.from_json(snap.to_json()) == snap
-    doc = snap.to_json()
+    assert decode(encode(Metrics(snap), "decode", 0)).message == Metrics(snap)
+    doc = json.loads(encode(Metrics(snap), "decode", 0))
+    body = doc["body"]["snapshot"]
     broken: object
-    for broken in ({**doc, "schema": 99}, {**doc, "chunks": "3"}, {**doc, "rooms": [[1]]}, []):
-        with pytest.raises(ValueError, match="snapshot"):
-            MetricsSnapshot.from_json(broken)
+    for broken in ({**body, "chunks": "3"}, {**body, "rooms": [[1]]}, []):
+        raw = json.dumps({**doc, "body": {"snapshot": broken}}).encode()
+        with pytest.raises(MalformedMessage):
+            decode(raw)
 
 
 def test_room_latencies_fall_into_their_buckets() -> None:

@@ -17,7 +17,6 @@ import weakref
 from typing import TYPE_CHECKING, Final
 
 from .snapshot import (
-    SCHEMA,
     ControlCount,
     MetricsSnapshot,
     RoomCount,
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
     from .collector import StagingCollector
 
 __all__ = [
-    "SCHEMA",
     "ControlCount",
     "MetricsSnapshot",
     "RoomCount",

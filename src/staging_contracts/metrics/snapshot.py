@@ -6,8 +6,8 @@
 ``unauthorized``, the liveness's ``declared_dead``, the decode handler's scatter counts, ring
 and fences, the prefill writer's bytes and chunks, and each side's
 :class:`~staging_contracts.stats.RoomTally`) into a frozen :class:`MetricsSnapshot`.
-:meth:`MetricsSnapshot.to_json` and :meth:`MetricsSnapshot.from_json` carry it between
-processes (a soak or demo rank to its driver).
+A rank sends it to its driver (``--metrics-port``) as a ``Metrics`` message on the
+rank<->driver codec (``cluster/_messages.py``), which checks every field's type.
 
 **Threads:** :func:`snapshot_of` may run on any thread (it takes the handler's or the
 transfers' lock for a copy only); the records are immutable.
@@ -15,7 +15,6 @@ transfers' lock for a copy only); the records are immutable.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -27,10 +26,7 @@ if TYPE_CHECKING:
     from ..backends.common import CommonKVManager
     from ..backends.kv_requests import PrefillTransfers
 
-__all__ = ["SCHEMA", "ControlCount", "MetricsSnapshot", "RoomCount", "engine_name", "snapshot_of"]
-
-SCHEMA: Final = 2
-"""Version of :meth:`MetricsSnapshot.to_json`'s layout (``from_json`` refuses another)."""
+__all__ = ["ControlCount", "MetricsSnapshot", "RoomCount", "engine_name", "snapshot_of"]
 
 _BUCKETS: Final = len(LATENCY_BUCKETS_S) + 1
 
@@ -93,111 +89,6 @@ class MetricsSnapshot:
     peers_declared_dead: int = 0
     fences_outstanding: int = 0
     """Decode: rooms whose regions wait for a fence's answers."""
-
-    def to_json(self) -> dict[str, object]:
-        """The snapshot as JSON-ready values (:meth:`from_json` reads it back)."""
-        return {
-            "schema": SCHEMA,
-            "role": self.role,
-            "rank": self.rank,
-            "engine": self.engine,
-            "side": self.side,
-            "staged_bytes": self.staged_bytes,
-            "scattered_bytes": self.scattered_bytes,
-            "chunks": self.chunks,
-            "rooms": [[r.outcome, r.reason, r.count] for r in self.rooms],
-            "latency_buckets": list(self.latency_buckets),
-            "latency_sum_s": self.latency_sum_s,
-            "latency_count": self.latency_count,
-            "ring_in_use_bytes": self.ring_in_use_bytes,
-            "ring_reserved_bytes": self.ring_reserved_bytes,
-            "ring_capacity_bytes": self.ring_capacity_bytes,
-            "control": [[c.kind, c.count] for c in self.control],
-            "malformed": self.malformed,
-            "unauthorized": self.unauthorized,
-            "dropped": self.dropped,
-            "peers_declared_dead": self.peers_declared_dead,
-            "fences_outstanding": self.fences_outstanding,
-        }
-
-    @classmethod
-    def from_json(cls, doc: object) -> MetricsSnapshot:
-        """Read back what :meth:`to_json` wrote.
-
-        Raises:
-            ValueError: ``doc`` is not such a record (a field missing or of the wrong type,
-                another schema).
-        """
-        if not isinstance(doc, Mapping) or doc.get("schema") != SCHEMA:
-            raise ValueError(f"not a metrics snapshot of schema {SCHEMA}")
-        rooms = tuple(
-            RoomCount(_str(item, 0), _str(item, 1), _int(item, 2)) for item in _list(doc, "rooms")
-        )
-        control = tuple(
-            ControlCount(_str(item, 0), _int(item, 1)) for item in _list(doc, "control")
-        )
-        buckets = tuple(_int(doc["latency_buckets"], i) for i in range(_BUCKETS))
-        if len(_list(doc, "latency_buckets")) != _BUCKETS:
-            raise ValueError(f"latency_buckets: expected {_BUCKETS} counts")
-        total = doc.get("latency_sum_s")
-        if isinstance(total, bool) or not isinstance(total, int | float):
-            raise ValueError("latency_sum_s: not a number")
-        counts = {
-            name: _int(doc, name)
-            for name in (
-                "rank",
-                "staged_bytes",
-                "scattered_bytes",
-                "chunks",
-                "latency_count",
-                "ring_in_use_bytes",
-                "ring_reserved_bytes",
-                "ring_capacity_bytes",
-                "malformed",
-                "unauthorized",
-                "dropped",
-                "peers_declared_dead",
-                "fences_outstanding",
-            )
-        }
-        return cls(
-            role=_str(doc, "role"),
-            engine=_str(doc, "engine"),
-            side=_str(doc, "side"),
-            rooms=rooms,
-            latency_buckets=buckets,
-            latency_sum_s=float(total),
-            control=control,
-            **counts,
-        )
-
-
-def _get(doc: object, key: str | int) -> object:
-    try:
-        return doc[key]  # type: ignore[index]
-    except (KeyError, IndexError, TypeError) as exc:
-        raise ValueError(f"metrics snapshot: {key!r} missing") from exc
-
-
-def _int(doc: object, key: str | int) -> int:
-    value = _get(doc, key)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"metrics snapshot: {key!r} is not an integer")
-    return value
-
-
-def _str(doc: object, key: str | int) -> str:
-    value = _get(doc, key)
-    if not isinstance(value, str):
-        raise ValueError(f"metrics snapshot: {key!r} is not a string")
-    return value
-
-
-def _list(doc: object, key: str) -> list[object]:
-    value = _get(doc, key)
-    if not isinstance(value, list):
-        raise ValueError(f"metrics snapshot: {key!r} is not a list")
-    return value
 
 
 def snapshot_of(
