@@ -113,8 +113,7 @@ class Tag(NamedTuple):
 def chunk_digest(identity: ChunkIdentity, staged: memoryview | bytes) -> str:
     """The digest of ``staged`` (a writer's staged bytes) under ``identity``: 16 hex digits.
 
-    **Thread-safety:** pure; releases nothing it does not own. **Blocking:** for the hash
-    (about 20 GB/s on one core).
+    **Thread-safety:** pure; releases nothing it does not own. **Blocking:** for the hash.
     """
     hasher = xxhash.xxh3_64(identity.binding())
     hasher.update(staged)

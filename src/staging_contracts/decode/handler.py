@@ -464,7 +464,7 @@ class DecodeStagingHandler:
     def announce(self, room: int, frames: Sequence[bytes]) -> None:
         """Send a registered room's ``ROOM_META`` to its prefill peers now, and again every
         ``resend_s`` to each writer not heard from yet (no arrival of its rank), until the
-        room succeeds, fails or is released: one lost ``ROOM_META`` no longer leaves the
+        room succeeds, fails or is released: one lost ``ROOM_META`` does not leave the
         room waiting for its timeout (prefill handles a copy idempotently).
 
         **Called by:** the scheduler (``KVReceiver.send_metadata``). **Blocking:** no.

@@ -1,7 +1,7 @@
 """NIXL transfer engine: a NIXL agent with the UCX backend, writes carry the notification.
 
 **Progress.** The agent runs without NIXL's progress thread (on a small host it spins a
-whole core per agent and turns a ~20 µs write round trip into ~20 ms). So nothing moves
+whole core per agent and slows a write round trip a thousandfold). So nothing moves
 unless someone drives the agent: the writer does while ``write`` waits for completion; the
 **receiving side must call** :meth:`NixlEngine.poll_notifications` (or
 :meth:`NixlEngine.progress`) **regularly**, e.g. from its listener loop, for as long as peers

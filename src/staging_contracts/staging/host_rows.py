@@ -1,16 +1,12 @@
 """CPU scatter copies on one thread: rows or pages of a target set from a source, by NumPy.
 
-torch's CPU ``index_copy_`` moves one element per step of its loop: 3 to 4.6 GB/s on one
-thread here, whatever the row looks like. NumPy copies element by element too, but with a
-row's innermost dimension viewed as one opaque ``np.void`` element of that many bytes each
-element is one ``memcpy``. On the project's 2-core host, one thread, the transfer bench's
-decode scatter (512-byte pieces of token rows): indexed rows (:func:`put_rows`) 4.4 to 4.8 GB/s,
-page-by-page strided copies over evenly spaced pools 5.6 to 5.9 (:func:`put_pages`, now pool
-by pool, is no slower there and faster on large chunks), a strided
-``copy_`` with no index at all 5.1, a plain memcpy 6 to 7; whole page rows: 6.4 against 4.6
-for ``index_copy_``. On several threads ``index_copy_`` spreads and wins, so the kernels use
-these only when torch runs one thread. Bytes are copied, never converted: every dtype
-round-trips bit for bit.
+torch's CPU ``index_copy_`` moves one element per step of its loop, whatever the row looks
+like. NumPy copies element by element too, but with a row's innermost dimension viewed as one
+opaque ``np.void`` element of that many bytes each element is one ``memcpy``: indexed rows
+(:func:`put_rows`) and strided copies pool by pool over evenly spaced pools
+(:func:`put_pages`) beat ``index_copy_`` on one thread (figures in the docs' Design page). On
+several threads ``index_copy_`` spreads and wins, so the kernels use these only when torch
+runs one thread. Bytes are copied, never converted: every dtype round-trips bit for bit.
 """
 
 from __future__ import annotations

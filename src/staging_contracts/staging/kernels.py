@@ -54,8 +54,7 @@ __all__ = [
 _MAX_HOST_RUNS = 4
 """CPU scatters into fused pools copy run by run when the pools form at most this many runs
 of evenly spaced pools (:func:`~.host_rows.put_pages`, one indexed NumPy assignment per pool
-of a run; page by page it already made 5.6-5.9 GB/s on the transfer bench's decode against
-4.8 for row-indexed copies); with more runs the per-copy cost wins."""
+of a run); with more runs the per-copy cost wins (figures in the docs' Design page)."""
 
 _WORDS: dict[int, torch.dtype] = {
     8: torch.int64,
@@ -511,8 +510,7 @@ def _gather_source(
     or with ``tokens`` token rows ``[rows · page_size, count]``: each row's words are
     contiguous, so torch's CPU ``index_select`` copies each with one memcpy, however far
     apart the rows are, where it copies a strided page row element by element through a
-    copy kernel per page (one head of two, bf16, one thread: 6 to 7 GB/s against 4.5 to 5,
-    a plain ``copy_`` 11).
+    copy kernel per page.
     """
     if not strided:
         return pages.reshape(pages.shape[0], -1)
