@@ -20,8 +20,8 @@ from staging_contracts.backends import (
 )
 from staging_contracts.backends.common import Role
 from staging_contracts.backends.local import LocalKVManager
-from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.protocols import KVArgs, KVArgsRecord
+from staging_contracts.run.workload import TransferConfig
 
 
 @pytest.fixture

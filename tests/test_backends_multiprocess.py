@@ -7,8 +7,8 @@ import multiprocessing
 import pytest
 
 from staging_contracts.cluster.runner import ClusterResult, run_cluster
-from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.engines import engine_available
+from staging_contracts.run.workload import TransferConfig
 
 ENGINES = [
     pytest.param(

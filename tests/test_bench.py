@@ -13,7 +13,7 @@ from staging_contracts.bench import BenchOptions, BenchRow, format_table
 from staging_contracts.cli import main
 from staging_contracts.cluster._messages import RankMemory, RankSummary
 from staging_contracts.cluster.runner import ClusterResult, RankReport
-from staging_contracts.cluster.workload import TransferConfig
+from staging_contracts.run.workload import TransferConfig
 
 
 def test_bench_contract_writes_json_rows(

@@ -37,8 +37,8 @@ from staging_contracts.bench.scaling import (
 from staging_contracts.cli import main
 from staging_contracts.cluster._messages import RankSummary
 from staging_contracts.cluster.runner import ClusterResult, RankReport
-from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.engines import engine_available
+from staging_contracts.run.workload import TransferConfig
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -20,9 +20,9 @@ import pytest
 
 from staging_contracts.backends.nixl import NixlKVManager
 from staging_contracts.cluster.runner import run_cluster
-from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.engines import engine_available
 from staging_contracts.run import LIMIT_CHARS, Supervisor
+from staging_contracts.run.workload import TransferConfig
 from staging_contracts.testing.processes import RankFailed, RankGroup
 
 REPO: Final = Path(__file__).resolve().parent.parent

@@ -298,7 +298,7 @@ def test_demo_help_gives_every_geometry_option_its_default() -> None:
     import argparse
 
     from staging_contracts.cluster.demo import add_demo_arguments
-    from staging_contracts.cluster.workload import TransferConfig
+    from staging_contracts.run.workload import TransferConfig
 
     parser = argparse.ArgumentParser(formatter_class=argparse.RawDescriptionHelpFormatter)
     add_demo_arguments(parser)

@@ -17,8 +17,8 @@ from staging_contracts.cluster._messages import Ready, Received
 from staging_contracts.cluster.demo import format_summary
 from staging_contracts.cluster.preflight import PROCESS_OVERHEAD_BYTES, memory_need, preflight
 from staging_contracts.cluster.runner import run_cluster
-from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.engines import engine_available
+from staging_contracts.run.workload import TransferConfig
 from tests.test_cluster_faults import tiny_config
 
 SCRIPT = Path(sys.executable).with_name("staging-contracts")

@@ -23,10 +23,10 @@ from staging_contracts.cluster.rank import (
     rss_status,
 )
 from staging_contracts.cluster.runner import ClusterResult, RankReport, run_cluster
-from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.control.transport import PeerSockets
 from staging_contracts.control.wire import StagingReq, WatermarkUpdate
 from staging_contracts.engines import engine_available
+from staging_contracts.run.workload import TransferConfig
 
 NIXL_OK, NIXL_WHY = engine_available("nixl")
 

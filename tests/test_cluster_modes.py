@@ -26,16 +26,16 @@ from staging_contracts.cluster.plain_paths import (
     verify_raw,
 )
 from staging_contracts.cluster.runner import run_cluster
-from staging_contracts.cluster.workload import (
+from staging_contracts.control.wire import MalformedMessage
+from staging_contracts.engines import engine_available
+from staging_contracts.protocols import Transfer
+from staging_contracts.run.workload import (
     TransferConfig,
     fill_prefill_pool,
     request_plans,
     verify_decode_pool,
     warmup_plans,
 )
-from staging_contracts.control.wire import MalformedMessage
-from staging_contracts.engines import engine_available
-from staging_contracts.protocols import Transfer
 from staging_contracts.staging.layout import decode_ranks_for_prefill
 
 

@@ -14,8 +14,8 @@ from staging_contracts.cli import main
 from staging_contracts.cluster._messages import RankMemory, RankSummary
 from staging_contracts.cluster.demo import format_summary
 from staging_contracts.cluster.runner import ClusterResult, RankReport
-from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.engines import engine_available
+from staging_contracts.run.workload import TransferConfig
 
 REPO = Path(__file__).resolve().parents[1]
 NIXL = engine_available("nixl")

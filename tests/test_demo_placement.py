@@ -18,8 +18,8 @@ from staging_contracts.cluster.demo import (
     placement_from_args,
 )
 from staging_contracts.cluster.runner import ClusterResult, RankReport, _roles, run_cluster
-from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.control.security import SECRET_ENV, SECRET_FILE_ENV
+from staging_contracts.run.workload import TransferConfig
 
 SECRET = "0123456789abcdef0123456789abcdef"
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.engines import engine_available
+from staging_contracts.run.workload import TransferConfig
 
 NIXL_OK, NIXL_WHY = engine_available("nixl")
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)]

@@ -25,8 +25,8 @@ from staging_contracts.cluster._messages import RankSummary
 from staging_contracts.cluster.runner import ClusterResult, RankReport
 from staging_contracts.cluster.soak_ticker import Ticker, tally_line
 from staging_contracts.cluster.summary_json import COMMON_KEYS, SCHEMA, demo_summary, soak_summary
-from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.engines import engine_available
+from staging_contracts.run.workload import TransferConfig
 from tests.test_soak import passing_result
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,9 +15,9 @@ import torch
 from staging_contracts.backends.kv_requests import KVPoll
 from staging_contracts.cluster import _rank_body as rank_body
 from staging_contracts.cluster import rank as rank_module
-from staging_contracts.cluster import workload
 from staging_contracts.cluster.bootstrap import RankInfo
-from staging_contracts.cluster.workload import TransferConfig
+from staging_contracts.run import workload
+from staging_contracts.run.workload import TransferConfig
 
 
 def cuda_config(**kw: Any) -> TransferConfig:

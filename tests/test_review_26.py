@@ -196,8 +196,8 @@ def test_a_bad_variable_is_refused_before_any_rank_process_starts(
     ``STAGING_CONTRACTS_SECRET`` is one line at once (exit 2). Expected: the demo's
     preflight refuses the variable, as it refuses the options."""
     from staging_contracts.cluster.preflight import preflight
-    from staging_contracts.cluster.workload import TransferConfig
     from staging_contracts.config import ConfigError
+    from staging_contracts.run.workload import TransferConfig
 
     monkeypatch.setenv("STAGING_CONTRACTS_STALL_TIMEOUT_S", "abc")
     with pytest.raises(ConfigError):

@@ -21,7 +21,6 @@ from staging_contracts.cluster.bootstrap import (
     register_rank,
 )
 from staging_contracts.cluster.runner import run_cluster
-from staging_contracts.cluster.workload import TransferConfig
 from staging_contracts.control.room_messages import RoomFailed, RoomFence, RoomFenced
 from staging_contracts.control.security import (
     SECRET_ENV,
@@ -38,6 +37,7 @@ from staging_contracts.decode.handler import DecodeStagingHandler, RoomStatus
 from staging_contracts.decode.rooms import PrefillPeer, RoomPlan
 from staging_contracts.engines import engine_available
 from staging_contracts.engines.local import LocalEngine
+from staging_contracts.run.workload import TransferConfig
 from tests.local_cluster import Geometry, local_cluster, trust_each_other, wait_for
 from tests.test_reliability import FAST, pages_match, region_bytes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from staging_contracts.cluster.workload import (
+from staging_contracts.run.workload import (
     TransferConfig,
     fill_prefill_pool,
     rank_heads,

@@ -37,7 +37,7 @@ throughput is the median over its runs, its latencies are pooled over them (``ru
   (:attr:`ClusterResult.elapsed_s <staging_contracts.cluster.runner.ClusterResult.elapsed_s>`:
   from the first prefill rank starting its requests to the last decode rank finishing);
 * *raw GB/s* — the engine's raw bulk write of the same bytes by the same rank processes
-  (:attr:`TransferConfig.mode <staging_contracts.cluster.workload.TransferConfig.mode>`
+  (:attr:`TransferConfig.mode <staging_contracts.run.workload.TransferConfig.mode>`
   ``"raw"``: each prefill rank writes its share in one bulk write per decode rank it feeds,
   every byte checked on decode; warmed alike): the ceiling the staged path is measured
   against. It is measured once per TP pair and byte count: points of equal bytes share it
@@ -81,8 +81,8 @@ import torch
 
 from ..cluster.preflight import preflight
 from ..cluster.runner import ClusterResult, run_cluster
-from ..cluster.workload import Device, TransferConfig
 from ..engines import engine_available
+from ..run.workload import Device, TransferConfig
 from . import BenchOptions
 
 __all__ = [

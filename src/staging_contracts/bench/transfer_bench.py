@@ -4,7 +4,7 @@ For each engine that can be imported, three measurements with the same rank proc
 (P=4 prefill -> D=2 decode, every rank its own process), the same request (32 layers, 8 KV
 heads of 128, bf16, 4096 tokens, pages fully shuffled) and the same clock, each run through
 :func:`~staging_contracts.cluster.runner.run_cluster` with one
-:attr:`~staging_contracts.cluster.workload.TransferConfig.mode`:
+:attr:`~staging_contracts.run.workload.TransferConfig.mode`:
 
 * ``staged``: the library's path, through the decode staging rings; pages verified;
 * ``raw``: each prefill rank writes the bytes of its share (what it would stage) in one bulk
@@ -68,8 +68,8 @@ from typing import Final
 
 from ..cluster.preflight import backend_engine, preflight
 from ..cluster.runner import ClusterResult, run_cluster
-from ..cluster.workload import Mode, TransferConfig
 from ..engines import engine_available
+from ..run.workload import Mode, TransferConfig
 from . import BenchOptions, BenchRow, ratio_row
 from .anchor_geometry import BENCH_GEOMETRY
 

@@ -31,8 +31,8 @@ from ..backends.staging_setup import StagingBackend, enable_decode_staging, enab
 from ..decode.handler import DecodeStagingHandler
 from ..prefill.writer import DecodeTarget, PrefillTimeouts, StagingWriter
 from ..protocols import KVBufferTensors
+from ..run.workload import RequestPlan, TransferConfig, fill_prefill_pool, ring_bytes
 from .bootstrap import RankInfo, curve_key_text
-from .workload import RequestPlan, TransferConfig, fill_prefill_pool, ring_bytes
 
 logger = logging.getLogger(__name__)
 

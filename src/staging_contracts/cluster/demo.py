@@ -27,13 +27,13 @@ import torch
 
 from ..control.security import SecurityError, check_insecure_bind, load_cluster_secret
 from ..run import exit_status, stop_on_signals
+from ..run.workload import DTYPES, TransferConfig
 from ._messages import RankMemory, Ready, Received, RequestDone
 from .bootstrap import BootstrapServer
 from .metrics_relay import serving
 from .preflight import check_device
 from .runner import ClusterResult, RankSet, run_cluster
 from .summary_json import demo_summary, write_summary
-from .workload import DTYPES, TransferConfig
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

@@ -1,7 +1,7 @@
 """The two paths the staged transfer is measured against, as the same rank processes run them.
 
 ``TransferConfig(mode="per-token")`` and ``mode="raw"`` (see
-:attr:`~staging_contracts.cluster.workload.TransferConfig.mode`) run through the ranks of
+:attr:`~staging_contracts.run.workload.TransferConfig.mode`) run through the ranks of
 :mod:`~staging_contracts.cluster.rank`, with the same writers, receivers and bytes as the
 staged path; this module holds what is particular to them, and does no I/O of its own:
 
@@ -34,12 +34,12 @@ from ..backends.kv_requests import KVPoll
 from ..control.wire import MalformedMessage
 from ..engines import ENGINES
 from ..protocols import KVBufferTensors, Transfer, TransferEngine
+from ..run.workload import RequestPlan, TransferConfig, head_data, rank_heads, token_rows
 from ..staging.layout import (
     compute_head_slice_params,
     compute_staging_layout,
     prefill_ranks_for_decode,
 )
-from .workload import RequestPlan, TransferConfig, head_data, rank_heads, token_rows
 
 __all__ = [
     "MOONCAKE_MAX_TRANSFERS_PER_WRITE",

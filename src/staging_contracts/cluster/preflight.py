@@ -28,6 +28,7 @@ import torch
 
 from .. import config as settings
 from ..backends import BACKENDS, resolve_backend
+from ..run.workload import TransferConfig
 from ..staging.layout import (
     compute_head_slice_params,
     compute_staging_layout,
@@ -36,7 +37,6 @@ from ..staging.layout import (
     validate_tp_pair,
 )
 from .plain_paths import raw_request_bytes
-from .workload import TransferConfig
 
 __all__ = [
     "PROCESS_OVERHEAD_BYTES",

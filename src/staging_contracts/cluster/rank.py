@@ -2,7 +2,7 @@
 
 Started by :func:`staging_contracts.cluster.runner.run_cluster` (``multiprocessing`` spawn). The
 rank builds its body (:mod:`._rank_body`), meets its peers through the bootstrap server, runs
-every request of the :class:`~staging_contracts.cluster.workload.TransferConfig` through the
+every request of the :class:`~staging_contracts.run.workload.TransferConfig` through the
 per-request API, verifies (decode) and reports to the driver (:mod:`._messages`): ``Ready``,
 one ``RequestDone`` per finished request, and a final ``RankSummary``.
 
@@ -60,6 +60,14 @@ from ..backends.kv_requests import DecodeTransfers, KVPoll
 from ..control.transport import PeerSockets
 from ..control.wire import StagingReq
 from ..protocols import KVBufferTensors, Transfer, TransferError
+from ..run.workload import (
+    RequestPlan,
+    TransferConfig,
+    request_plans,
+    verify_decode_pool,
+    warmup_plans,
+    zero_pool,
+)
 from ..staging.layout import (
     decode_ranks_for_prefill,
     prefill_ranks_for_decode,
@@ -90,14 +98,6 @@ from .plain_paths import (
     raw_request_bytes,
     raw_share,
     verify_raw,
-)
-from .workload import (
-    RequestPlan,
-    TransferConfig,
-    request_plans,
-    verify_decode_pool,
-    warmup_plans,
-    zero_pool,
 )
 
 __all__ = [

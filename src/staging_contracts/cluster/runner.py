@@ -29,11 +29,11 @@ import zmq
 
 from ..control.wire import MalformedMessage
 from ..run import INTERRUPT_GRACE_S, StopRequest, Supervisor
+from ..run.workload import TransferConfig
 from ._messages import Metrics, RankMemory, RankSummary, Ready, Received, RequestDone, decode
 from .bootstrap import BootstrapServer
 from .metrics_relay import MetricsRelay
 from .rank import rank_main
-from .workload import TransferConfig
 
 __all__ = [
     "EXIT_GRACE_S",

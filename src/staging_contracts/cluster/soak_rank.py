@@ -52,6 +52,12 @@ from ..control.transport import PeerSockets
 from ..decode.handler import PrefillPeer, peers_for
 from ..metrics import snapshot_of
 from ..prefill.writer import DecodeTarget, PrefillTimeouts
+from ..run.workload import (
+    TransferConfig,
+    request_plans,
+    ring_bytes,
+    verify_decode_pool,
+)
 from . import logformat
 from ._messages import (
     AskStatus,
@@ -75,12 +81,6 @@ from ._rank_body import BodyOptions, DecodeBody, PrefillBody, RankBody, freeze_h
 from .bootstrap import RankInfo
 from .metrics_relay import RankReporter
 from .soak_memory import RssSampler
-from .workload import (
-    TransferConfig,
-    request_plans,
-    ring_bytes,
-    verify_decode_pool,
-)
 
 __all__ = [
     "CommandLoop",

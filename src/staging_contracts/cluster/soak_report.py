@@ -35,10 +35,10 @@ from .. import config as settings
 from ..backends import BACKENDS
 from ..outcomes import classify
 from ..prefill.writer import PrefillTimeouts
+from ..run.workload import TransferConfig
 from .preflight import check_environment
 from .soak_memory import MemoryVerdict, memory_rows
 from .soak_rank import SOAK_BODY, SOAK_PREFILL_TIMEOUTS, RankSettings, ring_bytes
-from .workload import TransferConfig
 
 SOAK_LIVENESS_TIMEOUT_S: Final = 3.0
 """The soak's liveness timeout (short, so that kills are found quickly), unless

@@ -77,8 +77,18 @@ from ..backends.kv_requests import (
 from ..backends.staging_setup import enable_decode_staging, enable_prefill_staging
 from ..decode.handler import DecodeStagingHandler
 from ..prefill.writer import DecodeTarget, PrefillTimeouts
-from ..protocols import ArrivalOutcome, KVArgs, KVArgsRecord, KVBufferTensors, StagingReqOutcome
-from ..staging.layout import rank_heads, validate_tp_pair
+from ..protocols import ArrivalOutcome, KVArgs, StagingReqOutcome
+from ..run.workload import (
+    RequestPlan,
+    TransferConfig,
+    chunks_landed,
+    fill_prefill_pool,
+    request_plans,
+    require_positive,
+    ring_bytes,
+    stray_pages,
+)
+from ..staging.layout import validate_tp_pair
 from ..stats import StagingStats
 from .decode_setup import StartableBackend
 from .processes import ParentLink, RankFailed, RankGroup
@@ -201,51 +211,46 @@ class TransferGeometry:
     """Element type of the KV pools."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "total_kv_heads",
-            "num_layers",
-            "head_dim",
-            "page_size",
-            "pool_pages",
-            "room_pages",
-            "chunk_pages",
-            "ring_bytes",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TransferGeometry.{name}={getattr(self, name)!r} must be >= 1")
+        require_positive(self, _GEOMETRY_SIZES, "TransferGeometry.")
 
     @property
     def chunks_per_room(self) -> int:
         """Chunks of one room."""
         return -(-self.room_pages // self.chunk_pages)
 
-    def heads(self, tp: int, rank: int) -> list[int]:
-        """Global KV heads rank ``rank`` of a side of TP ``tp`` holds (replicated under GQA)."""
-        return rank_heads(self.total_kv_heads, tp, rank)
-
-    def kv_args(self, tp: int, rank: int) -> KVArgsRecord:
-        """KV arguments of one rank (CPU device)."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        heads = len(self.heads(tp, rank))
-        item = self.page_size * heads * self.head_dim * element
-        return KVArgsRecord(
+    def config(
+        self, backend: str, prefill_tp: int, decode_tp: int, rooms: int, seed: int
+    ) -> TransferConfig:
+        """The run as the one workload states it: the cluster's pages, data and checks."""
+        return TransferConfig(
+            backend=backend,
+            prefill_tp=prefill_tp,
+            decode_tp=decode_tp,
+            kv_heads=self.total_kv_heads,
+            layers=self.num_layers,
+            head_dim=self.head_dim,
+            tokens=self.room_pages * self.page_size,
             page_size=self.page_size,
-            kv_item_lens=(item,) * (2 * self.num_layers),
-            engine_rank=rank,
-            device="cpu",
-            total_kv_head_num=self.total_kv_heads,
-            kv_head_num=heads,
-            kv_layer_ids=tuple(range(self.num_layers)),
+            requests=rooms,
+            dtype=self.dtype,
+            seed=seed,
+            chunk_tokens=self.chunk_pages * self.page_size,
+            separate_layers=True,
+            pool_size=self.pool_pages,
+            ring_size=self.ring_bytes,
         )
 
-    def empty_pool(self, tp: int, rank: int) -> KVBufferTensors:
-        """A zeroed KV pool of one rank."""
-        shape = (self.pool_pages * self.page_size, len(self.heads(tp, rank)), self.head_dim)
-        return KVBufferTensors(
-            tuple(torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)),
-            tuple(torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)),
-            self.page_size,
-        )
+
+_GEOMETRY_SIZES: Final = (
+    "total_kv_heads",
+    "num_layers",
+    "head_dim",
+    "page_size",
+    "pool_pages",
+    "room_pages",
+    "chunk_pages",
+    "ring_bytes",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -404,16 +409,16 @@ class TransferReport:
 
 @dataclass
 class _Room:
-    room: int
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    prefill_pages: tuple[int, ...]
-    decode_pages: tuple[int, ...]
+    plan: RequestPlan
     receivers: list[KVReceiver] = field(default_factory=list)
     senders: list[KVSender] = field(default_factory=list)
     decode_states: tuple[KVPoll, ...] = ()
     prefill_states: tuple[KVPoll, ...] = ()
     reason: str | None = None
+
+    @property
+    def room(self) -> int:
+        return self.plan.room
 
 
 class _ArrivalTally:
@@ -548,10 +553,9 @@ def run_transfer(
         )
     name = _backend_name(backend)
     factory = _factory(backend)  # refused here, in one line, before anything is built
+    config = g.config(name, prefill_tp, decode_tp, rooms, seed)
     if processes:
-        report = _run_across_processes(
-            backend, name, prefill_tp, decode_tp, rooms, g, timeout_s, seed
-        )
+        report = _run_across_processes(backend, config, timeout_s)
         logger.log(logging.DEBUG if report.ok else logging.WARNING, "%s", report.summary())
         return report
     stack = ExitStack()  # closes, last first: prefill workers, then decode and prefill managers
@@ -561,12 +565,12 @@ def run_transfer(
         sides = ((Role.PREFILL, prefill_tp, prefill), (Role.DECODE, decode_tp, decode))
         for role, tp, made in sides:
             for rank in range(tp):
-                manager = factory(g.kv_args(tp, rank), role=role, attn_tp_size=tp)
+                manager = factory(config.kv_args(tp, rank), role=role, attn_tp_size=tp)
                 stack.callback(manager.close)
                 made.append(manager)
         logger.debug("%s: %d prefill and %d decode managers built", name, prefill_tp, decode_tp)
-        run = _Run(g, prefill, decode, timeout_s, stack, stall_s)
-        run.execute(rooms, seed)
+        run = _Run(config, prefill, decode, timeout_s, stack, stall_s)
+        run.execute()
     finally:
         stack.close()
     report = run.report(name)
@@ -577,85 +581,13 @@ def run_transfer(
 # --------------------------------------------------------------------------- shared by both modes
 
 
-def _make_rooms(g: TransferGeometry, count: int, seed: int) -> list[_Room]:
-    """The run's rooms: data and pages, the same in every process for the same seed."""
-    generator = torch.Generator().manual_seed(seed)
-    free = torch.randperm(g.pool_pages, generator=generator).tolist()
-    tokens = g.room_pages * g.page_size
-    shape = (tokens, g.total_kv_heads, g.head_dim)
-    bits = _INT_OF_SIZE[torch.empty((), dtype=g.dtype).element_size()]
-    low, high = (0, 255) if bits is torch.uint8 else (-(2**14), 2**14)
-
-    def data() -> torch.Tensor:
-        raw = torch.randint(low, high, shape, generator=generator)
-        return raw.to(bits).view(g.dtype)
-
-    rooms: list[_Room] = []
-    for index in range(count):
-        prefill_pages = tuple(free[: g.room_pages])
-        decode_pages = tuple(free[g.room_pages : 2 * g.room_pages])
-        del free[: 2 * g.room_pages]
-        rooms.append(
-            _Room(
-                _ROOM_BASE + index,
-                [data() for _ in range(g.num_layers)],
-                [data() for _ in range(g.num_layers)],
-                prefill_pages,
-                decode_pages,
-            )
-        )
-    return rooms
+def _make_rooms(config: TransferConfig) -> list[_Room]:
+    """The run's rooms: pages and data, the same in every process for the same seed."""
+    return [_Room(plan) for plan in request_plans(config)]
 
 
-def _place(pool: KVBufferTensors, room: _Room, pages: Sequence[int], heads: list[int]) -> None:
-    """Write the room's heads ``heads`` into ``pages`` of a prefill pool."""
-    ps = pool.page_size
-    index = torch.tensor([p * ps + t for p in pages for t in range(ps)], dtype=torch.int64)
-    for layer in range(len(pool.k_buffers)):
-        pool.k_buffers[layer][index] = room.k[layer][:, heads]
-        pool.v_buffers[layer][index] = room.v[layer][:, heads]
-
-
-def _chunk_ok(
-    g: TransferGeometry, pool: KVBufferTensors, heads: list[int], room: _Room, start: int
-) -> bool:
-    """The chunk of ``room`` starting at page ``start`` holds exactly its bytes in one decode
-    rank's pool (that rank holds ``heads``)."""
-    pages = room.decode_pages[start : start + g.chunk_pages]
-    tokens = torch.tensor(
-        [p * g.page_size + t for p in pages for t in range(g.page_size)], dtype=torch.int64
-    )
-    rows = slice(start * g.page_size, (start + len(pages)) * g.page_size)
-    for layer in range(g.num_layers):
-        for got, want in (
-            (pool.k_buffers[layer][tokens], room.k[layer][rows][:, heads]),
-            (pool.v_buffers[layer][tokens], room.v[layer][rows][:, heads]),
-        ):
-            if not torch.equal(_bits(got), _bits(want)):
-                return False
-    return True
-
-
-def _chunks_ok(
-    g: TransferGeometry, pool: KVBufferTensors, heads: list[int], room: _Room
-) -> list[bool]:
-    """Per chunk of ``room``: it landed bit for bit in this decode rank's pool."""
-    return [_chunk_ok(g, pool, heads, room, s) for s in range(0, g.room_pages, g.chunk_pages)]
-
-
-def _stray_pages(g: TransferGeometry, pool: KVBufferTensors, rooms: Sequence[_Room]) -> set[int]:
-    """Pages of one decode pool outside every room that hold anything but zeros."""
-    used = {page for room in rooms for page in room.decode_pages}
-    others = [p for p in range(g.pool_pages) if p not in used]
-    if not others:
-        return set()
-    ps = g.page_size
-    index = torch.tensor([p * ps + t for p in others for t in range(ps)], dtype=torch.int64)
-    stray: set[int] = set()
-    for tensor in (*pool.k_buffers, *pool.v_buffers):
-        rows = _bits(tensor[index]).reshape(len(others), -1)
-        stray.update(others[i] for i in torch.nonzero(rows.any(dim=1)).flatten().tolist())
-    return stray
+def _chunks(config: TransferConfig) -> int:
+    return len(list(config.chunks()))
 
 
 def _room_reason(
@@ -684,7 +616,7 @@ def _room_reason(
 
 
 def _room_report(
-    g: TransferGeometry,
+    config: TransferConfig,
     room: int,
     reason: str | None,
     decode_states: tuple[KVPoll, ...],
@@ -694,11 +626,12 @@ def _room_report(
 ) -> RoomReport:
     """One room's report; ``chunk_ok[d][c]``: chunk ``c`` landed on decode rank ``d``."""
     prefill_tp, decode_tp = len(prefill_states), len(decode_states)
-    verified = sum(all(rank[c] for rank in chunk_ok) for c in range(g.chunks_per_room))
+    chunks = _chunks(config)
+    verified = sum(all(rank[c] for rank in chunk_ok) for c in range(chunks))
     writers = sum(len(_writers(prefill_tp, decode_tp, d)) for d in range(decode_tp))
-    if reason is None and verified < g.chunks_per_room:
+    if reason is None and verified < chunks:
         reason = (
-            f"every rank reported success but {g.chunks_per_room - verified} chunk(s) do "
+            f"every rank reported success but {chunks - verified} chunk(s) do "
             "not hold the staged bytes"
         )
     return RoomReport(
@@ -707,22 +640,22 @@ def _room_report(
         reason=reason,
         decode_states=decode_states,
         prefill_states=prefill_states,
-        chunks=g.chunks_per_room,
+        chunks=chunks,
         chunks_verified=verified,
         arrivals=arrivals,
-        expected_arrivals=g.chunks_per_room * writers,
+        expected_arrivals=chunks * writers,
     )
 
 
-def _start_receiver(g: TransferGeometry, transfers: DecodeTransfers, room: _Room) -> KVReceiver:
+def _start_receiver(config: TransferConfig, transfers: DecodeTransfers, room: _Room) -> KVReceiver:
     """One decode rank's receiver of ``room``, registered (its metadata not sent yet)."""
-    receiver = KVReceiver(transfers, room.room)
-    receiver.init(room.decode_pages, chunk_pages=g.chunk_pages)
+    receiver = KVReceiver(transfers, room.plan.room)
+    receiver.init(room.plan.decode_pages, chunk_pages=config.chunk_pages)
     return receiver
 
 
 def _start_senders(
-    g: TransferGeometry,
+    config: TransferConfig,
     sides: Sequence[PrefillTransfers],
     targets: list[DecodeTarget],
     room: _Room,
@@ -730,14 +663,14 @@ def _start_senders(
     """Each prefill side's sender of ``room``, every chunk of it queued."""
     senders = []
     for side in sides:
-        sender = KVSender(side, room.room)
-        sender.init(g.room_pages, targets)
+        sender = KVSender(side, room.plan.room)
+        sender.init(config.num_pages, targets)
         senders.append(sender)
-    for start in range(0, g.room_pages, g.chunk_pages):
-        pages = room.prefill_pages[start : start + g.chunk_pages]
-        last = start + g.chunk_pages >= g.room_pages
+    chunks = list(config.chunks())
+    for number, (start, count) in enumerate(chunks):
+        pages = room.plan.prefill_pages[start : start + count]
         for sender in senders:
-            sender.send(pages, last=last)
+            sender.send(pages, last=number == len(chunks) - 1)
     return senders
 
 
@@ -762,34 +695,33 @@ class _Run:
 
     def __init__(
         self,
-        geometry: TransferGeometry,
+        config: TransferConfig,
         prefill: list[TransferManager],
         decode: list[TransferManager],
         timeout_s: float,
         stack: ExitStack,
         stall_s: float | None = None,
     ) -> None:
-        g = geometry
+        self.config = config
         self.stall_s = stall_s
         self.stopped: str | None = None
-        self.g = g
         self.prefill = prefill
         self.decode = decode
         self.timeout_s = timeout_s
         self.tally = _ArrivalTally()
-        self.prefill_pools = [g.empty_pool(len(prefill), p) for p in range(len(prefill))]
-        self.decode_pools = [g.empty_pool(len(decode), d) for d in range(len(decode))]
+        self.prefill_pools = [config.empty_pool(len(prefill), p) for p in range(len(prefill))]
+        self.decode_pools = [config.empty_pool(len(decode), d) for d in range(len(decode))]
         self.handlers: list[DecodeStagingHandler] = []
         for manager, pool in zip(decode, self.decode_pools, strict=True):
             handler = enable_decode_staging(
-                manager, kv_buffers=pool, ring_bytes=g.ring_bytes, stall_timeout_s=timeout_s
+                manager, kv_buffers=pool, ring_bytes=ring_bytes(config), stall_timeout_s=timeout_s
             )
             self.tally.tap(handler)
             self.handlers.append(handler)
         timeouts = PrefillTimeouts(deadline_s=timeout_s)
         self.writers = writers = [
             enable_prefill_staging(
-                manager, kv_buffers=pool, max_chunk_pages=g.chunk_pages, timeouts=timeouts
+                manager, kv_buffers=pool, max_chunk_pages=config.chunk_pages, timeouts=timeouts
             )
             for manager, pool in zip(prefill, self.prefill_pools, strict=True)
         ]
@@ -805,7 +737,7 @@ class _Run:
                 sender.engine.add_peer(receiver.engine.session_id, receiver.engine.metadata())
         self.targets = [
             DecodeTarget(
-                d, m.engine.session_id, m.endpoint, handler.allocator.base_ptr, g.ring_bytes
+                d, m.engine.session_id, m.endpoint, handler.allocator.base_ptr, ring_bytes(config)
             )
             for d, (m, handler) in enumerate(zip(decode, self.handlers, strict=True))
         ]
@@ -823,22 +755,21 @@ class _Run:
         self.elapsed_s = 0.0
         self.notifications = False
 
-    def execute(self, count: int, seed: int) -> None:
-        """Run ``count`` rooms to the end or the deadline; note each rank's verdict, then fail
+    def execute(self) -> None:
+        """Run the rooms to the end or the deadline; note each rank's verdict, then fail
         the rooms still running (the managers are still open)."""
-        g = self.g
-        self.rooms = _make_rooms(g, count, seed)
-        for room in self.rooms:
-            for p, pool in enumerate(self.prefill_pools):
-                _place(pool, room, room.prefill_pages, g.heads(len(self.prefill), p))
+        config = self.config
+        self.rooms = _make_rooms(config)
+        for p, pool in enumerate(self.prefill_pools):
+            fill_prefill_pool(pool, config, p)
         started = time.monotonic()
         deadline = started + self.timeout_s
         for room in self.rooms:
             for decode_side in self.decode_transfers:
-                room.receivers.append(_start_receiver(g, decode_side, room))
+                room.receivers.append(_start_receiver(config, decode_side, room))
             for receiver in room.receivers:
                 receiver.send_metadata()
-            room.senders = _start_senders(g, self.prefill_transfers, self.targets, room)
+            room.senders = _start_senders(config, self.prefill_transfers, self.targets, room)
         if self.stall_s is None:
             for room in self.rooms:
                 for receiver in room.receivers:
@@ -897,26 +828,25 @@ class _Run:
 
     def report(self, name: str) -> TransferReport:
         """The report, built once every manager is closed (no arrival or scatter is late)."""
-        g = self.g
-        decode_tp = len(self.decode)
-        heads = [g.heads(decode_tp, d) for d in range(decode_tp)]
+        config = self.config
+        plans = [room.plan for room in self.rooms]
         stray: set[int] = set()
         for pool in self.decode_pools:
-            stray |= _stray_pages(g, pool, self.rooms)
+            stray |= stray_pages(pool, config, plans)
         return TransferReport(
             backend=name,
             prefill_tp=len(self.prefill),
-            decode_tp=decode_tp,
+            decode_tp=len(self.decode),
             notifications=self.notifications,
             rooms=tuple(
                 _room_report(
-                    g,
+                    config,
                     room.room,
                     room.reason,
                     room.decode_states,
                     room.prefill_states,
                     [
-                        _chunks_ok(g, pool, heads[d], room)
+                        chunks_landed(pool, config, d, room.plan)
                         for d, pool in enumerate(self.decode_pools)
                     ],
                     self.tally.count(room.room),
@@ -954,12 +884,8 @@ class _RankJob:
     backend: ManagerFactory | str
     role: Role
     rank: int
-    prefill_tp: int
-    decode_tp: int
-    rooms: int
-    geometry: TransferGeometry
+    config: TransferConfig
     timeout_s: float
-    seed: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -977,16 +903,10 @@ class _RankInfo:
 
 
 def _run_across_processes(
-    backend: ManagerFactory | str,
-    name: str,
-    prefill_tp: int,
-    decode_tp: int,
-    rooms: int,
-    g: TransferGeometry,
-    timeout_s: float,
-    seed: int,
+    backend: ManagerFactory | str, config: TransferConfig, timeout_s: float
 ) -> TransferReport:
     """``run_transfer(..., processes=True)``: the parent's side (arguments checked)."""
+    name, prefill_tp, decode_tp = config.backend, config.prefill_tp, config.decode_tp
     try:
         pickle.dumps(backend)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
@@ -995,7 +915,7 @@ def _run_across_processes(
             f"module-level function or a spec string; {name} cannot be pickled ({exc})"
         ) from None
     jobs = [
-        _RankJob(backend, role, rank, prefill_tp, decode_tp, rooms, g, timeout_s, seed)
+        _RankJob(backend, role, rank, config, timeout_s)
         for role, tp in ((Role.PREFILL, prefill_tp), (Role.DECODE, decode_tp))
         for rank in range(tp)
     ]
@@ -1030,7 +950,7 @@ def _run_across_processes(
         decode_reports = group.gather(decode, "report", _STEP_S)
     finally:
         group.close()
-    made = _make_rooms(g, rooms, seed)
+    made = _make_rooms(config)
     outcomes = [cast(list[tuple[KVPoll, str | None]], payload[0]) for payload in states]
     decode_out = [cast(_DecodeReport, payload[0]) for payload in decode_reports]
     prefill_stats = [cast(StagingStats, payload[0]) for payload in prefill_reports]
@@ -1043,7 +963,7 @@ def _run_across_processes(
         prefill_side = [outcomes[r][i] for r in prefill]
         room_reports.append(
             _room_report(
-                g,
+                config,
                 room.room,
                 _room_reason(decode_side, prefill_side, timeout_s),
                 tuple(state for state, _ in decode_side),
@@ -1104,10 +1024,9 @@ def _rank_process(job: object, conn: Connection) -> None:
 def _built(job: _RankJob, link: ParentLink, stack: ExitStack) -> TransferManager | None:
     """Build this rank's manager (closed by ``stack``); ``None`` after telling the parent
     that its engine stays within one process (the rank then ends)."""
-    tp = job.prefill_tp if job.role is Role.PREFILL else job.decode_tp
-    manager = _factory(job.backend)(
-        job.geometry.kv_args(tp, job.rank), role=job.role, attn_tp_size=tp
-    )
+    config = job.config
+    tp = config.prefill_tp if job.role is Role.PREFILL else config.decode_tp
+    manager = _factory(job.backend)(config.kv_args(tp, job.rank), role=job.role, attn_tp_size=tp)
     stack.callback(manager.close)
     reason = process_local_reason(manager.engine)
     if reason is not None:
@@ -1139,15 +1058,14 @@ def _wired(link: ParentLink) -> None:
 
 
 def _decode_rank(job: _RankJob, link: ParentLink) -> None:
-    g = job.geometry
-    heads = g.heads(job.decode_tp, job.rank)
+    config = job.config
     with ExitStack() as stack:
         manager = _built(job, link, stack)
         if manager is None:
             return
-        pool = g.empty_pool(job.decode_tp, job.rank)
+        pool = config.empty_pool(config.decode_tp, job.rank)
         handler = enable_decode_staging(
-            manager, kv_buffers=pool, ring_bytes=g.ring_bytes, stall_timeout_s=job.timeout_s
+            manager, kv_buffers=pool, ring_bytes=ring_bytes(config), stall_timeout_s=job.timeout_s
         )
         tally = _ArrivalTally()
         tally.tap(handler)
@@ -1161,11 +1079,11 @@ def _decode_rank(job: _RankJob, link: ParentLink) -> None:
             False,
         )
         infos = _wire(manager, link, info)
-        prefill_endpoints = [peer.endpoint for peer in infos[: job.prefill_tp]]
+        prefill_endpoints = [peer.endpoint for peer in infos[: config.prefill_tp]]
         transfers = DecodeTransfers(manager, handler, prefill_endpoints)
         _wired(link)
-        rooms = _make_rooms(g, job.rooms, job.seed)
-        receivers = [_start_receiver(g, transfers, room) for room in rooms]
+        rooms = _make_rooms(config)
+        receivers = [_start_receiver(config, transfers, room) for room in rooms]
         for receiver in receivers:
             receiver.send_metadata()
         link.send("armed")
@@ -1181,25 +1099,25 @@ def _decode_rank(job: _RankJob, link: ParentLink) -> None:
         link.expect("close")
         stack.close()  # the manager: no arrival or scatter is late for the checks below
         report = _DecodeReport(
-            chunks_ok=[_chunks_ok(g, pool, heads, room) for room in rooms],
+            chunks_ok=[chunks_landed(pool, config, job.rank, room.plan) for room in rooms],
             arrivals=[tally.count(room.room) for room in rooms],
-            stray=_stray_pages(g, pool, rooms),
+            stray=stray_pages(pool, config, [room.plan for room in rooms]),
             stats=manager.staging_stats(),
         )
         link.send("report", report)
 
 
 def _prefill_rank(job: _RankJob, link: ParentLink) -> None:
-    g = job.geometry
+    config = job.config
     with ExitStack() as stack:
         manager = _built(job, link, stack)
         if manager is None:
             return
-        pool = g.empty_pool(job.prefill_tp, job.rank)
+        pool = config.empty_pool(config.prefill_tp, job.rank)
         writer = enable_prefill_staging(
             manager,
             kv_buffers=pool,
-            max_chunk_pages=g.chunk_pages,
+            max_chunk_pages=config.chunk_pages,
             timeouts=PrefillTimeouts(deadline_s=job.timeout_s),
         )
         engine = manager.engine
@@ -1212,24 +1130,22 @@ def _prefill_rank(job: _RankJob, link: ParentLink) -> None:
             writer.arrival == "notification",
         )
         infos = _wire(manager, link, info)
-        decode_infos = infos[job.prefill_tp :]
+        decode_infos = infos[config.prefill_tp :]
         for peer in decode_infos:
             engine.add_peer(peer.session_id, peer.metadata)
         targets = [
-            DecodeTarget(d, peer.session_id, peer.endpoint, peer.ring_base, g.ring_bytes)
+            DecodeTarget(d, peer.session_id, peer.endpoint, peer.ring_base, ring_bytes(config))
             for d, peer in enumerate(decode_infos)
         ]
         transfers = PrefillTransfers(manager, writer, meta_timeout_s=job.timeout_s)
         stack.callback(transfers.close, _TEARDOWN_S)
         _wired(link)
-        rooms = _make_rooms(g, job.rooms, job.seed)
-        heads = g.heads(job.prefill_tp, job.rank)
-        for room in rooms:
-            _place(pool, room, room.prefill_pages, heads)
+        rooms = _make_rooms(config)
+        fill_prefill_pool(pool, config, job.rank)
         link.send("armed")
         link.expect("go")
         deadline = time.monotonic() + job.timeout_s
-        senders = [_start_senders(g, [transfers], targets, room)[0] for room in rooms]
+        senders = [_start_senders(config, [transfers], targets, room)[0] for room in rooms]
         for sender in senders:
             sender.wait(max(0.0, deadline - time.monotonic()))
         link.send("states", [(s.poll(), s.failure()) for s in senders])
@@ -1251,10 +1167,3 @@ def _writers(prefill_tp: int, decode_tp: int, decode_rank: int) -> range:
     return range(
         decode_rank // (decode_tp // prefill_tp), decode_rank // (decode_tp // prefill_tp) + 1
     )
-
-
-_INT_OF_SIZE: Final = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view(_INT_OF_SIZE[tensor.element_size()])

@@ -10,7 +10,7 @@ not from the staging layout's chunk offsets.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Final, Literal
 
@@ -32,6 +32,10 @@ __all__ = [
     "request_plans",
     "token_rows",
     "verify_decode_pool",
+    "chunks_landed",
+    "stray_pages",
+    "as_bits",
+    "require_positive",
     "warmup_plans",
     "zero_pool",
 ]
@@ -48,6 +52,27 @@ _BITS: Final[dict[int, torch.dtype]] = {
     8: torch.int64,
 }
 _MASK64: Final = (1 << 64) - 1
+
+_SIZES: Final = (
+    "prefill_tp",
+    "decode_tp",
+    "kv_heads",
+    "layers",
+    "head_dim",
+    "tokens",
+    "page_size",
+    "requests",
+    "chunk_tokens",
+    "ring_chunks",
+)
+
+
+def require_positive(owner: object, names: Iterable[str], label: str = "") -> None:
+    """Refuse a size below 1: ``ValueError("{label}{name}=... must be >= 1")``."""
+    for name in names:
+        if getattr(owner, name) < 1:
+            raise ValueError(f"{label}{name}={getattr(owner, name)!r} must be >= 1")
+
 
 Mode = Literal["staged", "per-token", "raw"]
 MODES: Final[tuple[Mode, ...]] = ("staged", "per-token", "raw")
@@ -72,7 +97,8 @@ class TransferConfig:
     tokens: int = 2048
     page_size: int = 16
     requests: int = 4
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    dtype: Literal["bf16", "fp16", "fp32"] | torch.dtype = "bf16"
+    """A name of :data:`DTYPES` or any torch dtype (the test harness's)."""
     seed: int = 0
     chunk_tokens: int = 512
     """Chunked-prefill size: chunks are ``max(1, chunk_tokens // page_size)`` pages."""
@@ -117,24 +143,20 @@ class TransferConfig:
     ``CUDA_VISIBLE_DEVICES`` differs between them, so a one-host run moves bytes within one
     GPU, not across GPUs); verification runs there too."""
 
+    pool_size: int | None = None
+    """Pages of every rank's KV pool (``None``: every request at once plus a spare page)."""
+    ring_size: int | None = None
+    """Bytes of a decode rank's staging ring (``None``: ``ring_chunks`` regions of the
+    largest chunk)."""
+
     def __post_init__(self) -> None:
-        for name in (
-            "prefill_tp",
-            "decode_tp",
-            "kv_heads",
-            "layers",
-            "head_dim",
-            "tokens",
-            "page_size",
-            "requests",
-            "chunk_tokens",
-            "ring_chunks",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1")
+        require_positive(self, _SIZES)
+        for name in ("pool_size", "ring_size"):
+            if getattr(self, name) is not None:
+                require_positive(self, (name,))
         if not self.host.strip("[]"):
             raise ValueError("host must name an address")
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, torch.dtype) and self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not one of {', '.join(MODES)}")
@@ -148,7 +170,7 @@ class TransferConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The KV dtype."""
-        return DTYPES[self.dtype]
+        return self.dtype if isinstance(self.dtype, torch.dtype) else DTYPES[self.dtype]
 
     @property
     def torch_device(self) -> torch.device:
@@ -177,8 +199,8 @@ class TransferConfig:
 
     @property
     def pool_pages(self) -> int:
-        """Pages of every rank's KV pool (all requests fit at once, plus one spare)."""
-        return self.requests * self.num_pages + 1
+        """Pages of every rank's KV pool (:attr:`pool_size`)."""
+        return self.pool_size or self.requests * self.num_pages + 1
 
     @property
     def request_bytes(self) -> int:
@@ -318,25 +340,66 @@ def verify_decode_pool(
     Returns:
         One line per mismatching (request, layer, K/V, head); empty when all match.
     """
-    heads = rank_heads(config.kv_heads, config.decode_tp, rank)
-    bits = _BITS[config.element_size]
-    problems: list[str] = []
-    for plan in request_plans(config):
-        if requests is not None and plan.index not in requests:
-            continue
-        rows = token_rows(plan.decode_pages, config.page_size).to(pool.k_buffers[0].device)
-        for layer in range(config.layers):
-            for kind, buffers in enumerate((pool.k_buffers, pool.v_buffers)):
-                for local, head in enumerate(heads):
-                    got = buffers[layer][rows, local].view(bits)
-                    want = head_data(config, plan.index, layer, kind, head).view(bits)
-                    want = want.to(got.device)
-                    if not torch.equal(got, want):
-                        problems.append(
-                            f"request {plan.index} layer {layer} {'KV'[kind]} head {head}: "
-                            f"{int((got != want).sum())} elements differ"
-                        )
-    return problems
+    return [
+        f"request {plan.index} layer {layer} {'KV'[kind]} head {head}: {count} elements differ"
+        for plan in request_plans(config)
+        if requests is None or plan.index in requests
+        for layer, kind, head, count in _mismatches(pool, config, rank, plan)
+    ]
+
+
+def chunks_landed(
+    pool: KVBufferTensors, config: TransferConfig, rank: int, plan: RequestPlan
+) -> list[bool]:
+    """Per chunk of ``plan``: this decode rank's pages of it hold exactly its heads."""
+    return [
+        not any(_mismatches(pool, config, rank, plan, start, count))
+        for start, count in config.chunks()
+    ]
+
+
+def _mismatches(
+    pool: KVBufferTensors,
+    config: TransferConfig,
+    rank: int,
+    plan: RequestPlan,
+    start: int = 0,
+    count: int | None = None,
+) -> Iterator[tuple[int, int, int, int]]:
+    """``(layer, K/V, head, elements that differ)`` of each mismatching head of the pages
+    ``start .. start + count`` of ``plan`` (default: all of them) on a decode rank."""
+    pages = plan.decode_pages[start : None if count is None else start + count]
+    rows = token_rows(pages, config.page_size).to(pool.k_buffers[0].device)
+    own = slice(start * config.page_size, (start + len(pages)) * config.page_size)
+    for layer in range(config.layers):
+        for kind, buffers in enumerate((pool.k_buffers, pool.v_buffers)):
+            for local, head in enumerate(rank_heads(config.kv_heads, config.decode_tp, rank)):
+                got = as_bits(buffers[layer][rows, local])
+                want = as_bits(head_data(config, plan.index, layer, kind, head)[own])
+                want = want.to(got.device)
+                if not torch.equal(got, want):
+                    yield layer, kind, head, int((got != want).sum())
+
+
+def stray_pages(
+    pool: KVBufferTensors, config: TransferConfig, plans: Sequence[RequestPlan]
+) -> set[int]:
+    """Pages of a decode pool outside every plan's that hold anything but zeros."""
+    used = {page for plan in plans for page in plan.decode_pages}
+    others = tuple(p for p in range(config.pool_pages) if p not in used)
+    if not others:
+        return set()
+    rows = token_rows(others, config.page_size).to(pool.k_buffers[0].device)
+    stray: set[int] = set()
+    for tensor in (*pool.k_buffers, *pool.v_buffers):
+        written = as_bits(tensor[rows]).reshape(len(others), -1).any(dim=1)
+        stray.update(others[i] for i in torch.nonzero(written).flatten().tolist())
+    return stray
+
+
+def as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bits as integers of its element size (compared bit for bit)."""
+    return tensor.contiguous().view(_BITS[tensor.element_size()])
 
 
 def _mix(*values: int) -> int:
@@ -353,7 +416,9 @@ def _mix(*values: int) -> int:
 
 
 def ring_bytes(config: TransferConfig) -> int:
-    """Bytes of a decode rank's staging ring: ``ring_chunks`` regions of the largest chunk."""
+    """Bytes of a decode rank's staging ring (:attr:`TransferConfig.ring_size`)."""
+    if config.ring_size is not None:
+        return config.ring_size
     largest = max(
         compute_staging_layout(
             config.prefill_tp,
