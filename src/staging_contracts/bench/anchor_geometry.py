@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+from ..run.workload import TransferConfig, rank_heads, require_positive
+
 __all__ = ["BENCH_GEOMETRY", "AnchorGeometry"]
 
 
@@ -42,17 +44,7 @@ class AnchorGeometry:
     """Tokens per page of the pools (pages are placed at random, as a paged pool does)."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "layers",
-            "heads_per_prefill_rank",
-            "heads_per_decode_rank",
-            "head_dim",
-            "element_size",
-            "tokens",
-            "page_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1")
+        require_positive(self, _SIZES)
         small, large = sorted((self.heads_per_prefill_rank, self.heads_per_decode_rank))
         if large % small:
             raise ValueError(
@@ -95,18 +87,34 @@ class AnchorGeometry:
             return 0, (decode - prefill) * head
         return (prefill - decode) * head, 0
 
+    @classmethod
+    def of(cls, config: TransferConfig) -> AnchorGeometry:
+        """The layout of ``config``'s request, one prefill rank to one decode rank."""
+        return cls(
+            config.layers,
+            len(rank_heads(config.kv_heads, config.prefill_tp, 0)),
+            len(rank_heads(config.kv_heads, config.decode_tp, 0)),
+            config.head_dim,
+            config.element_size,
+            config.tokens,
+            config.page_size,
+        )
+
     def share_bytes(self, tokens: int | None = None) -> int:
         """Bytes of K and V that one prefill rank sends one decode rank for ``tokens``."""
         count = self.tokens if tokens is None else tokens
         return 2 * self.layers * count * self.slice_bytes
 
 
-BENCH_GEOMETRY: Final = AnchorGeometry(
-    layers=32,
-    heads_per_prefill_rank=2,
-    heads_per_decode_rank=4,
-    head_dim=128,
-    element_size=2,
-    tokens=4096,
+_SIZES: Final = (
+    "layers",
+    "heads_per_prefill_rank",
+    "heads_per_decode_rank",
+    "head_dim",
+    "element_size",
+    "tokens",
+    "page_size",
 )
+
+BENCH_GEOMETRY: Final = AnchorGeometry.of(TransferConfig(layers=32, tokens=4096))
 """The benchmark's request: 32 layers, 8 KV heads of 128, bf16, 4096 tokens, P=4 -> D=2."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Final, Protocol, TypeAlias, TypeVar
 
 import torch
 
@@ -28,6 +28,7 @@ from ..protocols import (
     StagingHandler,
     StagingReqOutcome,
 )
+from ..run.workload import TransferConfig, require_positive
 from ..staging.layout import heads_per_rank as layout_heads_per_rank
 
 if TYPE_CHECKING:
@@ -145,17 +146,7 @@ class DecodeSetup:
     """This decode rank."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "total_kv_heads",
-            "num_layers",
-            "head_dim",
-            "page_size",
-            "pool_pages",
-            "ring_bytes",
-            "attn_tp_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DecodeSetup.{name}={getattr(self, name)!r} must be >= 1")
+        require_positive(self, _SETUP_SIZES, "DecodeSetup.")
         if not 0 <= self.engine_rank < self.attn_tp_size:
             raise ValueError(
                 f"DecodeSetup.engine_rank={self.engine_rank} must be in [0, {self.attn_tp_size})"
@@ -175,29 +166,27 @@ class DecodeSetup:
     @property
     def kv_args(self) -> KVArgsRecord:
         """KV arguments of this rank (CPU device), matching :meth:`kv_pool`."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        item = self.page_size * self.heads_per_rank * self.head_dim * element
-        return KVArgsRecord(
-            page_size=self.page_size,
-            kv_item_lens=(item,) * (2 * self.num_layers),
-            engine_rank=self.engine_rank,
-            device="cpu",
-            total_kv_head_num=self.total_kv_heads,
-            kv_head_num=self.heads_per_rank,
-            kv_layer_ids=tuple(range(self.num_layers)),
-        )
+        return self._config.kv_args(self.attn_tp_size, self.engine_rank)
 
     def kv_pool(self) -> KVBufferTensors:
-        """A new zeroed KV pool: per layer, K and V of ``[pool_tokens, heads, head_dim]``.
+        """A new zeroed KV pool, owned by the caller: per layer, K and V of ``[pool_tokens,
+        heads, head_dim]``."""
+        return self._config.empty_pool(self.attn_tp_size, self.engine_rank)
 
-        Returns:
-            Tensors owned by the caller (the manager, once given to it).
-        """
-        shape = (self.pool_pages * self.page_size, self.heads_per_rank, self.head_dim)
-        return KVBufferTensors(
-            tuple(torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)),
-            tuple(torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)),
-            self.page_size,
+    @property
+    def _config(self) -> TransferConfig:
+        """This rank's sizes as the one workload states them."""
+        return TransferConfig(
+            prefill_tp=1,
+            decode_tp=self.attn_tp_size,
+            kv_heads=self.total_kv_heads,
+            layers=self.num_layers,
+            head_dim=self.head_dim,
+            page_size=self.page_size,
+            dtype=self.dtype,
+            separate_layers=True,
+            pool_size=self.pool_pages,
+            ring_size=self.ring_bytes,
         )
 
     def enable_staging(self, manager: StagingBackend) -> DecodeStagingHandler:
@@ -225,6 +214,16 @@ class DecodeSetup:
             raise
         return manager
 
+
+_SETUP_SIZES: Final = (
+    "total_kv_heads",
+    "num_layers",
+    "head_dim",
+    "page_size",
+    "pool_pages",
+    "ring_bytes",
+    "attn_tp_size",
+)
 
 DecodeFactory: TypeAlias = Callable[[DecodeSetup], LiveDecodeManager]
 """A function that builds a live decode manager from a :class:`DecodeSetup`."""
