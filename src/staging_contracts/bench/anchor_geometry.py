@@ -44,7 +44,7 @@ class AnchorGeometry:
     """Tokens per page of the pools (pages are placed at random, as a paged pool does)."""
 
     def __post_init__(self) -> None:
-        require_positive(self, _SIZES)
+        require_positive(self)
         small, large = sorted((self.heads_per_prefill_rank, self.heads_per_decode_rank))
         if large % small:
             raise ValueError(
@@ -105,16 +105,6 @@ class AnchorGeometry:
         count = self.tokens if tokens is None else tokens
         return 2 * self.layers * count * self.slice_bytes
 
-
-_SIZES: Final = (
-    "layers",
-    "heads_per_prefill_rank",
-    "heads_per_decode_rank",
-    "head_dim",
-    "element_size",
-    "tokens",
-    "page_size",
-)
 
 BENCH_GEOMETRY: Final = AnchorGeometry.of(TransferConfig(layers=32, tokens=4096))
 """The benchmark's request: 32 layers, 8 KV heads of 128, bf16, 4096 tokens, P=4 -> D=2."""

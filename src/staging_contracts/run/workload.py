@@ -11,7 +11,7 @@ not from the staging layout's chunk offsets.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Final, Literal
 
 import torch
@@ -53,25 +53,14 @@ _BITS: Final[dict[int, torch.dtype]] = {
 }
 _MASK64: Final = (1 << 64) - 1
 
-_SIZES: Final = (
-    "prefill_tp",
-    "decode_tp",
-    "kv_heads",
-    "layers",
-    "head_dim",
-    "tokens",
-    "page_size",
-    "requests",
-    "chunk_tokens",
-    "ring_chunks",
-)
 
-
-def require_positive(owner: object, names: Iterable[str], label: str = "") -> None:
-    """Refuse a size below 1: ``ValueError("{label}{name}=... must be >= 1")``."""
-    for name in names:
-        if getattr(owner, name) < 1:
-            raise ValueError(f"{label}{name}={getattr(owner, name)!r} must be >= 1")
+def require_positive(owner: object, label: str = "", *, but: Iterable[str] = ()) -> None:
+    """Refuse a size below 1 among the ``int`` fields of the dataclass ``owner`` (except
+    ``but``): ``ValueError("{label}{name}=... must be >= 1")``."""
+    for item in fields(owner):  # type: ignore[arg-type]  # a dataclass instance
+        value = getattr(owner, item.name)
+        if item.type == "int" and item.name not in but and value < 1:
+            raise ValueError(f"{label}{item.name}={value!r} must be >= 1")
 
 
 Mode = Literal["staged", "per-token", "raw"]
@@ -150,10 +139,10 @@ class TransferConfig:
     largest chunk)."""
 
     def __post_init__(self) -> None:
-        require_positive(self, _SIZES)
+        require_positive(self, but=("seed", "warmup_requests"))
         for name in ("pool_size", "ring_size"):
-            if getattr(self, name) is not None:
-                require_positive(self, (name,))
+            if (getattr(self, name) or 1) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1")
         if not self.host.strip("[]"):
             raise ValueError("host must name an address")
         if not isinstance(self.dtype, torch.dtype) and self.dtype not in DTYPES:

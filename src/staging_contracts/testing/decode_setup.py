@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Protocol, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypeVar
 
 import torch
 
@@ -146,7 +146,7 @@ class DecodeSetup:
     """This decode rank."""
 
     def __post_init__(self) -> None:
-        require_positive(self, _SETUP_SIZES, "DecodeSetup.")
+        require_positive(self, "DecodeSetup.", but=("engine_rank",))
         if not 0 <= self.engine_rank < self.attn_tp_size:
             raise ValueError(
                 f"DecodeSetup.engine_rank={self.engine_rank} must be in [0, {self.attn_tp_size})"
@@ -214,16 +214,6 @@ class DecodeSetup:
             raise
         return manager
 
-
-_SETUP_SIZES: Final = (
-    "total_kv_heads",
-    "num_layers",
-    "head_dim",
-    "page_size",
-    "pool_pages",
-    "ring_bytes",
-    "attn_tp_size",
-)
 
 DecodeFactory: TypeAlias = Callable[[DecodeSetup], LiveDecodeManager]
 """A function that builds a live decode manager from a :class:`DecodeSetup`."""

@@ -211,7 +211,7 @@ class TransferGeometry:
     """Element type of the KV pools."""
 
     def __post_init__(self) -> None:
-        require_positive(self, _GEOMETRY_SIZES, "TransferGeometry.")
+        require_positive(self, "TransferGeometry.")
 
     @property
     def chunks_per_room(self) -> int:
@@ -239,18 +239,6 @@ class TransferGeometry:
             pool_size=self.pool_pages,
             ring_size=self.ring_bytes,
         )
-
-
-_GEOMETRY_SIZES: Final = (
-    "total_kv_heads",
-    "num_layers",
-    "head_dim",
-    "page_size",
-    "pool_pages",
-    "room_pages",
-    "chunk_pages",
-    "ring_bytes",
-)
 
 
 @dataclass(frozen=True, slots=True)
