@@ -19,8 +19,8 @@ bootstrap would (each prefill engine ``add_peer``-s each decode engine; every ma
 moves ``rooms`` multi-chunk requests through the per-request API
 (:class:`~staging_contracts.backends.kv_requests.KVReceiver` on decode,
 :class:`~staging_contracts.backends.kv_requests.KVSender` on prefill), all rooms at once. It
-then compares every decode KV page with what it must hold, computed from first principles
-(which global KV heads each rank holds), closes everything, and returns a
+then compares every decode KV page with the seeded data of the heads it must hold (the
+workload's), closes everything, and returns a
 :class:`TransferReport`: per room, whether it succeeded or why not, the writer arrivals decode
 counted, the chunks that landed bit for bit; and, when something failed, a diagnosis that
 names the likely cause.
@@ -115,6 +115,7 @@ IDLE_HOOK_HINT: Final = (
 """What the diagnosis asks when a notifying engine's arrivals never reached decode."""
 
 _TEARDOWN_S: Final = 5.0
+"""Longest the teardown waits for prefill to hear that the unfinished rooms failed."""
 
 _DONE: Final = (KVPoll.Success, KVPoll.Failed)
 
@@ -123,8 +124,6 @@ HARNESS_ENDED: Final = "the harness's time ran out"
 
 _STALL_POLL_S: Final = 0.05
 """How often a run with ``stall_s`` looks for progress."""
-"""Longest the teardown waits for prefill to hear that the unfinished rooms failed."""
-_ROOM_BASE: Final = 1000
 _START_S: Final = 120.0
 """Across processes: longest a rank process may take to start and build its manager."""
 _STEP_S: Final = 60.0
@@ -666,13 +665,13 @@ def _fail_unfinished_receivers(
     handler: DecodeStagingHandler, room: int, receiver: KVReceiver
 ) -> None:
     """Fail a room still running on decode, telling its prefill ranks (ROOM_FAILED)."""
-    if receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
+    if receiver.poll() not in _DONE:
         handler.fail_room(room, HARNESS_ENDED)
         receiver.poll()  # reports the failure to its prefill ranks
 
 
 def _unfinished(senders: Sequence[KVSender]) -> list[KVSender]:
-    return [s for s in senders if s.poll() not in (KVPoll.Success, KVPoll.Failed)]
+    return [s for s in senders if s.poll() not in _DONE]
 
 
 # --------------------------------------------------------------------------- one process
