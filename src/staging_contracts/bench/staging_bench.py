@@ -11,7 +11,7 @@ larger than the chunk; each row's note states heads, rows, bytes, threads and de
 
 * ``staging.gather.<case>`` / ``staging.scatter.<case>`` — the head-slice cases the staging
   exists for, through the code the ranks run: the pool is one allocation ``[2, layers, tokens,
-  heads, head_dim]`` (as ``cluster.workload.TransferConfig.empty_pool`` builds it, so the
+  heads, head_dim]`` (the layout the ranks allocate, so the
   fused path), the gather is what ``prefill.writer.StagingWriter`` does per chunk (page
   tensor, ``PagedKVPools.gather`` of the head slice ``compute_head_slice_params`` names into
   the zeroed staging buffer, the device ordering's ``gathered()``), the scatter is
