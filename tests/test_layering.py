@@ -316,7 +316,7 @@ def test_the_heads_per_rank_formula_lives_in_staging_layout_only() -> None:
 
 
 def test_ring_sizing_and_curve_key_text_are_defined_once() -> None:
-    """``ring_bytes`` (run/workload.py) and ``curve_key_text`` (cluster/bootstrap.py)
+    """``ring_bytes`` (run/workload.py) and ``curve_key_text`` (run/_rank_info.py)
     have one definition each, not one per rank body."""
     names = ("ring_bytes", "_ring_bytes", "curve_key_text", "_key_text")
     found = [
@@ -326,7 +326,7 @@ def test_ring_sizing_and_curve_key_text_are_defined_once() -> None:
         if isinstance(node, ast.FunctionDef) and node.name in names
     ]
     assert sorted(found) == [
-        "cluster/bootstrap.py:curve_key_text",
+        "run/_rank_info.py:curve_key_text",
         "run/workload.py:ring_bytes",
     ]
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from staging_contracts.backends.kv_requests import KVPoll
-from staging_contracts.cluster import _rank_body as rank_body
 from staging_contracts.cluster import rank as rank_module
 from staging_contracts.cluster.bootstrap import RankInfo
+from staging_contracts.run import _rank_body as rank_body
 from staging_contracts.run import workload
 from staging_contracts.run.workload import TransferConfig
 

@@ -26,7 +26,6 @@ their own timeout.
 
 from __future__ import annotations
 
-import base64
 import heapq
 import itertools
 import json
@@ -36,7 +35,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Final
 
 import zmq
@@ -50,6 +49,17 @@ from ..control.security import (
     zap_handler,
 )
 from ..control.transport import LOG_BURST, LOG_INTERVAL_S, LogThrottle, recv_frames
+from ..run._rank_info import (
+    MAX_NAME_CHARS,
+    MAX_POOL_POINTERS,
+    MAX_RANKS,
+    RankInfo,
+    curve_key_text,
+)
+from ..run._rank_info import ROLES as _ROLES
+from ..run._rank_info import int_field as _int_field
+from ..run._rank_info import show as _show
+from ..run._rank_info import str_field as _str_field
 
 __all__ = [
     "curve_key_text",
@@ -96,20 +106,10 @@ RETRY_FIRST_S: Final = 0.05
 """First pause of a client before it asks again after a ``busy`` answer."""
 RETRY_MAX_S: Final = 2.0
 """Longest pause between two tries (the pause doubles from :data:`RETRY_FIRST_S`)."""
-MAX_RANKS: Final = 1 << 16
-"""Bound (exclusive) on a rank's ``tp_rank``; also on a query's ``count`` and a barrier's
-``wait_for`` (inclusive)."""
-MAX_NAME_CHARS: Final = 256
-"""Longest role, barrier, party, endpoint or session id, in characters."""
-_MAX_ADDRESS: Final = 2**64 - 1
-MAX_POOL_POINTERS: Final = 4096
-"""Most KV pool addresses a rank may publish (2 per layer)."""
-_ROLES: Final = ("prefill", "decode")
 _OPS: Final = ("register", "query", "arrive", "count")
 BOOTSTRAP_SERVER_LABEL: Final = "bootstrap-server"
 BOOTSTRAP_CLIENT_LABEL: Final = "bootstrap-client"
 """Labels of the CURVE key pairs every holder of the cluster secret derives for the bootstrap."""
-_CURVE_KEY_CHARS: Final = 40
 _MIN_ANSWER_S: Final = 1.0
 _SERVER_POLL_MS: Final = 20
 _SERVE_BATCH: Final = 64
@@ -126,139 +126,6 @@ class BootstrapError(RuntimeError):
 
 class BootstrapBusy(BootstrapError):
     """The bootstrap server could not hold the request now (no waiter slot): ask again."""
-
-
-def _show(value: object) -> str:
-    """A short, safe rendering of a JSON value for an error text (never recursive)."""
-    if isinstance(value, str):
-        return repr(value[:_SHOW_CHARS]) + ("..." if len(value) > _SHOW_CHARS else "")
-    if value is None or isinstance(value, bool | float):
-        return repr(value)
-    if isinstance(value, int):
-        return str(value) if abs(value) < 10**20 else f"an integer of {value.bit_length()} bits"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
-def _int_field(doc: dict[str, Any], key: str, low: int, high: int, default: int | None) -> int:
-    """``doc[key]``, an integer (not a bool) in ``[low, high]``; ``default`` if absent."""
-    if key not in doc:
-        if default is None:
-            raise ValueError(f"missing field {key!r}")
-        return default
-    value = doc[key]
-    if type(value) is not int or not low <= value <= high:
-        raise ValueError(f"{key} must be an integer in [{low}, {high}], got {_show(value)}")
-    return value
-
-
-def _str_field(doc: dict[str, Any], key: str) -> str:
-    """``doc[key]``, a string of 1 to ``MAX_NAME_CHARS`` characters."""
-    if key not in doc:
-        raise ValueError(f"missing field {key!r}")
-    value = doc[key]
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_CHARS:
-        raise ValueError(
-            f"{key} must be a string of 1-{MAX_NAME_CHARS} characters, got {_show(value)}"
-        )
-    return value
-
-
-@dataclass(frozen=True, slots=True)
-class RankInfo:
-    """What a rank tells its peers at bootstrap."""
-
-    role: str
-    """``"prefill"`` or ``"decode"``."""
-    tp_rank: int
-    """Attention-TP rank."""
-    endpoint: str
-    """Control listener (``tcp://host:port``)."""
-    session_id: str
-    """Engine session id (Mooncake ``host:port``, NIXL agent name)."""
-    metadata: bytes
-    """Engine metadata a peer passes to ``add_peer``."""
-    ring_base: int = 0
-    """Decode: address of the staging ring."""
-    ring_size: int = 0
-    """Decode: bytes of the staging ring."""
-    curve_key: str = ""
-    """The rank's CURVE public key (Z85 text) when the cluster secret is set, else empty:
-    peers trust the rank's listener by it."""
-    pool_ptrs: tuple[int, ...] = ()
-    """Decode, per-token mode (``TransferConfig.mode``): the address of each of its KV pool
-    tensors, registered with its engine, K of layers ``0..L-1`` then V (at most
-    :data:`MAX_POOL_POINTERS`); empty otherwise."""
-
-    def to_json(self) -> dict[str, Any]:
-        """As a JSON-ready dict (metadata base64-encoded)."""
-        doc = asdict(self)
-        doc["metadata"] = base64.b64encode(self.metadata).decode()
-        return doc
-
-    @classmethod
-    def from_json(cls, doc: object) -> RankInfo:
-        """Parse a dict made by :meth:`to_json`, checking every field's type and bounds.
-
-        **Called by:** the bootstrap server (registrations) and :func:`query_ranks` (answers).
-
-        Raises:
-            ValueError: not an object, a missing field, a field of the wrong type, or out of
-                bounds (``tp_rank`` in ``[0, MAX_RANKS)``, ring fields in ``[0, 2**64)``,
-                strings of at most ``MAX_NAME_CHARS``, metadata base64).
-        """
-        if not isinstance(doc, dict):
-            raise ValueError("rank info must be an object")
-        try:
-            role, tp_rank = doc["role"], doc["tp_rank"]
-            endpoint, session_id = doc["endpoint"], doc["session_id"]
-            metadata = doc["metadata"]
-        except KeyError as exc:
-            raise ValueError(f"bad rank info: {exc}") from None
-        if role not in _ROLES or type(tp_rank) is not int or not 0 <= tp_rank < MAX_RANKS:
-            raise ValueError(f"bad rank info: role {_show(role)}, rank {_show(tp_rank)}")
-        try:
-            endpoint = _str_field(doc, "endpoint")
-            session_id = _str_field(doc, "session_id")
-            ring_base = _int_field(doc, "ring_base", 0, _MAX_ADDRESS, 0)
-            ring_size = _int_field(doc, "ring_size", 0, _MAX_ADDRESS, 0)
-            pool_ptrs = _pointers(doc.get("pool_ptrs", []))
-            curve_key = doc.get("curve_key", "")
-            if not isinstance(curve_key, str) or not (
-                curve_key == "" or (len(curve_key) == _CURVE_KEY_CHARS and curve_key.isascii())
-            ):
-                raise ValueError(f"curve_key must be 40 Z85 characters, got {_show(curve_key)}")
-            if not isinstance(metadata, str) or len(metadata) > MAX_REQUEST_BYTES:
-                raise ValueError(f"metadata must be a base64 string, got {_show(metadata)}")
-            try:
-                raw = base64.b64decode(metadata, validate=True)
-            except ValueError:
-                raise ValueError(f"metadata is not base64: {_show(metadata)}") from None
-        except ValueError as exc:
-            raise ValueError(f"bad rank info: {exc}") from None
-        return cls(
-            str(role),
-            tp_rank,
-            endpoint,
-            session_id,
-            raw,
-            ring_base,
-            ring_size,
-            curve_key,
-            pool_ptrs,
-        )
-
-
-def _pointers(value: object) -> tuple[int, ...]:
-    """A list of at most ``MAX_POOL_POINTERS`` addresses (integers in ``[0, 2**64)``)."""
-    if not isinstance(value, list | tuple) or len(value) > MAX_POOL_POINTERS:
-        raise ValueError(f"pool_ptrs must be a list of at most {MAX_POOL_POINTERS} addresses")
-    if not all(type(v) is int and 0 <= v <= _MAX_ADDRESS for v in value):
-        raise ValueError(f"pool_ptrs must hold integers in [0, {_MAX_ADDRESS}]")
-    return tuple(value)
 
 
 def _no_constant(name: str) -> float:
@@ -810,8 +677,3 @@ def _wait_s(deadline: float) -> float:
 def _request_timeout(deadline: float) -> float:
     """Time left before ``deadline`` plus what a loopback server needs to answer."""
     return max(deadline - time.monotonic(), 0.0) + _MIN_ANSWER_S
-
-
-def curve_key_text(key: bytes | None) -> str:
-    """A CURVE public key as :class:`RankInfo` carries it (empty without a cluster secret)."""
-    return "" if key is None else key.decode("ascii")

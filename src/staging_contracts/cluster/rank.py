@@ -1,10 +1,11 @@
 """One prefill or decode rank of a staged-transfer run, as an OS process of its own.
 
 Started by :func:`staging_contracts.cluster.runner.run_cluster` (``multiprocessing`` spawn). The
-rank builds its body (:mod:`._rank_body`), meets its peers through the bootstrap server, runs
-every request of the :class:`~staging_contracts.run.workload.TransferConfig` through the
-per-request API, verifies (decode) and reports to the driver (:mod:`._messages`): ``Ready``,
-one ``RequestDone`` per finished request, and a final ``RankSummary``.
+rank builds its body (the run layer's ``DecodeBody`` or ``PrefillBody``), meets its peers
+through the bootstrap server, runs every request of the
+:class:`~staging_contracts.run.workload.TransferConfig` through the per-request API, verifies
+(decode) and reports to the driver (:mod:`._messages`): ``Ready``, one ``RequestDone`` per
+finished request, and a final ``RankSummary``.
 
 **Modes and warm-up.** ``config.mode`` chooses how the rank moves each request: through
 the staging rings (``"staged"``), or along one of the benchmark's anchor paths with the same
@@ -60,6 +61,15 @@ from ..backends.kv_requests import DecodeTransfers, KVPoll
 from ..control.transport import PeerSockets
 from ..control.wire import StagingReq
 from ..protocols import KVBufferTensors, Transfer, TransferError
+from ..run._rank_body import (
+    BodyOptions,
+    DecodeBody,
+    PrefillBody,
+    RankBody,
+    filled_prefill_pool,
+    freeze_heap,
+    settle,
+)
 from ..run.workload import (
     RequestPlan,
     TransferConfig,
@@ -74,15 +84,6 @@ from ..staging.layout import (
 )
 from . import logformat
 from ._messages import Message, RankMemory, RankSummary, Ready, RequestDone, encode
-from ._rank_body import (
-    BodyOptions,
-    DecodeBody,
-    PrefillBody,
-    RankBody,
-    filled_prefill_pool,
-    freeze_heap,
-    settle,
-)
 from .bootstrap import arrive, query_ranks, register_rank, wait_barrier
 from .metrics_relay import MetricsPusher
 from .plain_paths import (

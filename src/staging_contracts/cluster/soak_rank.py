@@ -52,6 +52,8 @@ from ..control.transport import PeerSockets
 from ..decode.handler import PrefillPeer, peers_for
 from ..metrics import snapshot_of
 from ..prefill.writer import DecodeTarget, PrefillTimeouts
+from ..run._rank_body import BodyOptions, DecodeBody, PrefillBody, RankBody, freeze_heap
+from ..run._rank_info import RankInfo
 from ..run.workload import (
     TransferConfig,
     request_plans,
@@ -77,8 +79,6 @@ from ._messages import (
     decode,
     encode,
 )
-from ._rank_body import BodyOptions, DecodeBody, PrefillBody, RankBody, freeze_heap
-from .bootstrap import RankInfo
 from .metrics_relay import RankReporter
 from .soak_memory import RssSampler
 

@@ -72,23 +72,21 @@ from ..backends.kv_requests import (
     KVPoll,
     KVReceiver,
     KVSender,
-    PrefillTransfers,
 )
-from ..backends.staging_setup import enable_decode_staging, enable_prefill_staging
 from ..decode.handler import DecodeStagingHandler
 from ..prefill.writer import DecodeTarget, PrefillTimeouts
 from ..protocols import ArrivalOutcome, KVArgs, StagingReqOutcome
+from ..run._rank_body import BodyOptions, DecodeBody, PrefillBody
+from ..run._rank_info import RankInfo
 from ..run.workload import (
     RequestPlan,
     TransferConfig,
     chunks_landed,
-    fill_prefill_pool,
     request_plans,
     require_positive,
-    ring_bytes,
     stray_pages,
 )
-from ..staging.layout import validate_tp_pair
+from ..staging.layout import prefill_ranks_for_decode, validate_tp_pair
 from ..stats import StagingStats
 from .decode_setup import StartableBackend
 from .processes import ParentLink, RankFailed, RankGroup
@@ -466,12 +464,6 @@ def _backend_name(backend: ManagerFactory | str) -> str:
     return repr(backend)
 
 
-def _factory(backend: ManagerFactory | str) -> ManagerFactory:
-    """The factory of ``backend``, resolved and checked as a spec string is (a class, a
-    callable or a spec: :func:`~staging_contracts.backends.resolve_backend`)."""
-    return cast(ManagerFactory, resolve_backend(backend))
-
-
 def run_transfer(
     backend: ManagerFactory | str,
     *,
@@ -539,33 +531,74 @@ def run_transfer(
             f"(prefill and decode pages apart), the pools have {g.pool_pages}"
         )
     name = _backend_name(backend)
-    factory = _factory(backend)  # refused here, in one line, before anything is built
+    resolve_backend(backend)  # refused here, in one line, before anything is built
     config = g.config(name, prefill_tp, decode_tp, rooms, seed)
+    jobs = [
+        _RankJob(backend, role, rank, config, timeout_s)
+        for role, tp in ((Role.PREFILL, prefill_tp), (Role.DECODE, decode_tp))
+        for rank in range(tp)
+    ]
     if processes:
-        report = _run_across_processes(backend, config, timeout_s)
-        logger.log(logging.DEBUG if report.ok else logging.WARNING, "%s", report.summary())
-        return report
-    stack = ExitStack()  # closes, last first: prefill workers, then decode and prefill managers
-    try:
-        prefill: list[TransferManager] = []
-        decode: list[TransferManager] = []
-        sides = ((Role.PREFILL, prefill_tp, prefill), (Role.DECODE, decode_tp, decode))
-        for role, tp, made in sides:
-            for rank in range(tp):
-                manager = factory(config.kv_args(tp, rank), role=role, attn_tp_size=tp)
-                stack.callback(manager.close)
-                made.append(manager)
-        logger.debug("%s: %d prefill and %d decode managers built", name, prefill_tp, decode_tp)
-        run = _Run(config, prefill, decode, timeout_s, stack, stall_s)
-        run.execute()
-    finally:
-        stack.close()
-    report = run.report(name)
+        report = _run_across_processes(jobs)
+    else:
+        stack = ExitStack()  # closes, last first: prefill workers, then every rank's body
+        try:
+            run = _Run(jobs, stack, stall_s)
+            logger.debug("%s: %d prefill and %d decode ranks built", name, prefill_tp, decode_tp)
+            run.execute()
+        finally:
+            stack.close()
+        report = run.report(name)
     logger.log(logging.DEBUG if report.ok else logging.WARNING, "%s", report.summary())
     return report
 
 
 # --------------------------------------------------------------------------- shared by both modes
+
+
+@dataclass(frozen=True, slots=True)
+class _RankJob:
+    """One rank of a run: what builds its body (pickled to its process across processes)."""
+
+    backend: ManagerFactory | str
+    role: Role
+    rank: int
+    config: TransferConfig
+    timeout_s: float
+
+
+def _body(job: _RankJob) -> DecodeBody | PrefillBody:
+    """The rank's body (the run layer's, as every cluster rank's): its pool, its manager
+    built by the backend's standard constructor (no ``host``), staging enabled with every
+    bound the run's."""
+    options = BodyOptions(
+        host=None,
+        log_level=None,
+        stall_timeout_s=job.timeout_s,
+        prefill_timeouts=PrefillTimeouts(deadline_s=job.timeout_s),
+        meta_timeout_s=job.timeout_s,
+    )
+    side = DecodeBody if job.role is Role.DECODE else PrefillBody
+    return side(job.config, job.rank, options, job.backend)
+
+
+def _wire(body: DecodeBody | PrefillBody, infos: Sequence[RankInfo]) -> list[DecodeTarget]:
+    """Trust the other side's ranks (prefill: and add their engines), then start the
+    listener; a prefill rank's decode targets (none on decode)."""
+    others = [info for info in infos if info.role != body.role.value]
+    targets: list[DecodeTarget] = []
+    if isinstance(body, PrefillBody):
+        targets = body.meet(others)
+    else:
+        body.trust(others)
+    body.common.start()
+    return targets
+
+
+def _decode_transfers(body: DecodeBody, infos: Sequence[RankInfo]) -> DecodeTransfers:
+    """Decode's per-request side, routing the prefill ranks' messages (by TP rank)."""
+    prefill = sorted((i for i in infos if i.role == Role.PREFILL.value), key=lambda i: i.tp_rank)
+    return DecodeTransfers(body.common, body.handler, [info.endpoint for info in prefill])
 
 
 def _make_rooms(config: TransferConfig) -> list[_Room]:
@@ -615,7 +648,7 @@ def _room_report(
     prefill_tp, decode_tp = len(prefill_states), len(decode_states)
     chunks = _chunks(config)
     verified = sum(all(rank[c] for rank in chunk_ok) for c in range(chunks))
-    writers = sum(len(_writers(prefill_tp, decode_tp, d)) for d in range(decode_tp))
+    writers = sum(len(prefill_ranks_for_decode(prefill_tp, decode_tp, d)) for d in range(decode_tp))
     if reason is None and verified < chunks:
         reason = (
             f"every rank reported success but {chunks - verified} chunk(s) do "
@@ -634,33 +667,6 @@ def _room_report(
     )
 
 
-def _start_receiver(config: TransferConfig, transfers: DecodeTransfers, room: _Room) -> KVReceiver:
-    """One decode rank's receiver of ``room``, registered (its metadata not sent yet)."""
-    receiver = KVReceiver(transfers, room.plan.room)
-    receiver.init(room.plan.decode_pages, chunk_pages=config.chunk_pages)
-    return receiver
-
-
-def _start_senders(
-    config: TransferConfig,
-    sides: Sequence[PrefillTransfers],
-    targets: list[DecodeTarget],
-    room: _Room,
-) -> list[KVSender]:
-    """Each prefill side's sender of ``room``, every chunk of it queued."""
-    senders = []
-    for side in sides:
-        sender = KVSender(side, room.plan.room)
-        sender.init(config.num_pages, targets)
-        senders.append(sender)
-    chunks = list(config.chunks())
-    for number, (start, count) in enumerate(chunks):
-        pages = room.plan.prefill_pages[start : start + count]
-        for sender in senders:
-            sender.send(pages, last=number == len(chunks) - 1)
-    return senders
-
-
 def _fail_unfinished_receivers(
     handler: DecodeStagingHandler, room: int, receiver: KVReceiver
 ) -> None:
@@ -670,99 +676,66 @@ def _fail_unfinished_receivers(
         receiver.poll()  # reports the failure to its prefill ranks
 
 
-def _unfinished(senders: Sequence[KVSender]) -> list[KVSender]:
-    return [s for s in senders if s.poll() not in _DONE]
+def _wait_unfinished(senders: Sequence[KVSender]) -> None:
+    """Wait (at most :data:`_TEARDOWN_S` in all) for the senders still running to hear that
+    their rooms failed, so that the prefill workers drop their chunks and stop promptly."""
+    deadline = time.monotonic() + _TEARDOWN_S
+    for sender in [s for s in senders if s.poll() not in _DONE]:
+        sender.wait(max(0.0, deadline - time.monotonic()))
 
 
 # --------------------------------------------------------------------------- one process
 
 
 class _Run:
-    """One harness run over built managers (closed by the caller's stack)."""
+    """One harness run over every rank's body, in this process (closed by ``stack``)."""
 
-    def __init__(
-        self,
-        config: TransferConfig,
-        prefill: list[TransferManager],
-        decode: list[TransferManager],
-        timeout_s: float,
-        stack: ExitStack,
-        stall_s: float | None = None,
-    ) -> None:
-        self.config = config
+    def __init__(self, jobs: Sequence[_RankJob], stack: ExitStack, stall_s: float | None) -> None:
+        self.config = jobs[0].config
+        self.timeout_s = jobs[0].timeout_s
         self.stall_s = stall_s
         self.stopped: str | None = None
-        self.prefill = prefill
-        self.decode = decode
-        self.timeout_s = timeout_s
         self.tally = _ArrivalTally()
-        self.prefill_pools = [config.empty_pool(len(prefill), p) for p in range(len(prefill))]
-        self.decode_pools = [config.empty_pool(len(decode), d) for d in range(len(decode))]
-        self.handlers: list[DecodeStagingHandler] = []
-        for manager, pool in zip(decode, self.decode_pools, strict=True):
-            handler = enable_decode_staging(
-                manager, kv_buffers=pool, ring_bytes=ring_bytes(config), stall_timeout_s=timeout_s
-            )
-            self.tally.tap(handler)
-            self.handlers.append(handler)
-        timeouts = PrefillTimeouts(deadline_s=timeout_s)
-        self.writers = writers = [
-            enable_prefill_staging(
-                manager, kv_buffers=pool, max_chunk_pages=config.chunk_pages, timeouts=timeouts
-            )
-            for manager, pool in zip(prefill, self.prefill_pools, strict=True)
-        ]
-        everyone = [*prefill, *decode]
-        for manager in everyone:
-            for peer in everyone:
-                if peer is not manager:
-                    manager.trust_peer(peer.endpoint, peer.curve_key)
-        for manager in everyone:
-            manager.start()
-        for sender in prefill:
-            for receiver in decode:
-                sender.engine.add_peer(receiver.engine.session_id, receiver.engine.metadata())
-        self.targets = [
-            DecodeTarget(
-                d, m.engine.session_id, m.endpoint, handler.allocator.base_ptr, ring_bytes(config)
-            )
-            for d, (m, handler) in enumerate(zip(decode, self.handlers, strict=True))
-        ]
-        self.prefill_transfers = [
-            PrefillTransfers(m, w, meta_timeout_s=timeout_s)
-            for m, w in zip(prefill, writers, strict=True)
-        ]
-        for transfers in self.prefill_transfers:
-            stack.callback(transfers.close, _TEARDOWN_S)
-        endpoints = [m.endpoint for m in prefill]
-        self.decode_transfers = [
-            DecodeTransfers(m, h, endpoints) for m, h in zip(decode, self.handlers, strict=True)
-        ]
+        self.prefill: list[PrefillBody] = []
+        self.decode: list[DecodeBody] = []
+        for job in jobs:
+            body = _body(job)
+            stack.callback(body.close)
+            if isinstance(body, DecodeBody):
+                self.tally.tap(body.handler)
+                self.decode.append(body)
+            else:
+                self.prefill.append(body)
+        for prefill in self.prefill:  # the prefill workers stop first (bounded)
+            stack.callback(prefill.close_side, _TEARDOWN_S)
+        everyone: list[DecodeBody | PrefillBody] = [*self.prefill, *self.decode]
+        infos = [body.info() for body in everyone]
+        self.targets = [_wire(body, infos) for body in everyone][: len(self.prefill)]
+        self.decode_transfers = [_decode_transfers(body, infos) for body in self.decode]
         self.rooms: list[_Room] = []
         self.elapsed_s = 0.0
-        self.notifications = False
+        self.notifications = all(p.writer.arrival == "notification" for p in self.prefill)
 
     def execute(self) -> None:
         """Run the rooms to the end or the deadline; note each rank's verdict, then fail
         the rooms still running (the managers are still open)."""
-        config = self.config
-        self.rooms = _make_rooms(config)
-        for p, pool in enumerate(self.prefill_pools):
-            fill_prefill_pool(pool, config, p)
+        self.rooms = _make_rooms(self.config)
         started = time.monotonic()
         deadline = started + self.timeout_s
         for room in self.rooms:
-            for decode_side in self.decode_transfers:
-                room.receivers.append(_start_receiver(config, decode_side, room))
-            for receiver in room.receivers:
-                receiver.send_metadata()
-            room.senders = _start_senders(config, self.prefill_transfers, self.targets, room)
+            room.receivers = [
+                body.receive(transfers, room.room, room.plan.decode_pages)
+                for body, transfers in zip(self.decode, self.decode_transfers, strict=True)
+            ]
+            room.senders = [
+                body.send(room.room, room.plan, targets)
+                for body, targets in zip(self.prefill, self.targets, strict=True)
+            ]
         if self.stall_s is None:
             for room in self.rooms:
-                for receiver in room.receivers:
-                    receiver.wait(max(0.0, deadline - time.monotonic()))
-                for sender in room.senders:
-                    sender.wait(max(0.0, deadline - time.monotonic()))
+                ends: list[KVReceiver | KVSender] = [*room.receivers, *room.senders]
+                for end in ends:
+                    end.wait(max(0.0, deadline - time.monotonic()))
         else:
             self.stopped = self._wait_while_progress(started, deadline, self.stall_s)
         self.elapsed_s = time.monotonic() - started
@@ -781,8 +754,10 @@ class _Run:
                 self.timeout_s,
                 self.stopped,
             )
-        self.notifications = all(w.arrival == "notification" for w in self.writers)
-        self._fail_unfinished()
+        for room in self.rooms:  # on decode, and (ROOM_FAILED) on prefill
+            for body, receiver in zip(self.decode, room.receivers, strict=True):
+                _fail_unfinished_receivers(body.handler, room.room, receiver)
+        _wait_unfinished([s for room in self.rooms for s in room.senders])
 
     def _wait_while_progress(self, started: float, deadline: float, stall_s: float) -> str | None:
         """Wait for every room until ``deadline``, or until no progress is possible; why it
@@ -799,7 +774,7 @@ class _Run:
             now = time.monotonic()
             if now >= deadline:
                 return None
-            received = sum(m.staging_stats().received for m in self.decode)
+            received = sum(d.manager.staging_stats().received for d in self.decode)
             if received == 0 and now - started >= stall_s:
                 return f"stopped after {now - started:.1f}s: decode got no staging message"
             arrivals = sum(self.tally.count(room.room) for room in self.rooms)
@@ -818,8 +793,8 @@ class _Run:
         config = self.config
         plans = [room.plan for room in self.rooms]
         stray: set[int] = set()
-        for pool in self.decode_pools:
-            stray |= stray_pages(pool, config, plans)
+        for body in self.decode:
+            stray |= stray_pages(body.pool, config, plans)
         return TransferReport(
             backend=name,
             prefill_tp=len(self.prefill),
@@ -833,79 +808,36 @@ class _Run:
                     room.decode_states,
                     room.prefill_states,
                     [
-                        chunks_landed(pool, config, d, room.plan)
-                        for d, pool in enumerate(self.decode_pools)
+                        chunks_landed(body.pool, config, body.rank, room.plan)
+                        for body in self.decode
                     ],
                     self.tally.count(room.room),
                 )
                 for room in self.rooms
             ),
-            decode_stats=tuple(m.staging_stats() for m in self.decode),
-            prefill_stats=tuple(m.staging_stats() for m in self.prefill),
+            decode_stats=tuple(d.manager.staging_stats() for d in self.decode),
+            prefill_stats=tuple(p.manager.staging_stats() for p in self.prefill),
             stray_pages=len(stray),
             elapsed_s=self.elapsed_s,
             timeout_s=self.timeout_s,
             stopped=self.stopped,
         )
 
-    def _fail_unfinished(self) -> None:
-        """Fail every room still running, on decode and (through ROOM_FAILED) on prefill, so
-        that the prefill workers drop its chunks and stop promptly."""
-        unfinished: list[KVSender] = []
-        for room in self.rooms:
-            for d, receiver in enumerate(room.receivers):
-                _fail_unfinished_receivers(self.handlers[d], room.room, receiver)
-            unfinished.extend(_unfinished(room.senders))
-        deadline = time.monotonic() + _TEARDOWN_S
-        for sender in unfinished:
-            sender.wait(max(0.0, deadline - time.monotonic()))
-
 
 # --------------------------------------------------------------------------- across processes
 
 
-@dataclass(frozen=True, slots=True)
-class _RankJob:
-    """What one rank process is given (pickled to it)."""
-
-    backend: ManagerFactory | str
-    role: Role
-    rank: int
-    config: TransferConfig
-    timeout_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class _RankInfo:
-    """What a rank tells the others once its manager is built (sent through the parent)."""
-
-    endpoint: str
-    curve_key: bytes | None
-    session_id: str
-    metadata: bytes
-    ring_base: int
-    """Decode: the staging ring's base address (0 on prefill)."""
-    notifications: bool
-    """Prefill: its writer signals arrival by notification."""
-
-
-def _run_across_processes(
-    backend: ManagerFactory | str, config: TransferConfig, timeout_s: float
-) -> TransferReport:
+def _run_across_processes(jobs: Sequence[_RankJob]) -> TransferReport:
     """``run_transfer(..., processes=True)``: the parent's side (arguments checked)."""
-    name, prefill_tp, decode_tp = config.backend, config.prefill_tp, config.decode_tp
+    config, timeout_s = jobs[0].config, jobs[0].timeout_s
+    name, prefill_tp = config.backend, config.prefill_tp
     try:
-        pickle.dumps(backend)
+        pickle.dumps(jobs[0].backend)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise ValueError(
             f"processes=True needs a backend the rank processes can import: a class, a "
             f"module-level function or a spec string; {name} cannot be pickled ({exc})"
         ) from None
-    jobs = [
-        _RankJob(backend, role, rank, config, timeout_s)
-        for role, tp in ((Role.PREFILL, prefill_tp), (Role.DECODE, decode_tp))
-        for rank in range(tp)
-    ]
     labels = [f"{job.role.value} rank {job.rank}" for job in jobs]
     everyone = list(range(len(jobs)))
     prefill = everyone[:prefill_tp]
@@ -920,8 +852,7 @@ def _run_across_processes(
                     f"{name} cannot run across processes: {exc.detail}"
                 ) from None
             raise
-        infos = [cast(_RankInfo, payload[0]) for payload in ready]
-        group.send(everyone, "peers", infos)
+        group.send(everyone, "peers", [payload[0] for payload in ready])
         group.gather(everyone, "wired", _STEP_S)
         group.send(everyone, "arm")
         group.gather(everyone, "armed", _STEP_S)
@@ -940,7 +871,6 @@ def _run_across_processes(
     made = _make_rooms(config)
     outcomes = [cast(list[tuple[KVPoll, str | None]], payload[0]) for payload in states]
     decode_out = [cast(_DecodeReport, payload[0]) for payload in decode_reports]
-    prefill_stats = [cast(StagingStats, payload[0]) for payload in prefill_reports]
     stray: set[int] = set()
     for out in decode_out:
         stray |= out.stray
@@ -962,11 +892,11 @@ def _run_across_processes(
     return TransferReport(
         backend=name,
         prefill_tp=prefill_tp,
-        decode_tp=decode_tp,
-        notifications=all(infos[r].notifications for r in prefill),
+        decode_tp=config.decode_tp,
+        notifications=all(ready[r][1] is True for r in prefill),
         rooms=tuple(room_reports),
         decode_stats=tuple(out.stats for out in decode_out),
-        prefill_stats=tuple(prefill_stats),
+        prefill_stats=tuple(cast(StagingStats, payload[0]) for payload in prefill_reports),
         stray_pages=len(stray),
         elapsed_s=elapsed,
         timeout_s=timeout_s,
@@ -995,10 +925,17 @@ def _rank_process(job: object, conn: Connection) -> None:
         if not isinstance(job, _RankJob):
             raise TypeError(f"not a rank job: {job!r}")
         torch.set_num_threads(1)
-        if job.role is Role.DECODE:
-            _decode_rank(job, link)
-        else:
-            _prefill_rank(job, link)
+        body = _body(job)
+        try:
+            reason = process_local_reason(body.manager.engine)
+            if reason is not None:
+                link.send("process-local", reason)
+            elif isinstance(body, DecodeBody):
+                _decode_rank(job, body, link)
+            else:
+                _prefill_rank(job, body, link)
+        finally:
+            body.close()
     except (EOFError, BrokenPipeError):
         logger.debug("the harness closed the pipe; rank process ends")
     except BaseException as exc:  # noqa: BLE001 - the parent gets every failure, in words
@@ -1008,34 +945,14 @@ def _rank_process(job: object, conn: Connection) -> None:
         link.close()
 
 
-def _built(job: _RankJob, link: ParentLink, stack: ExitStack) -> TransferManager | None:
-    """Build this rank's manager (closed by ``stack``); ``None`` after telling the parent
-    that its engine stays within one process (the rank then ends)."""
-    config = job.config
-    tp = config.prefill_tp if job.role is Role.PREFILL else config.decode_tp
-    manager = _factory(job.backend)(config.kv_args(tp, job.rank), role=job.role, attn_tp_size=tp)
-    stack.callback(manager.close)
-    reason = process_local_reason(manager.engine)
-    if reason is not None:
-        link.send("process-local", reason)
-        return None
-    return manager
-
-
-def _wire(manager: TransferManager, link: ParentLink, info: _RankInfo) -> list[_RankInfo]:
-    """Send this rank's info; trust every peer the parent sends back; start the listener.
-
-    The rank then registers its per-request handlers and calls :func:`_wired`: no rank sends
-    a room's message before every rank can route it.
-    """
-    link.send("ready", info)
+def _meet(body: DecodeBody | PrefillBody, link: ParentLink, notifications: bool) -> list[RankInfo]:
+    """Send this rank's info (and whether its writer notifies); wire to every rank the
+    parent sends back (:func:`_wire`). The rank then routes its rooms' messages and tells
+    the parent (:func:`_wired`): no rank sends a room's message before every rank can route
+    it."""
+    link.send("ready", body.info(), notifications)
     (peers,) = link.expect("peers")
-    infos = cast(list[_RankInfo], peers)
-    for peer in infos:
-        if peer.endpoint != info.endpoint:
-            manager.trust_peer(peer.endpoint, peer.curve_key)
-    manager.start()
-    return infos
+    return cast(list[RankInfo], peers)
 
 
 def _wired(link: ParentLink) -> None:
@@ -1044,113 +961,58 @@ def _wired(link: ParentLink) -> None:
     link.expect("arm")
 
 
-def _decode_rank(job: _RankJob, link: ParentLink) -> None:
+def _go(link: ParentLink) -> None:
+    """Tell the parent this rank's rooms are armed; wait until every rank's are."""
+    link.send("armed")
+    link.expect("go")
+
+
+def _states(link: ParentLink, ends: Sequence[KVReceiver | KVSender], timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) for every room, send their final states; wait for the
+    parent's ``finish``."""
+    deadline = time.monotonic() + timeout_s
+    for end in ends:
+        end.wait(max(0.0, deadline - time.monotonic()))
+    link.send("states", [(end.poll(), end.failure()) for end in ends])
+    link.expect("finish")
+
+
+def _decode_rank(job: _RankJob, body: DecodeBody, link: ParentLink) -> None:
     config = job.config
-    with ExitStack() as stack:
-        manager = _built(job, link, stack)
-        if manager is None:
-            return
-        pool = config.empty_pool(config.decode_tp, job.rank)
-        handler = enable_decode_staging(
-            manager, kv_buffers=pool, ring_bytes=ring_bytes(config), stall_timeout_s=job.timeout_s
-        )
-        tally = _ArrivalTally()
-        tally.tap(handler)
-        engine = manager.engine
-        info = _RankInfo(
-            manager.endpoint,
-            manager.curve_key,
-            engine.session_id,
-            engine.metadata(),
-            handler.allocator.base_ptr,
-            False,
-        )
-        infos = _wire(manager, link, info)
-        prefill_endpoints = [peer.endpoint for peer in infos[: config.prefill_tp]]
-        transfers = DecodeTransfers(manager, handler, prefill_endpoints)
-        _wired(link)
-        rooms = _make_rooms(config)
-        receivers = [_start_receiver(config, transfers, room) for room in rooms]
-        for receiver in receivers:
-            receiver.send_metadata()
-        link.send("armed")
-        link.expect("go")
-        deadline = time.monotonic() + job.timeout_s
-        for receiver in receivers:
-            receiver.wait(max(0.0, deadline - time.monotonic()))
-        link.send("states", [(r.poll(), r.failure()) for r in receivers])
-        link.expect("finish")
-        for room, receiver in zip(rooms, receivers, strict=True):
-            _fail_unfinished_receivers(handler, room.room, receiver)
-        link.send("finished")
-        link.expect("close")
-        stack.close()  # the manager: no arrival or scatter is late for the checks below
-        report = _DecodeReport(
-            chunks_ok=[chunks_landed(pool, config, job.rank, room.plan) for room in rooms],
-            arrivals=[tally.count(room.room) for room in rooms],
-            stray=stray_pages(pool, config, [room.plan for room in rooms]),
-            stats=manager.staging_stats(),
-        )
-        link.send("report", report)
-
-
-def _prefill_rank(job: _RankJob, link: ParentLink) -> None:
-    config = job.config
-    with ExitStack() as stack:
-        manager = _built(job, link, stack)
-        if manager is None:
-            return
-        pool = config.empty_pool(config.prefill_tp, job.rank)
-        writer = enable_prefill_staging(
-            manager,
-            kv_buffers=pool,
-            max_chunk_pages=config.chunk_pages,
-            timeouts=PrefillTimeouts(deadline_s=job.timeout_s),
-        )
-        engine = manager.engine
-        info = _RankInfo(
-            manager.endpoint,
-            manager.curve_key,
-            engine.session_id,
-            engine.metadata(),
-            0,
-            writer.arrival == "notification",
-        )
-        infos = _wire(manager, link, info)
-        decode_infos = infos[config.prefill_tp :]
-        for peer in decode_infos:
-            engine.add_peer(peer.session_id, peer.metadata)
-        targets = [
-            DecodeTarget(d, peer.session_id, peer.endpoint, peer.ring_base, ring_bytes(config))
-            for d, peer in enumerate(decode_infos)
-        ]
-        transfers = PrefillTransfers(manager, writer, meta_timeout_s=job.timeout_s)
-        stack.callback(transfers.close, _TEARDOWN_S)
-        _wired(link)
-        rooms = _make_rooms(config)
-        fill_prefill_pool(pool, config, job.rank)
-        link.send("armed")
-        link.expect("go")
-        deadline = time.monotonic() + job.timeout_s
-        senders = [_start_senders(config, [transfers], targets, room)[0] for room in rooms]
-        for sender in senders:
-            sender.wait(max(0.0, deadline - time.monotonic()))
-        link.send("states", [(s.poll(), s.failure()) for s in senders])
-        link.expect("finish")
-        teardown = time.monotonic() + _TEARDOWN_S
-        for sender in _unfinished(senders):
-            sender.wait(max(0.0, teardown - time.monotonic()))
-        link.send("finished")
-        link.expect("close")
-        stack.close()  # the workers, then the manager
-        link.send("report", manager.staging_stats())
-
-
-def _writers(prefill_tp: int, decode_tp: int, decode_rank: int) -> range:
-    """The prefill ranks that write into a decode rank (from first principles)."""
-    if prefill_tp >= decode_tp:
-        per = prefill_tp // decode_tp
-        return range(decode_rank * per, (decode_rank + 1) * per)
-    return range(
-        decode_rank // (decode_tp // prefill_tp), decode_rank // (decode_tp // prefill_tp) + 1
+    tally = _ArrivalTally()
+    tally.tap(body.handler)
+    infos = _meet(body, link, False)
+    _wire(body, infos)
+    transfers = _decode_transfers(body, infos)
+    _wired(link)
+    rooms = _make_rooms(config)
+    receivers = [body.receive(transfers, room.room, room.plan.decode_pages) for room in rooms]
+    _go(link)
+    _states(link, receivers, job.timeout_s)
+    for room, receiver in zip(rooms, receivers, strict=True):
+        _fail_unfinished_receivers(body.handler, room.room, receiver)
+    link.send("finished")
+    link.expect("close")
+    body.close()  # no arrival or scatter is late for the checks below
+    report = _DecodeReport(
+        chunks_ok=[chunks_landed(body.pool, config, job.rank, room.plan) for room in rooms],
+        arrivals=[tally.count(room.room) for room in rooms],
+        stray=stray_pages(body.pool, config, [room.plan for room in rooms]),
+        stats=body.manager.staging_stats(),
     )
+    link.send("report", report)
+
+
+def _prefill_rank(job: _RankJob, body: PrefillBody, link: ParentLink) -> None:
+    targets = _wire(body, _meet(body, link, body.writer.arrival == "notification"))
+    _wired(link)
+    rooms = _make_rooms(job.config)
+    _go(link)
+    senders = [body.send(room.room, room.plan, targets) for room in rooms]
+    _states(link, senders, job.timeout_s)
+    _wait_unfinished(senders)
+    link.send("finished")
+    link.expect("close")
+    body.close_side(_TEARDOWN_S)  # the workers (bounded), then the manager
+    body.close()
+    link.send("report", body.manager.staging_stats())

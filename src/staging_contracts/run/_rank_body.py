@@ -1,16 +1,17 @@
-"""The one body of a rank process: what a demo rank (:mod:`.rank`, a list of requests) and a
-soak rank (:mod:`.soak_rank`, served commands) build alike.
+"""The one body of a rank: what a demo rank (``cluster.rank``, a list of requests), a soak rank
+(``cluster.soak_rank``, served commands) and the harness's ranks (``testing.harness``, in one
+process or a process each) build alike.
 
 :class:`RankBody` is a rank's backend (built from the spec string in this process) and what
 every path does with it: trust peers, count registered regions, close. The staged sides add
 their staging set-up: :class:`DecodeBody` (an empty pool, the decode handler, the published
 ring) and :class:`PrefillBody` (a filled pool, the staging writer and its transfers). A demo
-rank's per-token and raw paths (over :mod:`.plain_paths`) use :class:`RankBody` as it is.
+rank's per-token and raw paths (``cluster.plain_paths``) use :class:`RankBody` as it is.
 
 Nothing here starts the control listener: the caller does (``body.common.start()``), after
 whatever must precede it (a metrics pusher, a fault on the peer sockets, device settling).
 
-**Thread:** the rank's main thread builds and closes a body.
+**Thread:** the rank's main thread (the harness's, in one process) builds and closes a body.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import torch
 
@@ -31,10 +34,13 @@ from ..backends.staging_setup import StagingBackend, enable_decode_staging, enab
 from ..decode.handler import DecodeStagingHandler
 from ..prefill.writer import DecodeTarget, PrefillTimeouts, StagingWriter
 from ..protocols import KVBufferTensors
-from ..run.workload import RequestPlan, TransferConfig, fill_prefill_pool, ring_bytes
-from .bootstrap import RankInfo, curve_key_text
+from ._rank_info import RankInfo, curve_key_text
+from .workload import RequestPlan, TransferConfig, fill_prefill_pool, ring_bytes
 
 logger = logging.getLogger(__name__)
+
+BackendRef: TypeAlias = str | type | Callable[..., object]
+"""What builds a rank's manager: a backend spec string, class or factory."""
 
 
 def demo_prefill_timeouts() -> PrefillTimeouts:
@@ -53,10 +59,12 @@ class BodyOptions:
     """How a rank's backend and staging are set up beyond the workload (``None``: the
     library's default)."""
 
-    host: str = "127.0.0.1"
-    """Where the control listener and the engine bind."""
-    log_level: int = logging.WARNING
-    """The rank's log level (a soak rank's lines; the floor of NIXL's own logger)."""
+    host: str | None = "127.0.0.1"
+    """Where the control listener and the engine bind (``None``: the backend's default, and
+    no ``host`` argument, as the standard constructor has none)."""
+    log_level: int | None = logging.WARNING
+    """The rank's log level (a soak rank's lines; the floor of NIXL's own logger); ``None``
+    leaves the loggers as they are (the harness, in the caller's process)."""
     liveness_timeout_s: float | None = None
     liveness_interval_s: float | None = None
     """Peer liveness bounds; they reach the manager's ``PeerLiveness`` through this process's
@@ -72,22 +80,36 @@ class BodyOptions:
 
 class RankBody:
     """One rank's backend, as the staging set-up (:attr:`manager`) and as the contract's
-    ``CommonKVManager`` (:attr:`common`: every backend is one)."""
+    ``CommonKVManager`` (:attr:`common`: every backend is one).
 
-    def __init__(self, config: TransferConfig, role: Role, rank: int, options: BodyOptions) -> None:
+    ``backend`` builds the manager: a spec string, a backend class or a factory with the
+    standard constructor (checked by :func:`~staging_contracts.backends.resolve_backend`);
+    ``None`` is ``config.backend``.
+    """
+
+    def __init__(
+        self,
+        config: TransferConfig,
+        role: Role,
+        rank: int,
+        options: BodyOptions,
+        backend: BackendRef | None = None,
+    ) -> None:
         self.config = config
         self.role = role
         self.rank = rank
         tp = config.prefill_tp if role is Role.PREFILL else config.decode_tp
-        factory = resolve_backend(config.backend)  # a name or MODULE:CLASS[=MODULE:FACTORY]
-        logging.getLogger("nixl").setLevel(max(logging.WARNING, options.log_level))
+        factory = resolve_backend(config.backend if backend is None else backend)
+        if options.log_level is not None:
+            logging.getLogger("nixl").setLevel(max(logging.WARNING, options.log_level))
         for variable, value in (
             (settings.LIVENESS_TIMEOUT_S, options.liveness_timeout_s),
             (settings.LIVENESS_INTERVAL_S, options.liveness_interval_s),
         ):
             if value is not None:
                 os.environ[variable.name] = repr(value)
-        manager = factory(config.kv_args(tp, rank), role=role, attn_tp_size=tp, host=options.host)
+        where = {} if options.host is None else {"host": options.host}
+        manager = factory(config.kv_args(tp, rank), role=role, attn_tp_size=tp, **where)
         self.manager: StagingBackend = manager
         self.common: CommonKVManager = manager  # type: ignore[assignment]
         if options.prepare is not None:
@@ -122,6 +144,16 @@ class RankBody:
         count = getattr(self.manager.engine, "registered_regions", -1)
         return int(count) if isinstance(count, int) else -1
 
+    @contextmanager
+    def _closed_on_error(self) -> Iterator[None]:
+        """The side's staging set-up: the backend is closed if it raises (the body is never
+        returned, so nobody else could close it)."""
+        try:
+            yield
+        except BaseException:
+            self.common.close()
+            raise
+
     def close_side(self, timeout_s: float | None = None) -> None:
         """Close what the side opened beyond the backend (bounded by ``timeout_s`` where it
         waits); idempotent."""
@@ -146,16 +178,23 @@ class RankBody:
 class DecodeBody(RankBody):
     """A staged decode rank: an empty pool, its staging handler and ring."""
 
-    def __init__(self, config: TransferConfig, rank: int, options: BodyOptions) -> None:
+    def __init__(
+        self,
+        config: TransferConfig,
+        rank: int,
+        options: BodyOptions,
+        backend: BackendRef | None = None,
+    ) -> None:
         self.pool: KVBufferTensors = config.empty_pool(config.decode_tp, rank)
-        super().__init__(config, Role.DECODE, rank, options)
-        self.handler: DecodeStagingHandler = enable_decode_staging(
-            self.manager,
-            kv_buffers=self.pool,
-            ring_bytes=ring_bytes(config),
-            stall_timeout_s=options.stall_timeout_s,
-            integrity=options.integrity,
-        )
+        super().__init__(config, Role.DECODE, rank, options, backend)
+        with self._closed_on_error():
+            self.handler: DecodeStagingHandler = enable_decode_staging(
+                self.manager,
+                kv_buffers=self.pool,
+                ring_bytes=ring_bytes(config),
+                stall_timeout_s=options.stall_timeout_s,
+                integrity=options.integrity,
+            )
 
     def info(
         self, ring_base: int = 0, ring_size: int = 0, pool_ptrs: tuple[int, ...] = ()
@@ -184,19 +223,26 @@ class DecodeBody(RankBody):
 class PrefillBody(RankBody):
     """A staged prefill rank: a pool holding every request, its writer and transfers."""
 
-    def __init__(self, config: TransferConfig, rank: int, options: BodyOptions) -> None:
+    def __init__(
+        self,
+        config: TransferConfig,
+        rank: int,
+        options: BodyOptions,
+        backend: BackendRef | None = None,
+    ) -> None:
         self.pool: KVBufferTensors = filled_prefill_pool(config, rank)
-        super().__init__(config, Role.PREFILL, rank, options)
-        self.writer: StagingWriter = enable_prefill_staging(
-            self.manager,
-            kv_buffers=self.pool,
-            max_chunk_pages=config.chunk_pages,
-            timeouts=options.prefill_timeouts,
-            integrity=options.integrity,
-        )
-        self.transfers = PrefillTransfers(
-            self.common, self.writer, meta_timeout_s=options.meta_timeout_s
-        )
+        super().__init__(config, Role.PREFILL, rank, options, backend)
+        with self._closed_on_error():
+            self.writer: StagingWriter = enable_prefill_staging(
+                self.manager,
+                kv_buffers=self.pool,
+                max_chunk_pages=config.chunk_pages,
+                timeouts=options.prefill_timeouts,
+                integrity=options.integrity,
+            )
+            self.transfers = PrefillTransfers(
+                self.common, self.writer, meta_timeout_s=options.meta_timeout_s
+            )
         self.sessions: dict[str, bytes] = {}
         """Decode engines added so far: session id -> its metadata."""
 
