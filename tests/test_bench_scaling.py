@@ -254,7 +254,8 @@ def test_csv_and_json_shapes(tmp_path: Path) -> None:
     assert lines[0]["dimension"] == "tokens"
     assert float(lines[0]["staged_gbps"]) == pytest.approx(result.rows[0].staged_gbps)
     data = json.loads((tmp_path / "out" / "scaling.json").read_text())
-    assert set(data) == {"plan", "machine", "skipped", "fits", "rows"}
+    assert set(data) == {"partial", "interrupted", "plan", "machine", "skipped", "fits", "rows"}
+    assert (data["partial"], data["interrupted"]) == (False, None)
     assert data["skipped"] == {"x": "gone"}
     assert data["plan"]["base"]["tokens"] == 256
     assert data["plan"]["tp"] == ["2->1"]

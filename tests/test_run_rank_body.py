@@ -40,9 +40,9 @@ class Recording(LocalKVManager):
         constructed.append(rest)
         super().__init__(kv_args, role=role, attn_tp_size=attn_tp_size, **rest)
 
-    def close(self) -> None:
+    def close(self, *args: Any, **kwargs: Any) -> Any:
         closed.append(self.role)
-        super().close()
+        return super().close(*args, **kwargs)
 
 
 @pytest.fixture(autouse=True)

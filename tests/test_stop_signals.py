@@ -1,4 +1,5 @@
-"""SIGTERM to ``demo`` and ``soak`` mid-run: every rank stops within 5 s, a partial summary."""
+"""SIGTERM (or SIGINT) to ``demo``, ``soak`` and ``bench`` mid-run: every rank stops within
+5 s, and what was measured so far is printed, marked partial."""
 
 from __future__ import annotations
 
@@ -46,9 +47,11 @@ def _alive(pid: int) -> bool:
     return "\nState:\tZ" not in status  # a zombie has stopped; init reaps it
 
 
-def _interrupt_mid_run(args: list[str], ranks: int, signum: int) -> tuple[str, int, list[int]]:
-    """Start the command, wait for its ``ranks`` rank processes and a while more, signal it;
-    its output, exit status and rank pids."""
+def _interrupt_mid_run(
+    args: list[str], ranks: int, signum: int, settle_s: float = 4.0
+) -> tuple[str, int, list[int]]:
+    """Start the command, wait for its ``ranks`` rank processes and ``settle_s`` more, signal
+    it; its output, exit status and the rank pids still alive."""
     process = subprocess.Popen(
         [sys.executable, "-m", "staging_contracts.cli", *args],
         cwd=REPO,
@@ -63,7 +66,7 @@ def _interrupt_mid_run(args: list[str], ranks: int, signum: int) -> tuple[str, i
             time.sleep(0.2)
             pids = _rank_pids(process.pid)
         assert len(pids) == ranks, f"ranks not up: {pids}, exit status {process.poll()}"
-        time.sleep(4)  # the ranks started their work
+        time.sleep(settle_s)  # the ranks started their work
         assert process.poll() is None, "the run ended before the signal"
         process.send_signal(signum)
         sent = time.monotonic()
@@ -120,3 +123,29 @@ def test_sigterm_to_soak_stops_every_rank_and_prints_a_partial_summary(tmp_path:
     doc = json.loads(summary.read_text())
     assert (doc["partial"], doc["interrupted"], doc["verdict"]) == (True, "SIGTERM", "FAIL")
     assert doc["rooms"]["started"] >= doc["rooms"]["succeeded"]
+
+
+def test_sigterm_to_bench_stops_every_rank_and_prints_the_rows_measured(tmp_path: Path) -> None:
+    """The contract group ended before the signal: its rows are printed (and written); the
+    transfer group's ranks are killed, none of its rows is made up."""
+    rows = tmp_path / "rows.json"
+    args = ["bench", "contract", "transfer", "--quick", "--backend", "nixl", "--json", str(rows)]
+    out, status, left = _interrupt_mid_run(args, ranks=6, signum=signal.SIGTERM, settle_s=1.0)
+    assert status == 143, out
+    assert not left, f"rank processes left running: {left}"
+    assert "PARTIAL: interrupted by SIGTERM" in out
+    names = [row["name"] for row in json.loads(rows.read_text())]
+    assert names, out
+    assert all(name.startswith("contract.") for name in names), names
+    assert all(name in out for name in names)
+    assert "transfer.nixl" not in out
+
+
+def test_sigint_to_bench_scaling_writes_a_partial_sweep(tmp_path: Path) -> None:
+    args = ["bench", "scaling", "--quick", "--backend", "nixl", "--out", str(tmp_path)]
+    out, status, left = _interrupt_mid_run(args, ranks=3, signum=signal.SIGINT, settle_s=0.5)
+    assert status == 130, out
+    assert not left, f"rank processes left running: {left}"
+    assert "PARTIAL: interrupted by SIGINT" in out
+    doc = json.loads((tmp_path / "scaling.json").read_text())
+    assert (doc["partial"], doc["interrupted"]) == (True, "SIGINT")

@@ -516,10 +516,12 @@ def _run_bench(args: argparse.Namespace) -> int:
     from .bench import (  # noqa: PLC0415 - heavy
         GROUPS,
         BenchOptions,
+        BenchRow,
         format_table,
         run_groups,
         write_json,
     )
+    from .run import Interrupted, exit_status, stop_on_signals  # noqa: PLC0415
 
     if "scaling" in args.groups:
         return _run_scaling(args)
@@ -550,11 +552,20 @@ def _run_bench(args: argparse.Namespace) -> int:
             print(f"staging-contracts bench: {exc}", file=sys.stderr)
             return EXIT_USAGE
     options = BenchOptions(quick=args.quick, device=args.device, backends=backends)
-    rows = run_groups(args.groups or None, options, progress=_progress)
+    rows: list[BenchRow] = []
+    with stop_on_signals(raise_on_signal=True) as stop:
+        try:  # group by group, so that a stop keeps the groups that ended
+            for group in args.groups or list(GROUPS):
+                rows += run_groups([group], options, progress=_progress)
+        except Interrupted:  # the group's ranks are killed as it unwinds
+            pass
     print(format_table(rows))
     if args.json:
         write_json(rows, args.json)
         print(f"wrote {len(rows)} rows to {args.json}")
+    if stop.name is not None:
+        print(f"PARTIAL: interrupted by {stop.name}: the rows of the groups that ended before it")
+        return exit_status(stop.name)
     return EXIT_OK
 
 
@@ -563,6 +574,7 @@ def _run_scaling(args: argparse.Namespace) -> int:
     from .bench import BenchOptions  # noqa: PLC0415 - heavy
     from .bench.plots import matplotlib_missing, write_plots  # noqa: PLC0415
     from .bench.scaling import run_scaling  # noqa: PLC0415
+    from .run import exit_status, stop_on_signals  # noqa: PLC0415
 
     refusal = None
     if args.groups != ["scaling"]:
@@ -577,7 +589,8 @@ def _run_scaling(args: argparse.Namespace) -> int:
     backends = tuple(args.backends) if args.backends else None
     try:
         options = BenchOptions(quick=args.quick, device=args.device, backends=backends)
-        result = run_scaling(options, progress=_progress)
+        with stop_on_signals(raise_on_signal=True):
+            result = run_scaling(options, progress=_progress)
     except ValueError as exc:
         print(f"staging-contracts bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -586,6 +599,8 @@ def _run_scaling(args: argparse.Namespace) -> int:
     if args.plot is not None:
         paths += write_plots(result, args.plot)
     print("wrote " + ", ".join(str(path) for path in paths))
+    if result.interrupted is not None:
+        return exit_status(result.interrupted)
     if not result.rows:
         print("staging-contracts bench: no engine could be run", file=sys.stderr)
     return EXIT_OK if result.ok else EXIT_NONCONFORMING

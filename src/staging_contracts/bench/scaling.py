@@ -82,6 +82,7 @@ import torch
 from ..cluster.preflight import preflight
 from ..cluster.runner import ClusterResult, run_cluster
 from ..engines import engine_available
+from ..run import Interrupted
 from ..run.workload import Device, TransferConfig
 from . import BenchOptions
 
@@ -375,15 +376,21 @@ class ScalingResult:
     """Engine -> why it was not run (it does not import)."""
     machine: dict[str, Any] = field(default_factory=dict)
     """CPU count and load averages before and after the sweep."""
+    interrupted: str | None = None
+    """The stop signal that ended the sweep early (``"SIGTERM"``), or ``None``; the rows are
+    then the points measured before it."""
 
     @property
     def ok(self) -> bool:
-        """At least one engine ran, and every point verified."""
-        return bool(self.rows) and all(row.ok for row in self.rows)
+        """At least one engine ran, every point verified, and the sweep was not stopped."""
+        return bool(self.rows) and all(row.ok for row in self.rows) and not self.interrupted
 
     def as_json(self) -> dict[str, Any]:
-        """The result as JSON-ready values: plan, machine, skipped engines, fits, rows."""
+        """The result as JSON-ready values: whether it is partial, plan, machine, skipped
+        engines, fits, rows."""
         return {
+            "partial": self.interrupted is not None,
+            "interrupted": self.interrupted,
             "plan": self.plan.describe(),
             "machine": self.machine,
             "skipped": self.skipped,
@@ -471,6 +478,10 @@ class ScalingResult:
         lines.extend(f"  {fit.describe()}" for fit in self.fits)
         if not self.fits:
             lines.append("  (no series with two points to fit)")
+        if self.interrupted is not None:
+            lines.append(
+                f"PARTIAL: interrupted by {self.interrupted}: the points measured before it"
+            )
         return "\n".join(lines)
 
 
@@ -623,7 +634,10 @@ def run_scaling(
     **Blocking:** every point's cluster runs (staged, and raw where its TP pair and bytes
     are new), ``plan.runs`` staged runs a point, each bounded by ``plan.run_timeout_s``:
     about 20 minutes in all for the full plan on two loaded cores, most of it starting rank
-    processes.
+    processes. Under :func:`~staging_contracts.run.stop_on_signals` (raising), a stop signal
+    ends the sweep: the point being measured is dropped (its ranks are killed as the
+    :class:`~staging_contracts.run.Interrupted` unwinds the run), the rows before it are
+    returned, with :attr:`ScalingResult.interrupted` set.
 
     Raises:
         ValueError: a backend that is not one of :data:`ENGINES`, or ``device="cuda"``
@@ -648,15 +662,19 @@ def run_scaling(
     rows: list[ScalingRow] = []
     skipped: dict[str, str] = {}
     points = chosen.points()
-    for engine in dict.fromkeys(engines):
-        available, reason = engine_available(engine)
-        if not available:
-            skipped[engine] = reason
-            say(f"bench scaling: skipping {engine}: {reason}")
-            continue
-        rows.extend(_sweep(engine, points, chosen, say))
+    interrupted = None
+    try:
+        for engine in dict.fromkeys(engines):
+            available, reason = engine_available(engine)
+            if not available:
+                skipped[engine] = reason
+                say(f"bench scaling: skipping {engine}: {reason}")
+                continue
+            _sweep(engine, points, chosen, say, rows)
+    except Interrupted as stop:  # a driver under stop_on_signals: keep what was measured
+        interrupted = str(stop)
     machine["load_after"] = _load()
-    return ScalingResult(chosen, tuple(rows), tuple(fit_rows(rows)), skipped, machine)
+    return ScalingResult(chosen, tuple(rows), tuple(fit_rows(rows)), skipped, machine, interrupted)
 
 
 def _load() -> list[float]:
@@ -678,17 +696,20 @@ class _Measured:
 
 
 def _sweep(
-    engine: str, points: list[ScalingPoint], plan: ScalingPlan, say: Callable[[str], None]
-) -> list[ScalingRow]:
-    """Every point of one engine: each distinct staged run ``plan.runs`` times (stopping at
-    its first failure), the raw write once per TP pair and byte count (the first point with
-    them is run in ``mode="raw"``)."""
+    engine: str,
+    points: list[ScalingPoint],
+    plan: ScalingPlan,
+    say: Callable[[str], None],
+    rows: list[ScalingRow],
+) -> None:
+    """Every point of one engine, each row added to ``rows`` as soon as it is measured: each
+    distinct staged run ``plan.runs`` times (stopping at its first failure), the raw write
+    once per TP pair and byte count (the first point with them is run in ``mode="raw"``)."""
     configs = [replace(point.config, backend=engine) for point in points]
     runs: dict[TransferConfig, list[_Measured]] = {}
     raw: dict[tuple[int, int, int], _Measured] = {}
     total = len(set(configs)) * plan.runs + len({_raw_key(config) for config in configs})
     done = 0
-    rows: list[ScalingRow] = []
     for point, config in zip(points, configs, strict=True):
         nbytes = config.request_bytes * config.requests
         where = f"{engine} {point.dimension}={point.value}"
@@ -709,7 +730,6 @@ def _sweep(
             say(f"bench scaling: {where}, raw write ({done}/{total})")
             raw[key] = _measure(replace(config, mode="raw"), plan)
         rows.append(_row(engine, point, config, nbytes, runs[config], raw[key]))
-    return rows
 
 
 def _row(
