@@ -193,7 +193,7 @@ def test_a_plain_decode_rank_settles_its_zeros_before_the_writers_may_write(
 ) -> None:
     """Allocated zeroed, synchronised, then registered and published; after the warm-up,
     zeroed, synchronised, then the writers are let in (barrier 'rooms')."""
-    rank_module._run_plain_decode(0, cuda_config(mode=mode), "tcp://b", lambda *a, **k: None)
+    rank_module._run_plain_decode(_run(mode))
     # the raw buffer is a real tensor: its zeroing is not recorded (the helper's test has it)
     zero = ["zero"] if mode == "per-token" else []
     expected = ["sync", "register", "publish", "warm-rooms", *zero, "sync", "rooms", "done"]
@@ -207,7 +207,12 @@ def test_a_plain_prefill_rank_settles_its_source_before_the_engine_reads_it(
 ) -> None:
     """The pool filled (or the raw source copied), synchronised, then registered; writes
     only after the barriers."""
-    rank_module._run_plain_prefill(0, cuda_config(mode=mode), "tcp://b", lambda *a, **k: None)
+    rank_module._run_plain_prefill(_run(mode))
     source = ["fill", "sync"] if mode == "per-token" else ["sync"]
     expected = [*source, "register", "publish", "warm-rooms", "write", "rooms", "write", "done"]
     assert _ordered(events) == expected
+
+
+def _run(mode: str) -> Any:
+    """Rank 0's run of ``mode`` on "cuda", its events dropped."""
+    return rank_module._RankRun(0, cuda_config(mode=mode), "tcp://b", lambda event: None)

@@ -79,3 +79,9 @@ def test_a_body_without_a_host_uses_the_standard_constructor() -> None:
         body.close()
     body.close()  # idempotent
     assert closed == [Role.DECODE]
+
+
+def test_a_plain_body_is_given_its_role() -> None:
+    with pytest.raises(ValueError, match="needs its role"):
+        rank_body.RankBody(CONFIG, 0, HARNESS_LIKE, Recording)
+    assert constructed == []  # refused before any backend was built

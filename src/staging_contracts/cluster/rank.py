@@ -47,7 +47,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from types import FrameType
@@ -173,15 +173,14 @@ def rank_main(
 
     pusher = MetricsPusher(ctx, report_to, role, rank, config.backend) if metrics else None
     try:
-        staged = config.mode == "staged"
-        run: Callable[[int, TransferConfig, str, Report], RankSummary]
-        if role == "decode":
-            run = partial(_run_decode, pusher=pusher) if staged else _run_plain_decode
-        else:
-            run = partial(_run_prefill, pusher=pusher) if staged else _run_plain_prefill
-        summary = run(rank, config, bootstrap, report)
+        path = _PATHS[role == "decode", config.mode == "staged"]
+        summary = path(_RankRun(rank, config, bootstrap, report, pusher))
         phase = "done"
-        report(replace(summary, ok=True, mode=config.mode, peak_rss_bytes=peak_rss_bytes()))
+        # The kernel keeps its high-water marks lazily (and reads ru_maxrss from approximate
+        # per-CPU counters): a peak read at ``done`` may exceed one read now. The larger is.
+        seen = summary.memory.peak_rss_before_verify_bytes if summary.memory else 0
+        peak = max(peak_rss_bytes(), seen)
+        report(replace(summary, ok=True, mode=config.mode, peak_rss_bytes=peak))
     except BaseException as exc:  # noqa: BLE001 - a rank reports every failure, then exits
         report(
             RankSummary(
@@ -205,13 +204,23 @@ def _options(config: TransferConfig) -> BodyOptions:
     return BodyOptions(host=config.host)
 
 
-def _run_decode(
-    rank: int,
-    config: TransferConfig,
-    bootstrap: str,
-    report: Report,
-    pusher: MetricsPusher | None = None,
-) -> RankSummary:
+@dataclass(frozen=True, slots=True)
+class _RankRun:
+    """What every path of a rank runs with."""
+
+    rank: int
+    config: TransferConfig
+    bootstrap: str
+    """The bootstrap server (``tcp://host:port``)."""
+    report: Report
+    """Where the rank's events go."""
+    pusher: MetricsPusher | None = None
+    """A staged rank's counters' pusher (the driver relays metrics), else ``None``."""
+
+
+def _run_decode(run: _RankRun) -> RankSummary:
+    rank, config, bootstrap = run.rank, run.config, run.bootstrap
+    report, pusher = run.report, run.pusher
     body = DecodeBody(config, rank, _options(config))
     common, allocator = body.common, body.handler.allocator
     try:
@@ -276,13 +285,9 @@ def _run_decode(
         body.close()
 
 
-def _run_prefill(
-    rank: int,
-    config: TransferConfig,
-    bootstrap: str,
-    report: Report,
-    pusher: MetricsPusher | None = None,
-) -> RankSummary:
+def _run_prefill(run: _RankRun) -> RankSummary:
+    rank, config, bootstrap = run.rank, run.config, run.bootstrap
+    report, pusher = run.report, run.pusher
     body = PrefillBody(config, rank, _options(config))
     common, writer = body.common, body.writer
     try:
@@ -358,12 +363,12 @@ def _run_prefill(
         body.close()
 
 
-def _run_plain_decode(
-    rank: int, config: TransferConfig, bootstrap: str, report: Report
-) -> RankSummary:
+def _run_plain_decode(run: _RankRun) -> RankSummary:
     """A decode rank of the per-token or raw path (``config.mode``; see
     :mod:`~staging_contracts.cluster.plain_paths`): its pool, or its raw buffer, registered
     with the engine and published; a room ends when every writer's ``PLAIN_DONE`` arrived."""
+    rank, config, bootstrap = run.rank, run.config, run.bootstrap
+    report = run.report
     raw = config.mode == "raw"
     device = config.torch_device
     pool = None if raw else config.empty_pool(config.decode_tp, rank)
@@ -378,7 +383,7 @@ def _run_plain_decode(
     regions = [(buffer.data_ptr(), buffer.numel())] if buffer is not None else []
     if pool is not None:
         regions = pool_regions(pool)
-    body = RankBody(config, Role.DECODE, rank, _options(config))
+    body = RankBody(config, rank, _options(config), role=Role.DECODE)
     manager, common = body.manager, body.common
     book = ArrivalBook(prefill_ranks_for_decode(config.prefill_tp, config.decode_tp, rank))
     try:
@@ -445,11 +450,11 @@ def _run_plain_decode(
         body.close()
 
 
-def _run_plain_prefill(
-    rank: int, config: TransferConfig, bootstrap: str, report: Report
-) -> RankSummary:
+def _run_plain_prefill(run: _RankRun) -> RankSummary:
     """A prefill rank of the per-token or raw path: every write of a request to each decode
     rank it feeds (planned before the clock starts), then ``PLAIN_DONE`` to that rank."""
+    rank, config, bootstrap = run.rank, run.config, run.bootstrap
+    report = run.report
     raw = config.mode == "raw"
     fed = list(decode_ranks_for_prefill(config.prefill_tp, config.decode_tp, rank))
     plans = request_plans(config)
@@ -460,7 +465,7 @@ def _run_plain_prefill(
     regions = pool_regions(pool) if pool is not None else []
     if source is not None:
         regions = [(source.data_ptr(), source.numel())]
-    body = RankBody(config, Role.PREFILL, rank, _options(config))
+    body = RankBody(config, rank, _options(config), role=Role.PREFILL)
     manager, common = body.manager, body.common
     try:
         engine = manager.engine
@@ -546,6 +551,15 @@ def _run_plain_prefill(
         )
     finally:
         body.close()
+
+
+_PATHS: Final[dict[tuple[bool, bool], Callable[[_RankRun], RankSummary]]] = {
+    (True, True): _run_decode,
+    (True, False): _run_plain_decode,
+    (False, True): _run_prefill,
+    (False, False): _run_plain_prefill,
+}
+"""A rank's path by (it is a decode rank, the run is staged)."""
 
 
 def _zero_for_timed(

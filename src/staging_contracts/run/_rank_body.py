@@ -19,10 +19,9 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import ClassVar, TypeAlias
 
 import torch
 
@@ -87,17 +86,27 @@ class RankBody:
     ``None`` is ``config.backend``.
     """
 
+    side: ClassVar[Role | None] = None
+    """The role of every body of the class (the staged sides'); a plain body is given one."""
+
     def __init__(
         self,
         config: TransferConfig,
-        role: Role,
         rank: int,
         options: BodyOptions,
         backend: BackendRef | None = None,
+        *,
+        role: Role | None = None,
     ) -> None:
+        role = role if role is not None else self.side
+        if role is None:
+            raise ValueError("a plain rank body needs its role")
         self.config = config
         self.role = role
         self.rank = rank
+        self._closed = False
+        self._side_closed = False
+        self._make_pool()
         tp = config.prefill_tp if role is Role.PREFILL else config.decode_tp
         factory = resolve_backend(config.backend if backend is None else backend)
         if options.log_level is not None:
@@ -112,10 +121,19 @@ class RankBody:
         manager = factory(config.kv_args(tp, rank), role=role, attn_tp_size=tp, **where)
         self.manager: StagingBackend = manager
         self.common: CommonKVManager = manager  # type: ignore[assignment]
-        if options.prepare is not None:
-            options.prepare(self.manager)
-        self._closed = False
-        self._side_closed = False
+        try:
+            if options.prepare is not None:
+                options.prepare(self.manager)
+            self._stage(options)
+        except BaseException:  # the body is never returned: nobody else could close it
+            self.common.close()
+            raise
+
+    def _make_pool(self) -> None:
+        """The side's KV pool, made before the backend (a plain rank's is the caller's)."""
+
+    def _stage(self, options: BodyOptions) -> None:
+        """The side's staging set-up, once the backend is built (none on a plain rank)."""
 
     def info(
         self, ring_base: int = 0, ring_size: int = 0, pool_ptrs: tuple[int, ...] = ()
@@ -144,16 +162,6 @@ class RankBody:
         count = getattr(self.manager.engine, "registered_regions", -1)
         return int(count) if isinstance(count, int) else -1
 
-    @contextmanager
-    def _closed_on_error(self) -> Iterator[None]:
-        """The side's staging set-up: the backend is closed if it raises (the body is never
-        returned, so nobody else could close it)."""
-        try:
-            yield
-        except BaseException:
-            self.common.close()
-            raise
-
     def close_side(self, timeout_s: float | None = None) -> None:
         """Close what the side opened beyond the backend (bounded by ``timeout_s`` where it
         waits); idempotent."""
@@ -178,23 +186,21 @@ class RankBody:
 class DecodeBody(RankBody):
     """A staged decode rank: an empty pool, its staging handler and ring."""
 
-    def __init__(
-        self,
-        config: TransferConfig,
-        rank: int,
-        options: BodyOptions,
-        backend: BackendRef | None = None,
-    ) -> None:
-        self.pool: KVBufferTensors = config.empty_pool(config.decode_tp, rank)
-        super().__init__(config, Role.DECODE, rank, options, backend)
-        with self._closed_on_error():
-            self.handler: DecodeStagingHandler = enable_decode_staging(
-                self.manager,
-                kv_buffers=self.pool,
-                ring_bytes=ring_bytes(config),
-                stall_timeout_s=options.stall_timeout_s,
-                integrity=options.integrity,
-            )
+    side = Role.DECODE
+    pool: KVBufferTensors
+    handler: DecodeStagingHandler
+
+    def _make_pool(self) -> None:
+        self.pool = self.config.empty_pool(self.config.decode_tp, self.rank)
+
+    def _stage(self, options: BodyOptions) -> None:
+        self.handler = enable_decode_staging(
+            self.manager,
+            kv_buffers=self.pool,
+            ring_bytes=ring_bytes(self.config),
+            stall_timeout_s=options.stall_timeout_s,
+            integrity=options.integrity,
+        )
 
     def info(
         self, ring_base: int = 0, ring_size: int = 0, pool_ptrs: tuple[int, ...] = ()
@@ -223,28 +229,27 @@ class DecodeBody(RankBody):
 class PrefillBody(RankBody):
     """A staged prefill rank: a pool holding every request, its writer and transfers."""
 
-    def __init__(
-        self,
-        config: TransferConfig,
-        rank: int,
-        options: BodyOptions,
-        backend: BackendRef | None = None,
-    ) -> None:
-        self.pool: KVBufferTensors = filled_prefill_pool(config, rank)
-        super().__init__(config, Role.PREFILL, rank, options, backend)
-        with self._closed_on_error():
-            self.writer: StagingWriter = enable_prefill_staging(
-                self.manager,
-                kv_buffers=self.pool,
-                max_chunk_pages=config.chunk_pages,
-                timeouts=options.prefill_timeouts,
-                integrity=options.integrity,
-            )
-            self.transfers = PrefillTransfers(
-                self.common, self.writer, meta_timeout_s=options.meta_timeout_s
-            )
+    side = Role.PREFILL
+    pool: KVBufferTensors
+    writer: StagingWriter
+    transfers: PrefillTransfers
+
+    def _make_pool(self) -> None:
+        self.pool = filled_prefill_pool(self.config, self.rank)
         self.sessions: dict[str, bytes] = {}
         """Decode engines added so far: session id -> its metadata."""
+
+    def _stage(self, options: BodyOptions) -> None:
+        self.writer = enable_prefill_staging(
+            self.manager,
+            kv_buffers=self.pool,
+            max_chunk_pages=self.config.chunk_pages,
+            timeouts=options.prefill_timeouts,
+            integrity=options.integrity,
+        )
+        self.transfers = PrefillTransfers(
+            self.common, self.writer, meta_timeout_s=options.meta_timeout_s
+        )
 
     def meet(self, decode: Sequence[RankInfo]) -> list[DecodeTarget]:
         """Trust the decode ranks, add the engines not known yet; their targets, by rank."""
