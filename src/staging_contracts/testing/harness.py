@@ -61,7 +61,7 @@ from collections.abc import Sequence
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Final, Protocol, cast
+from typing import Any, Final, Protocol, cast
 
 import torch
 
@@ -417,27 +417,8 @@ class _ArrivalTally:
         """Count the arrivals ``handler`` accepts (the listener thread calls it)."""
         accept = handler.handle_chunk_arrival
 
-        def counted(
-            room: int,
-            chunk_idx: int,
-            *,
-            page_start: int,
-            num_pages: int,
-            session_id: str,
-            writer_rank: int | None,
-            epoch: int | None = None,
-            tag: str | None = None,
-        ) -> ArrivalOutcome:
-            outcome = accept(
-                room,
-                chunk_idx,
-                page_start=page_start,
-                num_pages=num_pages,
-                session_id=session_id,
-                writer_rank=writer_rank,
-                epoch=epoch,
-                tag=tag,
-            )
+        def counted(room: int, chunk_idx: int, **arrival: Any) -> ArrivalOutcome:
+            outcome = accept(room, chunk_idx, **arrival)
             if outcome in (ArrivalOutcome.WAITING, ArrivalOutcome.COMPLETE):
                 with self._lock:
                     self._counts[room] = self._counts.get(room, 0) + 1
