@@ -407,11 +407,14 @@ class _RankServer(CommandLoop):
         self.memory = RssSampler()
         """This process's RSS samples, sent with every ``status`` (see ``soak_memory``)."""
         self.reporter = RankReporter() if settings.metrics else None
-
-    # ------------------------------------------------------------------ to override
+        self.plans = request_plans(self.config)
+        """Each request's pages, by request index (``OpenRoom.index``)."""
 
     def info(self) -> RankInfo:
-        raise NotImplementedError
+        """What this rank publishes (its body's)."""
+        return self.body.info()
+
+    # ------------------------------------------------------------------ to override
 
     def side_status(self, status: RankStatus) -> RankStatus:
         """``status`` with the side's counters."""
@@ -504,10 +507,6 @@ class _DecodeServer(_RankServer):
         self.transfers: DecodeTransfers | None = None
         self.instance_peers: list[tuple[PrefillPeer, ...]] = []
         """Each prefill instance's peers for this rank (``peers_for``), by instance."""
-        self.plans = request_plans(self.config)
-
-    def info(self) -> RankInfo:
-        return self.body.info()
 
     def on_peers(self, ranks: list[RankInfo]) -> None:
         self.body.trust(ranks)
@@ -591,12 +590,8 @@ class _PrefillServer(_RankServer):
         self.body = PrefillBody(self.config, self.rank, self.options)
         self.body.common.start()
         self.targets: list[DecodeTarget] = []
-        self.plans = request_plans(self.config)
         self.open = 0
         self.lock = threading.Lock()
-
-    def info(self) -> RankInfo:
-        return self.body.info()
 
     def on_peers(self, ranks: list[RankInfo]) -> None:
         if len(ranks) != self.config.decode_tp:
