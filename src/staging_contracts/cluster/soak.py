@@ -407,8 +407,11 @@ class _Driver:
         self.injected[fault] += 1
 
     def _victim(self, role: str) -> _Rank:
-        keys = [key for key in self.keys if key[0] == role]
-        return self.ranks[self.rng.choice(keys)]
+        """A ``role`` rank, drawn, once a room in flight needs it (the soak goes on meanwhile,
+        bounded by ``NEEDED_S``), so that the fault hits rooms that depend on it."""
+        rank = self.ranks[self.rng.choice([key for key in self.keys if key[0] == role])]
+        self._wait(lambda: self._needed(rank), NEEDED_S)
+        return rank
 
     def _needed(self, rank: _Rank) -> bool:
         """Whether a room in flight still waits for ``rank`` and for another rank too."""
@@ -417,14 +420,8 @@ class _Driver:
             for waiting in (room.waiting() for room in self._unsettled())
         )
 
-    def _await_needed(self, rank: _Rank) -> None:
-        """Keep the soak going until a room in flight needs ``rank`` (bounded by
-        ``NEEDED_S``), so that the fault hits rooms that depend on it."""
-        self._wait(lambda: self._needed(rank), NEEDED_S)
-
     def _kill(self, role: str) -> None:
         rank = self._victim(role)
-        self._await_needed(rank)
         at = time.monotonic()
         rank.killed = True
         rank.process.kill()
@@ -494,7 +491,6 @@ class _Driver:
         """Stop a ``role`` rank (``SIGSTOP``) with rooms in flight that need it, for
         ``seconds``, then continue it (``SIGCONT``) and count the rooms that failed."""
         rank = self._victim(role)
-        self._await_needed(rank)
         in_flight = self._unsettled()
         at = time.monotonic()
         pid = rank.process.pid
@@ -611,7 +607,6 @@ class _Driver:
             self._scribble()
             return
         rank = self._victim("decode")
-        self._await_needed(rank)
         info = rank.info
         if info is None:
             return
@@ -650,7 +645,6 @@ class _Driver:
         ``SCRIBBLE_S`` while rooms go on (``soak_forge.Scribbler``, on a thread), and count
         the rooms that failed ``integrity`` meanwhile."""
         rank = self._victim("decode")
-        self._await_needed(rank)
         info = rank.info
         if info is None:
             return
