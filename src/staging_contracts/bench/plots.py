@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -137,39 +137,25 @@ def _empty(axes: Axes, rows: Sequence[ScalingRow]) -> None:
         axes.text(0.5, 0.5, "no point verified", ha="center", va="center", transform=axes.transAxes)
 
 
+_Line = tuple[list[float], str, str, float | None]
+"""One line of a chart: its y values, format, label and alpha (``None``: opaque)."""
+
+
 def _throughput(axes: Axes, rows: Sequence[ScalingRow], engines: Sequence[str]) -> None:
-    drawn: list[ScalingRow] = []
-    for engine in engines:
-        series = sorted(_series(rows, engine, "tokens"), key=lambda row: row.tokens)
-        drawn += series
-        colour = _COLOURS.get(engine)
-        tokens = [row.tokens for row in series]
-        axes.plot(
-            tokens,
-            [_figure(row, row.staged_gbps) for row in series],
-            "o-",
-            color=colour,
-            label=f"{engine} staged",
-        )
-        axes.plot(
-            tokens,
-            [row.raw_gbps for row in series],  # nan (a gap) where the raw write failed
-            "s--",
-            color=colour,
-            alpha=0.7,
-            label=f"{engine} raw write, same bytes",
-        )
-    _empty(axes, drawn)
+    def lines(engine: str, series: Sequence[ScalingRow]) -> list[_Line]:
+        return [
+            ([_figure(row, row.staged_gbps) for row in series], "o-", f"{engine} staged", None),
+            # nan (a gap) where the raw write failed
+            ([row.raw_gbps for row in series], "s--", f"{engine} raw write, same bytes", 0.7),
+        ]
+
+    drawn = _lines(axes, rows, engines, "tokens", lines)
     axes.set_xscale("log", base=2)
     axes.set_xticks(sorted({row.tokens for row in drawn}) or [1])
     axes.set_xticklabels([_tokens_label(t) for t in sorted({row.tokens for row in drawn})] or [""])
     axes.set_xlabel("request length (tokens)")
     axes.set_ylabel("throughput (GB/s)")
-    axes.set_ylim(bottom=0)
     axes.set_title("Staged transfer throughput vs request length")
-    axes.grid(True, alpha=0.3)
-    if any(row.ok for row in drawn):
-        axes.legend(fontsize=8)
 
 
 def _tokens_label(tokens: int) -> str:
@@ -177,39 +163,49 @@ def _tokens_label(tokens: int) -> str:
 
 
 def _latency(axes: Axes, rows: Sequence[ScalingRow], engines: Sequence[str]) -> None:
-    drawn: list[ScalingRow] = []
-    for engine in engines:
-        series = sorted(_series(rows, engine, "concurrency"), key=lambda row: row.concurrency)
-        drawn += series
-        colour = _COLOURS.get(engine)
-        counts = [row.concurrency for row in series]
-        axes.plot(
-            counts,
-            [_figure(r, r.latency_p50_s) for r in series],
-            "o-",
-            color=colour,
-            label=f"{engine} p50",
-        )
+    def lines(engine: str, series: Sequence[ScalingRow]) -> list[_Line]:
         stats = {r.latency_high_stat for r in series if r.ok}
         high = "p99" if stats == {"p99"} else "max" if stats == {"max"} else "p99 or max"
-        axes.plot(
-            counts,
-            [_figure(r, r.latency_high_s) for r in series],
-            "^--",
-            color=colour,
-            label=f"{engine} {high}",
-        )
-    _empty(axes, drawn)
+        return [
+            ([_figure(r, r.latency_p50_s) for r in series], "o-", f"{engine} p50", None),
+            ([_figure(r, r.latency_high_s) for r in series], "^--", f"{engine} {high}", None),
+        ]
+
+    drawn = _lines(axes, rows, engines, "concurrency", lines)
     counts = sorted({row.concurrency for row in drawn})
     if counts:
         axes.set_xticks(counts)
     axes.set_xlabel("concurrent requests")
     axes.set_ylabel("latency per request (s)")
-    axes.set_ylim(bottom=0)
     axes.set_title("Per-request latency vs concurrency\n(first STAGING_REQ to decode SUCCESS)")
+
+
+def _lines(
+    axes: Axes,
+    rows: Sequence[ScalingRow],
+    engines: Sequence[str],
+    dimension: str,
+    lines: Callable[[str, Sequence[ScalingRow]], list[_Line]],
+) -> list[ScalingRow]:
+    """Per engine, the ``lines`` of its ``dimension`` series against that field; the rows drawn.
+
+    ``dimension`` (``tokens`` or ``concurrency``) names both the series and the row field
+    that is its x value; the series is drawn in that field's order. The y axis starts at 0,
+    with a grid, and the legend is drawn when a point verified; the caller labels the chart.
+    """
+    drawn: list[ScalingRow] = []
+    for engine in engines:
+        series = sorted(_series(rows, engine, dimension), key=lambda row: getattr(row, dimension))
+        drawn += series
+        xs = [getattr(row, dimension) for row in series]
+        for ys, style, label, alpha in lines(engine, series):
+            axes.plot(xs, ys, style, color=_COLOURS.get(engine), alpha=alpha, label=label)
+    _empty(axes, drawn)
+    axes.set_ylim(bottom=0)
     axes.grid(True, alpha=0.3)
     if any(row.ok for row in drawn):
         axes.legend(fontsize=8)
+    return drawn
 
 
 def _bars(

@@ -29,6 +29,7 @@ from ..control.security import SecurityError, check_insecure_bind, load_cluster_
 from ..run import exit_status, stop_on_signals
 from ..run.workload import DTYPES, TransferConfig
 from ._messages import RankMemory, Ready, Received, RequestDone
+from ._options import add_backend_argument, add_typed_options
 from .bootstrap import BootstrapServer
 from .metrics_relay import serving
 from .preflight import check_device
@@ -67,90 +68,29 @@ class DemoPlacement:
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's command-line options (defaults finish well under a minute here)."""
     default = TransferConfig()
-    parser.add_argument(
-        "--backend",
-        default=default.backend,
-        metavar="SPEC",
-        help="the backend: a name (nixl, mooncake, or one registered under the entry-point "
-        "group staging_contracts.backends), MODULE:CLASS, or MODULE:CLASS=MODULE:FACTORY "
-        "(default: nixl, which needs no system libraries)",
+    add_backend_argument(parser, default.backend)
+    geometry = (
+        ("--prefill-tp", int, "P", "prefill TP size: one process per rank (default: %(default)s)"),
+        ("--decode-tp", int, "D", "decode TP size (default: %(default)s)"),
+        ("--kv-heads", int, "H", "KV heads of the model, over all ranks (default: %(default)s)"),
+        ("--layers", int, "L", "layers (default: %(default)s)"),
+        ("--head-dim", int, "E", "elements per head (default: %(default)s)"),
+        ("--tokens", int, "T", "tokens per request (default: %(default)s)"),
+        ("--page-size", int, "S", "tokens per KV page (default: %(default)s)"),
+        ("--requests", int, "R", "requests, each its own room (default: %(default)s)"),
     )
-    parser.add_argument(
-        "--prefill-tp",
-        type=int,
-        default=default.prefill_tp,
-        metavar="P",
-        help="prefill TP size: one process per rank (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--decode-tp",
-        type=int,
-        default=default.decode_tp,
-        metavar="D",
-        help="decode TP size (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--kv-heads",
-        type=int,
-        default=default.kv_heads,
-        metavar="H",
-        help="KV heads of the model, over all ranks (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--layers",
-        type=int,
-        default=default.layers,
-        metavar="L",
-        help="layers (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--head-dim",
-        type=int,
-        default=default.head_dim,
-        metavar="E",
-        help="elements per head (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--tokens",
-        type=int,
-        default=default.tokens,
-        metavar="T",
-        help="tokens per request (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--page-size",
-        type=int,
-        default=default.page_size,
-        metavar="S",
-        help="tokens per KV page (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--requests",
-        type=int,
-        default=default.requests,
-        metavar="R",
-        help="requests, each its own room (default: %(default)s)",
-    )
+    add_typed_options(parser, default, geometry)
     parser.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
         default=default.dtype,
         help="KV element type (default: %(default)s)",
     )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=default.seed,
-        metavar="N",
-        help="seed of the pages and KV data (default: %(default)s)",
+    seeds = (
+        ("--seed", int, "N", "seed of the pages and KV data (default: %(default)s)"),
+        ("--chunk-tokens", int, "C", "chunked-prefill size in tokens (default: %(default)s)"),
     )
-    parser.add_argument(
-        "--chunk-tokens",
-        type=int,
-        default=default.chunk_tokens,
-        metavar="C",
-        help="chunked-prefill size in tokens (default: %(default)s)",
-    )
+    add_typed_options(parser, default, seeds)
     parser.add_argument(
         "--device",
         choices=["cpu", "cuda"],

@@ -51,24 +51,7 @@ import zmq
 from ..control.security import CurveKeys, check_insecure_bind, load_cluster_secret
 from ..control.wire import MalformedMessage
 from ..run import INTERRUPT_GRACE_S, Interrupted, Supervisor, stop_on_signals
-from ._messages import (
-    AskStatus,
-    Exit,
-    ListenerDown,
-    Message,
-    Metrics,
-    OpenRoom,
-    Peers,
-    PeersTaken,
-    RankError,
-    RankStatus,
-    RoomEnded,
-    Serving,
-    Stop,
-    Trust,
-    decode,
-    encode,
-)
+from . import _messages as msg
 from .bootstrap import RankInfo
 from .metrics_relay import MetricsRelay, serving
 from .soak_flood import (
@@ -243,7 +226,7 @@ class _Room:
     issued: float
     expected: dict[RankKey, int]
     """The ranks (and their process ids) that must report the room."""
-    reports: dict[RankKey, RoomEnded] = field(default_factory=dict)
+    reports: dict[RankKey, msg.RoomEnded] = field(default_factory=dict)
     lost: set[RankKey] = field(default_factory=set)
     """Ranks that died before reporting it."""
     outcome: str | None = None
@@ -295,8 +278,8 @@ class _Driver:
         self.ticker = Ticker(self.start)
         self.last_status_poll = 0.0
         self.status_id = 0
-        self.answers: dict[int, dict[RankKey, RankStatus]] = {}
-        self.last_status: dict[int, tuple[RankKey, RankStatus]] = {}
+        self.answers: dict[int, dict[RankKey, msg.RankStatus]] = {}
+        self.last_status: dict[int, tuple[RankKey, msg.RankStatus]] = {}
         """Process id -> its rank and latest status (so killed processes' counts are kept)."""
         self.kills: list[KillRecord] = []
         self.replacements: list[_Rank | None] = []
@@ -312,7 +295,7 @@ class _Driver:
         self.exit_errors: dict[int, str] = {}
         """Process id -> the error it reported on its way out."""
         self.errors: list[str] = []
-        self.final: dict[RankKey, RankStatus] = {}
+        self.final: dict[RankKey, msg.RankStatus] = {}
         self.idle = False
         self.startup_s = 10.0
 
@@ -385,7 +368,7 @@ class _Driver:
         self.issuing = False
         for rank in self.ranks.values():
             if not rank.gone:
-                self._send(rank, Stop())
+                self._send(rank, msg.Stop())
         self.processes.close(grace_s)
         for rank in self.ranks.values():
             if rank.commands is not None:
@@ -424,8 +407,11 @@ class _Driver:
         self.injected[fault] += 1
 
     def _victim(self, role: str) -> _Rank:
-        keys = [key for key in self.keys if key[0] == role]
-        return self.ranks[self.rng.choice(keys)]
+        """A ``role`` rank, drawn, once a room in flight needs it (the soak goes on meanwhile,
+        bounded by ``NEEDED_S``), so that the fault hits rooms that depend on it."""
+        rank = self.ranks[self.rng.choice([key for key in self.keys if key[0] == role])]
+        self._wait(lambda: self._needed(rank), NEEDED_S)
+        return rank
 
     def _needed(self, rank: _Rank) -> bool:
         """Whether a room in flight still waits for ``rank`` and for another rank too."""
@@ -434,14 +420,8 @@ class _Driver:
             for waiting in (room.waiting() for room in self._unsettled())
         )
 
-    def _await_needed(self, rank: _Rank) -> None:
-        """Keep the soak going until a room in flight needs ``rank`` (bounded by
-        ``NEEDED_S``), so that the fault hits rooms that depend on it."""
-        self._wait(lambda: self._needed(rank), NEEDED_S)
-
     def _kill(self, role: str) -> None:
         rank = self._victim(role)
-        self._await_needed(rank)
         at = time.monotonic()
         rank.killed = True
         rank.process.kill()
@@ -511,7 +491,6 @@ class _Driver:
         """Stop a ``role`` rank (``SIGSTOP``) with rooms in flight that need it, for
         ``seconds``, then continue it (``SIGCONT``) and count the rooms that failed."""
         rank = self._victim(role)
-        self._await_needed(rank)
         in_flight = self._unsettled()
         at = time.monotonic()
         pid = rank.process.pid
@@ -550,7 +529,7 @@ class _Driver:
             return
         keys = CurveKeys.generate() if load_cluster_secret() is not None else None
         if keys is not None:
-            self._send(rank, Trust(FLOOD_ENDPOINT, keys.public.decode()))
+            self._send(rank, msg.Trust(FLOOD_ENDPOINT, keys.public.decode()))
         before = self._status([rank.key]).get(rank.key, _NO_STATUS)  # answered after the trust
         decode = [r.info for k, r in self.ranks.items() if k[0] == "decode" and r.info]
         late = [room.room for room in self.rooms.values() if room.outcome is not None][-64:]
@@ -628,7 +607,6 @@ class _Driver:
             self._scribble()
             return
         rank = self._victim("decode")
-        self._await_needed(rank)
         info = rank.info
         if info is None:
             return
@@ -667,7 +645,6 @@ class _Driver:
         ``SCRIBBLE_S`` while rooms go on (``soak_forge.Scribbler``, on a thread), and count
         the rooms that failed ``integrity`` meanwhile."""
         rank = self._victim("decode")
-        self._await_needed(rank)
         info = rank.info
         if info is None:
             return
@@ -772,7 +749,7 @@ class _Driver:
 
     def _event(self, raw: bytes) -> None:
         try:
-            got = decode(raw)
+            got = msg.decode(raw)
         except MalformedMessage as exc:
             logger.warning("malformed event from a rank dropped: %s", exc)
             return
@@ -782,29 +759,29 @@ class _Driver:
         key, pid, event = (got.role, got.rank), got.pid, got.message
         rank = self.ranks.get(key)
         current = rank is not None and rank.pid == pid
-        if isinstance(event, RoomEnded):
+        if isinstance(event, msg.RoomEnded):
             room = self.rooms.get(event.room)
             if room is not None and room.expected.get(key) == pid and room.outcome is None:
                 room.reports[key] = event
                 self._maybe_settle(room)
-        elif isinstance(event, RankStatus):
+        elif isinstance(event, msg.RankStatus):
             self.last_status[pid] = (key, event)
             answers = self.answers.get(event.id)
             if answers is not None and current:
                 answers[key] = event
             if not event.listener_alive:
                 self.listener_deaths.add(pid)
-        elif isinstance(event, Serving) and rank is not None and current:
+        elif isinstance(event, msg.Serving) and rank is not None and current:
             self._ready(rank, event)
-        elif isinstance(event, PeersTaken) and rank is not None and current and rank.info:
+        elif isinstance(event, msg.PeersTaken) and rank is not None and current and rank.info:
             rank.peered = True
-        elif isinstance(event, Metrics) and self.relay is not None and current:
+        elif isinstance(event, msg.Metrics) and self.relay is not None and current:
             self.relay.update(event.snapshot)
-        elif isinstance(event, ListenerDown):
+        elif isinstance(event, msg.ListenerDown):
             self.listener_deaths.add(pid)
-        elif isinstance(event, RankError):
+        elif isinstance(event, msg.RankError):
             self.errors.append(f"{key[0]} {key[1]}: {event.error}")
-        elif isinstance(event, Exit) and not event.ok:
+        elif isinstance(event, msg.Exit) and not event.ok:
             self.exit_errors[pid] = str(event.error)
             self.errors.append(f"{key[0]} {key[1]} exited: {event.error}")
 
@@ -817,7 +794,7 @@ class _Driver:
         self.ranks[key] = rank
         return rank
 
-    def _ready(self, rank: _Rank, event: Serving) -> None:
+    def _ready(self, rank: _Rank, event: msg.Serving) -> None:
         info, endpoint = event.info, event.commands
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
@@ -851,11 +828,11 @@ class _Driver:
     def _unready(self) -> str:
         return ", ".join(f"{k[0]} {k[1]}" for k, r in self.ranks.items() if r.info is None)
 
-    def _send(self, rank: _Rank, command: Message) -> bool:
+    def _send(self, rank: _Rank, command: msg.Message) -> bool:
         if rank.commands is None or rank.gone:
             return False
         try:
-            rank.commands.send(encode(command))
+            rank.commands.send(msg.encode(command))
         except zmq.Again:
             logger.warning("%s %d takes no commands; %s dropped", *rank.key, type(command).__name__)
             return False
@@ -866,18 +843,18 @@ class _Driver:
         for key, rank in self.ranks.items():
             other = "prefill" if key[0] == "decode" else "decode"
             peers = tuple(info for k, info in sorted(infos.items()) if k[0] == other)
-            if self._send(rank, Peers(peers)):
+            if self._send(rank, msg.Peers(peers)):
                 rank.peers_sent = time.monotonic()
 
     def _ask_status(self, keys: Iterable[RankKey]) -> int:
         self.status_id += 1
         self.answers[self.status_id] = {}
         for key in keys:
-            self._send(self.ranks[key], AskStatus(self.status_id))
+            self._send(self.ranks[key], msg.AskStatus(self.status_id))
         self.answers = {i: a for i, a in self.answers.items() if i > self.status_id - 50}
         return self.status_id
 
-    def _status(self, keys: list[RankKey]) -> dict[RankKey, RankStatus]:
+    def _status(self, keys: list[RankKey]) -> dict[RankKey, msg.RankStatus]:
         """Ask ``keys`` for their counters and wait (bounded) for every answer."""
         asked = self._ask_status(keys)
         answers = self.answers[asked]
@@ -942,10 +919,10 @@ class _Driver:
             self.next_room += 1
             self.rooms[room.room] = room
             for key in keys:  # decode first: it registers the room before prefill asks
-                command = OpenRoom(room.room, index, instance)
+                command = msg.OpenRoom(room.room, index, instance)
                 if key in live and not self._send(live[key], command):
                     reason = "the room command could not be sent"
-                    room.reports[key] = RoomEnded(
+                    room.reports[key] = msg.RoomEnded(
                         room.room, index, "failed", time.monotonic(), reason
                     )
             self._maybe_settle(room)
@@ -1085,7 +1062,7 @@ def _can_forge(config: SoakConfig) -> bool:
     return config.backend == "nixl" and load_cluster_secret() is not None
 
 
-_NO_STATUS: Final = RankStatus(0, listener_alive=False)
+_NO_STATUS: Final = msg.RankStatus(0, listener_alive=False)
 """What a rank that did not answer ``status`` counts as (every counter 0)."""
 
 

@@ -387,7 +387,13 @@ class _RankServer(CommandLoop):
     role: Role
     body: RankBody
 
-    def __init__(self, rank: int, settings: RankSettings, events: _Events) -> None:
+    def __init__(
+        self,
+        rank: int,
+        settings: RankSettings,
+        events: _Events,
+        body: Callable[[TransferConfig, int, BodyOptions], RankBody],
+    ) -> None:
         super().__init__(events, settings)
         self.config = settings.transfer
         tp = self.config.prefill_tp if self.role is Role.PREFILL else self.config.decode_tp
@@ -407,11 +413,16 @@ class _RankServer(CommandLoop):
         self.memory = RssSampler()
         """This process's RSS samples, sent with every ``status`` (see ``soak_memory``)."""
         self.reporter = RankReporter() if settings.metrics else None
-
-    # ------------------------------------------------------------------ to override
+        self.plans = request_plans(self.config)
+        """Each request's pages, by request index (``OpenRoom.index``)."""
+        self.body = body(self.config, self.rank, self.options)
+        self.body.common.start()
 
     def info(self) -> RankInfo:
-        raise NotImplementedError
+        """What this rank publishes (its body's)."""
+        return self.body.info()
+
+    # ------------------------------------------------------------------ to override
 
     def side_status(self, status: RankStatus) -> RankStatus:
         """``status`` with the side's counters."""
@@ -498,16 +509,10 @@ class _DecodeServer(_RankServer):
     body: DecodeBody
 
     def __init__(self, rank: int, settings: RankSettings, events: _Events) -> None:
-        super().__init__(rank, settings, events)
-        self.body = DecodeBody(self.config, self.rank, self.options)
-        self.body.common.start()
+        super().__init__(rank, settings, events, DecodeBody)
         self.transfers: DecodeTransfers | None = None
         self.instance_peers: list[tuple[PrefillPeer, ...]] = []
         """Each prefill instance's peers for this rank (``peers_for``), by instance."""
-        self.plans = request_plans(self.config)
-
-    def info(self) -> RankInfo:
-        return self.body.info()
 
     def on_peers(self, ranks: list[RankInfo]) -> None:
         self.body.trust(ranks)
@@ -587,16 +592,10 @@ class _PrefillServer(_RankServer):
     body: PrefillBody
 
     def __init__(self, rank: int, settings: RankSettings, events: _Events) -> None:
-        super().__init__(rank, settings, events)
-        self.body = PrefillBody(self.config, self.rank, self.options)
-        self.body.common.start()
+        super().__init__(rank, settings, events, PrefillBody)
         self.targets: list[DecodeTarget] = []
-        self.plans = request_plans(self.config)
         self.open = 0
         self.lock = threading.Lock()
-
-    def info(self) -> RankInfo:
-        return self.body.info()
 
     def on_peers(self, ranks: list[RankInfo]) -> None:
         if len(ranks) != self.config.decode_tp:

@@ -36,6 +36,7 @@ from ..backends import BACKENDS
 from ..outcomes import classify
 from ..prefill.writer import PrefillTimeouts
 from ..run.workload import TransferConfig
+from ._options import add_backend_argument, add_typed_options
 from .preflight import check_environment
 from .soak_memory import MemoryVerdict, memory_rows
 from .soak_rank import SOAK_BODY, SOAK_PREFILL_TIMEOUTS, RankSettings, ring_bytes
@@ -163,14 +164,7 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
     """The soak's command-line options (``--faults`` is parsed by :func:`config_from_args`,
     so that an unknown name is refused in one line)."""
     default = SoakConfig()
-    parser.add_argument(
-        "--backend",
-        default=default.backend,
-        metavar="SPEC",
-        help="the backend: a name (nixl, mooncake, or one registered under the entry-point "
-        "group staging_contracts.backends), MODULE:CLASS, or MODULE:CLASS=MODULE:FACTORY "
-        "(default: nixl, which needs no system libraries)",
-    )
+    add_backend_argument(parser, default.backend)
     parser.add_argument(
         "--duration",
         type=float,
@@ -191,31 +185,27 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
         help="address the ranks' control listeners and engines bind (default 127.0.0.1; "
         "another address needs STAGING_CONTRACTS_SECRET)",
     )
-    parser.add_argument("--seed", type=int, default=default.seed, metavar="N")
-    parser.add_argument("--prefill-tp", type=int, default=default.prefill_tp, metavar="P")
-    parser.add_argument("--decode-tp", type=int, default=default.decode_tp, metavar="D")
-    parser.add_argument(
-        "--prefill-instances",
-        type=int,
-        default=default.prefill_instances,
-        metavar="N",
-        help="prefill instances of P ranks each, sharing decode's ring; rooms go to them in "
-        f"turn (default {default.prefill_instances})",
+    in_flight = default.rooms_in_flight
+    ranks = (
+        ("--seed", int, "N", None),
+        ("--prefill-tp", int, "P", None),
+        ("--decode-tp", int, "D", None),
+        (
+            "--prefill-instances",
+            int,
+            "N",
+            "prefill instances of P ranks each, sharing decode's ring; rooms go to them in "
+            f"turn (default {default.prefill_instances})",
+        ),
+        ("--rooms-in-flight", int, "N", f"rooms kept issued at once (default {in_flight})"),
+        (
+            "--drop-share",
+            float,
+            "F",
+            f"share of control messages the drop fault loses (default {default.drop_share:g})",
+        ),
     )
-    parser.add_argument(
-        "--rooms-in-flight",
-        type=int,
-        default=default.rooms_in_flight,
-        metavar="N",
-        help=f"rooms kept issued at once (default {default.rooms_in_flight})",
-    )
-    parser.add_argument(
-        "--drop-share",
-        type=float,
-        default=default.drop_share,
-        metavar="F",
-        help=f"share of control messages the drop fault loses (default {default.drop_share:g})",
-    )
+    add_typed_options(parser, default, ranks)
     parser.add_argument(
         "--liveness-timeout",
         type=float,

@@ -12,7 +12,7 @@ exactly why, for the kit to skip with.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final, cast
@@ -30,6 +30,7 @@ __all__ = [
     "EngineUnavailable",
     "FactoryUnavailable",
     "StandardFactory",
+    "read_signature",
     "standard_factory",
 ]
 
@@ -100,12 +101,7 @@ def standard_factory(cls: type) -> ManagerFactory:
         available, reason = engine_available(engine)
         if not available:
             raise EngineUnavailable(f"backend {name!r} cannot run here: {reason}")
-    try:
-        signature = inspect.signature(cls)
-    except (TypeError, ValueError) as exc:
-        raise FactoryUnavailable(
-            f"the signature of {class_label(cls)} cannot be read ({exc})"
-        ) from None
+    signature = read_signature(cls, class_label(cls), FactoryUnavailable)
     try:
         signature.bind(None, role=Role.DECODE, attn_tp_size=1, **options)
     except TypeError as exc:
@@ -114,6 +110,16 @@ def standard_factory(cls: type) -> ManagerFactory:
             f"{class_label(cls)}({_parameters(signature)}): {exc}"
         ) from None
     return factory
+
+
+def read_signature(
+    obj: Callable[..., object], what: str, error: type[Exception]
+) -> inspect.Signature:
+    """The signature of ``obj`` (``what`` in the message); ``error`` when it cannot be read."""
+    try:
+        return inspect.signature(obj)
+    except (TypeError, ValueError) as exc:
+        raise error(f"the signature of {what} cannot be read ({exc})") from None
 
 
 def _parameters(signature: inspect.Signature) -> str:

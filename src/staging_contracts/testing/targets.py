@@ -11,7 +11,6 @@ not by every test of the kit.
 
 from __future__ import annotations
 
-import inspect
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from ..backends._refs import (
 from ..contract.contract import Contract
 from ..contract.enforcement import contract_roots
 from ..mixin import STAGING_CONTRACT
+from .factories import read_signature
 from .harness import ManagerFactory
 
 __all__ = ["PATH_HINT", "BackendLoadError", "BackendTarget", "HostFactory", "contract_of"]
@@ -182,12 +182,8 @@ class BackendTarget:
         obj = _load(self.factory_ref, "factory", path_hint=True)
         if not callable(obj):
             raise BackendLoadError(f"{self.factory_ref}: {type(obj).__name__} is not callable")
-        try:
-            signature = inspect.signature(obj)
-        except (TypeError, ValueError) as exc:
-            raise BackendLoadError(
-                f"the signature of the factory {self.factory_ref} cannot be read ({exc})"
-            ) from None
+        what = f"the factory {self.factory_ref}"
+        signature = read_signature(obj, what, BackendLoadError)
         # a factory callable with no argument is a host factory, even when it would also
         # take a manager factory's (FACTORY(*args, **kwargs), FACTORY(variant="a")): a
         # manager factory cannot build a manager without its kv_args
