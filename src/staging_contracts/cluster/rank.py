@@ -424,8 +424,6 @@ def _run_plain_decode(run: _RankRun) -> RankSummary:
         elif pool is not None:
             problems = verify_decode_pool(pool, config, rank, succeeded)
         done_at = {p.index: book.done_at(p.room) for p in plans}
-        for ptr, _ in regions:
-            engine.deregister(ptr)
         return RankSummary(
             start=start,
             end=end,
@@ -443,7 +441,7 @@ def _run_plain_decode(run: _RankRun) -> RankSummary:
             control_messages=len(plans) * len(book.writers),
             malformed=book.malformed,
             chunks=0,
-            registered_after=body.registered(),
+            registered_after=body.deregister(regions),
             memory=at_done,
         )
     finally:
@@ -532,8 +530,6 @@ def _run_plain_prefill(run: _RankRun) -> RankSummary:
         wait_barrier(bootstrap, "done", config.decode_tp, timeout=ROOM_TIMEOUT_S)
         at_done = memory.at_done()
         writes = [calls[(plan.index, d)] for plan in plans for d in fed]
-        for ptr, _ in regions:
-            engine.deregister(ptr)
         return RankSummary(
             start=start,
             end=end,
@@ -546,7 +542,7 @@ def _run_plain_prefill(run: _RankRun) -> RankSummary:
             failed=failures,
             room_first_request_s=dict(sorted(first.items())),
             control_messages=len(plans) * len(fed),
-            registered_after=body.registered(),
+            registered_after=body.deregister(regions),
             memory=at_done,
         )
     finally:

@@ -162,6 +162,13 @@ class RankBody:
         count = getattr(self.manager.engine, "registered_regions", -1)
         return int(count) if isinstance(count, int) else -1
 
+    def deregister(self, regions: Sequence[tuple[int, int]]) -> int:
+        """Deregister each ``(address, size)`` region from the engine; the regions still
+        registered after (:meth:`registered`)."""
+        for address, _ in regions:
+            self.manager.engine.deregister(address)
+        return self.registered()
+
     def close_side(self, timeout_s: float | None = None) -> None:
         """Close what the side opened beyond the backend (bounded by ``timeout_s`` where it
         waits); idempotent."""
@@ -222,8 +229,8 @@ class DecodeBody(RankBody):
 
     def release_ring(self) -> int:
         """Deregister the ring; the regions still registered after."""
-        self.manager.engine.deregister(self.handler.allocator.base_ptr)
-        return self.registered()
+        allocator = self.handler.allocator
+        return self.deregister([(allocator.base_ptr, allocator.total_size)])
 
 
 class PrefillBody(RankBody):
