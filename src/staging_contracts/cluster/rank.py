@@ -46,7 +46,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -217,15 +218,26 @@ class _RankRun:
     pusher: MetricsPusher | None = None
     """A staged rank's counters' pusher (the driver relays metrics), else ``None``."""
 
+    @contextmanager
+    def pushing(self, body: DecodeBody | PrefillBody) -> Iterator[None]:
+        """A staged rank's run: its counters pushed while it lasts (with a pusher), then the
+        pusher's last snapshot, while the counters are still there, and the body closed."""
+        try:
+            if self.pusher is not None:
+                prefill = body.transfers if isinstance(body, PrefillBody) else None
+                self.pusher.start(body.common, prefill)
+            yield
+        finally:
+            if self.pusher is not None:
+                self.pusher.stop()
+            body.close()
+
 
 def _run_decode(run: _RankRun) -> RankSummary:
-    rank, config, bootstrap = run.rank, run.config, run.bootstrap
-    report, pusher = run.report, run.pusher
+    rank, config, bootstrap, report = run.rank, run.config, run.bootstrap, run.report
     body = DecodeBody(config, rank, _options(config))
     common, allocator = body.common, body.handler.allocator
-    try:
-        if pusher is not None:
-            pusher.start(common)
+    with run.pushing(body):
         settle(config)  # the pool's and the ring's zeros, before any peer may write
         common.start()
         register_rank(bootstrap, body.info())
@@ -279,20 +291,13 @@ def _run_decode(run: _RankRun) -> RankSummary:
             registered_after=body.release_ring(),
             memory=at_done,
         )
-    finally:
-        if pusher is not None:
-            pusher.stop()  # its last snapshot, while the counters are still there
-        body.close()
 
 
 def _run_prefill(run: _RankRun) -> RankSummary:
-    rank, config, bootstrap = run.rank, run.config, run.bootstrap
-    report, pusher = run.report, run.pusher
+    rank, config, bootstrap, report = run.rank, run.config, run.bootstrap, run.report
     body = PrefillBody(config, rank, _options(config))
     common, writer = body.common, body.writer
-    try:
-        if pusher is not None:
-            pusher.start(common, body.transfers)
+    with run.pushing(body):
         clock = FirstRequestClock(body.manager.peers)
         common.start()
         decode = query_ranks(bootstrap, "decode", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
@@ -357,18 +362,13 @@ def _run_prefill(run: _RankRun) -> RankSummary:
             registered_after=body.registered(),
             memory=at_done,
         )
-    finally:
-        if pusher is not None:
-            pusher.stop()  # its last snapshot, while the counters are still there
-        body.close()
 
 
 def _run_plain_decode(run: _RankRun) -> RankSummary:
     """A decode rank of the per-token or raw path (``config.mode``; see
     :mod:`~staging_contracts.cluster.plain_paths`): its pool, or its raw buffer, registered
     with the engine and published; a room ends when every writer's ``PLAIN_DONE`` arrived."""
-    rank, config, bootstrap = run.rank, run.config, run.bootstrap
-    report = run.report
+    rank, config, bootstrap, report = run.rank, run.config, run.bootstrap, run.report
     raw = config.mode == "raw"
     device = config.torch_device
     pool = None if raw else config.empty_pool(config.decode_tp, rank)
@@ -451,8 +451,7 @@ def _run_plain_decode(run: _RankRun) -> RankSummary:
 def _run_plain_prefill(run: _RankRun) -> RankSummary:
     """A prefill rank of the per-token or raw path: every write of a request to each decode
     rank it feeds (planned before the clock starts), then ``PLAIN_DONE`` to that rank."""
-    rank, config, bootstrap = run.rank, run.config, run.bootstrap
-    report = run.report
+    rank, config, bootstrap, report = run.rank, run.config, run.bootstrap, run.report
     raw = config.mode == "raw"
     fed = list(decode_ranks_for_prefill(config.prefill_tp, config.decode_tp, rank))
     plans = request_plans(config)
