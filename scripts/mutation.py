@@ -67,22 +67,24 @@ _CONTRACT_TESTS: Final = (
 )
 
 TARGETS: Final[dict[str, Target]] = {
-    "contract": Target("src/staging_contracts/contract/contract.py", _CONTRACT_TESTS, 0.90),
-    "enforcement": Target("src/staging_contracts/contract/enforcement.py", _CONTRACT_TESTS, 0.90),
-    "declarations": Target("src/staging_contracts/contract/declarations.py", _CONTRACT_TESTS, 0.90),
+    "contract": Target("src/staging_contracts/_contract/contract.py", _CONTRACT_TESTS, 0.90),
+    "enforcement": Target("src/staging_contracts/_contract/enforcement.py", _CONTRACT_TESTS, 0.90),
+    "declarations": Target(
+        "src/staging_contracts/_contract/declarations.py", _CONTRACT_TESTS, 0.90
+    ),
     "allocator": Target(
-        "src/staging_contracts/staging/allocator.py",
+        "src/staging_contracts/_staging/allocator.py",
         ("tests/test_allocator.py", "tests/test_reference_vectors.py"),
         0.90,
     ),
     "layout": Target(
-        "src/staging_contracts/staging/layout.py",
+        "src/staging_contracts/_staging/layout.py",
         ("tests/test_layout.py", "tests/test_reference_vectors.py"),
         0.90,
     ),
-    "wire": Target("src/staging_contracts/control/wire.py", ("tests/test_wire.py",), 0.90),
+    "wire": Target("src/staging_contracts/_control/wire.py", ("tests/test_wire.py",), 0.90),
     "decode": Target(
-        "src/staging_contracts/decode/handler.py",
+        "src/staging_contracts/_decode/handler.py",
         (
             "tests/test_control_plane.py",
             "tests/test_decode_handler.py",
@@ -92,7 +94,7 @@ TARGETS: Final[dict[str, Target]] = {
         0.85,
     ),
     "prefill": Target(
-        "src/staging_contracts/prefill/writer.py",
+        "src/staging_contracts/_prefill/writer.py",
         (
             "tests/test_control_plane.py",
             "tests/test_prefill_writer.py",

@@ -14,9 +14,9 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from staging_contracts.backends.common import Role
-from staging_contracts.backends.staging_setup import enable_prefill_staging
-from staging_contracts.prefill.writer import ChunkSpec, DecodeTarget
+from staging_contracts._prefill.writer import ChunkSpec, DecodeTarget
+from staging_contracts.backends._common import Role
+from staging_contracts.backends._staging_setup import enable_prefill_staging
 from staging_contracts.protocols import Transfer
 from tests.local_cluster import Geometry
 

@@ -15,18 +15,23 @@ from dataclasses import dataclass, field
 import torch
 
 from staging_contracts import KVArgsRecord, KVBufferTensors
-from staging_contracts.backends.common import Role
-from staging_contracts.backends.kv_requests import (
+from staging_contracts._decode.handler import DecodeStagingHandler, RoomPlan, RoomStatus, peers_for
+from staging_contracts._prefill.writer import (
+    ChunkSpec,
+    DecodeTarget,
+    PrefillTimeouts,
+    StagingWriter,
+)
+from staging_contracts.backends._common import Role
+from staging_contracts.backends._kv_requests import (
     DecodeTransfers,
     KVPoll,
     KVReceiver,
     KVSender,
     PrefillTransfers,
 )
+from staging_contracts.backends._staging_setup import enable_decode_staging, enable_prefill_staging
 from staging_contracts.backends.local import LocalKVManager
-from staging_contracts.backends.staging_setup import enable_decode_staging, enable_prefill_staging
-from staging_contracts.decode.handler import DecodeStagingHandler, RoomPlan, RoomStatus, peers_for
-from staging_contracts.prefill.writer import ChunkSpec, DecodeTarget, PrefillTimeouts, StagingWriter
 from staging_contracts.protocols import ArrivalMode
 
 

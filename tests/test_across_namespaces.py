@@ -27,7 +27,7 @@ from typing import IO
 
 import pytest
 
-from staging_contracts.control.security import SECRET_ENV, SECRET_FILE_ENV
+from staging_contracts._control.security import SECRET_ENV, SECRET_FILE_ENV
 from staging_contracts.engines import engine_available
 
 IP = shutil.which("ip")

@@ -9,12 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staging_contracts.protocols import Allocation, StagingRing, Watermark
-from staging_contracts.staging.allocator import (
+from staging_contracts._staging.allocator import (
     ALLOC_OVERSIZED,
     StagingAllocator,
     is_watermark_ready,
 )
+from staging_contracts.protocols import Allocation, StagingRing, Watermark
 
 
 def test_satisfies_staging_ring() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from staging_contracts.bench.anchor_geometry import BENCH_GEOMETRY, AnchorGeometry
+from staging_contracts._bench.anchor_geometry import BENCH_GEOMETRY, AnchorGeometry
 
 # P < D: 4 heads on prefill into 2 on decode, two layers, a partial last page.
 SMALL_P_LT_D = AnchorGeometry(2, 4, 2, 16, 2, tokens=40, page_size=4)

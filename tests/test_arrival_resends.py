@@ -1,15 +1,15 @@
 """Issue 24, finding 6 on prefill: a lost ``CHUNK_READY`` is sent again until decode's
 watermark shows its region consumed, the copies are bounded, and a room opened again, closed
 (for a region shared with other writers) or fenced by decode sends no more copies (see
-``staging_contracts.prefill.arrival_resends``)."""
+``staging_contracts._prefill.arrival_resends``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from staging_contracts.control.wire import ChunkReady
-from staging_contracts.prefill.arrival_resends import ArrivalResends
-from staging_contracts.prefill.books import WatermarkTracker
+from staging_contracts._control.wire import ChunkReady
+from staging_contracts._prefill.arrival_resends import ArrivalResends
+from staging_contracts._prefill.books import WatermarkTracker
 from staging_contracts.protocols import Watermark
 
 D0 = "tcp://127.0.0.1:7000"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from staging_contracts._run.workload import TransferConfig
 from staging_contracts.backends import (
     BACKENDS,
     ENTRY_POINT_GROUP,
@@ -18,10 +19,9 @@ from staging_contracts.backends import (
     load_backend,
     resolve_backend,
 )
-from staging_contracts.backends.common import Role
+from staging_contracts.backends._common import Role
 from staging_contracts.backends.local import LocalKVManager
 from staging_contracts.protocols import KVArgs, KVArgsRecord
-from staging_contracts.run.workload import TransferConfig
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_unknown_name_lists_the_known_ones() -> None:
 
 SPEC_MODULE = '''
 from staging_contracts import StagingManagerMixin
-from staging_contracts.backends.common import CommonKVManager
+from staging_contracts.backends._common import CommonKVManager
 from staging_contracts.backends.local import LocalKVManager
 
 
@@ -211,7 +211,7 @@ def test_a_factory_must_return_an_instance_of_the_class(spec_module: str) -> Non
         ("{m}:Missing", "module 'spec_backends' has no attribute 'Missing'"),
         ("{m}:make", "spec_backends:make is a function, not a class"),
         ("{m}:AbstractBase", "AbstractBase is declared abstract=True"),
-        ("staging_contracts.backends.common:CommonKVManager", "is not a staging backend"),
+        ("staging_contracts.backends._common:CommonKVManager", "is not a staging backend"),
         ("{m}:SpecKVManager={m}:NOT_CALLABLE", "is an int, not callable"),
         ("{m}:SpecKVManager={m}:make_two", "cannot be called as (kv_args, *, role=..."),
         ("nope", "unknown backend 'nope'"),
@@ -232,7 +232,7 @@ def test_a_class_that_fails_its_contract_at_import_is_one_line(
     """The ContractError raised by the module's class statement becomes one line."""
     (tmp_path / "spec_broken.py").write_text(
         "from staging_contracts import StagingManagerMixin\n"
-        "from staging_contracts.backends.common import CommonKVManager\n\n\n"
+        "from staging_contracts.backends._common import CommonKVManager\n\n\n"
         "class Broken(StagingManagerMixin, CommonKVManager):\n"
         "    pass\n"
     )

@@ -14,12 +14,12 @@ from staging_contracts import (
     StagingHandler,
     StagingManagerMixin,
 )
+from staging_contracts._control.transport import PeerSockets
+from staging_contracts._control.wire import StagingReq
 from staging_contracts.backends import BACKENDS, load_backend
-from staging_contracts.backends.common import CommonKVManager, Role
+from staging_contracts.backends._common import CommonKVManager, Role
 from staging_contracts.backends.local import LocalKVManager
 from staging_contracts.backends.mori import MoriKVManager
-from staging_contracts.control.transport import PeerSockets
-from staging_contracts.control.wire import StagingReq
 from staging_contracts.engines import engine_available
 from staging_contracts.engines.local import LocalEngine
 from tests.hosts import make_kv_args

@@ -6,9 +6,9 @@ import multiprocessing
 
 import pytest
 
-from staging_contracts.cluster.runner import ClusterResult, run_cluster
+from staging_contracts._cluster.runner import ClusterResult, run_cluster
+from staging_contracts._run.workload import TransferConfig
 from staging_contracts.engines import engine_available
-from staging_contracts.run.workload import TransferConfig
 
 ENGINES = [
     pytest.param(

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from staging_contracts.bench import BenchOptions, BenchRow, format_table
+from staging_contracts._bench import BenchOptions, BenchRow, format_table
+from staging_contracts._cluster._messages import RankMemory, RankSummary
+from staging_contracts._cluster.runner import ClusterResult, RankReport
+from staging_contracts._run.workload import TransferConfig
 from staging_contracts.cli import main
-from staging_contracts.cluster._messages import RankMemory, RankSummary
-from staging_contracts.cluster.runner import ClusterResult, RankReport
-from staging_contracts.run.workload import TransferConfig
 
 
 def test_bench_contract_writes_json_rows(
@@ -127,7 +127,7 @@ def _fake_cluster(
 @pytest.fixture
 def verified(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every fake run verifies; every engine imports and passes preflight."""
-    from staging_contracts.bench import transfer_bench
+    from staging_contracts._bench import transfer_bench
 
     monkeypatch.setattr(ClusterResult, "verified", property(lambda self: True))
     monkeypatch.setattr(transfer_bench, "engine_available", lambda name: (True, ""))
@@ -145,7 +145,7 @@ def test_transfer_group_builds_its_rows_from_the_three_measurements(
     share the processes, request and warm-up (only the mode differs, and the per-token
     tokens over Mooncake); ratios are staged / anchor GB/s; notes state the terms and what
     each role's ranks held at the done barrier."""
-    from staging_contracts.bench import transfer_bench
+    from staging_contracts._bench import transfer_bench
 
     seen: list[TransferConfig] = []
     fake = _fake_cluster(seen, lambda config, number: FIXED[config.mode])
@@ -201,7 +201,7 @@ def test_transfer_group_builds_its_rows_from_the_three_measurements(
 def test_transfer_modes_alternate_within_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every round runs each mode once, the order reversed every other round: no mode
     always runs first, and no block of one mode's runs."""
-    from staging_contracts.bench import transfer_bench
+    from staging_contracts._bench import transfer_bench
 
     seen: list[TransferConfig] = []
     fake = _fake_cluster(seen, lambda config, number: FIXED[config.mode])
@@ -217,7 +217,7 @@ def test_a_spread_that_straddles_the_goal_is_inconclusive(
 ) -> None:
     """Rounds whose ratios fall on both sides of the goal: the note gives the lowest and
     highest ratio per round and says inconclusive; the goal itself is kept."""
-    from staging_contracts.bench import transfer_bench
+    from staging_contracts._bench import transfer_bench
 
     seen: list[TransferConfig] = []
 
@@ -246,7 +246,7 @@ def test_spread_note_verdicts() -> None:
 
 
 def transfer_bench_spread(ratios: list[float], goal: str) -> str:
-    from staging_contracts.bench.transfer_bench import spread_note
+    from staging_contracts._bench.transfer_bench import spread_note
 
     return spread_note(ratios, goal)
 
@@ -254,7 +254,7 @@ def transfer_bench_spread(ratios: list[float], goal: str) -> str:
 @pytest.mark.usefixtures("verified")
 def test_quick_transfer_rows_have_no_goal(monkeypatch: pytest.MonkeyPatch) -> None:
     """Quick mode is a smoke test: one round, no goal, and the note says so first."""
-    from staging_contracts.bench import transfer_bench
+    from staging_contracts._bench import transfer_bench
 
     seen: list[TransferConfig] = []
     fake = _fake_cluster(seen, lambda config, number: FIXED[config.mode])
@@ -274,7 +274,7 @@ def test_on_cuda_the_note_says_the_transfers_are_within_one_gpu(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """--device cuda: every rank uses the same GPU, and each role's CUDA peak is given."""
-    from staging_contracts.bench import transfer_bench
+    from staging_contracts._bench import transfer_bench
 
     seen: list[TransferConfig] = []
     fake = _fake_cluster(seen, lambda config, number: FIXED[config.mode])
@@ -298,7 +298,7 @@ def test_an_engine_that_fails_is_marked_failed_and_the_others_are_measured(
 ) -> None:
     """Mooncake's raw run does not verify: its two rows say FAILED and why (no figures, no
     goal), the error is logged, and NIXL's rows are measured as usual."""
-    from staging_contracts.bench import transfer_bench
+    from staging_contracts._bench import transfer_bench
 
     seen: list[TransferConfig] = []
     fake = _fake_cluster(seen, lambda config, number: FIXED[config.mode])
@@ -333,7 +333,7 @@ def test_an_engine_that_cannot_run_on_the_device_is_skipped_with_the_reason(
 ) -> None:
     """preflight refuses Mooncake on CUDA: it gets no rows and the reason is logged; NIXL
     is measured."""
-    from staging_contracts.bench import transfer_bench
+    from staging_contracts._bench import transfer_bench
 
     def refuse(config: TransferConfig) -> None:
         if config.backend == "mooncake":

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from staging_contracts.bench import BenchOptions, BenchRow, contract_bench, staging_bench
-from staging_contracts.contract.valuecheck import _ProtocolChecker
+from staging_contracts._bench import BenchOptions, BenchRow, contract_bench, staging_bench
+from staging_contracts._contract.valuecheck import _ProtocolChecker
 from staging_contracts.mixin import STAGING_CONTRACT
 
 STAGING_ROWS = [  # name, unit, goal in full mode (quick rows have none)

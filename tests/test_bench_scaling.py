@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from staging_contracts.bench import BenchOptions, plots, scaling
-from staging_contracts.bench.scaling import (
+from staging_contracts._bench import BenchOptions, plots, scaling
+from staging_contracts._bench.scaling import (
     CSV_COLUMNS,
     P99_MIN_SAMPLES,
     ScalingPlan,
@@ -34,11 +34,11 @@ from staging_contracts.bench.scaling import (
     run_scaling,
     slope_stderr,
 )
+from staging_contracts._cluster._messages import RankSummary
+from staging_contracts._cluster.runner import ClusterResult, RankReport
+from staging_contracts._run.workload import TransferConfig
 from staging_contracts.cli import main
-from staging_contracts.cluster._messages import RankSummary
-from staging_contracts.cluster.runner import ClusterResult, RankReport
 from staging_contracts.engines import engine_available
-from staging_contracts.run.workload import TransferConfig
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -676,7 +676,7 @@ def test_the_package_imports_without_matplotlib() -> None:
     """bench.scaling and bench.plots import in a process where matplotlib cannot."""
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"
-        "import staging_contracts.bench.plots as p, staging_contracts.bench.scaling\n"
+        "import staging_contracts._bench.plots as p, staging_contracts._bench.scaling\n"
         "print(p.matplotlib_missing() is None)\n"
     )
     done = subprocess.run(

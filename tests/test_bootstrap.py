@@ -14,8 +14,8 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from staging_contracts.cluster import bootstrap
-from staging_contracts.cluster.bootstrap import (
+from staging_contracts._cluster import bootstrap
+from staging_contracts._cluster.bootstrap import (
     MAX_RANKS,
     MAX_REQUEST_BYTES,
     MAX_WAITERS,
@@ -292,7 +292,7 @@ def test_bad_requests_are_logged_sparingly_with_exact_counts(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Hundreds of bad requests: a few lines per interval, summaries adding up to the count."""
-    caplog.set_level(logging.WARNING, logger="staging_contracts.cluster.bootstrap")
+    caplog.set_level(logging.WARNING, logger="staging_contracts._cluster.bootstrap")
     running = BootstrapServer(log_burst=1, log_interval_s=0.05)
     running.start()
     started = time.monotonic()

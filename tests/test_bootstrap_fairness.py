@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from staging_contracts.cluster.bootstrap import (
+from staging_contracts._cluster.bootstrap import (
     MAX_WAITERS,
     BootstrapError,
     BootstrapServer,

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import zmq
 
-from staging_contracts.cluster.bootstrap import (
+from staging_contracts._cluster.bootstrap import (
     BootstrapServer,
     RankInfo,
     query_ranks,
@@ -30,7 +30,7 @@ FUZZ_REQUESTS = 10_000
 FUZZ_DEADLINE_S = 90.0
 """Bound on the fuzz loop (it takes a few seconds)."""
 FUZZ_SEED = 20_240_917
-BOOTSTRAP_LOGGER = "staging_contracts.cluster.bootstrap"
+BOOTSTRAP_LOGGER = "staging_contracts._cluster.bootstrap"
 MAX_ERROR_CHARS = 300
 
 

@@ -18,12 +18,12 @@ from typing import Final
 
 import pytest
 
+from staging_contracts._cluster.runner import run_cluster
+from staging_contracts._run import LIMIT_CHARS, Supervisor
+from staging_contracts._run.workload import TransferConfig
 from staging_contracts.backends.nixl import NixlKVManager
-from staging_contracts.cluster.runner import run_cluster
 from staging_contracts.engines import engine_available
-from staging_contracts.run import LIMIT_CHARS, Supervisor
-from staging_contracts.run.workload import TransferConfig
-from staging_contracts.testing.processes import RankFailed, RankGroup
+from staging_contracts.testing._processes import RankFailed, RankGroup
 
 REPO: Final = Path(__file__).resolve().parent.parent
 NIXL_OK, NIXL_WHY = engine_available("nixl")
@@ -125,7 +125,7 @@ def test_run_transfer_in_a_script_without_a_main_guard_says_why(tmp_path: Path) 
     )
     assert result.returncode == 1, result.stdout + result.stderr
     last = result.stderr.rstrip().splitlines()[-1]
-    assert last.startswith("staging_contracts.testing.processes.RankFailed: "), last
+    assert last.startswith("staging_contracts.testing._processes.RankFailed: "), last
     assert "before its entry point ran" in last
     assert 'if __name__ == "__main__":' in last
 

@@ -254,8 +254,8 @@ from staging_contracts import (
     StagingHandler,
     StagingManagerMixin,
 )
-from staging_contracts.backends.common import CommonKVManager
-from staging_contracts.backends.staging_setup import staging_idle
+from staging_contracts.backends._common import CommonKVManager
+from staging_contracts.backends._staging_setup import staging_idle
 
 
 class Hookless(StagingManagerMixin, CommonKVManager):
@@ -297,8 +297,8 @@ def test_demo_help_gives_every_geometry_option_its_default() -> None:
     """A newcomer reads the geometry defaults in `demo --help` without opening the code."""
     import argparse
 
-    from staging_contracts.cluster.demo import add_demo_arguments
-    from staging_contracts.run.workload import TransferConfig
+    from staging_contracts._cluster.demo import add_demo_arguments
+    from staging_contracts._run.workload import TransferConfig
 
     parser = argparse.ArgumentParser(formatter_class=argparse.RawDescriptionHelpFormatter)
     add_demo_arguments(parser)

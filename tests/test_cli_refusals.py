@@ -13,12 +13,12 @@ from typing import NamedTuple
 
 import pytest
 
-from staging_contracts.cluster._messages import Ready, Received
-from staging_contracts.cluster.demo import format_summary
-from staging_contracts.cluster.preflight import PROCESS_OVERHEAD_BYTES, memory_need, preflight
-from staging_contracts.cluster.runner import run_cluster
+from staging_contracts._cluster._messages import Ready, Received
+from staging_contracts._cluster.demo import format_summary
+from staging_contracts._cluster.preflight import PROCESS_OVERHEAD_BYTES, memory_need, preflight
+from staging_contracts._cluster.runner import run_cluster
+from staging_contracts._run.workload import TransferConfig
 from staging_contracts.engines import engine_available
-from staging_contracts.run.workload import TransferConfig
 from tests.test_cluster_faults import tiny_config
 
 SCRIPT = Path(sys.executable).with_name("staging-contracts")
@@ -118,7 +118,7 @@ def test_an_argument_error_is_one_line_too() -> None:
 BAD_BACKENDS = {
     "bad_spec_contract.py": (
         "from staging_contracts import StagingManagerMixin\n"
-        "from staging_contracts.backends.common import CommonKVManager\n\n\n"
+        "from staging_contracts.backends._common import CommonKVManager\n\n\n"
         "class NoCtxKVManager(StagingManagerMixin, CommonKVManager):\n"
         "    _staging_handler: object = None\n"
     ),

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from staging_contracts.cluster._messages import RankSummary, Ready, Received, RequestDone
-from staging_contracts.cluster.runner import ClusterResult, RankExit, RankReport, run_cluster
+from staging_contracts._cluster._messages import RankSummary, Ready, Received, RequestDone
+from staging_contracts._cluster.runner import ClusterResult, RankExit, RankReport, run_cluster
+from staging_contracts._run.workload import TransferConfig
 from staging_contracts.engines import engine_available
-from staging_contracts.run.workload import TransferConfig
 
 NIXL_OK, NIXL_WHY = engine_available("nixl")
 

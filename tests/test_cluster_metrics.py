@@ -12,9 +12,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from staging_contracts.backends.kv_requests import KVPoll
-from staging_contracts.cluster._messages import Message, RankMemory, RankSummary, RequestDone
-from staging_contracts.cluster.rank import (
+from staging_contracts._cluster._messages import Message, RankMemory, RankSummary, RequestDone
+from staging_contracts._cluster.rank import (
     FirstRequestClock,
     TransferMemory,
     _wait_all,
@@ -22,11 +21,12 @@ from staging_contracts.cluster.rank import (
     reset_peak_rss,
     rss_status,
 )
-from staging_contracts.cluster.runner import ClusterResult, RankReport, run_cluster
-from staging_contracts.control.transport import PeerSockets
-from staging_contracts.control.wire import StagingReq, WatermarkUpdate
+from staging_contracts._cluster.runner import ClusterResult, RankReport, run_cluster
+from staging_contracts._control.transport import PeerSockets
+from staging_contracts._control.wire import StagingReq, WatermarkUpdate
+from staging_contracts._run.workload import TransferConfig
+from staging_contracts.backends._kv_requests import KVPoll
 from staging_contracts.engines import engine_available
-from staging_contracts.run.workload import TransferConfig
 
 NIXL_OK, NIXL_WHY = engine_available("nixl")
 

@@ -9,9 +9,8 @@ import multiprocessing
 import pytest
 import torch
 
-from staging_contracts.backends.kv_requests import KVPoll
-from staging_contracts.cluster.bootstrap import MAX_POOL_POINTERS, RankInfo
-from staging_contracts.cluster.plain_paths import (
+from staging_contracts._cluster.bootstrap import MAX_POOL_POINTERS, RankInfo
+from staging_contracts._cluster.plain_paths import (
     MOONCAKE_MAX_TRANSFERS_PER_WRITE,
     ArrivalBook,
     PlainDone,
@@ -25,18 +24,19 @@ from staging_contracts.cluster.plain_paths import (
     raw_share,
     verify_raw,
 )
-from staging_contracts.cluster.runner import run_cluster
-from staging_contracts.control.wire import MalformedMessage
-from staging_contracts.engines import engine_available
-from staging_contracts.protocols import Transfer
-from staging_contracts.run.workload import (
+from staging_contracts._cluster.runner import run_cluster
+from staging_contracts._control.wire import MalformedMessage
+from staging_contracts._run.workload import (
     TransferConfig,
     fill_prefill_pool,
     request_plans,
     verify_decode_pool,
     warmup_plans,
 )
-from staging_contracts.staging.layout import decode_ranks_for_prefill
+from staging_contracts._staging.layout import decode_ranks_for_prefill
+from staging_contracts.backends._kv_requests import KVPoll
+from staging_contracts.engines import engine_available
+from staging_contracts.protocols import Transfer
 
 
 def _marks(name: str) -> list[pytest.MarkDecorator]:

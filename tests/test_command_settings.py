@@ -14,20 +14,20 @@ import time
 import pytest
 
 from staging_contracts import cli, config
-from staging_contracts.cluster.metrics_relay import (
+from staging_contracts._cluster.metrics_relay import (
     METRICS_EXTRA_HINT,
     MetricsRelay,
     check_metrics_available,
 )
-from staging_contracts.cluster.preflight import check_environment, ignored_variables
-from staging_contracts.cluster.soak_rank import SOAK_PREFILL_TIMEOUTS
-from staging_contracts.cluster.soak_report import (
+from staging_contracts._cluster.preflight import check_environment, ignored_variables
+from staging_contracts._cluster.soak_rank import SOAK_PREFILL_TIMEOUTS
+from staging_contracts._cluster.soak_report import (
     SOAK_LIVENESS_TIMEOUT_S,
     SOAK_STALL_TIMEOUT_S,
     SoakConfig,
     config_from_args,
 )
-from staging_contracts.control.security import SECRET_ENV, SECRET_FILE_ENV
+from staging_contracts._control.security import SECRET_ENV, SECRET_FILE_ENV
 
 
 @pytest.fixture(autouse=True)

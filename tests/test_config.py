@@ -13,15 +13,15 @@ from typing import Any, Final
 import pytest
 
 from staging_contracts import config
-from staging_contracts.backends.common import Role
-from staging_contracts.backends.kv_requests import PrefillTransfers
+from staging_contracts._control.liveness import PeerLiveness
+from staging_contracts._control.transport import PeerSockets
+from staging_contracts._decode.handler import DecodeStagingHandler
+from staging_contracts._prefill.writer import PrefillTimeouts
+from staging_contracts.backends._common import Role
+from staging_contracts.backends._kv_requests import PrefillTransfers
+from staging_contracts.backends._staging_setup import enable_decode_staging, enable_prefill_staging
 from staging_contracts.backends.local import LocalKVManager
-from staging_contracts.backends.staging_setup import enable_decode_staging, enable_prefill_staging
 from staging_contracts.config import SETTINGS, ConfigError, Setting
-from staging_contracts.control.liveness import PeerLiveness
-from staging_contracts.control.transport import PeerSockets
-from staging_contracts.decode.handler import DecodeStagingHandler
-from staging_contracts.prefill.writer import PrefillTimeouts
 from tests.local_cluster import Geometry
 
 REPO: Final = Path(__file__).resolve().parent.parent

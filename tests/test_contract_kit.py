@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from staging_contracts.backends._common import Role
 from staging_contracts.backends.ascend import AscendKVManager
-from staging_contracts.backends.common import Role
 from staging_contracts.backends.local import LocalKVManager
 from staging_contracts.backends.mooncake import MooncakeKVManager
 from staging_contracts.backends.nixl import NixlKVManager

@@ -15,8 +15,8 @@ from staging_contracts import (
     MemberStatus,
     ProblemKind,
 )
-from staging_contracts.contract.contract import is_abstract
-from staging_contracts.contract.declarations import Declaration, DeclarationKind
+from staging_contracts._contract.contract import is_abstract
+from staging_contracts._contract.declarations import Declaration, DeclarationKind
 
 
 class Store(Protocol):

@@ -19,7 +19,7 @@ from staging_contracts import (
     StagingHandler,
     StagingManagerMixin,
 )
-from staging_contracts.backends.common import CommonKVManager, Role
+from staging_contracts.backends._common import CommonKVManager, Role
 from staging_contracts.engines.local import LocalEngine
 from staging_contracts.mixin import STAGING_CONTRACT
 from staging_contracts.testing import DecodeSetup

@@ -10,13 +10,13 @@ import pytest
 import zmq
 
 from staging_contracts import ArrivalOutcome, StagingReqOutcome
-from staging_contracts.control.room_messages import Ping
-from staging_contracts.control.transport import open_socket_count
-from staging_contracts.control.wire import ChunkReady, StagingReq, StagingRsp, decode_message
-from staging_contracts.decode.handler import RoomPlan, RoomStatus
-from staging_contracts.decode.publisher import PrefillPublisher
-from staging_contracts.decode.rooms import PrefillPeer
-from staging_contracts.prefill.writer import ChunkSpec, PrefillTimeouts, StagingFailed
+from staging_contracts._control.room_messages import Ping
+from staging_contracts._control.transport import open_socket_count
+from staging_contracts._control.wire import ChunkReady, StagingReq, StagingRsp, decode_message
+from staging_contracts._decode.handler import RoomPlan, RoomStatus
+from staging_contracts._decode.publisher import PrefillPublisher
+from staging_contracts._decode.rooms import PrefillPeer
+from staging_contracts._prefill.writer import ChunkSpec, PrefillTimeouts, StagingFailed
 from tests.local_cluster import Geometry, LocalCluster, local_cluster, pools_equal, wait_for
 
 FAST = PrefillTimeouts(answer_s=0.05, ready_s=0.05, deadline_s=30.0)
@@ -509,9 +509,9 @@ def test_shutdown_leaks_no_threads_or_sockets() -> None:
 
 def test_pipeline_parallel_prefill_is_refused_clearly() -> None:
     """Peers of several pp ranks fail the room with a message; pp_size > 1 cannot stage."""
-    from staging_contracts.backends.common import Role
+    from staging_contracts.backends._common import Role
+    from staging_contracts.backends._staging_setup import enable_prefill_staging
     from staging_contracts.backends.local import LocalKVManager
-    from staging_contracts.backends.staging_setup import enable_prefill_staging
 
     with local_cluster(Geometry(1, 1, 2)) as cluster:
         handler = cluster.handlers[0]

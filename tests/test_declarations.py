@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from staging_contracts.contract.declarations import (
+from staging_contracts._contract.declarations import (
     Declaration,
     DeclarationKind,
     find_declaration,

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from staging_contracts import ArrivalOutcome, StagingReqOutcome
-from staging_contracts.control.liveness import PeerLiveness
-from staging_contracts.control.room_messages import RoomFailed, RoomFence, RoomFenced
-from staging_contracts.control.transport import PeerSockets
-from staging_contracts.control.wire import ChunkReady, StagingReq, StagingRsp, WatermarkUpdate
-from staging_contracts.decode import handler as handler_module
-from staging_contracts.decode.handler import (
+from staging_contracts._control.liveness import PeerLiveness
+from staging_contracts._control.room_messages import RoomFailed, RoomFence, RoomFenced
+from staging_contracts._control.transport import PeerSockets
+from staging_contracts._control.wire import ChunkReady, StagingReq, StagingRsp, WatermarkUpdate
+from staging_contracts._decode import handler as handler_module
+from staging_contracts._decode.handler import (
     DEFAULT_FENCE_RESEND_S,
     WAIT_SLICE_S,
     DecodeStagingHandler,
@@ -32,11 +32,11 @@ from staging_contracts.decode.handler import (
     RoomStatus,
     peers_for,
 )
-from staging_contracts.decode.rooms import ChunkRegion
+from staging_contracts._decode.rooms import ChunkRegion
+from staging_contracts._staging.allocator import StagingAllocator
+from staging_contracts._staging.ordering import HostOrdering
 from staging_contracts.outcomes import FailureReason, RoomFailure
 from staging_contracts.protocols import Allocation, KVBufferTensors
-from staging_contracts.staging.allocator import StagingAllocator
-from staging_contracts.staging.ordering import HostOrdering
 from tests.local_cluster import Geometry
 
 SID = "decode-0"

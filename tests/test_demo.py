@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from staging_contracts._cluster._messages import RankMemory, RankSummary
+from staging_contracts._cluster.demo import format_summary
+from staging_contracts._cluster.runner import ClusterResult, RankReport
+from staging_contracts._run.workload import TransferConfig
 from staging_contracts.cli import main
-from staging_contracts.cluster._messages import RankMemory, RankSummary
-from staging_contracts.cluster.demo import format_summary
-from staging_contracts.cluster.runner import ClusterResult, RankReport
 from staging_contracts.engines import engine_available
-from staging_contracts.run.workload import TransferConfig
 
 REPO = Path(__file__).resolve().parents[1]
 NIXL = engine_available("nixl")

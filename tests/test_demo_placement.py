@@ -7,9 +7,8 @@ from typing import Any
 
 import pytest
 
-from staging_contracts.cli import main
-from staging_contracts.cluster._messages import RankSummary
-from staging_contracts.cluster.demo import (
+from staging_contracts._cluster._messages import RankSummary
+from staging_contracts._cluster.demo import (
     DEFAULT_TIMEOUT_S,
     DemoPlacement,
     add_demo_arguments,
@@ -17,9 +16,10 @@ from staging_contracts.cluster.demo import (
     format_summary,
     placement_from_args,
 )
-from staging_contracts.cluster.runner import ClusterResult, RankReport, _roles, run_cluster
-from staging_contracts.control.security import SECRET_ENV, SECRET_FILE_ENV
-from staging_contracts.run.workload import TransferConfig
+from staging_contracts._cluster.runner import ClusterResult, RankReport, _roles, run_cluster
+from staging_contracts._control.security import SECRET_ENV, SECRET_FILE_ENV
+from staging_contracts._run.workload import TransferConfig
+from staging_contracts.cli import main
 
 SECRET = "0123456789abcdef0123456789abcdef"
 

@@ -15,13 +15,18 @@ import pytest
 import torch
 
 from staging_contracts import ArrivalOutcome
-from staging_contracts.control.integrity import INTEGRITY_ENV
-from staging_contracts.control.transport import PeerSockets
-from staging_contracts.decode.handler import DecodeStagingHandler, PrefillPeer, RoomPlan, RoomStatus
-from staging_contracts.prefill.writer import ChunkSpec, StagingWriter
+from staging_contracts._control.integrity import INTEGRITY_ENV
+from staging_contracts._control.transport import PeerSockets
+from staging_contracts._decode.handler import (
+    DecodeStagingHandler,
+    PrefillPeer,
+    RoomPlan,
+    RoomStatus,
+)
+from staging_contracts._prefill.writer import ChunkSpec, StagingWriter
+from staging_contracts._staging.allocator import StagingAllocator
+from staging_contracts._staging.ordering import CudaOrdering, HostOrdering, ordering_for
 from staging_contracts.protocols import KVBufferTensors, RegionAnswer, Transfer
-from staging_contracts.staging.allocator import StagingAllocator
-from staging_contracts.staging.ordering import CudaOrdering, HostOrdering, ordering_for
 from tests.local_cluster import Geometry, LocalCluster, local_cluster, wait_for
 
 SID = "decode-0"

@@ -69,7 +69,7 @@ def test_links_between_docs_pages_stay_relative_to_the_page(repo: Path) -> None:
 
 def test_docstring_roles_become_code_spans() -> None:
     """reST roles render as code: the last component after ``~``, the target otherwise."""
-    text = "Use :class:`~staging_contracts.testing.kit.StagingBackendContract` or :func:`.run`."
+    text = "Use :class:`~staging_contracts.testing._kit.StagingBackendContract` or :func:`.run`."
     assert markdown_docstring(text) == "Use `StagingBackendContract` or `run`."
     assert markdown_docstring(":mod:`staging_contracts.testing.plugin`") == (
         "`staging_contracts.testing.plugin`"

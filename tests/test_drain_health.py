@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import pytest
 
-from staging_contracts.backends.common import CommonKVManager
-from staging_contracts.backends.drain import DRAINING_REFUSAL, DrainResult
-from staging_contracts.backends.kv_requests import KVPoll, KVReceiver, KVSender
+from staging_contracts.backends._common import CommonKVManager
+from staging_contracts.backends._drain import DRAINING_REFUSAL, DrainResult
+from staging_contracts.backends._kv_requests import KVPoll, KVReceiver, KVSender
 from staging_contracts.backends.local import LocalKVManager
 from staging_contracts.outcomes import FailureReason
 from tests.local_cluster import Geometry, Request, Sides, pools_equal, sides, wait_for, wait_states

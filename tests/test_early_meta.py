@@ -4,9 +4,9 @@ it came from the decode rank it names."""
 
 from __future__ import annotations
 
-from staging_contracts.backends.kv_requests import KVPoll, PrefillTransfers
-from staging_contracts.control.room_messages import RoomMeta
-from staging_contracts.prefill.writer import DecodeTarget
+from staging_contracts._control.room_messages import RoomMeta
+from staging_contracts._prefill.writer import DecodeTarget
+from staging_contracts.backends._kv_requests import KVPoll, PrefillTransfers
 from staging_contracts.protocols import KVArgs
 from tests.test_kv_requests import FakeHost
 from tests.test_prefill_writer import Clock, make_rig

@@ -13,8 +13,8 @@ from typing import Any, ClassVar, Protocol
 import pytest
 
 from staging_contracts import Contract, ContractError, ContractMixin
-from staging_contracts.contract.contract import ABSTRACT_MARK
-from staging_contracts.contract.enforcement import _active, contract_roots
+from staging_contracts._contract.contract import ABSTRACT_MARK
+from staging_contracts._contract.enforcement import _active, contract_roots
 
 
 class SizedHost(Protocol):

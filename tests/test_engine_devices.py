@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from staging_contracts.cluster.preflight import backend_engine, check_device, preflight
+from staging_contracts._cluster.preflight import backend_engine, check_device, preflight
+from staging_contracts._run.workload import TransferConfig
 from staging_contracts.engines import engine_available
 from staging_contracts.protocols import TransferError
-from staging_contracts.run.workload import TransferConfig
 
 MOONCAKE_OK, MOONCAKE_WHY = engine_available("mooncake")
 NIXL_OK, NIXL_WHY = engine_available("nixl")

@@ -277,7 +277,7 @@ def test_mooncake_warns_about_every_listener_beyond_its_host() -> None:
 def manager_child(env: dict[str, str], report: Connection) -> None:
     """Start a NIXL decode manager on loopback, report once it listens, wait, close it."""
     os.environ.update(env)
-    from staging_contracts.backends.common import Role
+    from staging_contracts.backends._common import Role
     from staging_contracts.backends.nixl import NixlKVManager
     from tests.local_cluster import Geometry
 

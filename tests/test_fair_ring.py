@@ -4,9 +4,9 @@ promise), whatever the defaults."""
 
 from __future__ import annotations
 
-from staging_contracts.control.liveness import PeerLiveness
-from staging_contracts.decode.handler import DecodeStagingHandler, RoomStatus
-from staging_contracts.staging.allocator import StagingAllocator
+from staging_contracts._control.liveness import PeerLiveness
+from staging_contracts._decode.handler import DecodeStagingHandler, RoomStatus
+from staging_contracts._staging.allocator import StagingAllocator
 from tests.local_cluster import Geometry
 from tests.test_decode_handler import (
     ME,

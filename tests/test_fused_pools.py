@@ -7,9 +7,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from staging_contracts.staging import kernels
-from staging_contracts.staging.host_rows import put_pages, put_rows
-from staging_contracts.staging.kernels import KernelBackend, PagedKVPools, WriterPlacement
+from staging_contracts._staging import kernels
+from staging_contracts._staging.host_rows import put_pages, put_rows
+from staging_contracts._staging.kernels import KernelBackend, PagedKVPools, WriterPlacement
 from tests.test_kernels import (
     PAGE_PATTERNS,
     WRITER_SETS,

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from staging_contracts.staging.kernels import KernelBackend, PagedKVPools
+from staging_contracts._staging.kernels import KernelBackend, PagedKVPools
 from tests.test_kernels import as_bytes, random_bits, token_indices
 
 PAGE_SIZE, POOL_PAGES, LAYERS = 4, 9, 2

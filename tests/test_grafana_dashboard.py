@@ -6,8 +6,8 @@ import json
 import re
 from pathlib import Path
 
-from staging_contracts.cluster.metrics_relay import UP_SERIES
-from staging_contracts.metrics.collector import SERIES
+from staging_contracts._cluster.metrics_relay import UP_SERIES
+from staging_contracts.metrics._collector import SERIES
 
 DASHBOARD = (
     Path(__file__).resolve().parents[1] / "integrations" / "grafana" / "staging-contracts.json"

@@ -23,12 +23,12 @@ from staging_contracts import (
     StagingHandler,
     StagingManagerMixin,
 )
-from staging_contracts.backends.common import CommonKVManager, Role
-from staging_contracts.backends.kv_requests import KVPoll
+from staging_contracts._control.transport import open_socket_count
+from staging_contracts._control.wire import ChunkReady
+from staging_contracts.backends._common import CommonKVManager, Role
+from staging_contracts.backends._kv_requests import KVPoll
+from staging_contracts.backends._staging_setup import staging_idle
 from staging_contracts.backends.local import LocalKVManager
-from staging_contracts.backends.staging_setup import staging_idle
-from staging_contracts.control.transport import open_socket_count
-from staging_contracts.control.wire import ChunkReady
 from staging_contracts.engines.local import LocalEngine
 from staging_contracts.protocols import Transfer
 from staging_contracts.testing import (

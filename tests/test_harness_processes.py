@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from staging_contracts import KVArgs
-from staging_contracts.backends.common import Role
+from staging_contracts.backends._common import Role
 from staging_contracts.backends.local import LocalKVManager
 from staging_contracts.engines import engine_available
 from staging_contracts.engines.local import LocalEngine

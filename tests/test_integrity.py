@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from staging_contracts.backends.staging_setup import staging_idle
-from staging_contracts.control.integrity import (
+from staging_contracts._control.integrity import (
     DEFAULT_INTEGRITY,
     INTEGRITY_ENV,
     ArrivalKeys,
@@ -22,9 +21,10 @@ from staging_contracts.control.integrity import (
     make_tag,
     parse_tag,
 )
-from staging_contracts.control.security import SECRET_ENV
-from staging_contracts.control.wire import ChunkReady
-from staging_contracts.decode.handler import RoomStatus
+from staging_contracts._control.security import SECRET_ENV
+from staging_contracts._control.wire import ChunkReady
+from staging_contracts._decode.handler import RoomStatus
+from staging_contracts.backends._staging_setup import staging_idle
 from staging_contracts.protocols import ArrivalOutcome, Notification
 from tests.integrity_helpers import land_first_then_late_then_second, region_of
 from tests.local_cluster import Geometry, local_cluster, pools_equal, wait_for

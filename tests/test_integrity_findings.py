@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from staging_contracts.backends.staging_setup import staging_idle
-from staging_contracts.control.security import SECRET_ENV
-from staging_contracts.decode.handler import RoomStatus
+from staging_contracts._control.security import SECRET_ENV
+from staging_contracts._decode.handler import RoomStatus
+from staging_contracts.backends._staging_setup import staging_idle
 from staging_contracts.protocols import Notification
 from tests.integrity_helpers import land_first_then_late_then_second
 from tests.local_cluster import Geometry, local_cluster, pools_equal, wait_for

@@ -26,12 +26,12 @@ import pytest
 import torch
 
 from staging_contracts import KVBufferTensors
-from staging_contracts.backends.common import Role
-from staging_contracts.backends.staging_setup import enable_decode_staging, enable_prefill_staging
-from staging_contracts.control.security import SECRET_ENV
-from staging_contracts.decode.handler import PrefillPeer, RoomPlan, RoomStatus, peers_for
+from staging_contracts._control.security import SECRET_ENV
+from staging_contracts._decode.handler import PrefillPeer, RoomPlan, RoomStatus, peers_for
+from staging_contracts._prefill.writer import DecodeTarget
+from staging_contracts.backends._common import Role
+from staging_contracts.backends._staging_setup import enable_decode_staging, enable_prefill_staging
 from staging_contracts.engines import engine_available
-from staging_contracts.prefill.writer import DecodeTarget
 from tests.integrity_nixl_peers import GEOMETRY, PAUSED_ROOM, paused_writer_main
 from tests.local_cluster import Geometry, Request, make_request, pools_equal, rank_heads, wait_for
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from staging_contracts.cluster import logformat
-from staging_contracts.cluster.logformat import json_line
+from staging_contracts._cluster import logformat
+from staging_contracts._cluster.logformat import json_line
 from staging_contracts.engines import engine_available
 
 REPO = Path(__file__).resolve().parents[1]

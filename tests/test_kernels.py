@@ -11,14 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staging_contracts.staging.kernels import (
+from staging_contracts._staging.kernels import (
     KernelBackend,
     WriterPlacement,
     gather_chunk,
     pool_geometry,
     scatter_chunk,
 )
-from staging_contracts.staging.layout import (
+from staging_contracts._staging.layout import (
     compute_head_slice_params,
     compute_staging_layout,
     heads_per_rank,

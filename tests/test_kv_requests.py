@@ -10,23 +10,23 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from staging_contracts.backends.kv_requests import (
-    KVPoll,
-    KVReceiver,
-    KVSender,
-    PrefillTransfers,
-)
-from staging_contracts.control.room_messages import RoomMeta
-from staging_contracts.control.wire import StagingReq
-from staging_contracts.decode import handler as decode_handler
-from staging_contracts.outcomes import FailureReason, Outcome, RoomFailure
-from staging_contracts.prefill import writer as writer_module
-from staging_contracts.prefill.writer import (
+from staging_contracts._control.room_messages import RoomMeta
+from staging_contracts._control.wire import StagingReq
+from staging_contracts._decode import handler as decode_handler
+from staging_contracts._prefill import writer as writer_module
+from staging_contracts._prefill.writer import (
     ChunkSpec,
     DecodeTarget,
     PrefillTimeouts,
     StagingFailed,
 )
+from staging_contracts.backends._kv_requests import (
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    PrefillTransfers,
+)
+from staging_contracts.outcomes import FailureReason, Outcome, RoomFailure
 from staging_contracts.protocols import KVArgs
 from tests.local_cluster import (
     Geometry,

@@ -28,47 +28,47 @@ TOP_LEVEL_MODULES: Final = frozenset(
 
 _BELOW_BACKENDS: Final = frozenset(
     {
-        "contract",
+        "_contract",
         "config",
         "tracing",
         "stats",
         "outcomes",
         "protocols",
-        "staging",
-        "control",
+        "_staging",
+        "_control",
         "engines",
-        "decode",
-        "prefill",
+        "_decode",
+        "_prefill",
         "mixin",
     }
 )
 
 ALLOWED: Final[dict[str, frozenset[str]]] = {
-    "contract": frozenset(),
+    "_contract": frozenset(),
     "stats": frozenset(),
     "outcomes": frozenset(),
     "config": frozenset(),
     "tracing": frozenset({"outcomes"}),
     "protocols": frozenset({"stats"}),
-    "staging": frozenset({"protocols", "stats"}),
-    "control": frozenset({"config", "protocols", "stats"}),
+    "_staging": frozenset({"protocols", "stats"}),
+    "_control": frozenset({"config", "protocols", "stats"}),
     "engines": frozenset({"protocols", "stats"}),
-    "decode": frozenset(
-        {"staging", "control", "config", "tracing", "outcomes", "protocols", "stats"}
+    "_decode": frozenset(
+        {"_staging", "_control", "config", "tracing", "outcomes", "protocols", "stats"}
     ),
-    "prefill": frozenset(
-        {"staging", "control", "config", "tracing", "outcomes", "protocols", "stats"}
+    "_prefill": frozenset(
+        {"_staging", "_control", "config", "tracing", "outcomes", "protocols", "stats"}
     ),
-    "mixin": frozenset({"contract", "control", "protocols", "stats"}),
+    "mixin": frozenset({"_contract", "_control", "protocols", "stats"}),
     "backends": _BELOW_BACKENDS,
-    "run": _BELOW_BACKENDS | {"backends"},
-    "testing": _BELOW_BACKENDS | {"backends", "run"},
+    "_run": _BELOW_BACKENDS | {"backends"},
+    "testing": _BELOW_BACKENDS | {"backends", "_run"},
     "metrics": _BELOW_BACKENDS | {"backends"},
-    "cluster": _BELOW_BACKENDS | {"backends", "metrics", "run"},
-    "bench": _BELOW_BACKENDS | {"backends", "cluster", "run"},
-    "mypy_plugin": frozenset({"contract"}),
-    "__init__": frozenset({"contract", "mixin", "protocols", "stats"}),
-    "cli": _BELOW_BACKENDS | {"backends", "run", "testing", "cluster", "bench", "metrics"},
+    "_cluster": _BELOW_BACKENDS | {"backends", "metrics", "_run"},
+    "_bench": _BELOW_BACKENDS | {"backends", "_cluster", "_run"},
+    "mypy_plugin": frozenset({"_contract"}),
+    "__init__": frozenset({"_contract", "_control", "mixin", "protocols", "stats"}),
+    "cli": _BELOW_BACKENDS | {"backends", "_run", "testing", "_cluster", "_bench", "metrics"},
 }
 """What each unit (a top-level module, or a package with everything in it) may import.
 
@@ -165,10 +165,10 @@ def test_imports_only_point_down(unit: str) -> None:
 
 
 def test_contract_imports_nothing_else_of_the_package() -> None:
-    """The contract engine is domain-free: no import leaves ``contract/``."""
-    contract = [p for p in package_files() if unit_of(p) == "contract"]
+    """The contract engine is domain-free: no import leaves ``_contract/``."""
+    contract = [p for p in package_files() if unit_of(p) == "_contract"]
     assert contract
-    leaving = [imp for p in contract for imp in imports_of(p) if imp.unit != "contract"]
+    leaving = [imp for p in contract for imp in imports_of(p) if imp.unit != "_contract"]
     assert leaving == []
 
 
@@ -187,29 +187,29 @@ def test_nothing_imports_the_entry_points() -> None:
 def test_the_import_reader_sees_every_form_of_import(tmp_path: Path) -> None:
     """The checker finds relative, absolute and TYPE_CHECKING imports (one that saw none would
     pass anything)."""
-    module = tmp_path / "decode" / "example.py"
+    module = tmp_path / "_decode" / "example.py"
     module.parent.mkdir()
     module.write_text(
         "from typing import TYPE_CHECKING\n"
         "import zmq\n"
-        "from ..staging.kernels import gather_chunk\n"
+        "from .._staging.kernels import gather_chunk\n"
         "from . import rooms\n"
         "from .. import protocols\n"
-        "import staging_contracts.control.wire\n"
-        "from staging_contracts.prefill.writer import StagingWriter\n"
+        "import staging_contracts._control.wire\n"
+        "from staging_contracts._prefill.writer import StagingWriter\n"
         "if TYPE_CHECKING:\n"
-        "    from ..cluster import runner\n"
+        "    from .._cluster import runner\n"
     )
     found = [(imp.line, imp.unit) for imp in imports_of(module, root=tmp_path)]
     assert found == [
-        (3, "staging"),
-        (4, "decode"),
+        (3, "_staging"),
+        (4, "_decode"),
         (5, "protocols"),
-        (6, "control"),
-        (7, "prefill"),
-        (9, "cluster"),
+        (6, "_control"),
+        (7, "_prefill"),
+        (9, "_cluster"),
     ]
-    assert unit_of(module, root=tmp_path) == "decode"
+    assert unit_of(module, root=tmp_path) == "_decode"
 
 
 def module_name(path: Path, root: Path = PACKAGE_ROOT) -> str:
@@ -279,16 +279,17 @@ def test_no_module_import_circles() -> None:
 
 def test_the_circle_finder_finds_a_circle(tmp_path: Path) -> None:
     """A circle through a TYPE_CHECKING import and ``from . import`` is found."""
-    (tmp_path / "bench").mkdir()
-    (tmp_path / "bench" / "__init__.py").write_text("")
-    (tmp_path / "bench" / "a.py").write_text("from . import b\n")
-    (tmp_path / "bench" / "b.py").write_text("from .c import x\n")
-    (tmp_path / "bench" / "c.py").write_text(
+    bench = tmp_path / "_bench"
+    bench.mkdir()
+    (bench / "__init__.py").write_text("")
+    (bench / "a.py").write_text("from . import b\n")
+    (bench / "b.py").write_text("from .c import x\n")
+    (bench / "c.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import y\n"
     )
-    (tmp_path / "bench" / "d.py").write_text("from .a import z\n")
+    (bench / "d.py").write_text("from .a import z\n")
     assert import_circles(module_graph(tmp_path)) == [
-        ["staging_contracts.bench.a", "staging_contracts.bench.b", "staging_contracts.bench.c"]
+        ["staging_contracts._bench.a", "staging_contracts._bench.b", "staging_contracts._bench.c"]
     ]
 
 
@@ -304,7 +305,7 @@ def _divides_heads(node: ast.BinOp) -> bool:
 def test_the_heads_per_rank_formula_lives_in_staging_layout_only() -> None:
     """Every share of KV heads comes from ``staging.layout`` (``heads_per_rank``,
     ``rank_heads``): no module divides a head count by a TP size itself."""
-    layout = PACKAGE_ROOT / "staging" / "layout.py"
+    layout = PACKAGE_ROOT / "_staging" / "layout.py"
     found = [
         f"{path.relative_to(PACKAGE_ROOT)}:{node.lineno}"
         for path in sorted(PACKAGE_ROOT.rglob("*.py"))
@@ -312,11 +313,11 @@ def test_the_heads_per_rank_formula_lives_in_staging_layout_only() -> None:
         for node in ast.walk(ast.parse(path.read_text(), str(path)))
         if isinstance(node, ast.BinOp) and _divides_heads(node)
     ]
-    assert not found, f"heads divided outside staging/layout.py: {found}"
+    assert not found, f"heads divided outside _staging/layout.py: {found}"
 
 
 def test_ring_sizing_and_curve_key_text_are_defined_once() -> None:
-    """``ring_bytes`` (run/workload.py) and ``curve_key_text`` (run/_rank_info.py)
+    """``ring_bytes`` (_run/workload.py) and ``curve_key_text`` (_run/_rank_info.py)
     have one definition each, not one per rank body."""
     names = ("ring_bytes", "_ring_bytes", "curve_key_text", "_key_text")
     found = [
@@ -326,8 +327,8 @@ def test_ring_sizing_and_curve_key_text_are_defined_once() -> None:
         if isinstance(node, ast.FunctionDef) and node.name in names
     ]
     assert sorted(found) == [
-        "run/_rank_info.py:curve_key_text",
-        "run/workload.py:ring_bytes",
+        "_run/_rank_info.py:curve_key_text",
+        "_run/workload.py:ring_bytes",
     ]
 
 
@@ -412,9 +413,9 @@ def spawning_modules(root: Path = PACKAGE_ROOT) -> list[str]:
 
 def test_exactly_one_module_spawns_processes() -> None:
     """Every rank process of the package (the harness's, the demo's, the soak's, the
-    benchmarks') starts in ``run/_supervisor.py``: no other module imports ``multiprocessing``
+    benchmarks') starts in ``_run/_supervisor.py``: no other module imports ``multiprocessing``
     or ``subprocess`` to start one, or calls ``Process``, ``Popen`` or ``os.fork`` itself."""
-    assert spawning_modules() == ["run/_supervisor.py"]
+    assert spawning_modules() == ["_run/_supervisor.py"]
 
 
 def test_the_spawn_finder_sees_every_form(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from staging_contracts.staging.layout import (
+from staging_contracts._staging.layout import (
     HeadSlice,
     StagingLayout,
     WriterPlacement,

@@ -18,8 +18,8 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from staging_contracts.control.transport import Listener
-from staging_contracts.control.wire import decode_message
+from staging_contracts._control.transport import Listener
+from staging_contracts._control.wire import decode_message
 
 FLOOD_FRAMES = 100_000
 """Malformed frames in a flood, over all senders."""
@@ -31,7 +31,7 @@ MAX_PINGS = 400
 IDLE_GAP_LIMIT_S = 0.25
 """The listener promises idle work every ~10 ms; this leaves room for CI noise."""
 PING_LATENCY_LIMIT_S = 1.0
-TRANSPORT_LOGGER = "staging_contracts.control.transport"
+TRANSPORT_LOGGER = "staging_contracts._control.transport"
 
 
 def push_socket(endpoint: str, *, hwm: int = 1000) -> zmq.Socket[bytes]:

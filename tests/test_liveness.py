@@ -8,11 +8,11 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from staging_contracts.control.liveness import PeerLiveness
-from staging_contracts.control.room_messages import Ping, Pong
-from staging_contracts.control.transport import PeerSockets
-from staging_contracts.prefill.books import RegionAnswerTable, WatermarkTracker
-from staging_contracts.prefill.writer import (
+from staging_contracts._control.liveness import PeerLiveness
+from staging_contracts._control.room_messages import Ping, Pong
+from staging_contracts._control.transport import PeerSockets
+from staging_contracts._prefill.books import RegionAnswerTable, WatermarkTracker
+from staging_contracts._prefill.writer import (
     ChunkSpec,
     DecodeTarget,
     PrefillTimeouts,

@@ -9,16 +9,16 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from staging_contracts.backends.common import Role
-from staging_contracts.backends.local import LocalKVManager
-from staging_contracts.control.liveness import PeerLiveness
-from staging_contracts.control.room_messages import Ping, Pong
-from staging_contracts.control.security import SECRET_ENV
-from staging_contracts.control.transport import (
+from staging_contracts._control.liveness import PeerLiveness
+from staging_contracts._control.room_messages import Ping, Pong
+from staging_contracts._control.security import SECRET_ENV
+from staging_contracts._control.transport import (
     DEFAULT_MAX_PEER_SOCKETS,
     PeerSockets,
     open_socket_count,
 )
+from staging_contracts.backends._common import Role
+from staging_contracts.backends.local import LocalKVManager
 from tests.local_cluster import Geometry, trust_each_other, wait_for
 
 SECRET = b"0123456789abcdef0123456789abcdef"

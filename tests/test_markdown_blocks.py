@@ -104,7 +104,7 @@ class Covered:
 
 
 _SECRET_CHECK: Final = (
-    "python -c 'from staging_contracts.control.security import load_cluster_secret as load;"
+    "python -c 'from staging_contracts._control.security import load_cluster_secret as load;"
     " secret = load(); assert secret is not None and len(secret) >= 16, secret'"
 )
 _KIT_CLI: Final = (
@@ -211,8 +211,8 @@ from staging_contracts import (
     StagingHandler,
     StagingManagerMixin,
 )
-from staging_contracts.backends.common import CommonKVManager, Role
-from staging_contracts.backends.staging_setup import staging_idle
+from staging_contracts.backends._common import CommonKVManager, Role
+from staging_contracts.backends._staging_setup import staging_idle
 from staging_contracts.engines.local import LocalEngine
 
 

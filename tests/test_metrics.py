@@ -8,11 +8,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from staging_contracts.backends.kv_requests import KVPoll, KVReceiver, KVSender
-from staging_contracts.cluster._messages import Metrics, decode, encode
-from staging_contracts.control.wire import MalformedMessage
+from staging_contracts._cluster._messages import Metrics, decode, encode
+from staging_contracts._control.wire import MalformedMessage
+from staging_contracts.backends._kv_requests import KVPoll, KVReceiver, KVSender
 from staging_contracts.metrics import register, snapshot_of
-from staging_contracts.metrics.collector import SERIES
+from staging_contracts.metrics._collector import SERIES
 from staging_contracts.outcomes import FailureReason
 from staging_contracts.stats import LATENCY_BUCKETS_S, RoomTally
 from tests.local_cluster import Geometry, sides, wait_for, wait_states
@@ -209,7 +209,7 @@ def test_each_side_exports_only_its_series_and_the_engine_by_name() -> None:
 def test_a_prefill_without_its_transfers_is_refused() -> None:
     """Registering a prefill manager before its ``PrefillTransfers`` exist would export no
     rooms nor latency, silently: it is refused, saying what to do."""
-    from staging_contracts.backends.common import Role
+    from staging_contracts.backends._common import Role
     from staging_contracts.backends.local import LocalKVManager
     from staging_contracts.testing import DecodeSetup
 
@@ -230,7 +230,7 @@ def test_without_prometheus_client_the_error_says_what_to_install(
 
     for name in [n for n in sys.modules if n.split(".")[0] == "prometheus_client"]:
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed
-    monkeypatch.delitem(sys.modules, "staging_contracts.metrics.collector")
+    monkeypatch.delitem(sys.modules, "staging_contracts.metrics._collector")
     with sides(Geometry(1, 1, 2)) as s, pytest.raises(ImportError) as caught:
         register(s.cluster.decode[0], CollectorRegistry())
     assert "pip install 'staging-contracts[metrics]'" in str(caught.value)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from staging_contracts import cli
-from staging_contracts.cluster.metrics_relay import MetricsRelay
-from staging_contracts.cluster.runner import run_cluster
-from staging_contracts.control.security import SECRET_ENV, SECRET_FILE_ENV
+from staging_contracts._cluster.metrics_relay import MetricsRelay
+from staging_contracts._cluster.runner import run_cluster
+from staging_contracts._control.security import SECRET_ENV, SECRET_FILE_ENV
+from staging_contracts._run.workload import TransferConfig
 from staging_contracts.engines import engine_available
-from staging_contracts.run.workload import TransferConfig
 from tests.test_metrics_soak import Scraper, free_port, total
 
 NIXL_OK, NIXL_WHY = engine_available("nixl")

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from staging_contracts.cluster.metrics_relay import STALE_AFTER_S, UP_SERIES, MetricsRelay
-from staging_contracts.cluster.soak import run_soak
-from staging_contracts.cluster.soak_report import SoakConfig
-from staging_contracts.control.security import SECRET_ENV, SECRET_FILE_ENV
+from staging_contracts._cluster.metrics_relay import STALE_AFTER_S, UP_SERIES, MetricsRelay
+from staging_contracts._cluster.soak import run_soak
+from staging_contracts._cluster.soak_report import SoakConfig
+from staging_contracts._control.security import SECRET_ENV, SECRET_FILE_ENV
 from staging_contracts.engines import engine_available
 from staging_contracts.metrics import MetricsSnapshot
 

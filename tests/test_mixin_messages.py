@@ -14,15 +14,15 @@ from staging_contracts import (
     StagingReqOutcome,
     StagingStats,
 )
-from staging_contracts.control.wire import (
+from staging_contracts._control.wire import (
     ChunkReady,
     MalformedMessage,
     StagingReq,
     StagingRsp,
     WatermarkUpdate,
 )
-from staging_contracts.prefill.books import RegionAnswerTable, WatermarkTracker
-from staging_contracts.staging.allocator import StagingAllocator
+from staging_contracts._prefill.books import RegionAnswerTable, WatermarkTracker
+from staging_contracts._staging.allocator import StagingAllocator
 from tests.hosts import CommonBase, RecordingHandler
 
 

@@ -33,7 +33,7 @@ from staging_contracts import (
     StagingHandler,
     StagingManagerMixin,
 )
-from staging_contracts.backends.common import CommonKVManager
+from staging_contracts.backends._common import CommonKVManager
 """
 
 # One module per host, so that each raises its own ContractError when imported.

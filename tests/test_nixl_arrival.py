@@ -18,26 +18,26 @@ import pytest
 import torch
 
 from staging_contracts import KVBufferTensors
-from staging_contracts.backends.common import Role
-from staging_contracts.backends.local import LocalKVManager
-from staging_contracts.backends.staging_setup import (
-    StagingBackend,
-    enable_decode_staging,
-    enable_prefill_staging,
-)
-from staging_contracts.control.transport import PeerSockets
-from staging_contracts.control.wire import ChunkReady
-from staging_contracts.decode.handler import DecodeStagingHandler, RoomPlan, RoomStatus, peers_for
-from staging_contracts.engines import engine_available
-from staging_contracts.prefill.books import RegionAnswerTable, WatermarkTracker
-from staging_contracts.prefill.writer import (
+from staging_contracts._control.transport import PeerSockets
+from staging_contracts._control.wire import ChunkReady
+from staging_contracts._decode.handler import DecodeStagingHandler, RoomPlan, RoomStatus, peers_for
+from staging_contracts._prefill.books import RegionAnswerTable, WatermarkTracker
+from staging_contracts._prefill.writer import (
     ArrivalMode,
     ChunkSpec,
     DecodeTarget,
     StagingWriter,
 )
+from staging_contracts._staging.layout import compute_staging_layout
+from staging_contracts.backends._common import Role
+from staging_contracts.backends._staging_setup import (
+    StagingBackend,
+    enable_decode_staging,
+    enable_prefill_staging,
+)
+from staging_contracts.backends.local import LocalKVManager
+from staging_contracts.engines import engine_available
 from staging_contracts.protocols import Notification, RegionAnswer, Transfer
-from staging_contracts.staging.layout import compute_staging_layout
 from tests.local_cluster import Geometry, make_request, pools_equal, rank_heads
 
 if TYPE_CHECKING:

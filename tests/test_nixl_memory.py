@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from staging_contracts._run.workload import TransferConfig
 from staging_contracts.engines import engine_available
-from staging_contracts.run.workload import TransferConfig
 
 NIXL_OK, NIXL_WHY = engine_available("nixl")
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(not NIXL_OK, reason=NIXL_WHY)]
@@ -66,7 +66,7 @@ def test_the_nixl_backend_registers_the_memory_its_kv_args_name(
     registered)."""
     from dataclasses import replace
 
-    from staging_contracts.backends.common import Role
+    from staging_contracts.backends._common import Role
     from staging_contracts.backends.nixl import NixlKVManager
     from staging_contracts.engines.nixl import _parse_metadata
 
@@ -84,7 +84,7 @@ def test_the_nixl_backend_refuses_a_bare_cuda_device() -> None:
     of guessing GPU 0."""
     from dataclasses import replace
 
-    from staging_contracts.backends.common import Role
+    from staging_contracts.backends._common import Role
     from staging_contracts.backends.nixl import NixlKVManager
 
     kv_args = replace(TransferConfig().kv_args(4, 0), device="cuda")

@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 
 from staging_contracts import cli
-from staging_contracts.cluster import logformat, summary_json
-from staging_contracts.cluster._messages import RankSummary
-from staging_contracts.cluster.runner import ClusterResult, RankReport
-from staging_contracts.cluster.soak_ticker import Ticker, tally_line
-from staging_contracts.cluster.summary_json import COMMON_KEYS, SCHEMA, demo_summary, soak_summary
+from staging_contracts._cluster import logformat, summary_json
+from staging_contracts._cluster._messages import RankSummary
+from staging_contracts._cluster.runner import ClusterResult, RankReport
+from staging_contracts._cluster.soak_ticker import Ticker, tally_line
+from staging_contracts._cluster.summary_json import COMMON_KEYS, SCHEMA, demo_summary, soak_summary
+from staging_contracts._run.workload import TransferConfig
 from staging_contracts.engines import engine_available
-from staging_contracts.run.workload import TransferConfig
 from tests.test_soak import passing_result
 
 REPO = Path(__file__).resolve().parents[1]
@@ -184,7 +184,7 @@ def _record(room: object = None, exc: bool = False) -> logging.LogRecord:
         except RuntimeError:
             info = sys.exc_info()
     record = logging.LogRecord(
-        "staging_contracts.decode.handler", logging.WARNING, __file__, 1, "room %d: %s",
+        "staging_contracts._decode.handler", logging.WARNING, __file__, 1, "room %d: %s",
         (7, "stalled"), info,
     )  # fmt: skip
     if room is not None:
@@ -196,7 +196,7 @@ def test_text_lines_start_with_the_time_and_end_with_the_room() -> None:
     line = logformat.TextFormatter("decode0 pid 1").format(_record(room=7))
     assert STAMP.match(line), line
     assert line.endswith(
-        " [decode0 pid 1] WARNING staging_contracts.decode.handler: room 7: stalled [room 7]"
+        " [decode0 pid 1] WARNING staging_contracts._decode.handler: room 7: stalled [room 7]"
     )
     assert "[room" not in logformat.TextFormatter("x").format(_record())
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from staging_contracts.cluster.soak_report import reason_group
+from staging_contracts._cluster.soak_report import reason_group
 from staging_contracts.outcomes import (
     FailureReason,
     Outcome,

@@ -229,8 +229,8 @@ from staging_contracts import (
     StagingHandler,
     StagingManagerMixin,
 )
-from staging_contracts.backends.common import CommonKVManager, Role
-from staging_contracts.backends.staging_setup import staging_idle
+from staging_contracts.backends._common import CommonKVManager, Role
+from staging_contracts.backends._staging_setup import staging_idle
 from staging_contracts.engines.mooncake import MooncakeEngine
 from staging_contracts.engines.nixl import NixlEngine
 

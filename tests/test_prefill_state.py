@@ -6,7 +6,7 @@ import threading
 import time
 
 from staging_contracts import RegionAnswer, Watermark
-from staging_contracts.prefill.books import RegionAnswerTable, WatermarkTracker
+from staging_contracts._prefill.books import RegionAnswerTable, WatermarkTracker
 
 
 def test_watermarks_only_move_forward() -> None:

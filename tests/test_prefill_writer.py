@@ -17,21 +17,20 @@ from typing import cast
 import pytest
 import torch
 
-from staging_contracts.control.integrity import ArrivalKeys, ChunkIdentity, chunk_digest
-from staging_contracts.control.liveness import PeerLiveness
-from staging_contracts.control.room_messages import RoomFence, RoomFenced
-from staging_contracts.control.transport import PeerSockets
-from staging_contracts.control.wire import (
+from staging_contracts._control.integrity import ArrivalKeys, ChunkIdentity, chunk_digest
+from staging_contracts._control.liveness import PeerLiveness
+from staging_contracts._control.room_messages import RoomFence, RoomFenced
+from staging_contracts._control.transport import PeerSockets
+from staging_contracts._control.wire import (
     ChunkReady,
     StagingReq,
     StagingRsp,
     WatermarkUpdate,
     decode_message,
 )
-from staging_contracts.outcomes import FailureReason
-from staging_contracts.prefill import writer as writer_module
-from staging_contracts.prefill.books import RegionAnswerTable, WatermarkTracker
-from staging_contracts.prefill.writer import (
+from staging_contracts._prefill import writer as writer_module
+from staging_contracts._prefill.books import RegionAnswerTable, WatermarkTracker
+from staging_contracts._prefill.writer import (
     WAIT_SLICE_S,
     ArrivalMode,
     ChunkSpec,
@@ -40,6 +39,13 @@ from staging_contracts.prefill.writer import (
     StagingFailed,
     StagingWriter,
 )
+from staging_contracts._staging.layout import (
+    compute_head_slice_params,
+    compute_staging_layout,
+    writer_index,
+)
+from staging_contracts._staging.ordering import HostOrdering
+from staging_contracts.outcomes import FailureReason
 from staging_contracts.protocols import (
     KVBufferTensors,
     Notification,
@@ -48,12 +54,6 @@ from staging_contracts.protocols import (
     TransferError,
     Watermark,
 )
-from staging_contracts.staging.layout import (
-    compute_head_slice_params,
-    compute_staging_layout,
-    writer_index,
-)
-from staging_contracts.staging.ordering import HostOrdering
 from tests.local_cluster import Geometry
 
 PAGE_BYTES = 512

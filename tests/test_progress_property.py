@@ -9,8 +9,8 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from staging_contracts.backends.kv_requests import KVPoll, KVReceiver, KVSender
-from staging_contracts.prefill.writer import PrefillTimeouts
+from staging_contracts._prefill.writer import PrefillTimeouts
+from staging_contracts.backends._kv_requests import KVPoll, KVReceiver, KVSender
 from tests.local_cluster import Geometry, sides, wait_for, wait_states
 from tests.test_reliability import pages_match, region_bytes
 

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from staging_contracts.backends.kv_requests import KVPoll
-from staging_contracts.cluster import rank as rank_module
-from staging_contracts.cluster.bootstrap import RankInfo
-from staging_contracts.run import _rank_body as rank_body
-from staging_contracts.run import workload
-from staging_contracts.run.workload import TransferConfig
+from staging_contracts._cluster import rank as rank_module
+from staging_contracts._cluster.bootstrap import RankInfo
+from staging_contracts._run import _rank_body as rank_body
+from staging_contracts._run import workload
+from staging_contracts._run.workload import TransferConfig
+from staging_contracts.backends._kv_requests import KVPoll
 
 
 def cuda_config(**kw: Any) -> TransferConfig:

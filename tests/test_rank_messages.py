@@ -1,4 +1,4 @@
-"""Rank⇄driver traffic is typed: dataclasses on one codec (``cluster/_messages.py``), read back
+"""Rank⇄driver traffic is typed: dataclasses on one codec (``_cluster/_messages.py``), read back
 exactly or refused, and no ``dict[str, Any]`` left in the cluster's modules but the JSON
 documents they build."""
 
@@ -10,7 +10,7 @@ from typing import Final
 
 import pytest
 
-from staging_contracts.cluster._messages import (
+from staging_contracts._cluster._messages import (
     Exit,
     Message,
     OpenRoom,
@@ -23,8 +23,8 @@ from staging_contracts.cluster._messages import (
     decode,
     encode,
 )
-from staging_contracts.cluster.bootstrap import RankInfo
-from staging_contracts.control.wire import MalformedMessage
+from staging_contracts._cluster.bootstrap import RankInfo
+from staging_contracts._control.wire import MalformedMessage
 
 CLUSTER: Final = Path(__file__).resolve().parent.parent / "src" / "staging_contracts" / "cluster"
 UNTYPED_ALLOWED: Final = {

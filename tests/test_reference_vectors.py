@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from staging_contracts._staging.allocator import StagingAllocator, is_watermark_ready
+from staging_contracts._staging.layout import compute_head_slice_params, compute_staging_layout
 from staging_contracts.protocols import Allocation, Watermark
-from staging_contracts.staging.allocator import StagingAllocator, is_watermark_ready
-from staging_contracts.staging.layout import compute_head_slice_params, compute_staging_layout
 
 VECTORS = Path(__file__).resolve().parent / "data" / "reference_staging.json"
 """Vendored in the repository (``tests/data/README.md`` says where it came from)."""

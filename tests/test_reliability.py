@@ -9,10 +9,10 @@ import time
 import torch
 
 from staging_contracts import ArrivalOutcome
-from staging_contracts.backends.kv_requests import KVPoll, KVReceiver, KVSender
-from staging_contracts.decode.handler import RoomStatus
-from staging_contracts.prefill.writer import PrefillTimeouts, StagingFailed
-from staging_contracts.staging.layout import compute_staging_layout
+from staging_contracts._decode.handler import RoomStatus
+from staging_contracts._prefill.writer import PrefillTimeouts, StagingFailed
+from staging_contracts._staging.layout import compute_staging_layout
+from staging_contracts.backends._kv_requests import KVPoll, KVReceiver, KVSender
 from tests.local_cluster import (
     Geometry,
     LocalCluster,

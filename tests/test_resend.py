@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from staging_contracts.control.resend import ResendBox
+from staging_contracts._control.resend import ResendBox
 
 
 class Clock:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from staging_contracts.backends.kv_requests import KVPoll, KVReceiver, KVSender
+from staging_contracts.backends._kv_requests import KVPoll, KVReceiver, KVSender
 from staging_contracts.metrics import snapshot_of
 from staging_contracts.outcomes import Outcome
 from tests.local_cluster import Geometry, Sides, sides, wait_for, wait_states
@@ -126,7 +126,7 @@ def test_two_managers_on_one_registry_give_a_scrape_prometheus_can_parse() -> No
     from prometheus_client.openmetrics.exposition import generate_latest
     from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-    from staging_contracts.backends.common import Role
+    from staging_contracts.backends._common import Role
     from staging_contracts.backends.local import LocalKVManager
     from staging_contracts.metrics import register
     from staging_contracts.testing import DecodeSetup
@@ -195,9 +195,9 @@ def test_a_bad_variable_is_refused_before_any_rank_process_starts(
     full summary of ``?`` follows (about 20 s, exit 1), whereas a bad
     ``STAGING_CONTRACTS_SECRET`` is one line at once (exit 2). Expected: the demo's
     preflight refuses the variable, as it refuses the options."""
-    from staging_contracts.cluster.preflight import preflight
+    from staging_contracts._cluster.preflight import preflight
+    from staging_contracts._run.workload import TransferConfig
     from staging_contracts.config import ConfigError
-    from staging_contracts.run.workload import TransferConfig
 
     monkeypatch.setenv("STAGING_CONTRACTS_STALL_TIMEOUT_S", "abc")
     with pytest.raises(ConfigError):

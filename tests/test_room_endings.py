@@ -14,11 +14,11 @@ from collections.abc import Sequence
 
 import pytest
 
-from staging_contracts.backends.kv_requests import KVPoll, KVReceiver, KVSender
-from staging_contracts.control.room_messages import RoomFailed, RoomFailedAck
-from staging_contracts.control.transport import PeerSockets
-from staging_contracts.decode.handler import ROOM_FAILED_COPIES
-from staging_contracts.decode.rooms import RoomStatus
+from staging_contracts._control.room_messages import RoomFailed, RoomFailedAck
+from staging_contracts._control.transport import PeerSockets
+from staging_contracts._decode.handler import ROOM_FAILED_COPIES
+from staging_contracts._decode.rooms import RoomStatus
+from staging_contracts.backends._kv_requests import KVPoll, KVReceiver, KVSender
 from staging_contracts.protocols import ArrivalOutcome, StagingReqOutcome
 from tests.local_cluster import Geometry, pools_equal, sides, wait_for, wait_states
 from tests.test_decode_handler import FakeEvent, plan, rig

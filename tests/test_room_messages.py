@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from staging_contracts.control.room_messages import (
+from staging_contracts._control.room_messages import (
     Ping,
     Pong,
     RoomFailed,
@@ -13,7 +13,7 @@ from staging_contracts.control.room_messages import (
     RoomFenced,
     RoomMeta,
 )
-from staging_contracts.control.wire import MalformedMessage
+from staging_contracts._control.wire import MalformedMessage
 
 
 def test_room_meta_round_trips() -> None:

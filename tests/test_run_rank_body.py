@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from staging_contracts.backends.common import Role
+from staging_contracts._run import _rank_body as rank_body
+from staging_contracts._run._rank_body import BodyOptions, DecodeBody, PrefillBody
+from staging_contracts._run.workload import TransferConfig
+from staging_contracts.backends._common import Role
 from staging_contracts.backends.local import LocalKVManager
-from staging_contracts.run import _rank_body as rank_body
-from staging_contracts.run._rank_body import BodyOptions, DecodeBody, PrefillBody
-from staging_contracts.run.workload import TransferConfig
 
 CONFIG = TransferConfig(
     backend="local",

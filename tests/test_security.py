@@ -11,18 +11,16 @@ import pytest
 import zmq
 
 from staging_contracts import StagingReqOutcome
-from staging_contracts.backends.common import CommonKVManager, Role
-from staging_contracts.backends.local import LocalKVManager
-from staging_contracts.cluster.bootstrap import (
+from staging_contracts._cluster.bootstrap import (
     BootstrapError,
     BootstrapServer,
     RankInfo,
     query_ranks,
     register_rank,
 )
-from staging_contracts.cluster.runner import run_cluster
-from staging_contracts.control.room_messages import RoomFailed, RoomFence, RoomFenced
-from staging_contracts.control.security import (
+from staging_contracts._cluster.runner import run_cluster
+from staging_contracts._control.room_messages import RoomFailed, RoomFence, RoomFenced
+from staging_contracts._control.security import (
     SECRET_ENV,
     SECRET_FILE_ENV,
     ControlSecurity,
@@ -31,13 +29,15 @@ from staging_contracts.control.security import (
     check_insecure_bind,
     load_cluster_secret,
 )
-from staging_contracts.control.transport import Listener, PeerSockets
-from staging_contracts.control.wire import ChunkReady, StagingReq, StagingRsp, WatermarkUpdate
-from staging_contracts.decode.handler import DecodeStagingHandler, RoomStatus
-from staging_contracts.decode.rooms import PrefillPeer, RoomPlan
+from staging_contracts._control.transport import Listener, PeerSockets
+from staging_contracts._control.wire import ChunkReady, StagingReq, StagingRsp, WatermarkUpdate
+from staging_contracts._decode.handler import DecodeStagingHandler, RoomStatus
+from staging_contracts._decode.rooms import PrefillPeer, RoomPlan
+from staging_contracts._run.workload import TransferConfig
+from staging_contracts.backends._common import CommonKVManager, Role
+from staging_contracts.backends.local import LocalKVManager
 from staging_contracts.engines import engine_available
 from staging_contracts.engines.local import LocalEngine
-from staging_contracts.run.workload import TransferConfig
 from tests.local_cluster import Geometry, local_cluster, trust_each_other, wait_for
 from tests.test_reliability import FAST, pages_match, region_bytes
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from staging_contracts.contract.signatures import call_problem, callable_signature, signature_text
+from staging_contracts._contract.signatures import call_problem, callable_signature, signature_text
 
 
 class Proto:
@@ -120,7 +120,7 @@ def test_an_overloaded_protocol_method_allows_the_calls_of_every_overload() -> N
     placeholder body's ``(*args, **kwargs)`` is not asked of the host."""
     from typing import Protocol, overload
 
-    from staging_contracts.contract.members import protocol_members
+    from staging_contracts._contract.members import protocol_members
 
     class Lookup(Protocol):
         @overload

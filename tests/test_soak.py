@@ -19,11 +19,10 @@ import pytest
 import zmq
 
 from staging_contracts import cli
-from staging_contracts.backends.kv_requests import KVPoll, KVReceiver, KVSender
-from staging_contracts.cluster import soak
-from staging_contracts.cluster.soak import malformed_message, run_soak
-from staging_contracts.cluster.soak_rank import install_drop
-from staging_contracts.cluster.soak_report import (
+from staging_contracts._cluster import soak
+from staging_contracts._cluster.soak import malformed_message, run_soak
+from staging_contracts._cluster.soak_rank import install_drop
+from staging_contracts._cluster.soak_report import (
     FAULT_ORDER,
     FAULTS,
     FloodRecord,
@@ -36,7 +35,7 @@ from staging_contracts.cluster.soak_report import (
     parse_faults,
     reason_group,
 )
-from staging_contracts.control.room_messages import (
+from staging_contracts._control.room_messages import (
     Ping,
     Pong,
     RoomFailed,
@@ -45,11 +44,12 @@ from staging_contracts.control.room_messages import (
     RoomFenced,
     RoomMeta,
 )
-from staging_contracts.control.security import SECRET_ENV, SECRET_FILE_ENV
-from staging_contracts.control.transport import MAX_FRAMES, PeerSockets
-from staging_contracts.control.wire import MESSAGE_TYPES, MalformedMessage, decode_message
+from staging_contracts._control.security import SECRET_ENV, SECRET_FILE_ENV
+from staging_contracts._control.transport import MAX_FRAMES, PeerSockets
+from staging_contracts._control.wire import MESSAGE_TYPES, MalformedMessage, decode_message
+from staging_contracts._prefill.writer import PrefillTimeouts
+from staging_contracts.backends._kv_requests import KVPoll, KVReceiver, KVSender
 from staging_contracts.engines import engine_available
-from staging_contracts.prefill.writer import PrefillTimeouts
 from tests.local_cluster import Geometry, sides, wait_for
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,9 +14,9 @@ import secrets
 
 import pytest
 
-from staging_contracts.cluster._messages import RankStatus
-from staging_contracts.cluster.soak import run_soak
-from staging_contracts.cluster.soak_flood import (
+from staging_contracts._cluster._messages import RankStatus
+from staging_contracts._cluster.soak import run_soak
+from staging_contracts._cluster.soak_flood import (
     COUNTERS,
     STATE,
     FloodTarget,
@@ -24,10 +24,10 @@ from staging_contracts.cluster.soak_flood import (
     state_bounds,
     unwanted_message,
 )
-from staging_contracts.cluster.soak_report import FloodRecord, SoakConfig, format_summary
-from staging_contracts.control.room_messages import RoomMeta
-from staging_contracts.control.security import SECRET_ENV, SECRET_FILE_ENV
-from staging_contracts.control.wire import ChunkReady, StagingRsp
+from staging_contracts._cluster.soak_report import FloodRecord, SoakConfig, format_summary
+from staging_contracts._control.room_messages import RoomMeta
+from staging_contracts._control.security import SECRET_ENV, SECRET_FILE_ENV
+from staging_contracts._control.wire import ChunkReady, StagingRsp
 
 from .test_soak import passing_result
 

@@ -16,9 +16,9 @@ import secrets
 
 import pytest
 
-from staging_contracts.cluster.soak import run_soak
-from staging_contracts.cluster.soak_report import SoakConfig, format_summary
-from staging_contracts.control.security import SECRET_ENV, SECRET_FILE_ENV
+from staging_contracts._cluster.soak import run_soak
+from staging_contracts._cluster.soak_report import SoakConfig, format_summary
+from staging_contracts._control.security import SECRET_ENV, SECRET_FILE_ENV
 from staging_contracts.engines import engine_available
 
 MOONCAKE_OK, MOONCAKE_WHY = engine_available("mooncake")

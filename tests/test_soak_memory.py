@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from staging_contracts.cluster.soak_memory import RULE, RssSampler, judge_memory, memory_rows
+from staging_contracts._cluster.soak_memory import RULE, RssSampler, judge_memory, memory_rows
 
 MIB = 1 << 20
 
@@ -40,7 +40,7 @@ def test_the_sampler_is_bounded_and_thins_out() -> None:
 
 
 def test_memory_that_grew_fails_the_soak_verdict_and_the_summary_says_so() -> None:
-    from staging_contracts.cluster.soak_report import format_summary
+    from staging_contracts._cluster.soak_report import format_summary
     from tests.test_soak import passing_result
 
     grown = judge_memory(statuses(1 * MIB), start=0.0, elapsed_s=120.0)
@@ -61,7 +61,7 @@ def test_a_short_real_soak_prints_each_roles_memory_and_a_flat_verdict(
     has a memory line per role (a rank process's first, last and peak RSS after the
     warm-up) and the memory verdict with its rule, and that verdict is part of PASS."""
     from staging_contracts import cli
-    from staging_contracts.control.security import SECRET_ENV, SECRET_FILE_ENV
+    from staging_contracts._control.security import SECRET_ENV, SECRET_FILE_ENV
 
     monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
     monkeypatch.delenv(SECRET_ENV, raising=False)

@@ -8,9 +8,9 @@ it its peers; the rank raised, never reported the room, and the room hung until 
 
 These tests drive the two halves the race was between, one event at a time:
 
-* the driver (:class:`~staging_contracts.cluster.soak._Driver`), its events fed by hand and
+* the driver (:class:`~staging_contracts._cluster.soak._Driver`), its events fed by hand and
   its commands recorded: a rank gets no room before it answered ``peers``;
-* a rank's command handling (:class:`~staging_contracts.cluster.soak_rank.CommandLoop`,
+* a rank's command handling (:class:`~staging_contracts._cluster.soak_rank.CommandLoop`,
   with a fake side and a hand-moved clock): a room that comes before the peers waits for
   them, or fails with a reason once ``peers_wait_s`` passed; a room that cannot be opened
   fails with a reason; every room command is answered by one ``room`` event.
@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from staging_contracts.cluster import soak
-from staging_contracts.cluster._messages import (
+from staging_contracts._cluster import soak
+from staging_contracts._cluster._messages import (
     AskStatus,
     Message,
     OpenRoom,
@@ -37,9 +37,9 @@ from staging_contracts.cluster._messages import (
     Stop,
     encode,
 )
-from staging_contracts.cluster.bootstrap import RankInfo
-from staging_contracts.cluster.soak_rank import CommandLoop, RankSettings
-from staging_contracts.cluster.soak_report import (
+from staging_contracts._cluster.bootstrap import RankInfo
+from staging_contracts._cluster.soak_rank import CommandLoop, RankSettings
+from staging_contracts._cluster.soak_report import (
     KillRecord,
     SoakConfig,
     format_summary,

@@ -13,12 +13,12 @@ import types
 
 import pytest
 
-from staging_contracts.control.liveness import PeerLiveness
-from staging_contracts.control.wire import StagingRsp
-from staging_contracts.decode.rooms import RoomStatus
-from staging_contracts.prefill import writer as writer_module
-from staging_contracts.prefill.books import RegionAnswerTable
-from staging_contracts.prefill.writer import ChunkSpec
+from staging_contracts._control.liveness import PeerLiveness
+from staging_contracts._control.wire import StagingRsp
+from staging_contracts._decode.rooms import RoomStatus
+from staging_contracts._prefill import writer as writer_module
+from staging_contracts._prefill.books import RegionAnswerTable
+from staging_contracts._prefill.writer import ChunkSpec
 from staging_contracts.protocols import PrefillStagingContext
 from tests.local_cluster import Geometry, local_cluster, pools_equal, wait_for
 from tests.test_prefill_writer import Clock, RecordingSockets, Rig, make_rig

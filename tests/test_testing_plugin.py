@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from staging_contracts.control.transport import open_socket_count
+from staging_contracts._control.transport import open_socket_count
 from staging_contracts.testing import NO_FACTORY_MESSAGE
 
 PLUGIN_MODULE = "staging_contracts.testing.plugin"
@@ -37,7 +37,7 @@ PLUGIN_ARGS = _plugin_args()
 """Arguments that load the kit's plugin in a child pytest."""
 
 FACTORIES = """
-from staging_contracts.backends.common import Role
+from staging_contracts.backends._common import Role
 from staging_contracts.backends.local import LocalKVManager
 
 
@@ -59,7 +59,7 @@ from staging_contracts import (
     StagingHandler,
     StagingManagerMixin,
 )
-from staging_contracts.backends.common import CommonKVManager, Role
+from staging_contracts.backends._common import CommonKVManager, Role
 from staging_contracts.backends.local import LocalKVManager
 from staging_contracts.engines.local import LocalEngine
 
@@ -133,7 +133,7 @@ def local_subclass(kv_args, *, role, attn_tp_size):
 
 BROKEN = """
 from staging_contracts import StagingHandler, StagingManagerMixin
-from staging_contracts.backends.common import CommonKVManager
+from staging_contracts.backends._common import CommonKVManager
 
 
 class BrokenKVManager(StagingManagerMixin, CommonKVManager):
@@ -411,7 +411,7 @@ def test_subclass_with_a_factory_passes_and_leaks_nothing(pytester: pytest.Pytes
     """The kit closes every manager, socket and thread it opened."""
     pytester.makepyfile(
         test_mine="""
-        from staging_contracts.backends.common import Role
+        from staging_contracts.backends._common import Role
         from staging_contracts.backends.local import LocalKVManager
         from staging_contracts.testing import StagingBackendContract
 

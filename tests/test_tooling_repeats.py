@@ -1,10 +1,10 @@
 """The tooling writes nothing twice: no run of six code lines stands in two places of it.
 
-The tooling is what runs on top of the core: ``testing/``, ``cluster/``, ``bench/``, ``run/``
-and ``cli.py``. A *code line* is a line with a token that is not punctuation, outside import
-statements, comments and the continuation lines of a string that spans several lines (a
-docstring counts once, by its first line). Two places repeat when six consecutive code lines
-read the same, token for token (white space and line breaks inside a line aside).
+The tooling is what runs on top of the core: ``testing/``, ``_cluster/``, ``_bench/``,
+``_run/`` and ``cli.py``. A *code line* is a line with a token that is not punctuation,
+outside import statements, comments and the continuation lines of a string that spans several
+lines (a docstring counts once, by its first line). Two places repeat when six consecutive
+code lines read the same, token for token (white space and line breaks inside a line aside).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Final
 
 PACKAGE_ROOT: Final = Path(__file__).resolve().parent.parent / "src" / "staging_contracts"
-TOOLING: Final = ("testing", "cluster", "bench", "run")
+TOOLING: Final = ("testing", "_cluster", "_bench", "_run")
 RUN_LINES: Final = 6
 _SKIPPED: Final = frozenset(
     {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT}

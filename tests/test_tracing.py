@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from staging_contracts import tracing
-from staging_contracts.backends.kv_requests import KVPoll, KVReceiver, KVSender
+from staging_contracts.backends._kv_requests import KVPoll, KVReceiver, KVSender
 from staging_contracts.outcomes import FailureReason
 from tests.local_cluster import Geometry, sides, wait_for, wait_states
 
@@ -122,10 +122,10 @@ def test_without_a_provider_nothing_is_traced_or_imported() -> None:
     set (the API's proxy): still ``None``."""
     probe = (
         "import sys\n"
-        "from staging_contracts.backends.common import Role\n"
-        "from staging_contracts.backends.kv_requests import PrefillTransfers\n"
+        "from staging_contracts.backends._common import Role\n"
+        "from staging_contracts.backends._kv_requests import PrefillTransfers\n"
         "from staging_contracts.backends.local import LocalKVManager\n"
-        "from staging_contracts.backends.staging_setup import (\n"
+        "from staging_contracts.backends._staging_setup import (\n"
         "    enable_decode_staging, enable_prefill_staging)\n"
         "from tests.local_cluster import Geometry\n"
         "g = Geometry(1, 1, 2)\n"

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from staging_contracts.bench import BenchOptions, transfer_bench
+from staging_contracts._bench import BenchOptions, transfer_bench
 from staging_contracts.engines import engine_available
 
 AVAILABLE = [name for name in transfer_bench.ENGINES if engine_available(name)[0]]

@@ -10,14 +10,14 @@ import time
 import pytest
 import zmq
 
-from staging_contracts.control.transport import (
+from staging_contracts._control.transport import (
     MAX_FRAME_BYTES,
     Listener,
     LogThrottle,
     PeerSockets,
     open_socket_count,
 )
-from staging_contracts.control.wire import MAX_MESSAGE_BYTES, MalformedMessage
+from staging_contracts._control.wire import MAX_MESSAGE_BYTES, MalformedMessage
 
 
 def wait_for(predicate: object, timeout: float = 5.0) -> bool:
@@ -157,7 +157,7 @@ def test_malformed_messages_are_counted_exactly_and_logged_sparingly(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Thousands of bad messages: exact counts, a few lines per interval and summaries."""
-    caplog.set_level(logging.WARNING, logger="staging_contracts.control.transport")
+    caplog.set_level(logging.WARNING, logger="staging_contracts._control.transport")
 
     def dispatch(frames: list[bytes]) -> None:
         raise MalformedMessage("bad frame", 0, "type")

@@ -8,7 +8,7 @@ from typing import Any, Literal, Protocol, TypeVar
 import pytest
 
 from staging_contracts import KVArgs, KVArgsRecord, StagingHandler
-from staging_contracts.contract.typeforms import (
+from staging_contracts._contract.typeforms import (
     Compat,
     class_label,
     declared_compatibility,

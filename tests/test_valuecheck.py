@@ -8,7 +8,7 @@ import pytest
 from typeguard import TypeCheckError
 
 from staging_contracts import KVArgs, StagingHandler
-from staging_contracts.contract.valuecheck import compile_checker
+from staging_contracts._contract.valuecheck import compile_checker
 from tests.hosts import RecordingHandler, make_kv_args
 
 

@@ -14,8 +14,8 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staging_contracts.control import wire
-from staging_contracts.control.wire import (
+from staging_contracts._control import wire
+from staging_contracts._control.wire import (
     ALLOC_OVERSIZED,
     MAX_MESSAGE_BYTES,
     MESSAGE_TYPES,

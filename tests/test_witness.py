@@ -20,11 +20,7 @@ from staging_contracts import (
     StagingHostCheck,
     StagingManagerMixin,
 )
-from staging_contracts.backends.ascend import AscendKVManager
-from staging_contracts.backends.local import LocalKVManager
-from staging_contracts.backends.mooncake import MooncakeKVManager
-from staging_contracts.backends.nixl import NixlKVManager
-from staging_contracts.contract.witness import (
+from staging_contracts._contract.witness import (
     mangled_witness_name,
     own_witnesses,
     witness_class_for,
@@ -32,6 +28,10 @@ from staging_contracts.contract.witness import (
     witness_line,
     witness_note,
 )
+from staging_contracts.backends.ascend import AscendKVManager
+from staging_contracts.backends.local import LocalKVManager
+from staging_contracts.backends.mooncake import MooncakeKVManager
+from staging_contracts.backends.nixl import NixlKVManager
 from tests.hosts import CommonBase
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from staging_contracts.run.workload import (
+from staging_contracts._run.workload import (
     TransferConfig,
     fill_prefill_pool,
     rank_heads,
     request_plans,
     verify_decode_pool,
 )
-from staging_contracts.staging.kernels import PagedKVPools
+from staging_contracts._staging.kernels import PagedKVPools
 
 
 def test_rank_heads_split_and_replicate() -> None:

@@ -1,11 +1,15 @@
 """staging-contracts: the staging path of PD-disaggregated LLM serving, with typed contracts.
 
-The public surface is re-exported here; import from ``staging_contracts`` only.
+The public surface is re-exported here: the contract, its mixin and types, the wire's error.
+A backend's building blocks are in :mod:`staging_contracts.backends`, the engines in
+:mod:`staging_contracts.engines`, the contract kit and the transfer harness in
+:mod:`staging_contracts.testing`; every module or package whose name starts with ``_`` is
+internal (its names may change in any release).
 """
 
 from __future__ import annotations
 
-from .contract.contract import (
+from ._contract.contract import (
     ClassReport,
     Contract,
     MemberKind,
@@ -13,9 +17,10 @@ from .contract.contract import (
     MemberSpec,
     MemberStatus,
 )
-from .contract.enforcement import ContractMixin
-from .contract.problems import ContractError, ContractProblem, ProblemKind
-from .contract.witness import HostCheck
+from ._contract.enforcement import ContractMixin
+from ._contract.problems import ContractError, ContractProblem, ProblemKind
+from ._contract.witness import HostCheck
+from ._control.wire import MalformedMessage
 from .mixin import STAGING_CONTRACT, StagingHostCheck, StagingManagerMixin
 from .protocols import (
     Allocation,
@@ -57,6 +62,7 @@ __all__ = [
     "KVArgs",
     "KVArgsRecord",
     "KVBufferTensors",
+    "MalformedMessage",
     "MemberKind",
     "MemberReport",
     "MemberSpec",

@@ -16,20 +16,20 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from .cluster import logformat
-from .cluster.summary_json import (
+from ._cluster import logformat
+from ._cluster.summary_json import (
     CheckRecord,
     check_summary,
     check_target,
     package_version,
     write_summary,
 )
-from .contract.contract import Contract, is_abstract
-from .contract.enforcement import contract_roots
-from .contract.typeforms import class_label
-from .contract.witness import witness_note
+from ._contract.contract import Contract, is_abstract
+from ._contract.enforcement import contract_roots
+from ._contract.typeforms import class_label
+from ._contract.witness import witness_note
 from .mixin import STAGING_CONTRACT
-from .testing.notes import WITNESS_GUIDE
+from .testing._notes import WITNESS_GUIDE
 
 __all__ = ["main"]
 
@@ -175,8 +175,8 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     if command == "soak":
-        from .cluster.metrics_relay import add_metrics_port_argument  # noqa: PLC0415
-        from .cluster.soak_report import SOAK_EPILOG, add_soak_arguments  # noqa: PLC0415
+        from ._cluster.metrics_relay import add_metrics_port_argument  # noqa: PLC0415
+        from ._cluster.soak_report import SOAK_EPILOG, add_soak_arguments  # noqa: PLC0415
 
         soak.epilog = SOAK_EPILOG
         add_soak_arguments(soak)
@@ -235,7 +235,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def _bench_groups() -> tuple[str, ...]:
-    from .bench import GROUPS  # noqa: PLC0415 - keeps `check` free of benchmark imports
+    from ._bench import GROUPS  # noqa: PLC0415 - keeps `check` free of benchmark imports
 
     return tuple(GROUPS)
 
@@ -259,8 +259,8 @@ def _add_outputs(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_demo(demo: argparse.ArgumentParser) -> None:
-    from .cluster.demo import add_demo_arguments  # noqa: PLC0415 - torch: only for `demo`
-    from .cluster.metrics_relay import add_metrics_port_argument  # noqa: PLC0415
+    from ._cluster.demo import add_demo_arguments  # noqa: PLC0415 - torch: only for `demo`
+    from ._cluster.metrics_relay import add_metrics_port_argument  # noqa: PLC0415
 
     add_demo_arguments(demo)
     _add_outputs(demo)
@@ -411,7 +411,7 @@ def _hook_note(cls: type, target: str) -> str | None:
     if not issubclass(cls, StagingManagerMixin) or is_abstract(cls):
         return None
     # a subclass of CommonKVManager has imported it; importing it here would load pyzmq
-    common = sys.modules.get("staging_contracts.backends.common")
+    common = sys.modules.get("staging_contracts.backends._common")
     base = getattr(common, "CommonKVManager", None)
     if not isinstance(base, type) or not issubclass(cls, base):
         return None
@@ -434,13 +434,13 @@ def _hook_note(cls: type, target: str) -> str | None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from .cluster.demo import (  # noqa: PLC0415 - heavy imports
+    from ._cluster.demo import (  # noqa: PLC0415 - heavy imports
         config_from_args,
         placement_from_args,
         run_demo,
     )
-    from .cluster.metrics_relay import check_metrics_available  # noqa: PLC0415
-    from .cluster.preflight import ignored_variables, preflight  # noqa: PLC0415 - heavy imports
+    from ._cluster.metrics_relay import check_metrics_available  # noqa: PLC0415
+    from ._cluster.preflight import ignored_variables, preflight  # noqa: PLC0415 - heavy imports
     from .config import RING_BYTES  # noqa: PLC0415
 
     _local_modules_importable()
@@ -463,14 +463,14 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_soak(args: argparse.Namespace) -> int:
-    from .cluster.metrics_relay import check_metrics_available  # noqa: PLC0415
-    from .cluster.preflight import check_backend, ignored_variables  # noqa: PLC0415
-    from .cluster.soak import run_soak  # noqa: PLC0415 - heavy imports
-    from .cluster.soak_report import config_from_args, format_summary  # noqa: PLC0415
-    from .cluster.summary_json import soak_summary  # noqa: PLC0415
+    from ._cluster.metrics_relay import check_metrics_available  # noqa: PLC0415
+    from ._cluster.preflight import check_backend, ignored_variables  # noqa: PLC0415
+    from ._cluster.soak import run_soak  # noqa: PLC0415 - heavy imports
+    from ._cluster.soak_report import config_from_args, format_summary  # noqa: PLC0415
+    from ._cluster.summary_json import soak_summary  # noqa: PLC0415
+    from ._control.security import SecurityError  # noqa: PLC0415
+    from ._run import exit_status  # noqa: PLC0415
     from .config import INTEGRITY, RING_BYTES, Setting  # noqa: PLC0415
-    from .control.security import SecurityError  # noqa: PLC0415
-    from .run import exit_status  # noqa: PLC0415
 
     _local_modules_importable()
     try:
@@ -513,7 +513,7 @@ def _run_soak(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from .bench import (  # noqa: PLC0415 - heavy
+    from ._bench import (  # noqa: PLC0415 - heavy
         GROUPS,
         BenchOptions,
         BenchRow,
@@ -521,7 +521,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         run_groups,
         write_json,
     )
-    from .run import Interrupted, exit_status, stop_on_signals  # noqa: PLC0415
+    from ._run import Interrupted, exit_status, stop_on_signals  # noqa: PLC0415
 
     if "scaling" in args.groups:
         return _run_scaling(args)
@@ -542,7 +542,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     backends = tuple(args.backends) if args.backends else None
     if backends:
-        from .cluster.preflight import check_backend  # noqa: PLC0415 - heavy imports
+        from ._cluster.preflight import check_backend  # noqa: PLC0415 - heavy imports
 
         _local_modules_importable()
         try:
@@ -571,10 +571,10 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 def _run_scaling(args: argparse.Namespace) -> int:
     """``bench scaling``: the sweep, its table and slopes, its files (not a row group)."""
-    from .bench import BenchOptions  # noqa: PLC0415 - heavy
-    from .bench.plots import matplotlib_missing, write_plots  # noqa: PLC0415
-    from .bench.scaling import run_scaling  # noqa: PLC0415
-    from .run import exit_status, stop_on_signals  # noqa: PLC0415
+    from ._bench import BenchOptions  # noqa: PLC0415 - heavy
+    from ._bench.plots import matplotlib_missing, write_plots  # noqa: PLC0415
+    from ._bench.scaling import run_scaling  # noqa: PLC0415
+    from ._run import exit_status, stop_on_signals  # noqa: PLC0415
 
     refusal = None
     if args.groups != ["scaling"]:

@@ -20,10 +20,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any, ClassVar, Final, Protocol, TypeVar, cast
 
-from .contract.contract import Contract
-from .contract.enforcement import ContractMixin
-from .contract.witness import HostCheck
-from .control.wire import (
+from ._contract.contract import Contract
+from ._contract.enforcement import ContractMixin
+from ._contract.witness import HostCheck
+from ._control.wire import (
     ChunkReady,
     MalformedMessage,
     Message,
@@ -86,7 +86,7 @@ class StagingHostCheck(HostCheck[_Host]):
     so that mypy (no plugin needed), pyright, ty and pyrefly report there a backend that does
     not satisfy :class:`StagingHostCore`: a member missing, a declared type that is not a
     subtype, no ``arrival`` (a Mori-like backend). Validated at class creation: it must name
-    the class itself (see :mod:`~staging_contracts.contract.witness`).
+    the class itself (see :mod:`~staging_contracts._contract.witness`).
     """
 
 

@@ -24,11 +24,11 @@ statement
 * each method of the mixin shadowed by a base listed before the mixin
   (``staging-shadowed-method``),
 
-worded like :class:`~staging_contracts.contract.problems.ContractError`, one error per problem,
+worded like :class:`~staging_contracts._contract.problems.ContractError`, one error per problem,
 with type names qualified by their module where two of them share a short name. The members
 and their types come from the Protocol as mypy sees it; the names the ``Contract(...)`` marks
 ``optional`` are checked only when declared. The contract is read from the mixin's
-``contract=`` keyword (:mod:`~staging_contracts.contract.mypy_contracts` says which forms);
+``contract=`` keyword (:mod:`~staging_contracts._contract.mypy_contracts` says which forms);
 one the plugin cannot read is a note at the mixin's class statement, and its hosts are left to
 the runtime checks.
 
@@ -79,8 +79,8 @@ from mypy.plugin import (
 )
 from mypy.types import CallableType, PartialType, Type, get_proper_type
 
-from .contract import mypy_analysis, mypy_contracts
-from .contract.mypy_analysis import (
+from ._contract import mypy_analysis, mypy_contracts
+from ._contract.mypy_analysis import (
     ABSTRACT_MEMBERS,
     METADATA_KEY,
     ContractInfos,
@@ -96,7 +96,7 @@ from .contract.mypy_analysis import (
     slot_names,
     stored_names,
 )
-from .contract.mypy_contracts import (
+from ._contract.mypy_contracts import (
     CONTRACT_CLASS,
     CONTRACT_MIXIN,
     FACTS_KEY,
@@ -105,7 +105,7 @@ from .contract.mypy_contracts import (
     read_call,
     read_contract,
 )
-from .contract.problems import ProblemKind
+from ._contract.problems import ProblemKind
 
 __all__ = [
     "MEMBER_TYPE",
@@ -305,7 +305,7 @@ def _protocol_digest(protocol: TypeInfo) -> str:
 
 def _remember_contract_binding(ctx: DynamicClassDefContext) -> None:
     """Keep the facts of a module-level ``NAME = Contract(...)`` in its module's symbol table
-    (:func:`~staging_contracts.contract.mypy_contracts.facts_symbol`), where a mixin of another
+    (:func:`~staging_contracts._contract.mypy_contracts.facts_symbol`), where a mixin of another
     module finds them once this module's syntax tree is gone. A binding inside a function is
     read from the syntax tree of the module being analysed, which is still there."""
     api = ctx.api

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from staging_contracts._staging.allocator import StagingAllocator, is_watermark_ready
 from staging_contracts.protocols import Watermark
-from staging_contracts.staging.allocator import StagingAllocator, is_watermark_ready
 from tests.interop._reference import Reference, cpu_staging_allocator
 
 TRACES = 320
@@ -124,8 +124,8 @@ def test_its_mixin_readiness_reads_the_watermark_our_frames_set(
 ) -> None:
     """Its StagingManagerMixin._is_watermark_ready, after its handle_watermark_msg read our
     WATERMARK, answers as our WatermarkTracker does for the same session."""
-    from staging_contracts.control.wire import WatermarkUpdate
-    from staging_contracts.prefill.books import WatermarkTracker
+    from staging_contracts._control.wire import WatermarkUpdate
+    from staging_contracts._prefill.books import WatermarkTracker
 
     handler = reference.staging_handler
     host = types.SimpleNamespace(_staging_ctx=handler.PrefillStagingContext())

@@ -19,9 +19,9 @@ from typing import Protocol
 import pytest
 
 from staging_contracts import STAGING_CONTRACT, Contract, ContractError, StagingManagerMixin
+from staging_contracts._contract.contract import MemberStatus
 from staging_contracts.backends.mori import MoriKVManager as OurMori
 from staging_contracts.cli import main
-from staging_contracts.contract.contract import MemberStatus
 from tests.interop._reference import Reference
 
 MANAGERS = {

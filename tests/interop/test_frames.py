@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from staging_contracts import KVArgsRecord
-from staging_contracts.control.wire import (
+from staging_contracts._control.wire import (
     ALLOC_OVERSIZED,
     ChunkReady,
     Message,
@@ -27,7 +27,7 @@ from staging_contracts.control.wire import (
     WatermarkUpdate,
     decode_message,
 )
-from staging_contracts.staging.layout import compute_staging_layout
+from staging_contracts._staging.layout import compute_staging_layout
 from tests.interop._fakes import (
     ArrivalLog,
     ChunkReadySender,

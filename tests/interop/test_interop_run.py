@@ -25,15 +25,15 @@ import torch
 import zmq
 
 from staging_contracts import KVBufferTensors
-from staging_contracts.backends.common import Role
+from staging_contracts._decode.handler import RoomPlan, RoomStatus, peers_for
+from staging_contracts._prefill.writer import ChunkSpec, DecodeTarget, StagingFailed, StagingWriter
+from staging_contracts._staging.layout import compute_staging_layout, prefill_ranks_for_decode
+from staging_contracts.backends._common import Role
+from staging_contracts.backends._staging_setup import enable_decode_staging, enable_prefill_staging
 from staging_contracts.backends.local import LocalKVManager
-from staging_contracts.backends.staging_setup import enable_decode_staging, enable_prefill_staging
-from staging_contracts.decode.handler import RoomPlan, RoomStatus, peers_for
 from staging_contracts.engines import engine_available
 from staging_contracts.engines.local import LocalEngine
-from staging_contracts.prefill.writer import ChunkSpec, DecodeTarget, StagingFailed, StagingWriter
 from staging_contracts.protocols import TransferEngine
-from staging_contracts.staging.layout import compute_staging_layout, prefill_ranks_for_decode
 from tests.interop._reference import Reference
 from tests.interop._sides import ReferenceDecodeRank, ReferencePrefillRank
 from tests.local_cluster import Geometry, pools_equal, rank_heads, wait_for

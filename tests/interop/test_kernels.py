@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from staging_contracts import KVBufferTensors
-from staging_contracts.staging.kernels import gather_chunk, scatter_chunk
-from staging_contracts.staging.layout import (
+from staging_contracts._staging.kernels import gather_chunk, scatter_chunk
+from staging_contracts._staging.layout import (
     compute_head_slice_params,
     compute_staging_layout,
     prefill_ranks_for_decode,

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from staging_contracts.staging.layout import (
+from staging_contracts._staging.layout import (
     compute_head_slice_params,
     compute_staging_layout,
     prefill_ranks_for_decode,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from acme_kv.backend import AcmeKVManager
 
-from staging_contracts.backends.common import Role
+from staging_contracts.backends import Role
 from staging_contracts.testing import DecodeSetup, StagingBackendContract
 
 

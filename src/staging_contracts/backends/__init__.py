@@ -1,4 +1,13 @@
-"""KV-transfer backends, loaded lazily by name.
+"""KV-transfer backends: what a backend is built from, and the backends, loaded lazily by name.
+
+A backend author imports from here: :class:`CommonKVManager` (the sockets, the listener and
+the engine) and :class:`Role`; :func:`enable_decode_staging`, :func:`enable_prefill_staging`,
+:func:`staging_idle` and the :class:`StagingBackend` Protocol they take; the per-request API a
+scheduler calls (:class:`KVSender`, :class:`KVReceiver`, :class:`KVPoll`,
+:class:`PrefillTransfers`, :class:`DecodeTransfers`, with :class:`DecodeTarget` and
+:class:`PrefillTimeouts`); what ``health()`` and ``close(drain_s=...)`` return
+(:class:`ManagerHealth`, :class:`DrainResult`). The modules whose names start with ``_`` are
+internal.
 
 ===========  ===============================================  ==========================
 name         class                                            needs
@@ -10,9 +19,9 @@ name         class                                            needs
 ``mori``     :class:`~.mori.MoriKVManager` (no staging)       nothing
 ===========  ===============================================  ==========================
 
-Importing this package imports no engine SDK; :func:`load_backend` imports a backend's
-module on first use and checks that its engine can be imported, raising an ``ImportError``
-that names the backend and the extra to install otherwise.
+Importing this package imports torch and pyzmq but no engine SDK; :func:`load_backend`
+imports a backend's module on first use and checks that its engine can be imported, raising
+an ``ImportError`` that names the backend and the extra to install otherwise.
 
 Backends outside the package register under the entry-point group
 ``staging_contracts.backends`` (:data:`ENTRY_POINT_GROUP`), one ``NAME = "MODULE:CLASS"`` per
@@ -44,6 +53,11 @@ Imported by: ``testing``, ``cluster``, ``bench``, ``cli`` and backends outside t
 
 from __future__ import annotations
 
+from .._prefill.writer import DecodeTarget, PrefillTimeouts
+from ._common import CommonKVManager, Role
+from ._drain import DrainResult
+from ._health import ManagerHealth
+from ._kv_requests import DecodeTransfers, KVPoll, KVReceiver, KVSender, PrefillTransfers
 from ._registry import (
     BACKENDS,
     ENTRY_POINT_GROUP,
@@ -58,6 +72,12 @@ from ._resolve import (
     process_local_reason,
     resolve_backend,
 )
+from ._staging_setup import (
+    StagingBackend,
+    enable_decode_staging,
+    enable_prefill_staging,
+    staging_idle,
+)
 
 __all__ = [
     "BACKENDS",
@@ -65,9 +85,24 @@ __all__ = [
     "SPEC_FORMS",
     "BackendFactory",
     "BackendSpec",
+    "CommonKVManager",
+    "DecodeTarget",
+    "DecodeTransfers",
+    "DrainResult",
+    "KVPoll",
+    "KVReceiver",
+    "KVSender",
+    "ManagerHealth",
+    "PrefillTimeouts",
+    "PrefillTransfers",
+    "Role",
+    "StagingBackend",
     "backend_names",
     "backend_ref",
+    "enable_decode_staging",
+    "enable_prefill_staging",
     "load_backend",
     "process_local_reason",
     "resolve_backend",
+    "staging_idle",
 ]

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-from ..contract.problems import ContractError
+from .._contract.problems import ContractError
 
 __all__ = [
     "AttributeMissing",

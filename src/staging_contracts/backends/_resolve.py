@@ -18,8 +18,8 @@ from ._registry import BACKENDS, load_named
 
 if TYPE_CHECKING:
     from ..protocols import KVArgs
-    from .common import Role
-    from .staging_setup import StagingBackend
+    from ._common import Role
+    from ._staging_setup import StagingBackend
 
 __all__ = [
     "SPEC_FORMS",
@@ -108,7 +108,7 @@ class BackendFactory:
                 return _process_local_text("LocalEngine")
             return None
         from ..protocols import KVArgsRecord  # noqa: PLC0415 - only for the probe
-        from .common import Role  # noqa: PLC0415
+        from ._common import Role  # noqa: PLC0415
 
         kv_args = KVArgsRecord(
             page_size=1,
@@ -300,7 +300,7 @@ def _check_signature(build: Callable[..., object], where: str) -> bool:
 
 def _check_backend_class(cls: type, where: str) -> None:
     """Refuse a class that is not a conforming, non-abstract staging backend."""
-    from ..contract.contract import is_abstract  # noqa: PLC0415 - only for specs
+    from .._contract.contract import is_abstract  # noqa: PLC0415 - only for specs
     from ..mixin import STAGING_CONTRACT, StagingManagerMixin  # noqa: PLC0415
 
     if not issubclass(cls, StagingManagerMixin):

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from ..mixin import StagingHostCheck
 from ..protocols import KVArgs
-from .common import Role
+from ._common import Role
 from .mooncake import MooncakeKVManager
 
 __all__ = ["AscendKVManager"]

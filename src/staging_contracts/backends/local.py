@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ..control.security import FROM_ENV
+from .._control.security import FROM_ENV
 from ..engines.local import LocalEngine
 from ..mixin import StagingHostCheck, StagingManagerMixin
 from ..protocols import (
@@ -20,8 +20,8 @@ from ..protocols import (
     PrefillStagingContext,
     StagingHandler,
 )
-from .common import CommonKVManager, Role
-from .staging_setup import staging_idle
+from ._common import CommonKVManager, Role
+from ._staging_setup import staging_idle
 
 __all__ = ["LocalKVManager"]
 

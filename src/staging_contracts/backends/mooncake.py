@@ -18,8 +18,8 @@ from ..protocols import (
     PrefillStagingContext,
     StagingHandler,
 )
-from .common import CommonKVManager, Role
-from .staging_setup import staging_idle
+from ._common import CommonKVManager, Role
+from ._staging_setup import staging_idle
 
 __all__ = ["MooncakeKVManager"]
 

@@ -10,7 +10,7 @@ rejected as malformed (counted by its listener, which keeps serving).
 from __future__ import annotations
 
 from ..protocols import KVArgs, TransferEngine
-from .common import CommonKVManager, Role
+from ._common import CommonKVManager, Role
 
 __all__ = ["MoriKVManager"]
 

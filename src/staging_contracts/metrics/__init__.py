@@ -16,7 +16,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Final
 
-from .snapshot import (
+from ._snapshot import (
     ControlCount,
     MetricsSnapshot,
     RoomCount,
@@ -27,9 +27,9 @@ from .snapshot import (
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
 
-    from ..backends.common import CommonKVManager
-    from ..backends.kv_requests import PrefillTransfers
-    from .collector import StagingCollector
+    from ..backends._common import CommonKVManager
+    from ..backends._kv_requests import PrefillTransfers
+    from ._collector import StagingCollector
 
 __all__ = [
     "ControlCount",
@@ -91,7 +91,7 @@ def register(
             made for it yet (its rooms and latency would never be exported).
     """
     try:
-        from .collector import StagingCollector  # noqa: PLC0415 - the optional extra
+        from ._collector import StagingCollector  # noqa: PLC0415 - the optional extra
     except ImportError as exc:
         raise ImportError(
             f"staging_contracts.metrics.register needs prometheus_client: {INSTALL_HINT}"
@@ -117,7 +117,7 @@ def register(
 
 def _transfers_of(manager: CommonKVManager) -> PrefillTransfers:
     """The ``PrefillTransfers`` made for a prefill manager (it joined the drain gate)."""
-    from ..backends.kv_requests import PrefillTransfers  # noqa: PLC0415 - prefill only
+    from ..backends._kv_requests import PrefillTransfers  # noqa: PLC0415 - prefill only
 
     found = [book for book in manager.drain_gate.books if isinstance(book, PrefillTransfers)]
     if len(found) != 1:

@@ -2,7 +2,7 @@
 
 Subclass :class:`StagingBackendContract` in a test module and name the backend::
 
-    from staging_contracts.backends.common import Role
+    from staging_contracts.backends import Role
     from staging_contracts.testing import DecodeSetup, StagingBackendContract
 
     from mypkg.backend import MyKVManager
@@ -44,9 +44,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .decode_setup import DecodeFactory, DecodeSetup, LiveDecodeManager, StartableBackend
-    from .factories import EngineUnavailable, FactoryUnavailable, standard_factory
-    from .harness import (
+    from ._decode_setup import DecodeFactory, DecodeSetup, LiveDecodeManager, StartableBackend
+    from ._factories import EngineUnavailable, FactoryUnavailable, standard_factory
+    from ._harness import (
         IDLE_HOOK_HINT,
         ManagerFactory,
         ProcessesUnavailable,
@@ -58,8 +58,8 @@ if TYPE_CHECKING:
         process_local_reason,
         run_transfer,
     )
-    from .kit import NO_FACTORY_MESSAGE, NO_MANAGER_FACTORY_MESSAGE, StagingBackendContract
-    from .live import FakePrefill, LiveDecode
+    from ._kit import NO_FACTORY_MESSAGE, NO_MANAGER_FACTORY_MESSAGE, StagingBackendContract
+    from ._live import FakePrefill, LiveDecode
 
 __all__ = [
     "IDLE_HOOK_HINT",
@@ -87,28 +87,28 @@ __all__ = [
 ]
 
 _HOMES = {
-    "DecodeFactory": "decode_setup",
-    "DecodeSetup": "decode_setup",
-    "LiveDecodeManager": "decode_setup",
-    "StartableBackend": "decode_setup",
-    "EngineUnavailable": "factories",
-    "FactoryUnavailable": "factories",
-    "standard_factory": "factories",
-    "IDLE_HOOK_HINT": "harness",
-    "ManagerFactory": "harness",
-    "ProcessesUnavailable": "harness",
-    "RankFailed": "harness",
-    "RoomReport": "harness",
-    "TransferGeometry": "harness",
-    "TransferManager": "harness",
-    "TransferReport": "harness",
-    "process_local_reason": "harness",
-    "run_transfer": "harness",
-    "NO_FACTORY_MESSAGE": "kit",
-    "NO_MANAGER_FACTORY_MESSAGE": "kit",
-    "StagingBackendContract": "kit",
-    "FakePrefill": "live",
-    "LiveDecode": "live",
+    "DecodeFactory": "_decode_setup",
+    "DecodeSetup": "_decode_setup",
+    "LiveDecodeManager": "_decode_setup",
+    "StartableBackend": "_decode_setup",
+    "EngineUnavailable": "_factories",
+    "FactoryUnavailable": "_factories",
+    "standard_factory": "_factories",
+    "IDLE_HOOK_HINT": "_harness",
+    "ManagerFactory": "_harness",
+    "ProcessesUnavailable": "_harness",
+    "RankFailed": "_harness",
+    "RoomReport": "_harness",
+    "TransferGeometry": "_harness",
+    "TransferManager": "_harness",
+    "TransferReport": "_harness",
+    "process_local_reason": "_harness",
+    "run_transfer": "_harness",
+    "NO_FACTORY_MESSAGE": "_kit",
+    "NO_MANAGER_FACTORY_MESSAGE": "_kit",
+    "StagingBackendContract": "_kit",
+    "FakePrefill": "_live",
+    "LiveDecode": "_live",
 }
 """Where each public name lives: imported on first use (they import torch and pyzmq), so that
 loading the ``pytest11`` plugin of this package costs a pytest run nothing it does not use."""

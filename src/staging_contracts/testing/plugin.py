@@ -27,7 +27,7 @@ statement), the class is one collection error that says why, and none of its tes
 
 After the run it lists, under ``staging-contracts``, each backend the kit checked that states
 no witness (``__contract: ClassVar[StagingHostCheck[MyKVManager]]``), with the line to add:
-a recommendation, not a failure (see :mod:`~staging_contracts.contract.witness`).
+a recommendation, not a failure (see :mod:`~staging_contracts._contract.witness`).
 
 It also shortens two collection errors a backend author meets in a test module of their own:
 a ``class`` statement the contract rejects while the module is imported is reported with the
@@ -51,12 +51,12 @@ from typing import TYPE_CHECKING, Any, Final
 
 import pytest
 
-from ..contract.problems import ContractError
-from .notes import WITNESS_NOTES
+from .._contract.problems import ContractError
+from ._notes import WITNESS_NOTES
 
 if TYPE_CHECKING:
-    from .kit import StagingBackendContract
-    from .targets import BackendTarget
+    from ._kit import StagingBackendContract
+    from ._targets import BackendTarget
 
 __all__ = [
     "INI_KEY",
@@ -116,7 +116,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not specs:
         config.stash[_TARGETS] = ()
         return
-    from .targets import BackendTarget  # noqa: PLC0415 - only when a backend is named
+    from ._targets import BackendTarget  # noqa: PLC0415 - only when a backend is named
 
     try:
         targets = tuple(BackendTarget.parse(spec) for spec in specs)
@@ -161,7 +161,7 @@ def pytest_exception_interact(
     error = call.excinfo.value
     cause = error.__cause__ if isinstance(error, node.CollectError) else error
     if isinstance(cause, ContractError) and not cause.instance:
-        from .targets import contract_of  # noqa: PLC0415 - only on this collection error
+        from ._targets import contract_of  # noqa: PLC0415 - only on this collection error
 
         explanation = contract_of(cause.cls).explain(cause.cls)
         report.longrepr = (
@@ -201,7 +201,7 @@ def kit_class(target: BackendTarget, name: str | None = None) -> type[StagingBac
         target: the backend (and factory) to test, imported when the tests run.
         name: the class name; default ``Test<Class>``.
     """
-    from .kit import StagingBackendContract  # noqa: PLC0415 - only when a backend is named
+    from ._kit import StagingBackendContract  # noqa: PLC0415 - only when a backend is named
 
     namespace: dict[str, Any] = {
         "__test__": True,
@@ -255,7 +255,7 @@ class _KitClass(pytest.Class):
     def collect(self) -> Iterable[pytest.Item | pytest.Collector]:
         """The kit's tests, or one collection error saying why the backend (or its factory:
         importable, and taking a manager factory's arguments) does not load."""
-        from .targets import BackendLoadError  # noqa: PLC0415 - only when a backend is named
+        from ._targets import BackendLoadError  # noqa: PLC0415 - only when a backend is named
 
         try:
             self._target.load_class()

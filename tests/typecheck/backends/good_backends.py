@@ -13,8 +13,8 @@ from staging_contracts import (
     StagingHostCheck,
     StagingManagerMixin,
 )
-from staging_contracts.backends.common import CommonKVManager, Role
-from staging_contracts.decode.handler import DecodeStagingHandler
+from staging_contracts._decode.handler import DecodeStagingHandler
+from staging_contracts.backends._common import CommonKVManager, Role
 from staging_contracts.engines.local import LocalEngine
 
 

@@ -11,7 +11,7 @@ from staging_contracts import (
     StagingHostCheck,
     StagingManagerMixin,
 )
-from staging_contracts.backends.common import CommonKVManager
+from staging_contracts.backends._common import CommonKVManager
 
 
 class MoriLike(StagingManagerMixin, CommonKVManager):  # expect: plugin runtime

@@ -7,7 +7,7 @@ from staging_contracts import (
     StagingHandler,
     StagingManagerMixin,
 )
-from staging_contracts.backends.common import CommonKVManager
+from staging_contracts.backends._common import CommonKVManager
 
 
 class Unwitnessed(StagingManagerMixin, CommonKVManager):  # expect: plugin runtime

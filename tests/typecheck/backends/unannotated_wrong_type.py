@@ -10,7 +10,7 @@ from staging_contracts import (
     StagingHostCheck,
     StagingManagerMixin,
 )
-from staging_contracts.backends.common import CommonKVManager
+from staging_contracts.backends._common import CommonKVManager
 
 
 class Unannotated(StagingManagerMixin, CommonKVManager):  # expect: plugin runtime

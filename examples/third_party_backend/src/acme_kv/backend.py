@@ -37,8 +37,7 @@ from staging_contracts import (
     StagingHostCheck,
     StagingManagerMixin,
 )
-from staging_contracts.backends.common import CommonKVManager, Role
-from staging_contracts.backends.staging_setup import staging_idle
+from staging_contracts.backends import CommonKVManager, Role, staging_idle
 from staging_contracts.engines import load_engine_class
 from staging_contracts.engines.local import LocalEngine
 from staging_contracts.protocols import TransferEngine

@@ -1,0 +1,825 @@
+"""``bench scaling``: how the staged transfer's throughput and latency grow, per engine.
+
+Not a row group of :data:`~staging_contracts._bench.GROUPS` (its result is a table of points
+and fitted slopes, not ours-against-anchor rows): the command line runs it on its own as
+``staging-contracts bench scaling``.
+
+**What is swept.** One dimension at a time around a base point, not a full grid (so a full
+run takes minutes, not hours); every point is a real :func:`~staging_contracts._cluster.runner.
+run_cluster` run, each rank its own process, every decode page verified:
+
+========================  =================================  ==========
+dimension                 values                             base
+========================  =================================  ==========
+``tokens``                1k, 2k, 4k, 8k, 16k, 32k           4k
+``tp`` (prefill->decode)  1->4, 2->4, 4->2, 8->2, 4->1       4->2
+``page_size``             1, 16, 64                          16
+``concurrency``           1, 2, 4, 8, 16 requests at once    1
+========================  =================================  ==========
+
+The geometry is fixed: 8 layers, 8 KV heads of 128, bf16 (32 KiB of KV per token over all
+heads and layers: a 4k-token request is 128 MiB, a 32k one 1 GiB), chunks of 1024 tokens, a
+ring of two chunks, one untimed warm-up request before the timed ones in every run (as the
+``transfer`` group does). The base point is measured once per engine and shared by the four
+dimensions' series.
+
+**What a point is.** The full plan runs every staged point :attr:`ScalingPlan.runs` = 2
+times (two, not three: the one-run sweep of both engines took 12 minutes for its 54 cluster
+runs on two loaded cores, so two staged runs, 86 cluster runs, come to about 20 minutes and
+three, 118, to about 26); the quick plan runs it once. A point's
+throughput is the median over its runs, its latencies are pooled over them (``runs`` x
+``concurrency`` samples: 2 to 32 in the full plan), and each row records ``runs`` and
+``latency_samples``. The raw write is run once per TP pair and byte count.
+
+**What is measured**, per point:
+
+* *staged GB/s* — the KV bytes of every request of the point over the transfer phase
+  (:attr:`ClusterResult.elapsed_s <staging_contracts._cluster.runner.ClusterResult.elapsed_s>`:
+  from the first prefill rank starting its requests to the last decode rank finishing);
+* *raw GB/s* — the engine's raw bulk write of the same bytes by the same rank processes
+  (:attr:`TransferConfig.mode <staging_contracts._run.workload.TransferConfig.mode>`
+  ``"raw"``: each prefill rank writes its share in one bulk write per decode rank it feeds,
+  every byte checked on decode; warmed alike): the ceiling the staged path is measured
+  against. It is measured once per TP pair and byte count: points of equal bytes share it
+  (page sizes share the base point's; 2 requests of 4k tokens share 1 request of 8k);
+* *latency p50 and high* — per request, from the first ``STAGING_REQ`` any prefill rank sent for
+  it to the last decode rank seeing it succeed
+  (:meth:`ClusterResult.request_latencies_s
+  <staging_contracts._cluster.runner.ClusterResult.request_latencies_s>`); the p50 by
+  linear interpolation (:func:`percentile`). The high figure is honest about its sample
+  count (:func:`high_latency`): the p99 when the point has at least
+  :data:`P99_MIN_SAMPLES` samples, else the *maximum*, labelled ``max`` (the text shows
+  ``max of K``). The full plan has at most 32 samples a point, so its high figure is the
+  maximum;
+* the decode rings' peak use and the largest rank's peak RSS.
+
+**How the cost grows**: least-squares lines (:func:`fit_line`) of transfer time against
+tokens (seconds per 1k tokens, and the intercept; fitted through every run's time, not the
+medians) and of the latency p50 and high figure against concurrency (seconds per extra
+concurrent request), per engine. Each slope comes with its standard error
+(:func:`slope_stderr`, from the fit's residuals; ``nan`` with only two samples): read a
+slope as ``slope +- 2 se`` at best, since the samples are few and the machine is shared.
+
+``BenchOptions.quick`` runs tiny points (two token lengths, two concurrencies, one TP pair
+and page size) for smoke tests; its figures mean nothing. ``BenchOptions.device`` places
+every rank's pools, buffers and ring (``"cuda"`` needs a GPU).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+from .._cluster.preflight import preflight
+from .._cluster.runner import ClusterResult, run_cluster
+from .._run import Interrupted
+from .._run.workload import Device, TransferConfig
+from ..engines import engine_available
+from . import BenchOptions
+
+__all__ = [
+    "CSV_COLUMNS",
+    "DIMENSIONS",
+    "ENGINES",
+    "Fit",
+    "ScalingPlan",
+    "ScalingPoint",
+    "ScalingResult",
+    "ScalingRow",
+    "P99_MIN_SAMPLES",
+    "fit_line",
+    "fit_rows",
+    "high_latency",
+    "percentile",
+    "slope_stderr",
+    "run_scaling",
+]
+
+logger = logging.getLogger(__name__)
+
+ENGINES: Final = ("mooncake", "nixl")
+"""Engines the sweep runs by default (and the only ones it runs)."""
+
+DIMENSIONS: Final = ("tokens", "tp", "page_size", "concurrency")
+"""The swept dimensions, in the order they are run and printed."""
+
+CSV_COLUMNS: Final = (
+    "engine",
+    "dimension",
+    "value",
+    "tokens",
+    "prefill_tp",
+    "decode_tp",
+    "page_size",
+    "concurrency",
+    "bytes",
+    "runs",
+    "elapsed_s",
+    "elapsed_runs_s",
+    "staged_gbps",
+    "raw_gbps",
+    "latency_samples",
+    "latency_p50_s",
+    "latency_high_s",
+    "latency_high_stat",
+    "peak_ring_bytes",
+    "peak_rss_bytes",
+    "ok",
+    "error",
+)
+"""Columns of the CSV file, in order: the fields of :class:`ScalingRow` (``elapsed_runs_s``
+as the runs' seconds joined by spaces)."""
+
+P99_MIN_SAMPLES: Final = 100
+"""Fewest latency samples a point needs before its high figure is called a p99; with fewer
+it is the maximum (:func:`high_latency`)."""
+
+PointValue = int | str
+"""The value of a point on its dimension: an int, or ``"P->D"`` for a TP pair."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingPoint:
+    """One planned point: where it sits and the run that measures it (any engine)."""
+
+    dimension: str
+    """One of :data:`DIMENSIONS`."""
+    value: PointValue
+    """Its value on that dimension (``"4->2"`` for a TP pair)."""
+    config: TransferConfig
+    """The run, with the base point's engine (replaced per engine)."""
+
+
+_FULL_BASE: Final = TransferConfig(
+    prefill_tp=4,
+    decode_tp=2,
+    kv_heads=8,
+    layers=8,
+    head_dim=128,
+    tokens=4096,
+    page_size=16,
+    requests=1,
+    dtype="bf16",
+    chunk_tokens=1024,
+    ring_chunks=2,
+    warmup_requests=1,
+)
+"""The sweep's base point: P=4 -> D=2, 8 KV heads of 128, 8 layers, bf16, 4096 tokens."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingPlan:
+    """The base point and the values swept around it.
+
+    Raises:
+        ValueError: an empty sweep, a value below 1, or a repeat count below 1.
+    """
+
+    base: TransferConfig
+    """The base point; its ``requests`` is the base concurrency."""
+    tokens: tuple[int, ...]
+    tp_pairs: tuple[tuple[int, int], ...]
+    """``(prefill_tp, decode_tp)`` pairs."""
+    page_sizes: tuple[int, ...]
+    concurrency: tuple[int, ...]
+    """Requests staged at once (all issued together, through the same rings)."""
+    run_timeout_s: float = 300.0
+    """Bound on each cluster run."""
+    runs: int = 1
+    """Staged runs per point (throughput: their median; latencies: pooled)."""
+
+    def __post_init__(self) -> None:
+        sweeps = (self.tokens, self.tp_pairs, self.page_sizes, self.concurrency)
+        if not all(sweeps):
+            raise ValueError("every dimension needs at least one value")
+        flat = [*self.tokens, *self.page_sizes, *self.concurrency]
+        flat += [n for pair in self.tp_pairs for n in pair]
+        if min(flat) < 1 or self.run_timeout_s <= 0 or self.runs < 1:
+            raise ValueError("sizes, TP sizes, runs and the timeout must be positive")
+
+    @classmethod
+    def full(cls) -> ScalingPlan:
+        """The documented sweep (module docstring), each staged point run twice: about 20
+        minutes for both engines on two loaded cores."""
+        return cls(
+            base=_FULL_BASE,
+            tokens=(1024, 2048, 4096, 8192, 16384, 32768),
+            tp_pairs=((1, 4), (2, 4), (4, 2), (8, 2), (4, 1)),
+            page_sizes=(1, 16, 64),
+            concurrency=(1, 2, 4, 8, 16),
+            runs=2,
+        )
+
+    @classmethod
+    def quick(cls) -> ScalingPlan:
+        """Tiny points for smoke tests, each run once: five runs per engine, figures
+        meaningless."""
+        return cls(
+            base=replace(
+                _FULL_BASE,
+                prefill_tp=2,
+                decode_tp=1,
+                layers=2,
+                head_dim=64,
+                tokens=256,
+                chunk_tokens=128,
+            ),
+            tokens=(256, 512),
+            tp_pairs=((2, 1),),
+            page_sizes=(16,),
+            concurrency=(1, 2),
+            run_timeout_s=120.0,
+        )
+
+    def points(self) -> list[ScalingPoint]:
+        """Every point, dimension by dimension (the base point once in each)."""
+        base = self.base
+        points = [ScalingPoint("tokens", n, replace(base, tokens=n)) for n in self.tokens]
+        points += [
+            ScalingPoint("tp", f"{p}->{d}", replace(base, prefill_tp=p, decode_tp=d))
+            for p, d in self.tp_pairs
+        ]
+        points += [
+            ScalingPoint("page_size", n, replace(base, page_size=n)) for n in self.page_sizes
+        ]
+        points += [
+            ScalingPoint("concurrency", n, replace(base, requests=n)) for n in self.concurrency
+        ]
+        return points
+
+    def describe(self) -> dict[str, Any]:
+        """The plan as JSON-ready values: the base point's geometry and each sweep."""
+        base = self.base
+        return {
+            "base": {
+                "tokens": base.tokens,
+                "prefill_tp": base.prefill_tp,
+                "decode_tp": base.decode_tp,
+                "page_size": base.page_size,
+                "concurrency": base.requests,
+                "layers": base.layers,
+                "kv_heads": base.kv_heads,
+                "head_dim": base.head_dim,
+                "dtype": base.dtype,
+                "chunk_tokens": base.chunk_tokens,
+                "ring_chunks": base.ring_chunks,
+                "warmup_requests": base.warmup_requests,
+                "device": base.device,
+            },
+            "tokens": list(self.tokens),
+            "tp": [f"{p}->{d}" for p, d in self.tp_pairs],
+            "page_size": list(self.page_sizes),
+            "concurrency": list(self.concurrency),
+            "runs": self.runs,
+            "raw": "mode='raw', the point's rank processes, once per TP pair and byte count",
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingRow:
+    """One measured point of one engine (a CSV line; the base point is in each dimension)."""
+
+    engine: str
+    dimension: str
+    value: PointValue
+    tokens: int
+    prefill_tp: int
+    decode_tp: int
+    page_size: int
+    concurrency: int
+    bytes: int
+    """KV bytes of every timed request of the point (what both the staged run and the raw
+    write move)."""
+    runs: int
+    """Staged runs of the point (:attr:`ScalingPlan.runs`)."""
+    elapsed_s: float
+    """The median of the staged runs' transfer phases (``nan`` when a run failed)."""
+    elapsed_runs_s: tuple[float, ...]
+    """Each staged run's transfer phase, in run order (empty when a run failed)."""
+    staged_gbps: float
+    """The median over the runs of ``bytes`` / the run's transfer phase."""
+    raw_gbps: float
+    """The engine's raw write of ``bytes`` by the same TP pair of processes (``nan`` when it
+    could not be measured)."""
+    latency_samples: int
+    """Per-request latencies pooled over the runs (``runs`` x ``concurrency`` when it
+    verified)."""
+    latency_p50_s: float
+    latency_high_s: float
+    """The p99 of the samples, or their maximum below :data:`P99_MIN_SAMPLES` samples."""
+    latency_high_stat: str
+    """What ``latency_high_s`` is: ``"p99"`` or ``"max"`` (:func:`high_latency`)."""
+    peak_ring_bytes: int
+    """Largest peak use of a decode rank's staging ring."""
+    peak_rss_bytes: int | None
+    """Largest peak RSS of a rank process (``None``: the ranks did not report it)."""
+    ok: bool = True
+    error: str = ""
+    """Why the point failed (empty when it verified)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row as a dict with the keys of :data:`CSV_COLUMNS`."""
+        return asdict(self)
+
+    def high_label(self) -> str:
+        """``p99``, or ``max of K`` when the high figure is the maximum of K samples."""
+        if self.latency_high_stat == "p99":
+            return "p99"
+        return f"max of {self.latency_samples}"
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """A least-squares line ``y = slope * x + intercept`` over one engine's series."""
+
+    engine: str
+    name: str
+    """``time-vs-tokens``, ``latency-p50-vs-concurrency`` or
+    ``latency-high-vs-concurrency`` (the high figure: see :func:`high_latency`)."""
+    slope: float
+    slope_se: float
+    """Standard error of ``slope`` (:func:`slope_stderr`; ``nan`` with two samples)."""
+    intercept: float
+    r2: float
+    """Coefficient of determination (1.0: the points lie on the line)."""
+    points: int
+    """Samples the line was fitted through (every run's time for ``time-vs-tokens``)."""
+    slope_unit: str
+    """e.g. ``s per 1k tokens``."""
+
+    def describe(self) -> str:
+        """One line: ``ENGINE NAME: SLOPE +- SE UNIT, intercept I s (r2 R, N points)``."""
+        return (
+            f"{self.engine} {self.name}: {self.slope:.4g} +- {_num(self.slope_se, '.2g')} "
+            f"{self.slope_unit}, intercept {self.intercept:.4g} s (r2 {self.r2:.3f}, "
+            f"{self.points} points)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingResult:
+    """Everything one sweep found."""
+
+    plan: ScalingPlan
+    rows: tuple[ScalingRow, ...]
+    fits: tuple[Fit, ...]
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Engine -> why it was not run (it does not import)."""
+    machine: dict[str, Any] = field(default_factory=dict)
+    """CPU count and load averages before and after the sweep."""
+    interrupted: str | None = None
+    """The stop signal that ended the sweep early (``"SIGTERM"``), or ``None``; the rows are
+    then the points measured before it."""
+
+    @property
+    def ok(self) -> bool:
+        """At least one engine ran, every point verified, and the sweep was not stopped."""
+        return bool(self.rows) and all(row.ok for row in self.rows) and not self.interrupted
+
+    def as_json(self) -> dict[str, Any]:
+        """The result as JSON-ready values: whether it is partial, plan, machine, skipped
+        engines, fits, rows."""
+        return {
+            "partial": self.interrupted is not None,
+            "interrupted": self.interrupted,
+            "plan": self.plan.describe(),
+            "machine": self.machine,
+            "skipped": self.skipped,
+            "fits": [_json_fit(fit) for fit in self.fits],
+            "rows": [_json_row(row) for row in self.rows],
+        }
+
+    def write(self, directory: str | Path) -> list[Path]:
+        """Write ``scaling.json`` and ``scaling.csv`` into ``directory`` (made if missing);
+        returns their paths."""
+        folder = Path(directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        json_path = folder / "scaling.json"
+        json_path.write_text(json.dumps(self.as_json(), indent=2) + "\n")
+        csv_path = folder / "scaling.csv"
+        with csv_path.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
+            writer.writeheader()
+            for row in self.rows:
+                line = row.as_dict()
+                line["elapsed_runs_s"] = " ".join(repr(s) for s in row.elapsed_runs_s)
+                writer.writerow(line)
+        return [json_path, csv_path]
+
+    def format_text(self) -> str:
+        """The points as an aligned table, then the skipped engines and the fitted slopes."""
+        header = (
+            "engine",
+            "dimension",
+            "value",
+            "MiB",
+            "runs",
+            "staged GB/s",
+            "raw GB/s",
+            "samples",
+            "p50 s",
+            "high s",
+            "ring MiB",
+            "RSS MiB",
+            "ok",
+        )
+        table = [header]
+        for row in self.rows:
+            rss = "-" if row.peak_rss_bytes is None else f"{row.peak_rss_bytes / 2**20:.0f}"
+            table.append(
+                (
+                    row.engine,
+                    row.dimension,
+                    str(row.value),
+                    f"{row.bytes / 2**20:.1f}",
+                    str(row.runs),
+                    _num(row.staged_gbps),
+                    _num(row.raw_gbps),
+                    str(row.latency_samples),
+                    _num(row.latency_p50_s),
+                    f"{_num(row.latency_high_s)} ({row.high_label()})",
+                    f"{row.peak_ring_bytes / 2**20:.1f}",
+                    rss,
+                    "yes" if row.ok else "NO",
+                )
+            )
+        widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+        lines = [
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table
+        ]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        base = self.plan.describe()["base"]
+        lines.insert(
+            0,
+            "base point: {tokens} tokens, TP {prefill_tp}->{decode_tp}, page size {page_size}, "
+            "{concurrency} request(s) at once; {layers} layers, {kv_heads} KV heads of "
+            "{head_dim}, {dtype}, chunks of {chunk_tokens} tokens, ring of {ring_chunks} "
+            "chunks; staged runs per point: {runs} (GB/s: their median; latency samples "
+            "pooled); high = p99 from {p99} samples, else the max".format(
+                **base, runs=self.plan.runs, p99=P99_MIN_SAMPLES
+            ),
+        )
+        lines.extend(
+            f"{row.engine} {row.dimension}={row.value}: {row.error}"
+            for row in self.rows
+            if not row.ok
+        )
+        lines.extend(f"skipped {engine}: {why}" for engine, why in self.skipped.items())
+        lines.append("how the cost grows (least squares, slope +- its standard error):")
+        lines.extend(f"  {fit.describe()}" for fit in self.fits)
+        if not self.fits:
+            lines.append("  (no series with two points to fit)")
+        if self.interrupted is not None:
+            lines.append(
+                f"PARTIAL: interrupted by {self.interrupted}: the points measured before it"
+            )
+        return "\n".join(lines)
+
+
+def _num(value: float, spec: str = ".4g") -> str:
+    return "-" if math.isnan(value) else format(value, spec)
+
+
+def _json_row(row: ScalingRow) -> dict[str, Any]:
+    """A row for JSON: ``nan`` becomes ``null`` (JSON has no NaN)."""
+    return _no_nan(row.as_dict())
+
+
+def _json_fit(fit: Fit) -> dict[str, Any]:
+    return _no_nan(asdict(fit))
+
+
+def _no_nan(values: dict[str, Any]) -> dict[str, Any]:
+    return {
+        key: None if isinstance(value, float) and math.isnan(value) else value
+        for key, value in values.items()
+    }
+
+
+def high_latency(samples: Sequence[float]) -> tuple[float, str]:
+    """The high latency figure of a point and what it is: ``(p99, "p99")`` with at least
+    :data:`P99_MIN_SAMPLES` samples, else ``(max, "max")`` (a p99 of fewer samples is an
+    interpolation towards the maximum, not a 99th percentile); ``(nan, "max")`` for none."""
+    if len(samples) >= P99_MIN_SAMPLES:
+        return percentile(samples, 99), "p99"
+    return (max(samples) if samples else math.nan), "max"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values`` by linear interpolation between the
+    closest ranks (NumPy's default); ``nan`` for no values.
+
+    Raises:
+        ValueError: ``q`` outside 0..100.
+    """
+    if not 0 <= q <= 100:
+        raise ValueError(f"q={q!r} must lie in 0..100")
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares line through ``(xs, ys)``: ``(slope, intercept, r2)``.
+
+    ``r2`` is 1.0 when every ``y`` is the same (the line explains all there is).
+
+    Raises:
+        ValueError: different lengths, or fewer than two distinct ``x``.
+    """
+    if len(xs) != len(ys):
+        raise ValueError(f"{len(xs)} x values but {len(ys)} y values")
+    if len(set(xs)) < 2:
+        raise ValueError("a line needs at least two distinct x values")
+    n = len(xs)
+    mean_x = sum(xs) / n
+    mean_y = sum(ys) / n
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+    slope = sxy / sxx
+    intercept = mean_y - slope * mean_x
+    ss_tot = sum((y - mean_y) ** 2 for y in ys)
+    ss_res = sum((y - (slope * x + intercept)) ** 2 for x, y in zip(xs, ys, strict=True))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    return slope, intercept, r2
+
+
+def slope_stderr(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Standard error of the least-squares slope through ``(xs, ys)``:
+    ``sqrt(SS_res / (n - 2) / Sxx)``; ``nan`` with two samples (no residual freedom).
+
+    Raises:
+        ValueError: as :func:`fit_line`.
+    """
+    slope, intercept, _ = fit_line(xs, ys)
+    n = len(xs)
+    if n < 3:
+        return math.nan
+    mean_x = sum(xs) / n
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    ss_res = sum((y - (slope * x + intercept)) ** 2 for x, y in zip(xs, ys, strict=True))
+    return math.sqrt(ss_res / (n - 2) / sxx)
+
+
+def fit_rows(rows: Iterable[ScalingRow]) -> list[Fit]:
+    """The slopes of each engine's series: transfer time against thousands of tokens (every
+    run's time: ``elapsed_runs_s``, else ``elapsed_s``), and latency p50 and high figure
+    against concurrency (points that failed are left out; a series with fewer than two
+    distinct values gets no fit). Each slope comes with its standard error."""
+    rows = [row for row in rows if row.ok]
+    fits: list[Fit] = []
+    for engine in dict.fromkeys(row.engine for row in rows):
+        mine = [row for row in rows if row.engine == engine]
+        series: list[tuple[str, str, list[tuple[float, float]]]] = [
+            (
+                "time-vs-tokens",
+                "s per 1k tokens",
+                [
+                    (r.tokens / 1000, t)
+                    for r in mine
+                    if r.dimension == "tokens"
+                    for t in (r.elapsed_runs_s or (r.elapsed_s,))
+                ],
+            ),
+            (
+                "latency-p50-vs-concurrency",
+                "s per concurrent request",
+                [(r.concurrency, r.latency_p50_s) for r in mine if r.dimension == "concurrency"],
+            ),
+            (
+                "latency-high-vs-concurrency",
+                "s per concurrent request",
+                [(r.concurrency, r.latency_high_s) for r in mine if r.dimension == "concurrency"],
+            ),
+        ]
+        for name, unit, measured in series:
+            pairs = [(x, y) for x, y in measured if not math.isnan(y)]
+            if len({x for x, _ in pairs}) < 2:
+                continue
+            xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
+            slope, intercept, r2 = fit_line(xs, ys)
+            se = slope_stderr(xs, ys)
+            fits.append(Fit(engine, name, slope, se, intercept, r2, len(pairs), unit))
+    return fits
+
+
+def run_scaling(
+    options: BenchOptions,
+    *,
+    plan: ScalingPlan | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ScalingResult:
+    """Run the sweep for every engine of ``options.backends`` (default :data:`ENGINES`) that
+    imports; an engine that does not is skipped, with the reason, in the result.
+
+    Args:
+        options: ``quick`` picks :meth:`ScalingPlan.quick` (unless ``plan`` is given);
+            ``backends`` restricts the engines.
+        plan: the sweep (default: :meth:`ScalingPlan.full` or :meth:`ScalingPlan.quick`).
+        progress: called with one line before each measurement.
+
+    **Blocking:** every point's cluster runs (staged, and raw where its TP pair and bytes
+    are new), ``plan.runs`` staged runs a point, each bounded by ``plan.run_timeout_s``:
+    about 20 minutes in all for the full plan on two loaded cores, most of it starting rank
+    processes. Under :func:`~staging_contracts._run.stop_on_signals` (raising), a stop signal
+    ends the sweep: the point being measured is dropped (its ranks are killed as the
+    :class:`~staging_contracts._run.Interrupted` unwinds the run), the rows before it are
+    returned, with :attr:`ScalingResult.interrupted` set.
+
+    Raises:
+        ValueError: a backend that is not one of :data:`ENGINES`, or ``device="cuda"``
+            without a CUDA device.
+    """
+    chosen = (
+        plan if plan is not None else (ScalingPlan.quick() if options.quick else ScalingPlan.full())
+    )
+    if options.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here (torch.cuda.is_available() is false)")
+    device: Device = "cuda" if options.device == "cuda" else "cpu"
+    chosen = replace(chosen, base=replace(chosen.base, device=device))
+    engines = options.backends if options.backends is not None else ENGINES
+    unknown = [name for name in engines if name not in ENGINES]
+    if unknown:
+        raise ValueError(
+            f"backend {unknown[0]!r}: bench scaling runs the in-tree engines only "
+            f"({', '.join(ENGINES)})"
+        )
+    say = progress if progress is not None else logger.info
+    machine: dict[str, Any] = {"cpus": os.cpu_count(), "load_before": _load()}
+    rows: list[ScalingRow] = []
+    skipped: dict[str, str] = {}
+    points = chosen.points()
+    interrupted = None
+    try:
+        for engine in dict.fromkeys(engines):
+            available, reason = engine_available(engine)
+            if not available:
+                skipped[engine] = reason
+                say(f"bench scaling: skipping {engine}: {reason}")
+                continue
+            _sweep(engine, points, chosen, say, rows)
+    except Interrupted as stop:  # a driver under stop_on_signals: keep what was measured
+        interrupted = str(stop)
+    machine["load_after"] = _load()
+    return ScalingResult(chosen, tuple(rows), tuple(fit_rows(rows)), skipped, machine, interrupted)
+
+
+def _load() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # not every platform has load averages
+        return []
+
+
+@dataclass(frozen=True, slots=True)
+class _Measured:
+    """What one cluster run of a point gave."""
+
+    elapsed_s: float = math.nan
+    latencies: tuple[float, ...] = ()
+    peak_ring_bytes: int = 0
+    peak_rss_bytes: int | None = None
+    error: str = ""
+
+
+def _sweep(
+    engine: str,
+    points: list[ScalingPoint],
+    plan: ScalingPlan,
+    say: Callable[[str], None],
+    rows: list[ScalingRow],
+) -> None:
+    """Every point of one engine, each row added to ``rows`` as soon as it is measured: each
+    distinct staged run ``plan.runs`` times (stopping at its first failure), the raw write
+    once per TP pair and byte count (the first point with them is run in ``mode="raw"``)."""
+    configs = [replace(point.config, backend=engine) for point in points]
+    runs: dict[TransferConfig, list[_Measured]] = {}
+    raw: dict[tuple[int, int, int], _Measured] = {}
+    total = len(set(configs)) * plan.runs + len({_raw_key(config) for config in configs})
+    done = 0
+    for point, config in zip(points, configs, strict=True):
+        nbytes = config.request_bytes * config.requests
+        where = f"{engine} {point.dimension}={point.value}"
+        if config not in runs:
+            runs[config] = []
+            for run in range(plan.runs):
+                done += 1
+                say(
+                    f"bench scaling: {where}, run {run + 1}/{plan.runs} "
+                    f"({done}/{total}, {nbytes / 2**20:.0f} MiB)"
+                )
+                runs[config].append(_measure(config, plan))
+                if runs[config][-1].error:
+                    break
+        key = _raw_key(config)
+        if key not in raw:
+            done += 1
+            say(f"bench scaling: {where}, raw write ({done}/{total})")
+            raw[key] = _measure(replace(config, mode="raw"), plan)
+        rows.append(_row(engine, point, config, nbytes, runs[config], raw[key]))
+
+
+def _row(
+    engine: str,
+    point: ScalingPoint,
+    config: TransferConfig,
+    nbytes: int,
+    found: list[_Measured],
+    anchor: _Measured,
+) -> ScalingRow:
+    """A point's row from its staged runs (a failed run fails it) and its raw write."""
+    errors = [
+        f"run {i + 1}: {m.error}" if len(found) > 1 else m.error
+        for i, m in enumerate(found)
+        if m.error
+    ]
+    errors += [f"raw write: {anchor.error}"] if anchor.error else []
+    good = [] if any(m.error for m in found) else found
+    samples = [latency for m in good for latency in m.latencies]
+    high, stat = high_latency(samples)
+    rss = [m.peak_rss_bytes for m in found if m.peak_rss_bytes is not None]
+    return ScalingRow(
+        engine=engine,
+        dimension=point.dimension,
+        value=point.value,
+        tokens=config.tokens,
+        prefill_tp=config.prefill_tp,
+        decode_tp=config.decode_tp,
+        page_size=config.page_size,
+        concurrency=config.requests,
+        bytes=nbytes,
+        runs=len(found),
+        elapsed_s=_median([m.elapsed_s for m in good]),
+        elapsed_runs_s=tuple(m.elapsed_s for m in good),
+        staged_gbps=_median([_gbps(nbytes, m.elapsed_s) for m in good]),
+        raw_gbps=_gbps(nbytes, anchor.elapsed_s),
+        latency_samples=len(samples),
+        latency_p50_s=percentile(samples, 50),
+        latency_high_s=high,
+        latency_high_stat=stat,
+        peak_ring_bytes=max((m.peak_ring_bytes for m in found), default=0),
+        peak_rss_bytes=max(rss) if rss else None,
+        ok=not errors,
+        error="; ".join(errors),
+    )
+
+
+def _median(values: Sequence[float]) -> float:
+    return percentile(values, 50)
+
+
+def _raw_key(config: TransferConfig) -> tuple[int, int, int]:
+    """What the raw write depends on: the writers, the receivers and the bytes."""
+    return config.prefill_tp, config.decode_tp, config.request_bytes * config.requests
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else math.nan
+
+
+def _measure(config: TransferConfig, plan: ScalingPlan) -> _Measured:
+    """One cluster run (staged or raw); a run that cannot start or does not verify is an
+    error of its point, and the sweep goes on."""
+    try:
+        preflight(config)
+    except ValueError as exc:
+        return _Measured(error=f"refused before starting: {exc}")
+    result = run_cluster(config, timeout_s=plan.run_timeout_s)
+    if not result.verified:
+        return _Measured(error=_failure(result))
+    latencies = result.request_latencies_s()
+    missing = len(latencies) != config.requests and config.mode == "staged"
+    rss = [*result.peak_rss_bytes("prefill").values(), *result.peak_rss_bytes("decode").values()]
+    rings = [peak for peak, _ in result.ring_peaks().values()]
+    return _Measured(
+        elapsed_s=result.elapsed_s,
+        latencies=tuple(latencies.values()),
+        peak_ring_bytes=max(rings, default=0),
+        peak_rss_bytes=max(rss) if rss else None,
+        error="some requests have no latency" if missing else "",
+    )
+
+
+def _failure(result: ClusterResult) -> str:
+    """Why a run did not verify, in one line."""
+    if result.timed_out:
+        return "the run timed out"
+    if result.first_death is not None:
+        death = result.first_death
+        return f"{death.role} {death.rank} {death.reason}"
+    if result.failed_requests:
+        return f"requests {sorted(result.failed_requests)} failed"
+    return "the decode pages did not verify"

@@ -1,0 +1,550 @@
+"""Group ``staging``: the data path's kernels and the ring allocator.
+
+Every bandwidth row is ``bytes / median time`` of ours against a plain ``copy_`` of the same
+number of bytes between two preallocated contiguous tensors on the same device, measured
+alternately in the same run (ratio = ours / copy, goal >= 0.5). They run with one torch
+intra-op thread, as the cluster's rank processes do (``torch.set_num_threads(1)`` in
+``cluster.rank``; the previous count is restored afterwards), on ``options.device`` (on CUDA
+the clock is read after ``torch.cuda.synchronize()``). A chunk is 4096 tokens (1024 quick)
+of 32 layers (4 quick) x 128 head_dim bf16, page_size 16, on random pages of a pool 25 %
+larger than the chunk; each row's note states heads, rows, bytes, threads and device.
+
+* ``staging.gather.<case>`` / ``staging.scatter.<case>`` — the head-slice cases the staging
+  exists for, through the code the ranks run: the pool is one allocation ``[2, layers, tokens,
+  heads, head_dim]`` (the layout the ranks allocate, so the
+  fused path), the gather is what ``prefill.writer.StagingWriter`` does per chunk (page
+  tensor, ``PagedKVPools.gather`` of the head slice ``compute_head_slice_params`` names into
+  the zeroed staging buffer, the device ordering's ``gathered()``), the scatter is
+  ``decode.scatter.ChunkScatter.scatter`` of a region of a ``StagingAllocator`` ring, as
+  ``decode.handler.DecodeStagingHandler`` calls it. Cases (prefill rank 0, decode rank 0):
+
+  - ``p4d2`` — P=4 -> D=2 of 8 KV heads (P > D): each prefill rank gathers its 2 heads (whole
+    page rows of its pool); decode scatters a region of 2 writers, each 2 heads, into heads
+    0-1 and 2-3 of its 4-head pool (the writers' half rows interleave into whole token rows);
+  - ``p2d4-gqa`` — P=2 -> D=4 of 2 KV heads (P < D, each head replicated on 2 decode ranks):
+    prefill gathers its 1 head (whole rows), decode scatters 1 writer's head (whole rows);
+  - ``p1d4-gqa`` — P=1 -> D=4 of 2 KV heads: prefill gathers 1 head of its 2 (half of each
+    token row, strided), decode scatters it into its 1-head pool (whole rows);
+* ``staging.gather`` / ``staging.scatter`` — the former all-heads rows, kept for comparison:
+  ``kernels.gather_chunk`` and ``kernels.scatter_chunk`` (pools re-checked per call) of all
+  8 heads of 32 pools allocated one by one (layer by layer, not fused): whole contiguous page
+  rows, not a case the ranks' fused pools run;
+* ``staging.integrity.tag.<case>`` / ``staging.integrity.check.<case>`` /
+  ``staging.integrity.transfer.<case>`` — the cost of the integrity tags
+  (:mod:`~staging_contracts._control.integrity`), each against the same work without them,
+  measured alternately in the same run (ratio = with / without, in ms per chunk): the tag is
+  the gather above plus the writer's digest of its staged bytes (``chunk_digest`` over
+  ``host_view`` of the buffer, as ``StagingWriter`` does); the check is the scatter above
+  plus ``ArrivalVerifier.check`` of every writer's bytes in the region (as
+  ``DecodeStagingHandler`` runs it after the scatter); the transfer is prefill rank 0's
+  gather, a ``copy_`` of its bytes into the ring region (the engine's write, at memory speed:
+  the fastest an engine can be, so the dearest the tags can look) and decode's scatter of the
+  region, with the tag and the check against without (goal <= 1.1: integrity is on by
+  default only if it costs at most 10 % of the staged transfer);
+* ``staging.alloc-scaling`` — our ``assign`` + ``free`` at 100,000 live allocations against
+  the same at 10 (ratio, goal <= 1.2: flat);
+* ``staging.alloc-scaling.anchor`` — the same two figures for a straightforward list-based
+  ring allocator (the reference's design), informative.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Final, NamedTuple
+
+import torch
+
+from .._control.integrity import ChunkIdentity, chunk_digest
+from .._decode.integrity import ArrivalVerifier
+from .._decode.rooms import ChunkRegion, PrefillPeer, RoomPlan
+from .._decode.scatter import ChunkScatter
+from .._staging.allocator import StagingAllocator
+from .._staging.host_view import host_view
+from .._staging.kernels import PagedKVPools, gather_chunk, scatter_chunk
+from .._staging.layout import (
+    HeadSlice,
+    StagingLayout,
+    WriterPlacement,
+    compute_head_slice_params,
+    compute_staging_layout,
+    heads_per_rank,
+    writer_placements,
+)
+from .._staging.ordering import ordering_for
+from ..protocols import Allocation, KVBufferTensors, Watermark
+from . import BenchOptions, BenchRow, ratio_row
+from .timing import alternating_seconds, interleaved_ns_per_call
+
+_QUICK: Final = "quick: smoke only"
+
+__all__ = ["run"]
+
+_LAYERS = 32
+_HEADS = 8
+_HEAD_DIM = 128
+_TOKENS = 4096
+_PAGE_SIZE = 16
+_DTYPE = torch.bfloat16
+_REGION = 64
+"""Bytes per region in the allocator benchmark."""
+_RANK_THREADS = 1
+"""Torch intra-op threads of a rank process (``cluster.rank`` sets them)."""
+
+
+class _Case(NamedTuple):
+    """A prefill/decode TP pair whose staging moves head slices."""
+
+    name: str
+    prefill_tp: int
+    decode_tp: int
+    kv_heads: int
+
+
+_CASES = (
+    _Case("p4d2", 4, 2, 8),
+    _Case("p2d4-gqa", 2, 4, 2),
+    _Case("p1d4-gqa", 1, 4, 2),
+)
+
+
+class _Size(NamedTuple):
+    """The chunk and pool of a run, and how it is measured."""
+
+    layers: int
+    tokens: int
+    repeats: int
+    device: torch.device
+
+    @property
+    def chunk_pages(self) -> int:
+        return self.tokens // _PAGE_SIZE
+
+    @property
+    def pool_pages(self) -> int:
+        return self.chunk_pages + self.chunk_pages // 4
+
+    def pages(self) -> list[int]:
+        """The chunk's pages: random pages of the pool, the same in every row."""
+        generator = torch.Generator().manual_seed(0)
+        return torch.randperm(self.pool_pages, generator=generator)[: self.chunk_pages].tolist()
+
+    def sync(self) -> Callable[[], object] | None:
+        """What to wait on before reading the clock: the device's queue on CUDA."""
+        if self.device.type == "cuda":
+            device = self.device
+            return lambda: torch.cuda.synchronize(device)
+        return None
+
+    def where(self) -> str:
+        return f"{_RANK_THREADS} torch thread, {self.device.type}"
+
+
+@contextlib.contextmanager
+def _rank_threads() -> Iterator[None]:
+    """Run the block with the torch intra-op threads of a rank process."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(_RANK_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _one_allocation(size: _Size, heads: int) -> KVBufferTensors:
+    """A rank's pool as the cluster builds it: views of one ``[2, layers, tokens, heads,
+    head_dim]`` allocation (K of every layer, then V)."""
+    shape = (2, size.layers, size.pool_pages * _PAGE_SIZE, heads, _HEAD_DIM)
+    cache = torch.ones(shape, dtype=_DTYPE, device=size.device)
+    return KVBufferTensors(tuple(cache[0].unbind()), tuple(cache[1].unbind()), _PAGE_SIZE)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):g} MiB"
+
+
+def _heads(start: int, count: int) -> str:
+    """``head 3`` or ``heads 2-3``."""
+    return f"head {start}" if count == 1 else f"heads {start}-{start + count - 1}"
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
+def _ratio(name: str, size: _Size, nbytes: int, ours: Callable[[], object], note: str) -> BenchRow:
+    """``ours`` against ``copy_`` of ``nbytes`` bytes, measured alternately."""
+    source = torch.ones(nbytes, dtype=torch.uint8, device=size.device)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=size.device)
+    seconds = alternating_seconds(
+        {"ours": ours, "copy": lambda: target.copy_(source)},
+        repeats=size.repeats,
+        sync=size.sync(),
+    )
+    ours_gbps = nbytes / seconds["ours"] / 1e9
+    copy_gbps = nbytes / seconds["copy"] / 1e9
+    return ratio_row(name, ours_gbps, copy_gbps, "GB/s", ">= 0.5", note=note)
+
+
+class _PrefillRank0(NamedTuple):
+    """Prefill rank 0 of a case: its pool and what it stages for decode rank 0."""
+
+    heads: int
+    pools: PagedKVPools
+    head: HeadSlice
+    head_bytes: int
+    layout: StagingLayout
+
+
+def _prefill_rank0(case: _Case, size: _Size) -> _PrefillRank0:
+    heads = heads_per_rank(case.kv_heads, case.prefill_tp)
+    pool = _one_allocation(size, heads)
+    pools = PagedKVPools(pool.k_buffers, pool.v_buffers, pool.page_size)
+    head = compute_head_slice_params(case.prefill_tp, case.decode_tp, 0, 0, case.kv_heads)
+    head_bytes = _HEAD_DIM * pools.geometry.element_size
+    layout = compute_staging_layout(
+        case.prefill_tp, case.decode_tp, 0, case.kv_heads, size.tokens, head_bytes, size.layers
+    )
+    return _PrefillRank0(heads, pools, head, head_bytes, layout)
+
+
+def _gather_row(case: _Case, size: _Size) -> BenchRow:
+    """Prefill rank 0's gather for decode rank 0, as ``StagingWriter`` runs it."""
+    prefill_heads, pools, head, head_bytes, layout = _prefill_rank0(case, size)
+    nbytes = layout.writer_bytes[0]
+    buffer = torch.zeros(
+        size.chunk_pages * _PAGE_SIZE * prefill_heads * head_bytes * 2 * size.layers,
+        dtype=torch.uint8,
+        device=size.device,
+    )
+    ordering = ordering_for(size.device, None)
+    page_list = size.pages()
+
+    def gather() -> None:
+        pages = torch.tensor(page_list, dtype=torch.int64, device=size.device)
+        pools.gather(pages, head.src_head_start, head.num_heads, buffer[:nbytes])
+        ordering.gathered()
+
+    rows = (
+        f"whole {_PAGE_SIZE * head.num_heads * head_bytes} B page rows"
+        if head.num_heads == prefill_heads
+        else f"{head.num_heads * head_bytes} B of each {prefill_heads * head_bytes} B token row"
+    )
+    note = (
+        f"P={case.prefill_tp} -> D={case.decode_tp}, {case.kv_heads} KV heads: prefill rank 0 "
+        f"gathers {_heads(head.src_head_start, head.num_heads)} of its {prefill_heads} "
+        f"({rows}), {size.tokens} tokens x {size.layers} layers K+V bf16 = {_mib(nbytes)}, "
+        f"into its staging buffer as StagingWriter does (PagedKVPools.gather, pool in one "
+        f"allocation); copy_ of {_mib(nbytes)}; {size.where()}"
+    )
+    return _ratio(f"staging.gather.{case.name}", size, nbytes, gather, note)
+
+
+def _scatter_row(case: _Case, size: _Size) -> BenchRow:
+    """Decode rank 0's scatter of a complete region, as ``DecodeStagingHandler`` runs it."""
+    decode_heads = heads_per_rank(case.kv_heads, case.decode_tp)
+    pool = _one_allocation(size, decode_heads)
+    head_bytes = _HEAD_DIM * torch.empty((), dtype=_DTYPE).element_size()
+    nbytes = compute_staging_layout(
+        case.prefill_tp, case.decode_tp, 0, case.kv_heads, size.tokens, head_bytes, size.layers
+    ).total_bytes
+    allocator = StagingAllocator(nbytes, device=size.device)
+    scatterer = ChunkScatter(
+        allocator,
+        pool,
+        decode_tp=case.decode_tp,
+        decode_rank=0,
+        total_kv_heads=case.kv_heads,
+    )
+    allocation = allocator.assign(scatterer.region_bytes(case.prefill_tp, size.chunk_pages))
+    if allocation is None:
+        raise RuntimeError(f"a ring of {nbytes} bytes refused a region of {nbytes} bytes")
+    pages = torch.tensor(size.pages(), dtype=torch.int64, device=size.device)
+
+    def scatter() -> None:
+        scatterer.scatter(allocation, pages, case.prefill_tp)
+
+    writers = writer_placements(
+        case.prefill_tp, case.decode_tp, 0, case.kv_heads, size.tokens, head_bytes, size.layers
+    )
+    per_writer = writers[0].num_heads
+    rows = (
+        f"whole {_PAGE_SIZE * decode_heads * head_bytes} B page rows"
+        if len(writers) == 1 and per_writer == decode_heads
+        else f"the writers' {per_writer * head_bytes} B pieces side by side in each "
+        f"{decode_heads * head_bytes} B token row"
+    )
+    note = (
+        f"P={case.prefill_tp} -> D={case.decode_tp}, {case.kv_heads} KV heads: decode rank 0 "
+        f"scatters a ring region of {_plural(len(writers), 'writer')} x "
+        f"{_plural(per_writer, 'head')} into its {decode_heads}-head pool ({rows}), "
+        f"{size.tokens} tokens x {size.layers} layers K+V bf16 = {_mib(nbytes)}, as "
+        f"DecodeStagingHandler does (ChunkScatter.scatter, pool in one allocation); copy_ of "
+        f"{_mib(nbytes)}; {size.where()}"
+    )
+    return _ratio(f"staging.scatter.{case.name}", size, nbytes, scatter, note)
+
+
+def _integrity_rows(case: _Case, size: _Size) -> list[BenchRow]:
+    """Tag at gather, check at scatter, and both in the staged transfer, each against the
+    same work without them (prefill rank 0 and decode rank 0 of ``case``)."""
+    _, pools, head, _head_bytes, layout = _prefill_rank0(case, size)
+    decode_heads = heads_per_rank(case.kv_heads, case.decode_tp)
+    nbytes = layout.writer_bytes[0]
+    buffer = torch.zeros(nbytes, dtype=torch.uint8, device=size.device)
+    ordering = ordering_for(size.device, None)
+    page_list = size.pages()
+    allocator = StagingAllocator(layout.total_bytes, device=size.device)
+    scatterer = ChunkScatter(
+        allocator,
+        _one_allocation(size, decode_heads),
+        decode_tp=case.decode_tp,
+        decode_rank=0,
+        total_kv_heads=case.kv_heads,
+    )
+    allocation = allocator.assign(layout.total_bytes)
+    if allocation is None:
+        raise RuntimeError(f"a ring of {layout.total_bytes} bytes refused a region of as many")
+    pages = torch.tensor(page_list, dtype=torch.int64, device=size.device)
+    session = "decode-0"
+    writers = range(layout.num_writers)
+    plan = RoomPlan(
+        0,
+        tuple(page_list),
+        size.chunk_pages,
+        case.prefill_tp,
+        tuple(PrefillPeer(rank, f"tcp://prefill:{rank}") for rank in writers),
+    )
+    region = ChunkRegion(allocation, size.chunk_pages, 0, layout.num_writers)
+    verifier = ArrivalVerifier(scatterer, session_id=session, integrity=True, keys=None)
+
+    def identity(rank: int) -> ChunkIdentity:
+        return ChunkIdentity(0, 0, 0, size.chunk_pages, session, rank, allocation.round)
+
+    target = allocator.buffer[allocation.offset : allocation.offset + nbytes]
+
+    def gather() -> None:
+        chunk_pages = torch.tensor(page_list, dtype=torch.int64, device=size.device)
+        pools.gather(chunk_pages, head.src_head_start, head.num_heads, buffer)
+        ordering.gathered()
+
+    def tag() -> None:
+        chunk_digest(identity(0), host_view(buffer))
+
+    def scatter() -> None:
+        scatterer.scatter(allocation, pages, case.prefill_tp)
+
+    def check() -> None:
+        if verifier.check(plan, 0, region) is not None:
+            raise RuntimeError("the integrity check of unchanged bytes failed")
+
+    def transfer(tagged: bool) -> None:
+        gather()
+        if tagged:
+            tag()
+        target.copy_(buffer)
+        scatter()
+        if tagged:
+            check()
+
+    # Writer 0's part of the region holds what it gathers, so copying the gather in keeps
+    # every digest valid; each writer's part is checked, as the handler does.
+    gather()
+    target.copy_(buffer)
+    for rank in writers:  # the digests the writers would have sent for these bytes
+        staged = scatterer.writer_bytes(allocation, case.prefill_tp, size.chunk_pages, rank)
+        region.digests[rank] = chunk_digest(identity(rank), host_view(staged))
+
+    def gather_and_tag() -> None:
+        gather()
+        tag()
+
+    def scatter_and_check() -> None:
+        scatter()
+        check()
+
+    pairs: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {
+        "tag": (gather_and_tag, gather),
+        "check": (scatter_and_check, scatter),
+        "transfer": (lambda: transfer(True), lambda: transfer(False)),
+    }
+    what = {
+        "tag": f"gather of {_mib(nbytes)} + XXH3-64 digest of it (StagingWriter), against the "
+        "gather alone",
+        "check": f"scatter of a {_mib(layout.total_bytes)} region of "
+        f"{_plural(layout.num_writers, 'writer')} + ArrivalVerifier.check of each writer's "
+        "bytes, against the scatter alone",
+        "transfer": f"gather of {_mib(nbytes)} + copy_ into the ring (the engine's write at "
+        f"memory speed) + scatter of the {_mib(layout.total_bytes)} region, with the tag and "
+        "the check against without",
+    }
+    rows = []
+    for name, (ours, anchor) in pairs.items():
+        seconds = alternating_seconds(
+            {"ours": ours, "anchor": anchor}, repeats=size.repeats, sync=size.sync()
+        )
+        rows.append(
+            ratio_row(
+                f"staging.integrity.{name}.{case.name}",
+                seconds["ours"] * 1e3,
+                seconds["anchor"] * 1e3,
+                "ms/chunk",
+                "<= 1.1" if name == "transfer" else "",
+                note=f"P={case.prefill_tp} -> D={case.decode_tp}, {case.kv_heads} KV heads, "
+                f"{size.tokens} tokens x {size.layers} layers: {what[name]}; {size.where()}",
+            )
+        )
+    return rows
+
+
+def _all_heads_rows(size: _Size) -> list[BenchRow]:
+    """The former rows: every head of 32 pools allocated one by one, checked per call."""
+    pool_tokens = size.pool_pages * _PAGE_SIZE
+    shape = (pool_tokens, _HEADS, _HEAD_DIM)
+    k = [torch.ones(shape, dtype=_DTYPE, device=size.device) for _ in range(size.layers)]
+    v = [torch.ones(shape, dtype=_DTYPE, device=size.device) for _ in range(size.layers)]
+    pages = torch.tensor(size.pages(), dtype=torch.int64, device=size.device)
+    nbytes = 2 * size.layers * size.tokens * _HEADS * _HEAD_DIM * k[0].element_size()
+    staging = torch.ones(nbytes, dtype=torch.uint8, device=size.device)
+    writers = [WriterPlacement(0, 0, _HEADS)]
+
+    def gather() -> None:
+        gather_chunk(k, v, pages, _PAGE_SIZE, 0, _HEADS, staging)
+
+    def scatter() -> None:
+        scatter_chunk(staging, k, v, pages, _PAGE_SIZE, writers)
+
+    what = (
+        f"all {_HEADS} heads of {size.layers} x 2 pools allocated one by one (layer by layer, "
+        f"not the ranks' fused pools; pools re-checked per call): whole "
+        f"{_PAGE_SIZE * _HEADS * _HEAD_DIM * 2} B page rows, {size.tokens} tokens = "
+        f"{_mib(nbytes)}; copy_ of {_mib(nbytes)}; {size.where()}"
+    )
+    return [
+        _ratio("staging.gather", size, nbytes, gather, f"kernels.gather_chunk of {what}"),
+        _ratio("staging.scatter", size, nbytes, scatter, f"kernels.scatter_chunk of {what}"),
+    ]
+
+
+def _bandwidths(options: BenchOptions) -> list[BenchRow]:
+    quick = options.quick
+    size = _Size(
+        layers=4 if quick else _LAYERS,
+        tokens=1024 if quick else _TOKENS,
+        repeats=5 if quick else 15,
+        device=torch.device(options.device),
+    )
+    rows: list[BenchRow] = []
+    with _rank_threads():
+        for case in _CASES:
+            rows.append(_gather_row(case, size))
+            rows.append(_scatter_row(case, size))
+        rows.extend(_all_heads_rows(size))
+        for case in _CASES:
+            rows.extend(_integrity_rows(case, size))
+    return rows
+
+
+class _ListRing:
+    """The anchor: the reference's design, live allocations in a list in allocation order."""
+
+    def __init__(self, total_size: int) -> None:
+        self.total_size = total_size
+        self.head = 0
+        self.round = 0
+        self.next_id = 0
+        self.allocs: list[tuple[int, int, int, int]] = []  # (id, offset, size, round)
+        self.watermark = Watermark(0, 0)
+
+    def assign(self, size: int) -> Allocation | None:
+        if size > self.total_size:
+            return None
+        if size <= self.total_size - self.head:
+            offset = self.head
+            self.head += size
+        else:
+            self.round += 1
+            offset = 0
+            self.head = size
+        alloc_id = self.next_id
+        self.next_id += 1
+        self.allocs.append((alloc_id, offset, size, self.round))
+        return Allocation(alloc_id, offset, self.round, offset + size)
+
+    def free(self, alloc_id: int) -> None:
+        for index, entry in enumerate(self.allocs):
+            if entry[0] == alloc_id:
+                del self.allocs[index]
+                break
+        else:
+            return
+        if not self.allocs:
+            self.round += 1
+            self.head = 0
+            self.watermark = Watermark(self.round, 0)
+        else:
+            _, offset, _, alloc_round = self.allocs[0]
+            self.watermark = Watermark(alloc_round, offset)
+
+
+def _churn(ring: StagingAllocator | _ListRing, live: int) -> Callable[[int], object]:
+    """A loop body keeping ``live`` allocations: assign one, free the oldest."""
+    ids: collections.deque[int] = collections.deque()
+    for _ in range(live):
+        allocation = ring.assign(_REGION)
+        if allocation is not None:
+            ids.append(allocation.alloc_id)
+    assign, free, append, popleft = ring.assign, ring.free, ids.append, ids.popleft
+
+    def loop(n: int) -> None:
+        for _ in range(n):
+            allocation = assign(_REGION)
+            if allocation is not None:
+                append(allocation.alloc_id)
+            free(popleft())
+
+    return loop
+
+
+def _alloc_scaling(quick: bool) -> list[BenchRow]:
+    small, large = 10, 100_000
+    total = 1 << 20
+    ours_large, ours_small = interleaved_ns_per_call(
+        _churn(StagingAllocator(total), large),
+        _churn(StagingAllocator(total), small),
+        loops=20_000 if quick else 200_000,
+        repeats=3 if quick else 11,
+    )
+    list_large, list_small = interleaved_ns_per_call(
+        _churn(_ListRing(total), large),
+        _churn(_ListRing(total), small),
+        loops=200 if quick else 2_000,
+        repeats=3 if quick else 7,
+    )
+    return [
+        ratio_row(
+            "staging.alloc-scaling",
+            ours_large,
+            ours_small,
+            "ns/assign+free (@100k, @10 live)",
+            "<= 1.2",
+        ),
+        ratio_row(
+            "staging.alloc-scaling.anchor",
+            list_large,
+            list_small,
+            "ns/assign+free (@100k, @10 live)",
+        ),
+    ]
+
+
+def run(options: BenchOptions) -> list[BenchRow]:
+    """Run the group on ``options.device``; ``options.quick`` trades size and precision for
+    time (smoke tests): its rows have no goal, and their notes start with
+    ``quick: smoke only``."""
+    rows = [*_bandwidths(options), *_alloc_scaling(options.quick)]
+    if options.quick:  # small sizes, few repetitions: nothing to judge against a goal
+        rows = [replace(r, goal="", note="; ".join(filter(None, (_QUICK, r.note)))) for r in rows]
+    return rows

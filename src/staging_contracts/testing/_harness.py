@@ -1,0 +1,999 @@
+"""``run_transfer``: a staged transfer through any backend, every decode page verified.
+
+The contract kit's behaviour checks drive one decode manager with fake prefill peers; this
+harness runs the real thing, in one process, over the backend's own engine and listeners::
+
+    from staging_contracts.testing import run_transfer
+
+    report = run_transfer(MyKVManager, prefill_tp=2, decode_tp=1, rooms=3)
+    if not report.ok:
+        pytest.fail(report.summary())
+
+It builds ``prefill_tp`` prefill and ``decode_tp`` decode managers with the backend (a class is
+called with the standard constructor ``Class(kv_args, role=..., attn_tp_size=...)``; any
+:class:`ManagerFactory` with that signature will do), enables staging on each
+(:func:`~staging_contracts.backends._staging_setup.enable_decode_staging`,
+:func:`~staging_contracts.backends._staging_setup.enable_prefill_staging`), wires them as a
+bootstrap would (each prefill engine ``add_peer``-s each decode engine; every manager
+``trust_peer``-s every other, a no-op without a cluster secret), starts their listeners and
+moves ``rooms`` multi-chunk requests through the per-request API
+(:class:`~staging_contracts.backends._kv_requests.KVReceiver` on decode,
+:class:`~staging_contracts.backends._kv_requests.KVSender` on prefill), all rooms at once. It
+then compares every decode KV page with the seeded data of the heads it must hold (the
+workload's), closes everything, and returns a
+:class:`TransferReport`: per room, whether it succeeded or why not, the writer arrivals decode
+counted, the chunks that landed bit for bit; and, when something failed, a diagnosis that
+names the likely cause.
+
+Every wait is bounded by ``timeout_s``; a room still running then is failed and reported as
+timed out. The harness raises only for bad arguments or when a manager cannot be built or
+wired; everything that goes wrong during the transfer is in the report.
+
+**Across processes.** ``run_transfer(backend, ..., processes=True)`` runs the same rooms with
+every rank in a spawned process of its own (:mod:`~staging_contracts.testing._processes`): each
+builds its manager with the backend (which must be importable by reference: a class, a
+module-level function or a backend spec string), sends its endpoint, engine session and
+metadata (and, on decode, its ring's base) to the harness, which hands every rank the others';
+the ranks then trust and start, register their per-request handlers, and only when all have
+done so do decode ranks register the rooms and prefill ranks stage them. Each decode rank
+checks its own pages, counts its arrivals and stray pages after closing, and the harness joins
+it all into the same :class:`TransferReport` (``processes=True``). A backend whose engine stays
+within one process (``LocalEngine``, or an engine class with ``process_local = True``) raises
+:class:`ProcessesUnavailable` as soon as a rank has built its manager; a rank that fails to
+build or wire, dies, or outlives a step's bound raises
+:class:`~staging_contracts.testing._processes.RankFailed` naming the rank and its error. Every
+step is bounded; every rank process is gone when it returns.
+
+**Thread:** call it from any thread but a listener's; it blocks until the report is ready.
+Across processes, call it from the main module's ``if __name__ == "__main__":`` block or a
+test (ranks are spawned).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import pickle
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from contextlib import ExitStack, suppress
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Final, Protocol, cast
+
+import torch
+
+from .._decode.handler import DecodeStagingHandler
+from .._prefill.writer import DecodeTarget, PrefillTimeouts
+from .._run._rank_body import BodyOptions, DecodeBody, PrefillBody
+from .._run._rank_info import RankInfo
+from .._run.workload import (
+    RequestPlan,
+    TransferConfig,
+    chunks_landed,
+    request_plans,
+    require_positive,
+    stray_pages,
+)
+from .._staging.layout import prefill_ranks_for_decode, validate_tp_pair
+from ..backends import process_local_reason, resolve_backend
+from ..backends._common import Role
+from ..backends._kv_requests import (
+    DecodeTransfers,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+)
+from ..protocols import ArrivalOutcome, KVArgs, StagingReqOutcome
+from ..stats import StagingStats
+from ._decode_setup import StartableBackend
+from ._processes import ParentLink, RankFailed, RankGroup
+
+__all__ = [
+    "IDLE_HOOK_HINT",
+    "ManagerFactory",
+    "ProcessesUnavailable",
+    "RankFailed",
+    "RoomReport",
+    "TransferGeometry",
+    "TransferManager",
+    "TransferReport",
+    "process_local_reason",
+    "run_transfer",
+]
+
+logger = logging.getLogger(__name__)
+
+IDLE_HOOK_HINT: Final = (
+    "is the listener's idle hook wired to staging_idle? (arrivals by engine notification "
+    "are delivered there: '_on_idle(self): staging_idle(self)')"
+)
+"""What the diagnosis asks when a notifying engine's arrivals never reached decode."""
+
+_TEARDOWN_S: Final = 5.0
+"""Longest the teardown waits for prefill to hear that the unfinished rooms failed."""
+
+_DONE: Final = (KVPoll.Success, KVPoll.Failed)
+
+HARNESS_ENDED: Final = "the harness's time ran out"
+"""The reason the harness fails the rooms still running when it ends a run."""
+
+_STALL_POLL_S: Final = 0.05
+"""How often a run with ``stall_s`` looks for progress."""
+_START_S: Final = 120.0
+"""Across processes: longest a rank process may take to start and build its manager."""
+_STEP_S: Final = 60.0
+"""Across processes: longest any other step of a rank (wiring, arming rooms, closing) takes."""
+
+
+class ProcessesUnavailable(RuntimeError):
+    """``run_transfer(..., processes=True)`` cannot run this backend's ranks in separate
+    processes (its engine works within one process); the text says why."""
+
+
+class TransferManager(StartableBackend, Protocol):
+    """A manager the harness can wire and drive: what ``CommonKVManager`` + the mixin give.
+
+    Beyond :class:`~staging_contracts.testing.StartableBackend` (the staging host, its engine,
+    listener, ``start`` and ``close``): ``send`` to a peer's listener, ``trust_peer`` and
+    ``curve_key`` for the authenticated control plane, and the mixin's entry points (so a
+    manager of this kind is also a :class:`~staging_contracts.testing.LiveDecodeManager`
+    once decode staging is enabled).
+    """
+
+    @property
+    def curve_key(self) -> bytes | None:
+        """This manager's CURVE public key (``None`` without a cluster secret)."""
+        ...
+
+    def trust_peer(self, endpoint: str, curve_key: bytes | None) -> None:
+        """Accept messages from, and encrypt messages to, the peer at ``endpoint``."""
+        ...
+
+    def send(self, endpoint: str, frames: Sequence[bytes]) -> bool:
+        """Send a control message to a peer without blocking."""
+        ...
+
+    def detach_staging_handler(self) -> None:
+        """Detach the decode handler (the mixin's)."""
+        ...
+
+    def _handle_staging_req(self, frames: Sequence[bytes]) -> StagingReqOutcome | None: ...
+
+    def _handle_chunk_ready(self, frames: Sequence[bytes]) -> ArrivalOutcome | None: ...
+
+
+class ManagerFactory(Protocol):
+    """Builds one unstarted manager: the standard constructor of a backend class.
+
+    A backend class whose constructor takes ``(kv_args, *, role, attn_tp_size)`` (and
+    anything else with defaults) is one; so is a function with that signature.
+    """
+
+    def __call__(self, kv_args: KVArgs, *, role: Role, attn_tp_size: int) -> TransferManager:
+        """A new manager for the rank ``kv_args.engine_rank`` of the side ``role``."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TransferGeometry:
+    """Model and transfer sizes of a harness run (CPU tensors).
+
+    The defaults give rooms of three chunks each, and a ring that cannot hold every chunk
+    of every room at once (so regions are reused while rooms run).
+
+    Raises:
+        ValueError: a size is not positive, or the rooms do not fit the KV pools.
+    """
+
+    total_kv_heads: int = 4
+    """KV heads of the whole model (4: TP 1, 2 and 4 on either side)."""
+    num_layers: int = 2
+    """Layers of the KV pools."""
+    head_dim: int = 8
+    """Elements per head and token."""
+    page_size: int = 4
+    """Tokens per KV page."""
+    pool_pages: int = 64
+    """Pages of every rank's KV pool."""
+    room_pages: int = 6
+    """Pages of one room (request)."""
+    chunk_pages: int = 2
+    """Pages of one chunk of the chunked prefill (the decode grid)."""
+    ring_bytes: int = 1 << 15
+    """Bytes of each decode rank's staging ring."""
+    dtype: torch.dtype = torch.float16
+    """Element type of the KV pools."""
+
+    def __post_init__(self) -> None:
+        require_positive(self, "TransferGeometry.")
+
+    @property
+    def chunks_per_room(self) -> int:
+        """Chunks of one room."""
+        return -(-self.room_pages // self.chunk_pages)
+
+    def config(
+        self, backend: str, prefill_tp: int, decode_tp: int, rooms: int, seed: int
+    ) -> TransferConfig:
+        """The run as the one workload states it: the cluster's pages, data and checks."""
+        return TransferConfig(
+            backend=backend,
+            prefill_tp=prefill_tp,
+            decode_tp=decode_tp,
+            kv_heads=self.total_kv_heads,
+            layers=self.num_layers,
+            head_dim=self.head_dim,
+            tokens=self.room_pages * self.page_size,
+            page_size=self.page_size,
+            requests=rooms,
+            dtype=self.dtype,
+            seed=seed,
+            chunk_tokens=self.chunk_pages * self.page_size,
+            separate_layers=True,
+            pool_size=self.pool_pages,
+            ring_size=self.ring_bytes,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RoomReport:
+    """What happened to one room (request)."""
+
+    room: int
+    """The room id."""
+    succeeded: bool
+    """Every rank reported success and every decode page of the room verified bit for bit."""
+    reason: str | None
+    """Why not, when it did not succeed (the first reason found)."""
+    decode_states: tuple[KVPoll, ...]
+    """Each decode rank's final state of the room (by TP rank)."""
+    prefill_states: tuple[KVPoll, ...]
+    """Each prefill rank's final state of the room (by TP rank)."""
+    chunks: int
+    """Chunks of the room."""
+    chunks_verified: int
+    """Chunks whose pages hold exactly the expected bytes on every decode rank."""
+    arrivals: int
+    """Writer arrivals decode counted for this room (every decode rank)."""
+    expected_arrivals: int
+    """Arrivals a complete room has: one per chunk, decode rank and writer of that rank."""
+
+    def line(self) -> str:
+        """One line: the room, its outcome, arrivals and chunks."""
+        outcome = "succeeded" if self.succeeded else f"failed: {self.reason}"
+        return (
+            f"room {self.room}: {outcome} (arrivals {self.arrivals}/{self.expected_arrivals}, "
+            f"chunks verified {self.chunks_verified}/{self.chunks})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TransferReport:
+    """The result of :func:`run_transfer`."""
+
+    backend: str
+    """The backend (class or factory) that was run."""
+    prefill_tp: int
+    """Prefill ranks."""
+    decode_tp: int
+    """Decode ranks."""
+    notifications: bool
+    """The prefill writers signal arrival by the engine's notification (else by a
+    ``CHUNK_READY`` message)."""
+    rooms: tuple[RoomReport, ...]
+    """One report per room, in room order."""
+    decode_stats: tuple[StagingStats, ...]
+    """Each decode manager's staging counters at the end."""
+    prefill_stats: tuple[StagingStats, ...]
+    """Each prefill manager's staging counters at the end."""
+    stray_pages: int
+    """Decode pages outside every room that were written (must be 0)."""
+    elapsed_s: float
+    """Seconds from the first room to the last verdict (teardown excluded)."""
+    timeout_s: float
+    """The bound the run was given."""
+    processes: bool = False
+    """Every rank ran in a process of its own (``run_transfer(..., processes=True)``)."""
+    stopped: str | None = None
+    """Why the run ended before ``timeout_s`` because no progress was possible (``stall_s``),
+    or ``None``."""
+
+    @property
+    def ok(self) -> bool:
+        """Every room succeeded and nothing was written outside them."""
+        return self.stray_pages == 0 and all(room.succeeded for room in self.rooms)
+
+    @property
+    def failed(self) -> tuple[RoomReport, ...]:
+        """The rooms that did not succeed."""
+        return tuple(room for room in self.rooms if not room.succeeded)
+
+    def diagnosis(self) -> str | None:
+        """The likely cause of the failure, then each failed room; ``None`` when :attr:`ok`.
+
+        The causes, checked in this order: decode's listener handed no staging message to
+        the mixin; prefill recorded no answer to its requests; no arrival reached decode
+        though ring regions were allocated (by notification: the idle hook; by
+        ``CHUNK_READY``: the message routing), in the same words for every engine; rooms
+        that reported success with wrong bytes; otherwise the rooms' own reasons.
+        """
+        if self.ok:
+            return None
+        cause = self._cause()
+        lines = [cause] if cause else []
+        lines.extend(room.line() for room in self.failed)
+        if self.stray_pages:
+            lines.append(f"{self.stray_pages} decode page(s) outside every room were written")
+        return "\n".join(lines)
+
+    def _cause(self) -> str | None:
+        received = sum(s.received for s in self.decode_stats)
+        allocated = sum(s.allocated for s in self.decode_stats)
+        arrivals = sum(room.arrivals for room in self.rooms)
+        answers = sum(s.responses for s in self.prefill_stats)
+        written = any(
+            state is KVPoll.Success for room in self.rooms for state in room.prefill_states
+        )  # without allocation, a write is done only by a backend that skips the ring
+        if received == 0:
+            return (
+                "decode's staging handler got no message at all: is the decode listener "
+                "started, and does its _on_message hand staging messages to "
+                "self._dispatch_staging?"
+            )
+        if allocated and answers == 0:
+            return (
+                "decode allocated ring regions but prefill recorded no STAGING_RSP: does the "
+                "prefill manager's _on_message hand staging messages to self._dispatch_staging?"
+            )
+        if arrivals == 0 and (written or allocated):
+            # One wording whatever the engine: LocalEngine finishes its writes without the
+            # idle hook, NIXL does not (its progress is driven by poll_notifications, which
+            # staging_idle calls), so whether the writes were done says nothing more here.
+            if self.notifications:
+                return (
+                    "no arrivals were delivered at all (ring regions were allocated): "
+                    f"{IDLE_HOOK_HINT}"
+                )
+            return (
+                "no CHUNK_READY arrived (ring regions were allocated): does the decode "
+                "manager's _on_message hand CHUNK_READY to self._dispatch_staging?"
+            )
+        wrong = [
+            room.room
+            for room in self.rooms
+            if all(s is KVPoll.Success for s in room.decode_states)
+            and room.chunks_verified < room.chunks
+        ]
+        if wrong:
+            return (
+                f"rooms {wrong} reported success but their decode pages do not hold the "
+                "staged bytes: the engine's write or the scatter moved the wrong bytes"
+            )
+        return None
+
+    def summary(self) -> str:
+        """A few lines for a test failure or a log: the run, each room (once), the likely
+        cause."""
+        head = (
+            f"{self.backend}: prefill TP {self.prefill_tp} -> decode TP {self.decode_tp}"
+            f"{' (a process per rank)' if self.processes else ''}, {len(self.rooms)} rooms, "
+            f"{'ok' if self.ok else 'FAILED'} in {self.elapsed_s:.2f}s"
+        )
+        lines = [head, *(f"  {room.line()}" for room in self.rooms)]
+        if not self.ok:  # each room is listed once, above; the cause comes after
+            cause = self._cause()
+            if cause:
+                lines.append(f"diagnosis: {cause}")
+            if self.stray_pages:
+                lines.append(f"{self.stray_pages} decode page(s) outside every room were written")
+        return "\n".join(lines)
+
+
+@dataclass
+class _Room:
+    plan: RequestPlan
+    receivers: list[KVReceiver] = field(default_factory=list)
+    senders: list[KVSender] = field(default_factory=list)
+    decode_states: tuple[KVPoll, ...] = ()
+    prefill_states: tuple[KVPoll, ...] = ()
+    reason: str | None = None
+
+    @property
+    def room(self) -> int:
+        return self.plan.room
+
+
+class _ArrivalTally:
+    """Writer arrivals per room, counted as the decode handler accepts them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[int, int] = {}
+
+    def tap(self, handler: DecodeStagingHandler) -> None:
+        """Count the arrivals ``handler`` accepts (the listener thread calls it)."""
+        accept = handler.handle_chunk_arrival
+
+        def counted(room: int, chunk_idx: int, **arrival: Any) -> ArrivalOutcome:
+            outcome = accept(room, chunk_idx, **arrival)
+            if outcome in (ArrivalOutcome.WAITING, ArrivalOutcome.COMPLETE):
+                with self._lock:
+                    self._counts[room] = self._counts.get(room, 0) + 1
+            return outcome
+
+        # Only on the handler the harness itself made: the mixin calls it through the
+        # attribute, so this counts exactly what the mixin delivered, changing nothing.
+        handler.handle_chunk_arrival = counted  # type: ignore[method-assign]
+
+    def count(self, room: int) -> int:
+        """Arrivals counted for ``room`` so far."""
+        with self._lock:
+            return self._counts.get(room, 0)
+
+
+def _backend_name(backend: ManagerFactory | str) -> str:
+    """``module.QualName`` of a class or function, the spec of a string, else ``repr``."""
+    if isinstance(backend, str):
+        return backend
+    name = getattr(backend, "__qualname__", None)
+    module = getattr(backend, "__module__", None)
+    if isinstance(backend, type) or inspect.isfunction(backend) or inspect.ismethod(backend):
+        return f"{module}.{name}"
+    return repr(backend)
+
+
+def run_transfer(
+    backend: ManagerFactory | str,
+    *,
+    prefill_tp: int = 2,
+    decode_tp: int = 1,
+    rooms: int = 3,
+    geometry: TransferGeometry | None = None,
+    timeout_s: float = 30.0,
+    seed: int = 0,
+    processes: bool = False,
+    stall_s: float | None = None,
+) -> TransferReport:
+    """Stage ``rooms`` multi-chunk requests from ``prefill_tp`` to ``decode_tp`` ranks.
+
+    Args:
+        backend: a backend class with the standard constructor, any
+            :class:`ManagerFactory`, or a backend spec string (a registry name,
+            ``MODULE:CLASS`` or ``MODULE:CLASS=MODULE:FACTORY``, see
+            :func:`~staging_contracts.backends.resolve_backend`); called once per rank.
+        prefill_tp: prefill ranks (attention TP size of prefill).
+        decode_tp: decode ranks.
+        rooms: requests, all in flight at once.
+        geometry: sizes (default :class:`TransferGeometry`'s).
+        timeout_s: bound on the whole transfer; rooms still running then fail as timed out.
+        seed: seed of the KV data and page choice.
+        processes: run every rank in a process of its own (spawned), over the backend's
+            engine across processes: the same rooms, checks and report. ``backend`` must
+            then be importable by reference (a class, a module-level function or a spec
+            string), and its engine must cross processes.
+        stall_s: (in one process) end the run before ``timeout_s`` when no progress at all
+            is possible: decode's staging handler got no message within ``stall_s`` of the
+            start, or every prefill write was done and no arrival reached decode within
+            ``stall_s`` after. The rooms still running then fail with the reason (and
+            :attr:`TransferReport.stopped` says it); ``None`` (the default) waits up to
+            ``timeout_s``. Ignored with ``processes=True``.
+
+    Returns:
+        The per-room report (see :attr:`TransferReport.ok` and
+        :meth:`TransferReport.diagnosis`).
+
+    Raises:
+        ValueError: the TP pair does not fit the head count, the rooms do not fit the
+            pools, the backend does not resolve (a spec string, a class or a callable is
+            checked the same way, before anything is built or spawned: see
+            :func:`~staging_contracts.backends.resolve_backend`), or (``processes=True``)
+            ``backend`` cannot be pickled.
+        TypeError: a factory returned something that is not a staging backend (of the
+            class a spec or the factory's return annotation names).
+        ProcessesUnavailable: ``processes=True`` and the backend's engine works within one
+            process only (the text says so; a test may skip with it).
+        RankFailed: ``processes=True`` and a rank process failed to build or wire its
+            manager, died, or did not answer in time (the text names the rank and its error).
+        Exception: (in one process) whatever the factory, the staging set-up or the engine
+            wiring raised; every manager built so far is closed first.
+    """
+    g = geometry or TransferGeometry()
+    validate_tp_pair(prefill_tp, decode_tp, g.total_kv_heads)
+    if rooms < 1 or timeout_s <= 0:
+        raise ValueError(f"rooms={rooms} must be >= 1 and timeout_s={timeout_s} > 0")
+    if stall_s is not None and stall_s <= 0:
+        raise ValueError(f"stall_s={stall_s} must be > 0 (or None)")
+    if 2 * rooms * g.room_pages > g.pool_pages:
+        raise ValueError(
+            f"{rooms} rooms of {g.room_pages} pages need {2 * rooms * g.room_pages} pool pages "
+            f"(prefill and decode pages apart), the pools have {g.pool_pages}"
+        )
+    name = _backend_name(backend)
+    resolve_backend(backend)  # refused here, in one line, before anything is built
+    config = g.config(name, prefill_tp, decode_tp, rooms, seed)
+    jobs = [
+        _RankJob(backend, role, rank, config, timeout_s)
+        for role, tp in ((Role.PREFILL, prefill_tp), (Role.DECODE, decode_tp))
+        for rank in range(tp)
+    ]
+    if processes:
+        report = _run_across_processes(jobs)
+    else:
+        stack = ExitStack()  # closes, last first: prefill workers, then every rank's body
+        try:
+            run = _Run(jobs, stack, stall_s)
+            logger.debug("%s: %d prefill and %d decode ranks built", name, prefill_tp, decode_tp)
+            run.execute()
+        finally:
+            stack.close()
+        report = run.report(name)
+    logger.log(logging.DEBUG if report.ok else logging.WARNING, "%s", report.summary())
+    return report
+
+
+# --------------------------------------------------------------------------- shared by both modes
+
+
+@dataclass(frozen=True, slots=True)
+class _RankJob:
+    """One rank of a run: what builds its body (pickled to its process across processes)."""
+
+    backend: ManagerFactory | str
+    role: Role
+    rank: int
+    config: TransferConfig
+    timeout_s: float
+
+
+def _body(job: _RankJob) -> DecodeBody | PrefillBody:
+    """The rank's body (the run layer's, as every cluster rank's): its pool, its manager
+    built by the backend's standard constructor (no ``host``), staging enabled with every
+    bound the run's."""
+    options = BodyOptions(
+        host=None,
+        log_level=None,
+        stall_timeout_s=job.timeout_s,
+        prefill_timeouts=PrefillTimeouts(deadline_s=job.timeout_s),
+        meta_timeout_s=job.timeout_s,
+    )
+    side = DecodeBody if job.role is Role.DECODE else PrefillBody
+    return side(job.config, job.rank, options, job.backend)
+
+
+def _wire(body: DecodeBody | PrefillBody, infos: Sequence[RankInfo]) -> list[DecodeTarget]:
+    """Trust the other side's ranks (prefill: and add their engines), then start the
+    listener; a prefill rank's decode targets (none on decode)."""
+    others = [info for info in infos if info.role != body.role.value]
+    targets: list[DecodeTarget] = []
+    if isinstance(body, PrefillBody):
+        targets = body.meet(others)
+    else:
+        body.trust(others)
+    body.common.start()
+    return targets
+
+
+def _decode_transfers(body: DecodeBody, infos: Sequence[RankInfo]) -> DecodeTransfers:
+    """Decode's per-request side, routing the prefill ranks' messages (by TP rank)."""
+    prefill = sorted((i for i in infos if i.role == Role.PREFILL.value), key=lambda i: i.tp_rank)
+    return DecodeTransfers(body.common, body.handler, [info.endpoint for info in prefill])
+
+
+def _make_rooms(config: TransferConfig) -> list[_Room]:
+    """The run's rooms: pages and data, the same in every process for the same seed."""
+    return [_Room(plan) for plan in request_plans(config)]
+
+
+def _chunks(config: TransferConfig) -> int:
+    return len(list(config.chunks()))
+
+
+def _room_reason(
+    decode: Sequence[tuple[KVPoll, str | None]],
+    prefill: Sequence[tuple[KVPoll, str | None]],
+    timeout_s: float,
+    ended: str | None = None,
+) -> str | None:
+    """Why a room did not succeed on every rank (``None`` if it did), from each rank's final
+    state and failure text (decode ranks, then prefill ranks, by TP rank)."""
+    if all(state is KVPoll.Success for state, _ in (*decode, *prefill)):
+        return None
+    for d, (state, failure) in enumerate(decode):
+        if state is KVPoll.Failed:
+            return f"decode rank {d}: {failure or 'failed'}"
+    for p, (state, failure) in enumerate(prefill):
+        if state is KVPoll.Failed:
+            return f"prefill rank {p}: {failure or 'failed'}"
+    states = ", ".join(
+        [f"decode {d} {s.name}" for d, (s, _) in enumerate(decode)]
+        + [f"prefill {p} {s.name}" for p, (s, _) in enumerate(prefill)]
+    )
+    if ended is not None:
+        return f"{ended} ({states})"
+    return f"timed out after {timeout_s:g}s ({states})"
+
+
+def _room_report(
+    config: TransferConfig,
+    room: int,
+    reason: str | None,
+    decode_states: tuple[KVPoll, ...],
+    prefill_states: tuple[KVPoll, ...],
+    chunk_ok: Sequence[Sequence[bool]],
+    arrivals: int,
+) -> RoomReport:
+    """One room's report; ``chunk_ok[d][c]``: chunk ``c`` landed on decode rank ``d``."""
+    prefill_tp, decode_tp = len(prefill_states), len(decode_states)
+    chunks = _chunks(config)
+    verified = sum(all(rank[c] for rank in chunk_ok) for c in range(chunks))
+    writers = sum(len(prefill_ranks_for_decode(prefill_tp, decode_tp, d)) for d in range(decode_tp))
+    if reason is None and verified < chunks:
+        reason = (
+            f"every rank reported success but {chunks - verified} chunk(s) do "
+            "not hold the staged bytes"
+        )
+    return RoomReport(
+        room=room,
+        succeeded=reason is None,
+        reason=reason,
+        decode_states=decode_states,
+        prefill_states=prefill_states,
+        chunks=chunks,
+        chunks_verified=verified,
+        arrivals=arrivals,
+        expected_arrivals=chunks * writers,
+    )
+
+
+def _fail_unfinished_receivers(
+    handler: DecodeStagingHandler, room: int, receiver: KVReceiver
+) -> None:
+    """Fail a room still running on decode, telling its prefill ranks (ROOM_FAILED)."""
+    if receiver.poll() not in _DONE:
+        handler.fail_room(room, HARNESS_ENDED)
+        receiver.poll()  # reports the failure to its prefill ranks
+
+
+def _wait_unfinished(senders: Sequence[KVSender]) -> None:
+    """Wait (at most :data:`_TEARDOWN_S` in all) for the senders still running to hear that
+    their rooms failed, so that the prefill workers drop their chunks and stop promptly."""
+    deadline = time.monotonic() + _TEARDOWN_S
+    for sender in [s for s in senders if s.poll() not in _DONE]:
+        sender.wait(max(0.0, deadline - time.monotonic()))
+
+
+# --------------------------------------------------------------------------- one process
+
+
+class _Run:
+    """One harness run over every rank's body, in this process (closed by ``stack``)."""
+
+    def __init__(self, jobs: Sequence[_RankJob], stack: ExitStack, stall_s: float | None) -> None:
+        self.config = jobs[0].config
+        self.timeout_s = jobs[0].timeout_s
+        self.stall_s = stall_s
+        self.stopped: str | None = None
+        self.tally = _ArrivalTally()
+        self.prefill: list[PrefillBody] = []
+        self.decode: list[DecodeBody] = []
+        for job in jobs:
+            body = _body(job)
+            stack.callback(body.close)
+            if isinstance(body, DecodeBody):
+                self.tally.tap(body.handler)
+                self.decode.append(body)
+            else:
+                self.prefill.append(body)
+        for prefill in self.prefill:  # the prefill workers stop first (bounded)
+            stack.callback(prefill.close_side, _TEARDOWN_S)
+        everyone: list[DecodeBody | PrefillBody] = [*self.prefill, *self.decode]
+        infos = [body.info() for body in everyone]
+        self.targets = [_wire(body, infos) for body in everyone][: len(self.prefill)]
+        self.decode_transfers = [_decode_transfers(body, infos) for body in self.decode]
+        self.rooms: list[_Room] = []
+        self.elapsed_s = 0.0
+        self.notifications = all(p.writer.arrival == "notification" for p in self.prefill)
+
+    def execute(self) -> None:
+        """Run the rooms to the end or the deadline; note each rank's verdict, then fail
+        the rooms still running (the managers are still open)."""
+        self.rooms = _make_rooms(self.config)
+        started = time.monotonic()
+        deadline = started + self.timeout_s
+        for room in self.rooms:
+            room.receivers = [
+                body.receive(transfers, room.room, room.plan.decode_pages)
+                for body, transfers in zip(self.decode, self.decode_transfers, strict=True)
+            ]
+            room.senders = [
+                body.send(room.room, room.plan, targets)
+                for body, targets in zip(self.prefill, self.targets, strict=True)
+            ]
+        if self.stall_s is None:
+            for room in self.rooms:
+                ends: list[KVReceiver | KVSender] = [*room.receivers, *room.senders]
+                for end in ends:
+                    end.wait(max(0.0, deadline - time.monotonic()))
+        else:
+            self.stopped = self._wait_while_progress(started, deadline, self.stall_s)
+        self.elapsed_s = time.monotonic() - started
+        for room in self.rooms:
+            room.decode_states = tuple(r.poll() for r in room.receivers)
+            room.prefill_states = tuple(s.poll() for s in room.senders)
+            room.reason = _room_reason(
+                [
+                    (st, r.failure())
+                    for st, r in zip(room.decode_states, room.receivers, strict=True)
+                ],
+                [
+                    (st, s.failure())
+                    for st, s in zip(room.prefill_states, room.senders, strict=True)
+                ],
+                self.timeout_s,
+                self.stopped,
+            )
+        for room in self.rooms:  # on decode, and (ROOM_FAILED) on prefill
+            for body, receiver in zip(self.decode, room.receivers, strict=True):
+                _fail_unfinished_receivers(body.handler, room.room, receiver)
+        _wait_unfinished([s for room in self.rooms for s in room.senders])
+
+    def _wait_while_progress(self, started: float, deadline: float, stall_s: float) -> str | None:
+        """Wait for every room until ``deadline``, or until no progress is possible; why it
+        stopped early, or ``None``. Bounded by ``deadline``; polls every 50 ms."""
+        writes_done_at: float | None = None
+        while True:
+            senders = [s for room in self.rooms for s in room.senders]
+            waiting: list[KVReceiver | KVSender] = [
+                *(r for room in self.rooms for r in room.receivers),
+                *senders,
+            ]
+            if all(x.poll() in _DONE for x in waiting):
+                return None
+            now = time.monotonic()
+            if now >= deadline:
+                return None
+            received = sum(d.manager.staging_stats().received for d in self.decode)
+            if received == 0 and now - started >= stall_s:
+                return f"stopped after {now - started:.1f}s: decode got no staging message"
+            arrivals = sum(self.tally.count(room.room) for room in self.rooms)
+            if writes_done_at is None and all(s.poll() is KVPoll.Success for s in senders):
+                writes_done_at = now
+            if writes_done_at is not None and arrivals == 0 and now - writes_done_at >= stall_s:
+                return (
+                    f"stopped after {now - started:.1f}s: every write was done {stall_s:g}s "
+                    "ago and no arrival reached decode"
+                )
+            pending = next(x for x in waiting if x.poll() not in _DONE)
+            pending.wait(min(_STALL_POLL_S, max(0.0, deadline - now)))
+
+    def report(self, name: str) -> TransferReport:
+        """The report, built once every manager is closed (no arrival or scatter is late)."""
+        config = self.config
+        plans = [room.plan for room in self.rooms]
+        stray: set[int] = set()
+        for body in self.decode:
+            stray |= stray_pages(body.pool, config, plans)
+        return TransferReport(
+            backend=name,
+            prefill_tp=len(self.prefill),
+            decode_tp=len(self.decode),
+            notifications=self.notifications,
+            rooms=tuple(
+                _room_report(
+                    config,
+                    room.room,
+                    room.reason,
+                    room.decode_states,
+                    room.prefill_states,
+                    [
+                        chunks_landed(body.pool, config, body.rank, room.plan)
+                        for body in self.decode
+                    ],
+                    self.tally.count(room.room),
+                )
+                for room in self.rooms
+            ),
+            decode_stats=tuple(d.manager.staging_stats() for d in self.decode),
+            prefill_stats=tuple(p.manager.staging_stats() for p in self.prefill),
+            stray_pages=len(stray),
+            elapsed_s=self.elapsed_s,
+            timeout_s=self.timeout_s,
+            stopped=self.stopped,
+        )
+
+
+# --------------------------------------------------------------------------- across processes
+
+
+def _run_across_processes(jobs: Sequence[_RankJob]) -> TransferReport:
+    """``run_transfer(..., processes=True)``: the parent's side (arguments checked)."""
+    config, timeout_s = jobs[0].config, jobs[0].timeout_s
+    name, prefill_tp = config.backend, config.prefill_tp
+    try:
+        pickle.dumps(jobs[0].backend)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise ValueError(
+            f"processes=True needs a backend the rank processes can import: a class, a "
+            f"module-level function or a spec string; {name} cannot be pickled ({exc})"
+        ) from None
+    labels = [f"{job.role.value} rank {job.rank}" for job in jobs]
+    everyone = list(range(len(jobs)))
+    prefill = everyone[:prefill_tp]
+    decode = everyone[prefill_tp:]
+    group = RankGroup(_rank_process, jobs, labels)
+    try:
+        try:
+            ready = group.gather(everyone, "ready", _START_S)
+        except RankFailed as exc:
+            if exc.sent == "process-local":
+                raise ProcessesUnavailable(
+                    f"{name} cannot run across processes: {exc.detail}"
+                ) from None
+            raise
+        group.send(everyone, "peers", [payload[0] for payload in ready])
+        group.gather(everyone, "wired", _STEP_S)
+        group.send(everyone, "arm")
+        group.gather(everyone, "armed", _STEP_S)
+        started = time.monotonic()
+        group.send(everyone, "go")
+        states = group.gather(everyone, "states", timeout_s + _STEP_S)
+        elapsed = time.monotonic() - started
+        group.send(everyone, "finish")
+        group.gather(everyone, "finished", _TEARDOWN_S + _STEP_S)
+        group.send(prefill, "close")  # prefill workers first, as in one process
+        prefill_reports = group.gather(prefill, "report", _TEARDOWN_S + _STEP_S)
+        group.send(decode, "close")
+        decode_reports = group.gather(decode, "report", _STEP_S)
+    finally:
+        group.close()
+    made = _make_rooms(config)
+    outcomes = [cast(list[tuple[KVPoll, str | None]], payload[0]) for payload in states]
+    decode_out = [cast(_DecodeReport, payload[0]) for payload in decode_reports]
+    stray: set[int] = set()
+    for out in decode_out:
+        stray |= out.stray
+    room_reports = []
+    for i, room in enumerate(made):
+        decode_side = [outcomes[r][i] for r in decode]
+        prefill_side = [outcomes[r][i] for r in prefill]
+        room_reports.append(
+            _room_report(
+                config,
+                room.room,
+                _room_reason(decode_side, prefill_side, timeout_s),
+                tuple(state for state, _ in decode_side),
+                tuple(state for state, _ in prefill_side),
+                [out.chunks_ok[i] for out in decode_out],
+                sum(out.arrivals[i] for out in decode_out),
+            )
+        )
+    return TransferReport(
+        backend=name,
+        prefill_tp=prefill_tp,
+        decode_tp=config.decode_tp,
+        notifications=all(ready[r][1] is True for r in prefill),
+        rooms=tuple(room_reports),
+        decode_stats=tuple(out.stats for out in decode_out),
+        prefill_stats=tuple(cast(StagingStats, payload[0]) for payload in prefill_reports),
+        stray_pages=len(stray),
+        elapsed_s=elapsed,
+        timeout_s=timeout_s,
+        processes=True,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeReport:
+    """What a decode rank reports once its manager is closed."""
+
+    chunks_ok: list[list[bool]]
+    """Per room, per chunk: it landed bit for bit here."""
+    arrivals: list[int]
+    """Per room: writer arrivals this rank's handler accepted."""
+    stray: set[int]
+    """Pages outside every room written here."""
+    stats: StagingStats
+
+
+def _rank_process(job: object, conn: Connection) -> None:
+    """Entry point of one rank process (spawned): run the rank, report any failure."""
+    timeout_s = job.timeout_s if isinstance(job, _RankJob) else 0.0
+    link = ParentLink(conn, _START_S + 4 * _STEP_S + _TEARDOWN_S + timeout_s)
+    try:
+        if not isinstance(job, _RankJob):
+            raise TypeError(f"not a rank job: {job!r}")
+        torch.set_num_threads(1)
+        body = _body(job)
+        try:
+            reason = process_local_reason(body.manager.engine)
+            if reason is not None:
+                link.send("process-local", reason)
+            elif isinstance(body, DecodeBody):
+                _decode_rank(job, body, link)
+            else:
+                _prefill_rank(job, body, link)
+        finally:
+            body.close()
+    except (EOFError, BrokenPipeError):
+        logger.debug("the harness closed the pipe; rank process ends")
+    except BaseException as exc:  # noqa: BLE001 - the parent gets every failure, in words
+        with suppress(OSError, ValueError):
+            link.send("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    finally:
+        link.close()
+
+
+def _meet(body: DecodeBody | PrefillBody, link: ParentLink, notifications: bool) -> list[RankInfo]:
+    """Send this rank's info (and whether its writer notifies); wire to every rank the
+    parent sends back (:func:`_wire`). The rank then routes its rooms' messages and tells
+    the parent (:func:`_wired`): no rank sends a room's message before every rank can route
+    it."""
+    link.send("ready", body.info(), notifications)
+    (peers,) = link.expect("peers")
+    return cast(list[RankInfo], peers)
+
+
+def _wired(link: ParentLink) -> None:
+    """Tell the parent this rank routes its messages; wait until every rank does."""
+    link.send("wired")
+    link.expect("arm")
+
+
+def _go(link: ParentLink) -> None:
+    """Tell the parent this rank's rooms are armed; wait until every rank's are."""
+    link.send("armed")
+    link.expect("go")
+
+
+def _states(link: ParentLink, ends: Sequence[KVReceiver | KVSender], timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) for every room, send their final states; wait for the
+    parent's ``finish``."""
+    deadline = time.monotonic() + timeout_s
+    for end in ends:
+        end.wait(max(0.0, deadline - time.monotonic()))
+    link.send("states", [(end.poll(), end.failure()) for end in ends])
+    link.expect("finish")
+
+
+def _decode_rank(job: _RankJob, body: DecodeBody, link: ParentLink) -> None:
+    config = job.config
+    tally = _ArrivalTally()
+    tally.tap(body.handler)
+    infos = _meet(body, link, False)
+    _wire(body, infos)
+    transfers = _decode_transfers(body, infos)
+    _wired(link)
+    rooms = _make_rooms(config)
+    receivers = [body.receive(transfers, room.room, room.plan.decode_pages) for room in rooms]
+    _go(link)
+    _states(link, receivers, job.timeout_s)
+    for room, receiver in zip(rooms, receivers, strict=True):
+        _fail_unfinished_receivers(body.handler, room.room, receiver)
+    link.send("finished")
+    link.expect("close")
+    body.close()  # no arrival or scatter is late for the checks below
+    report = _DecodeReport(
+        chunks_ok=[chunks_landed(body.pool, config, job.rank, room.plan) for room in rooms],
+        arrivals=[tally.count(room.room) for room in rooms],
+        stray=stray_pages(body.pool, config, [room.plan for room in rooms]),
+        stats=body.manager.staging_stats(),
+    )
+    link.send("report", report)
+
+
+def _prefill_rank(job: _RankJob, body: PrefillBody, link: ParentLink) -> None:
+    targets = _wire(body, _meet(body, link, body.writer.arrival == "notification"))
+    _wired(link)
+    rooms = _make_rooms(job.config)
+    _go(link)
+    senders = [body.send(room.room, room.plan, targets) for room in rooms]
+    _states(link, senders, job.timeout_s)
+    _wait_unfinished(senders)
+    link.send("finished")
+    link.expect("close")
+    body.close_side(_TEARDOWN_S)  # the workers (bounded), then the manager
+    body.close()
+    link.send("report", body.manager.staging_stats())
