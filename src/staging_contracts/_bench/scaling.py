@@ -24,9 +24,8 @@ ring of two chunks, one untimed warm-up request before the timed ones in every r
 dimensions' series.
 
 **What a point is.** The full plan runs every staged point :attr:`ScalingPlan.runs` = 2
-times (two, not three: the one-run sweep of both engines took 12 minutes for its 54 cluster
-runs on two loaded cores, so two staged runs, 86 cluster runs, come to about 20 minutes and
-three, 118, to about 26); the quick plan runs it once. A point's
+times (what fits the sweep's time budget; the docs' benchmarks page gives the timings); the
+quick plan runs it once. A point's
 throughput is the median over its runs, its latencies are pooled over them (``runs`` x
 ``concurrency`` samples: 2 to 32 in the full plan), and each row records ``runs`` and
 ``latency_samples``. The raw write is run once per TP pair and byte count.
@@ -632,9 +631,8 @@ def run_scaling(
         progress: called with one line before each measurement.
 
     **Blocking:** every point's cluster runs (staged, and raw where its TP pair and bytes
-    are new), ``plan.runs`` staged runs a point, each bounded by ``plan.run_timeout_s``:
-    about 20 minutes in all for the full plan on two loaded cores, most of it starting rank
-    processes. Under :func:`~staging_contracts._run.stop_on_signals` (raising), a stop signal
+    are new), ``plan.runs`` staged runs a point, each bounded by ``plan.run_timeout_s``
+    (minutes for the full plan, most of it starting rank processes). Under :func:`~staging_contracts._run.stop_on_signals` (raising), a stop signal
     ends the sweep: the point being measured is dropped (its ranks are killed as the
     :class:`~staging_contracts._run.Interrupted` unwinds the run), the rows before it are
     returned, with :attr:`ScalingResult.interrupted` set.

@@ -101,10 +101,10 @@ QUICK_NOTE: Final = "quick: smoke only"
 """How a quick row's note starts (its figures are not for judging, and it has no goal)."""
 
 PER_TOKEN_TOKENS: Final[Mapping[str, int]] = MappingProxyType({"mooncake": 512})
-"""Tokens of the per-token anchor's request where the whole one takes too long: on a 2-core
-host Mooncake TCP takes about 25 µs a transfer, so 4096 tokens (262,144 transfers per
-writer) take about 28 s a request; 512 tokens take about 3 s. The cost is linear in tokens,
-and the anchor is compared in GB/s. Other engines send the whole request."""
+"""Tokens of the per-token anchor's request where the whole one takes too long (Mooncake over
+TCP: one transfer per K/V, layer and token; the docs' benchmarks page gives its cost per
+transfer). The cost is linear in tokens, and the anchor is compared in GB/s. Other engines
+send the whole request."""
 
 _GOALS: Final[tuple[tuple[str, Mode, str], ...]] = (
     ("vs-raw", "raw", ">= 0.5"),

@@ -1,8 +1,8 @@
 """What a multi-process run needs, checked before any process starts.
 
-A run that the layout, the engines or the machine cannot serve used to start every rank
+A run that the layout, the engines or the machine cannot serve would start every rank
 process and fail a minute later (a bootstrap timeout, or each rank failing to allocate its
-pool). :func:`preflight` refuses it at once instead, with one line that names the options and
+pool). :func:`preflight` refuses it at once, with one line that names the options and
 the rule: every ``STAGING_CONTRACTS_*`` variable of the settings table
 (:func:`check_environment`: a bad one would kill a rank process a while after the start),
 the TP pair and the head count (the same validation the ranks run), the backend
