@@ -28,8 +28,17 @@ def shown_imports() -> list[tuple[str, str, str]]:
 def test_the_docs_show_imports() -> None:
     """The reader finds the imports (a reader that found none would pass anything)."""
     modules = {module for _, module, _ in shown_imports()}
-    assert {"staging_contracts", "staging_contracts.backends._common"} <= modules
+    assert {"staging_contracts", "staging_contracts.backends"} <= modules
     assert "staging_contracts.testing" in modules
+
+
+def test_the_docs_import_only_public_modules() -> None:
+    """What the README and the guides show a user imports from public modules only: no
+    module or package of the path starts with ``_``."""
+    private = sorted(
+        {f"{doc}: {module}" for doc, module, _ in shown_imports() if "._" in f".{module}"}
+    )
+    assert not private, private
 
 
 @pytest.mark.parametrize(("doc", "module", "name"), shown_imports())

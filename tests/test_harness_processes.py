@@ -36,6 +36,12 @@ def failing_factory(kv_args: KVArgs, *, role: Role, attn_tp_size: int) -> Transf
     raise RuntimeError(f"no engine today for {role.value} rank {kv_args.engine_rank}")
 
 
+def pipelined_local(kv_args: KVArgs, *, role: Role, attn_tp_size: int) -> TransferManager:
+    """A process-local backend whose staging set-up would refuse it too (pipeline-parallel
+    prefill): the engine is judged first, as soon as the manager is built."""
+    return LocalKVManager(kv_args, role=role, attn_tp_size=attn_tp_size, pp_size=2)
+
+
 def dying_factory(kv_args: KVArgs, *, role: Role, attn_tp_size: int) -> TransferManager:
     """Every rank's process dies while building its manager, without a word."""
     os._exit(7)
@@ -103,7 +109,7 @@ def test_an_idle_hookless_backend_fails_with_the_diagnosis_across_processes() ->
     assert diagnosis.splitlines()[0].endswith(IDLE_HOOK_HINT), diagnosis
 
 
-@pytest.mark.parametrize("backend", ["local", LocalKVManager])
+@pytest.mark.parametrize("backend", ["local", LocalKVManager, pipelined_local])
 def test_an_in_process_engine_is_refused_with_the_reason(backend: object) -> None:
     """LocalEngine cannot reach another process: ProcessesUnavailable says so."""
     with pytest.raises(ProcessesUnavailable, match=r"LocalEngine moves bytes within one process"):

@@ -5,7 +5,7 @@ list[BenchRow]`` function, loaded lazily by name. Figures are medians of repeate
 measurements. Benchmarks are never timed tests: they report, and the goals are for people to
 read.
 
-May import: ``cluster``, ``run``, ``backends`` and everything below them; never ``testing``
+May import: ``_cluster``, ``_run``, ``backends`` and everything below them; never ``testing``
 or ``cli``.
 Imported by: ``cli`` (``staging-contracts bench``).
 """

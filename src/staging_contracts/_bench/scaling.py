@@ -632,8 +632,9 @@ def run_scaling(
 
     **Blocking:** every point's cluster runs (staged, and raw where its TP pair and bytes
     are new), ``plan.runs`` staged runs a point, each bounded by ``plan.run_timeout_s``
-    (minutes for the full plan, most of it starting rank processes). Under :func:`~staging_contracts._run.stop_on_signals` (raising), a stop signal
-    ends the sweep: the point being measured is dropped (its ranks are killed as the
+    (minutes for the full plan, most of it starting rank processes). Under
+    :func:`~staging_contracts._run.stop_on_signals` (raising), a stop signal ends the sweep:
+    the point being measured is dropped (its ranks are killed as the
     :class:`~staging_contracts._run.Interrupted` unwinds the run), the rows before it are
     returned, with :attr:`ScalingResult.interrupted` set.
 

@@ -13,7 +13,7 @@ summary), :mod:`.soak_ticker` (its progress tally, at least every 10 s).
 What an operator reads: :mod:`.summary_json` (the ``--json`` documents of ``check``, ``demo``
 and ``soak``) and :mod:`.logformat` (every process's log lines: timestamped text, or JSON).
 
-May import: ``run``, ``backends`` and everything below them; never ``testing``, ``bench`` or
+May import: ``_run``, ``backends`` and everything below them; never ``testing``, ``_bench`` or
 ``cli``.
-Imported by: ``bench`` and ``cli``.
+Imported by: ``_bench`` and ``cli``.
 """

@@ -9,5 +9,5 @@ holds the non-blocking peer sockets and the listener thread that decodes and dis
 and the ZAP handler.
 
 May import: ``protocols`` and ``stats`` only.
-Imported by: ``decode``, ``prefill``, ``mixin``, ``backends``, ``bench``, ``testing``.
+Imported by: ``_decode``, ``_prefill``, ``mixin``, ``backends``, ``_bench``, ``testing``.
 """

@@ -5,6 +5,6 @@ arrivals, room lifecycle), :mod:`.rooms` (plain records of rooms and their chunk
 :mod:`.scatter` (a landed region into the paged KV pool) and :mod:`.publisher` (``STAGING_RSP``
 and ``WATERMARK`` to the prefill peers).
 
-May import: ``staging``, ``control``, ``outcomes``, ``protocols``, ``stats``; never ``prefill``.
-Imported by: ``backends``, ``bench``, ``testing``.
+May import: ``_staging``, ``_control``, ``outcomes``, ``protocols``, ``stats``; never ``_prefill``.
+Imported by: ``backends``, ``_bench``, ``testing``.
 """

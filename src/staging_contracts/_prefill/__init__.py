@@ -4,6 +4,6 @@
 gather, write with the engine, signal arrival) and :mod:`.books` (what decode announced:
 watermarks and region answers, read by the transfer workers).
 
-May import: ``staging``, ``control``, ``protocols``, ``stats``; never ``decode``.
-Imported by: ``backends``, ``cluster``, ``bench``, ``testing``.
+May import: ``_staging``, ``_control``, ``protocols``, ``stats``; never ``_decode``.
+Imported by: ``backends``, ``_cluster``, ``_bench``, ``testing``.
 """

@@ -6,9 +6,9 @@ bound, respawned, each process's own traceback kept for the parent's message);
 driver passes on to its ranks, so that a stopped run still gives what it measured, marked
 partial, and exits with :func:`exit_status`.
 
-May import: ``backends`` and everything below it; never ``testing``, ``cluster``, ``bench`` or
+May import: ``backends`` and everything below it; never ``testing``, ``_cluster``, ``_bench`` or
 ``cli``.
-Imported by: ``testing``, ``cluster``, ``bench`` and ``cli``.
+Imported by: ``testing``, ``_cluster``, ``_bench`` and ``cli``.
 """
 
 from __future__ import annotations

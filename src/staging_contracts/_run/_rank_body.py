@@ -1,12 +1,12 @@
-"""The one body of a rank: what a demo rank (``cluster.rank``, a list of requests), a soak rank
-(``cluster.soak_rank``, served commands) and the harness's ranks (``testing.harness``, in one
-process or a process each) build alike.
+"""The one body of a rank: what a demo rank (``_cluster.rank``, a list of requests), a soak
+rank (``_cluster.soak_rank``, served commands) and the harness's ranks (``testing._harness``,
+in one process or a process each) build alike.
 
 :class:`RankBody` is a rank's backend (built from the spec string in this process) and what
 every path does with it: trust peers, count registered regions, close. The staged sides add
 their staging set-up: :class:`DecodeBody` (an empty pool, the decode handler, the published
 ring) and :class:`PrefillBody` (a filled pool, the staging writer and its transfers). A demo
-rank's per-token and raw paths (``cluster.plain_paths``) use :class:`RankBody` as it is.
+rank's per-token and raw paths (``_cluster.plain_paths``) use :class:`RankBody` as it is.
 
 Nothing here starts the control listener: the caller does (``body.common.start()``), after
 whatever must precede it (a metrics pusher, a fault on the peer sockets, device settling).

@@ -7,5 +7,5 @@ into a staging buffer, scatter into paged KV pools, on CPU or CUDA), :mod:`.fuse
 NumPy). No I/O, no threads of its own.
 
 May import: ``protocols`` and ``stats`` only.
-Imported by: ``decode``, ``prefill``, ``backends``, ``cluster``, ``bench``, ``testing``.
+Imported by: ``_decode``, ``_prefill``, ``backends``, ``_cluster``, ``_bench``, ``testing``.
 """

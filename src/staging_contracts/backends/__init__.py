@@ -1,8 +1,11 @@
 """KV-transfer backends: what a backend is built from, and the backends, loaded lazily by name.
 
 A backend author imports from here: :class:`CommonKVManager` (the sockets, the listener and
-the engine) and :class:`Role`; :func:`enable_decode_staging`, :func:`enable_prefill_staging`,
-:func:`staging_idle` and the :class:`StagingBackend` Protocol they take; the per-request API a
+the engine; its ``secret`` default :data:`FROM_ENV`, the :class:`SecurityError` it raises,
+the :data:`Authorizer` it takes) and :class:`Role`; :func:`enable_decode_staging` and
+:func:`enable_prefill_staging` (with what they return, :class:`DecodeStagingHandler` and
+:class:`StagingWriter`), :func:`staging_idle` and the :class:`StagingBackend` Protocol they
+take; the per-request API a
 scheduler calls (:class:`KVSender`, :class:`KVReceiver`, :class:`KVPoll`,
 :class:`PrefillTransfers`, :class:`DecodeTransfers`, with :class:`DecodeTarget` and
 :class:`PrefillTimeouts`); what ``health()`` and ``close(drain_s=...)`` return
@@ -46,15 +49,17 @@ instance of the class. ``host`` (the address a rank binds and advertises) is pas
 ``host=...`` only when the class or factory has a parameter named ``host``; one without it
 builds managers that keep their own defaults (loopback for the in-tree backends).
 
-May import: ``decode``, ``prefill``, ``mixin``, ``engines`` and everything below them;
-never ``testing``, ``cluster``, ``bench`` or ``cli``.
-Imported by: ``testing``, ``cluster``, ``bench``, ``cli`` and backends outside the package.
+May import: ``_decode``, ``_prefill``, ``mixin``, ``engines`` and everything below them;
+never ``testing``, ``_cluster``, ``_bench`` or ``cli``.
+Imported by: ``testing``, ``_cluster``, ``_bench``, ``cli`` and backends outside the package.
 """
 
 from __future__ import annotations
 
-from .._prefill.writer import DecodeTarget, PrefillTimeouts
-from ._common import CommonKVManager, Role
+from .._control.security import FROM_ENV, SecurityError
+from .._decode.handler import DecodeStagingHandler
+from .._prefill.writer import DecodeTarget, PrefillTimeouts, StagingWriter
+from ._common import Authorizer, CommonKVManager, Role
 from ._drain import DrainResult
 from ._health import ManagerHealth
 from ._kv_requests import DecodeTransfers, KVPoll, KVReceiver, KVSender, PrefillTransfers
@@ -82,10 +87,13 @@ from ._staging_setup import (
 __all__ = [
     "BACKENDS",
     "ENTRY_POINT_GROUP",
+    "FROM_ENV",
     "SPEC_FORMS",
+    "Authorizer",
     "BackendFactory",
     "BackendSpec",
     "CommonKVManager",
+    "DecodeStagingHandler",
     "DecodeTarget",
     "DecodeTransfers",
     "DrainResult",
@@ -96,7 +104,9 @@ __all__ = [
     "PrefillTimeouts",
     "PrefillTransfers",
     "Role",
+    "SecurityError",
     "StagingBackend",
+    "StagingWriter",
     "backend_names",
     "backend_ref",
     "enable_decode_staging",

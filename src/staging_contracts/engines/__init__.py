@@ -12,7 +12,7 @@ imports an engine's module on first use; a missing optional dependency raises an
   ``pip install 'staging-contracts[nixl]'``.
 
 May import: ``protocols`` and ``stats`` only (a new engine is one module of this package).
-Imported by: ``backends`` and ``bench``.
+Imported by: ``backends`` and ``_bench``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ does no metrics work at all. ``prometheus_client`` is the optional extra ``metri
 :func:`register` and :mod:`.collector` need it. See ``docs/observability.md``.
 
 May import: everything below backends, and backends.
-Imported by: cluster, cli, and hosts that export metrics.
+Imported by: _cluster, cli, and hosts that export metrics.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ Requires pytest. The names below are imported on first use (they need torch and 
 that the ``pytest11`` plugin loaded by every pytest run of an environment costs nothing until
 ``--staging-backend`` is given.
 
-May import: ``run``, ``backends`` and everything below them; never ``cluster``, ``bench`` or
+May import: ``_run``, ``backends`` and everything below them; never ``_cluster``, ``_bench`` or
 ``cli``.
 Imported by: backend authors' tests and the ``pytest11`` entry point.
 """

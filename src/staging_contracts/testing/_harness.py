@@ -78,7 +78,7 @@ from .._run.workload import (
     stray_pages,
 )
 from .._staging.layout import prefill_ranks_for_decode, validate_tp_pair
-from ..backends import process_local_reason, resolve_backend
+from ..backends import StagingBackend, process_local_reason, resolve_backend
 from ..backends._common import Role
 from ..backends._kv_requests import (
     DecodeTransfers,
@@ -548,7 +548,19 @@ class _RankJob:
     timeout_s: float
 
 
-def _body(job: _RankJob) -> DecodeBody | PrefillBody:
+class _ProcessLocal(Exception):
+    """A rank process's backend keeps its engine within one process (the reason)."""
+
+
+def _refuse_process_local(manager: StagingBackend) -> None:
+    """Across processes: stop the rank as soon as its manager is built, before any staging
+    set-up, when its engine stays within one process."""
+    reason = process_local_reason(manager.engine)
+    if reason is not None:
+        raise _ProcessLocal(reason)
+
+
+def _body(job: _RankJob, processes: bool = False) -> DecodeBody | PrefillBody:
     """The rank's body (the run layer's, as every cluster rank's): its pool, its manager
     built by the backend's standard constructor (no ``host``), staging enabled with every
     bound the run's."""
@@ -558,22 +570,21 @@ def _body(job: _RankJob) -> DecodeBody | PrefillBody:
         stall_timeout_s=job.timeout_s,
         prefill_timeouts=PrefillTimeouts(deadline_s=job.timeout_s),
         meta_timeout_s=job.timeout_s,
+        prepare=_refuse_process_local if processes else None,
     )
     side = DecodeBody if job.role is Role.DECODE else PrefillBody
     return side(job.config, job.rank, options, job.backend)
 
 
 def _wire(body: DecodeBody | PrefillBody, infos: Sequence[RankInfo]) -> list[DecodeTarget]:
-    """Trust the other side's ranks (prefill: and add their engines), then start the
-    listener; a prefill rank's decode targets (none on decode)."""
-    others = [info for info in infos if info.role != body.role.value]
-    targets: list[DecodeTarget] = []
-    if isinstance(body, PrefillBody):
-        targets = body.meet(others)
-    else:
-        body.trust(others)
+    """Trust every other rank, as a bootstrap would (prefill: and add the decode engines),
+    then start the listener; a prefill rank's decode targets (none on decode)."""
+    me = (body.role.value, body.rank)
+    body.trust([info for info in infos if (info.role, info.tp_rank) != me])
     body.common.start()
-    return targets
+    if isinstance(body, PrefillBody):
+        return body.meet([info for info in infos if info.role == Role.DECODE.value])
+    return []
 
 
 def _decode_transfers(body: DecodeBody, infos: Sequence[RankInfo]) -> DecodeTransfers:
@@ -906,17 +917,16 @@ def _rank_process(job: object, conn: Connection) -> None:
         if not isinstance(job, _RankJob):
             raise TypeError(f"not a rank job: {job!r}")
         torch.set_num_threads(1)
-        body = _body(job)
+        body = _body(job, processes=True)
         try:
-            reason = process_local_reason(body.manager.engine)
-            if reason is not None:
-                link.send("process-local", reason)
-            elif isinstance(body, DecodeBody):
+            if isinstance(body, DecodeBody):
                 _decode_rank(job, body, link)
             else:
                 _prefill_rank(job, body, link)
         finally:
             body.close()
+    except _ProcessLocal as exc:  # the body closed its manager
+        link.send("process-local", str(exc))
     except (EOFError, BrokenPipeError):
         logger.debug("the harness closed the pipe; rank process ends")
     except BaseException as exc:  # noqa: BLE001 - the parent gets every failure, in words

@@ -36,11 +36,11 @@ from staging_contracts import (
     StagingHandler,
     StagingHostCheck,
     StagingManagerMixin,
+    TransferEngine,
 )
 from staging_contracts.backends import CommonKVManager, Role, staging_idle
 from staging_contracts.engines import load_engine_class
 from staging_contracts.engines.local import LocalEngine
-from staging_contracts.protocols import TransferEngine
 
 __all__ = ["AcmeKVManager", "AcmeNixlKVManager", "over_nixl"]
 
