@@ -2,7 +2,8 @@
 rank (``_cluster.soak_rank``, served commands) and the harness's ranks (``testing._harness``,
 in one process or a process each) build alike.
 
-:class:`RankBody` is a rank's backend (built from the spec string in this process) and what
+:class:`RankBody` is a rank's backend (built in this process from a spec string, a backend
+class or a factory) and what
 every path does with it: trust peers, count registered regions, close. The staged sides add
 their staging set-up: :class:`DecodeBody` (an empty pool, the decode handler, the published
 ring) and :class:`PrefillBody` (a filled pool, the staging writer and its transfers). A demo
@@ -240,11 +241,11 @@ class PrefillBody(RankBody):
     pool: KVBufferTensors
     writer: StagingWriter
     transfers: PrefillTransfers
+    sessions: dict[str, bytes]
+    """Decode engines added so far (:meth:`meet`): session id -> its metadata."""
 
     def _make_pool(self) -> None:
         self.pool = filled_prefill_pool(self.config, self.rank)
-        self.sessions: dict[str, bytes] = {}
-        """Decode engines added so far: session id -> its metadata."""
 
     def _stage(self, options: BodyOptions) -> None:
         self.writer = enable_prefill_staging(
@@ -257,6 +258,7 @@ class PrefillBody(RankBody):
         self.transfers = PrefillTransfers(
             self.common, self.writer, meta_timeout_s=options.meta_timeout_s
         )
+        self.sessions = {}
 
     def meet(self, decode: Sequence[RankInfo]) -> list[DecodeTarget]:
         """Trust the decode ranks, add the engines not known yet; their targets, by rank."""
