@@ -207,8 +207,8 @@ class ScalingPlan:
 
     @classmethod
     def full(cls) -> ScalingPlan:
-        """The documented sweep (module docstring), each staged point run twice: about 20
-        minutes for both engines on two loaded cores."""
+        """The documented sweep (module docstring), each staged point run twice (the
+        benchmarks page gives how long it takes)."""
         return cls(
             base=_FULL_BASE,
             tokens=(1024, 2048, 4096, 8192, 16384, 32768),
