@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
+import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -250,10 +253,23 @@ def _write_cross_module(host_dir: Path, cache_dir_type: str) -> list[Path]:
     paths = []
     for name, text in files.items():
         path = host_dir / f"{name}.py"
-        if not path.exists() or path.read_text() != text:
-            path.write_text(text)
+        _write_newer(path, text)
         paths.append(path)
     return paths
+
+
+def _write_newer(path: Path, text: str) -> None:
+    """Write ``path`` with a modification time a whole second past its last one.
+
+    mypy takes a file whose size and whole-second mtime match its cache as unchanged: "int"
+    and "str" are of one length, so an edit within the second of mypy's last read would
+    replay a stale verdict (it did, on a warm cache). Written every time, so that a cache
+    left stale by an earlier run is mended too.
+    """
+    last = path.stat().st_mtime if path.exists() else 0.0
+    path.write_text(text)
+    stamp = max(time.time(), math.floor(last) + 1.0)
+    os.utime(path, (stamp, stamp))
 
 
 def test_contracts_bound_and_protocols_defined_in_other_modules_are_read_and_stay_fresh(
