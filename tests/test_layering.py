@@ -436,3 +436,38 @@ def test_the_spawn_finder_sees_every_form(tmp_path: Path) -> None:
     for name, text in forms.items():
         (tmp_path / name).write_text(text)
     assert spawning_modules(tmp_path) == ["a.py", "b.py", "c.py", "d.py", "e.py", "f.py"]
+
+
+_STAGING_SET_UPS: Final = frozenset({"enable_decode_staging", "enable_prefill_staging"})
+
+
+def staging_set_ups(root: Path = PACKAGE_ROOT) -> list[str]:
+    """Each module (relative path) that calls a staging set-up (``enable_*_staging``), once."""
+    found = set()
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+                if name in _STAGING_SET_UPS:
+                    found.add(str(path.relative_to(root)))
+    return sorted(found)
+
+
+def test_every_rank_is_built_by_the_one_rank_body() -> None:
+    """The harness's, the demo's and the soak's ranks get their staging from the run layer's
+    body (``_run/_rank_body.py``); besides it only the kit's ``DecodeSetup`` (a backend
+    author's own decode manager) and the control bench (one handler, no rank) set staging
+    up. A second rank body would show here."""
+    assert staging_set_ups() == [
+        "_bench/control_bench.py",
+        "_run/_rank_body.py",
+        "testing/_decode_setup.py",
+    ]
+
+
+def test_the_set_up_finder_sees_calls_and_attribute_calls(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("enable_decode_staging(m, kv_buffers=p, ring_bytes=1)\n")
+    (tmp_path / "b.py").write_text("setup.enable_prefill_staging(m)\n")
+    (tmp_path / "c.py").write_text("from x import enable_decode_staging\n")  # not a call
+    assert staging_set_ups(tmp_path) == ["a.py", "b.py"]
