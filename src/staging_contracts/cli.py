@@ -516,12 +516,11 @@ def _run_bench(args: argparse.Namespace) -> int:
     from ._bench import (  # noqa: PLC0415 - heavy
         GROUPS,
         BenchOptions,
-        BenchRow,
         format_table,
         run_groups,
         write_json,
     )
-    from ._run import Interrupted, exit_status, stop_on_signals  # noqa: PLC0415
+    from ._run import exit_status, stop_on_signals  # noqa: PLC0415
 
     if "scaling" in args.groups:
         return _run_scaling(args)
@@ -552,13 +551,8 @@ def _run_bench(args: argparse.Namespace) -> int:
             print(f"staging-contracts bench: {exc}", file=sys.stderr)
             return EXIT_USAGE
     options = BenchOptions(quick=args.quick, device=args.device, backends=backends)
-    rows: list[BenchRow] = []
-    with stop_on_signals(raise_on_signal=True) as stop:
-        try:  # group by group, so that a stop keeps the groups that ended
-            for group in args.groups or list(GROUPS):
-                rows += run_groups([group], options, progress=_progress)
-        except Interrupted:  # the group's ranks are killed as it unwinds
-            pass
+    with stop_on_signals(raise_on_signal=True) as stop:  # a stop keeps the ended groups' rows
+        rows = run_groups(args.groups or None, options, progress=_progress)
     print(format_table(rows))
     if args.json:
         write_json(rows, args.json)

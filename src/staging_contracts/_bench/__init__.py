@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final, Literal
 
+from .._run._signals import Interrupted
+
 __all__ = [
     "DEVICES",
     "GROUPS",
@@ -120,6 +122,10 @@ def run_groups(
 ) -> list[BenchRow]:
     """Run the named groups (all when ``None``), in the order given, with ``options``.
 
+    Under :func:`~staging_contracts._run.stop_on_signals` (raising), a stop signal ends the
+    run: the group being run is unwound (its rank processes killed) and the rows of the groups
+    that ended before it are returned; the caller's stop request says which signal.
+
     **Blocking:** until every group ran (minutes for the whole set; seconds when quick).
 
     Raises:
@@ -127,11 +133,14 @@ def run_groups(
     """
     chosen = options if options is not None else BenchOptions()
     rows: list[BenchRow] = []
-    for group in groups or list(GROUPS):
-        module = importlib.import_module(GROUPS[group])
-        if progress is not None:
-            progress(f"bench {group} ...")
-        rows.extend(module.run(chosen))
+    try:
+        for group in groups or list(GROUPS):
+            module = importlib.import_module(GROUPS[group])
+            if progress is not None:
+                progress(f"bench {group} ...")
+            rows.extend(module.run(chosen))
+    except Interrupted:  # keep what the ended groups measured
+        pass
     return rows
 
 
