@@ -53,13 +53,13 @@ from .._run._rank_info import (
     MAX_NAME_CHARS,
     MAX_POOL_POINTERS,
     MAX_RANKS,
+    ROLES,
     RankInfo,
     curve_key_text,
+    int_field,
+    show,
+    str_field,
 )
-from .._run._rank_info import ROLES as _ROLES
-from .._run._rank_info import int_field as _int_field
-from .._run._rank_info import show as _show
-from .._run._rank_info import str_field as _str_field
 
 __all__ = [
     "curve_key_text",
@@ -179,22 +179,22 @@ def _parse_request(raw: bytes) -> _Request:
         info = RankInfo.from_json(doc.get("info"))
         replace = doc.get("replace", False)
         if type(replace) is not bool:
-            raise ValueError(f"replace must be true or false, got {_show(replace)}")
+            raise ValueError(f"replace must be true or false, got {show(replace)}")
         return _Request("register", info.role, 0, float(wait_s), info=info, replace=replace)
     if op == "query":
-        role = _str_field(doc, "role")
-        if role not in _ROLES:
-            raise ValueError(f"role must be one of {_ROLES}, got {_show(role)}")
-        count = _int_field(doc, "count", 1, MAX_RANKS, None)
+        role = str_field(doc, "role")
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {show(role)}")
+        count = int_field(doc, "count", 1, MAX_RANKS, None)
         return _Request("query", role, count, float(wait_s))
     if op == "arrive":
-        barrier, party = _str_field(doc, "barrier"), _str_field(doc, "party")
+        barrier, party = str_field(doc, "barrier"), str_field(doc, "party")
         return _Request("arrive", barrier, 0, float(wait_s), party=party)
     if op == "count":
-        barrier = _str_field(doc, "barrier")
-        wait_for = _int_field(doc, "wait_for", 0, MAX_RANKS, 0)
+        barrier = str_field(doc, "barrier")
+        wait_for = int_field(doc, "wait_for", 0, MAX_RANKS, 0)
         return _Request("count", barrier, wait_for, float(wait_s))
-    raise ValueError(f"unknown op {_show(op)} (expected one of {', '.join(_OPS)})")
+    raise ValueError(f"unknown op {show(op)} (expected one of {', '.join(_OPS)})")
 
 
 @dataclass(slots=True)

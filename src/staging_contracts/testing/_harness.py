@@ -700,9 +700,10 @@ class _Run:
                 self.prefill.append(body)
         for prefill in self.prefill:  # the prefill workers stop first (bounded)
             stack.callback(prefill.close_side, _TEARDOWN_S)
-        everyone: list[DecodeBody | PrefillBody] = [*self.prefill, *self.decode]
-        infos = [body.info() for body in everyone]
-        self.targets = [_wire(body, infos) for body in everyone][: len(self.prefill)]
+        infos = [body.info() for body in (*self.prefill, *self.decode)]
+        self.targets = [_wire(body, infos) for body in self.prefill]
+        for decode in self.decode:
+            _wire(decode, infos)
         self.decode_transfers = [_decode_transfers(body, infos) for body in self.decode]
         self.rooms: list[_Room] = []
         self.elapsed_s = 0.0
@@ -936,11 +937,13 @@ def _rank_process(job: object, conn: Connection) -> None:
         link.close()
 
 
-def _meet(body: DecodeBody | PrefillBody, link: ParentLink, notifications: bool) -> list[RankInfo]:
-    """Send this rank's info (and whether its writer notifies); wire to every rank the
-    parent sends back (:func:`_wire`). The rank then routes its rooms' messages and tells
-    the parent (:func:`_wired`): no rank sends a room's message before every rank can route
-    it."""
+def _exchange(
+    body: DecodeBody | PrefillBody, link: ParentLink, notifications: bool
+) -> list[RankInfo]:
+    """Send this rank's info (and whether its writer notifies); every rank's, as the parent
+    sends them back. The rank then wires to them (:func:`_wire`), routes its rooms' messages
+    and tells the parent (:func:`_wired`): no rank sends a room's message before every rank
+    can route it."""
     link.send("ready", body.info(), notifications)
     (peers,) = link.expect("peers")
     return cast(list[RankInfo], peers)
@@ -972,7 +975,7 @@ def _decode_rank(job: _RankJob, body: DecodeBody, link: ParentLink) -> None:
     config = job.config
     tally = _ArrivalTally()
     tally.tap(body.handler)
-    infos = _meet(body, link, False)
+    infos = _exchange(body, link, False)
     _wire(body, infos)
     transfers = _decode_transfers(body, infos)
     _wired(link)
@@ -995,7 +998,7 @@ def _decode_rank(job: _RankJob, body: DecodeBody, link: ParentLink) -> None:
 
 
 def _prefill_rank(job: _RankJob, body: PrefillBody, link: ParentLink) -> None:
-    targets = _wire(body, _meet(body, link, body.writer.arrival == "notification"))
+    targets = _wire(body, _exchange(body, link, body.writer.arrival == "notification"))
     _wired(link)
     rooms = _make_rooms(job.config)
     _go(link)
