@@ -12,13 +12,13 @@ harness runs the real thing, in one process, over the backend's own engine and l
 It builds ``prefill_tp`` prefill and ``decode_tp`` decode managers with the backend (a class is
 called with the standard constructor ``Class(kv_args, role=..., attn_tp_size=...)``; any
 :class:`ManagerFactory` with that signature will do), enables staging on each
-(:func:`~staging_contracts.backends._staging_setup.enable_decode_staging`,
-:func:`~staging_contracts.backends._staging_setup.enable_prefill_staging`), wires them as a
+(:func:`~staging_contracts.backends.enable_decode_staging`,
+:func:`~staging_contracts.backends.enable_prefill_staging`), wires them as a
 bootstrap would (each prefill engine ``add_peer``-s each decode engine; every manager
 ``trust_peer``-s every other, a no-op without a cluster secret), starts their listeners and
 moves ``rooms`` multi-chunk requests through the per-request API
-(:class:`~staging_contracts.backends._kv_requests.KVReceiver` on decode,
-:class:`~staging_contracts.backends._kv_requests.KVSender` on prefill), all rooms at once. It
+(:class:`~staging_contracts.backends.KVReceiver` on decode,
+:class:`~staging_contracts.backends.KVSender` on prefill), all rooms at once. It
 then compares every decode KV page with the seeded data of the heads it must hold (the
 workload's), closes everything, and returns a
 :class:`TransferReport`: per room, whether it succeeded or why not, the writer arrivals decode
