@@ -36,16 +36,6 @@ from .preflight import check_device
 from .runner import ClusterResult, RankSet, run_cluster
 from .summary_json import demo_summary, write_summary
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "DemoPlacement",
-    "add_demo_arguments",
-    "config_from_args",
-    "format_summary",
-    "placement_from_args",
-    "run_demo",
-]
-
 _BAR_WIDTH = 30
 DEFAULT_TIMEOUT_S: Final = 300.0
 """How long a demo side runs before its ranks still running are told to stop."""

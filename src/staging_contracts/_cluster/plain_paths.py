@@ -41,22 +41,6 @@ from ..backends._kv_requests import KVPoll
 from ..engines import ENGINES
 from ..protocols import KVBufferTensors, Transfer, TransferEngine
 
-__all__ = [
-    "MOONCAKE_MAX_TRANSFERS_PER_WRITE",
-    "ArrivalBook",
-    "PlainDone",
-    "RoomWaiter",
-    "engine_name",
-    "per_token_batch",
-    "per_token_writes",
-    "pool_pointers",
-    "pool_regions",
-    "raw_offset",
-    "raw_request_bytes",
-    "raw_share",
-    "verify_raw",
-]
-
 logger = logging.getLogger(__name__)
 
 MOONCAKE_MAX_TRANSFERS_PER_WRITE: Final = 1024

@@ -38,20 +38,6 @@ from .._staging.layout import (
 from ..backends import BACKENDS, resolve_backend
 from .plain_paths import raw_request_bytes
 
-__all__ = [
-    "PROCESS_OVERHEAD_BYTES",
-    "MemoryNeed",
-    "available_device_memory",
-    "available_memory",
-    "backend_engine",
-    "check_backend",
-    "check_device",
-    "check_environment",
-    "ignored_variables",
-    "memory_need",
-    "preflight",
-]
-
 PROCESS_OVERHEAD_BYTES: Final = 300 << 20
 """Memory a rank process takes before its first tensor (Python, torch, ZMQ, an engine), about
 what one takes here."""

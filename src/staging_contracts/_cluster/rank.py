@@ -102,16 +102,6 @@ from .plain_paths import (
     verify_raw,
 )
 
-__all__ = [
-    "FirstRequestClock",
-    "RankStopped",
-    "TransferMemory",
-    "peak_rss_bytes",
-    "rank_main",
-    "reset_peak_rss",
-    "rss_status",
-]
-
 logger = logging.getLogger(__name__)
 
 ROOM_TIMEOUT_S = 120.0
