@@ -9,7 +9,7 @@ import multiprocessing
 import pytest
 import torch
 
-from staging_contracts._cluster.bootstrap import RankInfo
+from staging_contracts._cluster.bootstrap import MAX_POOL_POINTERS, RankInfo
 from staging_contracts._cluster.plain_paths import (
     MOONCAKE_MAX_TRANSFERS_PER_WRITE,
     ArrivalBook,
@@ -26,7 +26,6 @@ from staging_contracts._cluster.plain_paths import (
 )
 from staging_contracts._cluster.runner import run_cluster
 from staging_contracts._control.wire import MalformedMessage
-from staging_contracts._run._rank_info import MAX_POOL_POINTERS
 from staging_contracts._run.workload import (
     TransferConfig,
     fill_prefill_pool,

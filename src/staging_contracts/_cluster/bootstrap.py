@@ -50,13 +50,38 @@ from .._control.security import (
 )
 from .._control.transport import LOG_BURST, LOG_INTERVAL_S, LogThrottle, recv_frames
 from .._run._rank_info import (
+    MAX_NAME_CHARS,
+    MAX_POOL_POINTERS,
     MAX_RANKS,
     ROLES,
     RankInfo,
+    curve_key_text,
     int_field,
     show,
     str_field,
 )
+
+__all__ = [
+    "curve_key_text",
+    "MAX_ANSWER_BYTES",
+    "MAX_NAME_CHARS",
+    "MAX_POOL_POINTERS",
+    "MAX_RANKS",
+    "MAX_REQUEST_BYTES",
+    "MAX_WAITERS",
+    "MAX_WAITERS_PER_PEER",
+    "MAX_WAIT_S",
+    "RETRY_FIRST_S",
+    "RETRY_MAX_S",
+    "BootstrapBusy",
+    "BootstrapError",
+    "BootstrapServer",
+    "RankInfo",
+    "arrive",
+    "query_ranks",
+    "register_rank",
+    "wait_barrier",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ host's (``MemAvailable``) and, on CUDA, the free memory of the one GPU all ranks
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -160,19 +160,25 @@ def _raw_source_bytes(config: TransferConfig, prefill_rank: int) -> int:
     return config.requests * sum(_raw_share_bytes(config, prefill_rank, d) for d in fed)
 
 
-def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """``MemAvailable`` of this machine in bytes (``None`` where the kernel does not say)."""
+def proc_bytes(path: Path, names: Collection[str]) -> dict[str, int]:
+    """The fields of ``names`` in a ``/proc`` file of ``NAME: N kB`` lines, in bytes: those
+    it gives (none where it cannot be read)."""
     try:
-        text = meminfo.read_text()
+        text = path.read_text()
     except OSError:
-        return None
+        return {}
+    found: dict[str, int] = {}
     for line in text.splitlines():
         name, _, value = line.partition(":")
-        if name == "MemAvailable":
-            fields = value.split()
-            if fields and fields[0].isdigit():
-                return int(fields[0]) * 1024
-    return None
+        fields = value.split()
+        if name in names and fields and fields[0].isdigit():
+            found[name] = int(fields[0]) * 1024
+    return found
+
+
+def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """``MemAvailable`` of this machine in bytes (``None`` where the kernel does not say)."""
+    return proc_bytes(meminfo, ("MemAvailable",)).get("MemAvailable")
 
 
 def available_device_memory() -> int | None:
