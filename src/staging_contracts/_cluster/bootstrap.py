@@ -572,22 +572,42 @@ def _request(endpoint: str, doc: dict[str, Any], timeout: float) -> dict[str, An
     return answer
 
 
-def _retrying(
-    endpoint: str, doc: dict[str, Any], deadline: float, pause: list[float]
-) -> dict[str, Any] | None:
-    """``_request`` with the time left; ``None`` after a ``busy`` answer, once the client
-    paused (``pause[0]``, doubled each time up to :data:`RETRY_MAX_S`, never past
-    ``deadline``)."""
-    try:
-        return _request(endpoint, doc, _request_timeout(deadline))
-    except BootstrapBusy:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise
-        # A little jitter, so that ranks refused together do not all come back together.
-        time.sleep(min(left, pause[0] * random.uniform(0.5, 1.0)))
-        pause[0] = min(pause[0] * 2, RETRY_MAX_S)
-        return None
+def _wait_until(
+    endpoint: str,
+    doc: dict[str, Any],
+    timeout: float,
+    done: Callable[[dict[str, Any]], bool],
+    failure: str,
+) -> dict[str, Any]:
+    """Ask ``doc`` (with the ``wait_s`` left) until an answer is ``done``; a ``busy`` answer
+    is asked again after a pause (from :data:`RETRY_FIRST_S`, doubled each time up to
+    :data:`RETRY_MAX_S`, never past the deadline).
+
+    Raises:
+        BootstrapError: no answer was ``done`` within ``timeout`` (``failure``, then why;
+            :class:`BootstrapBusy` if the server was still busy then).
+    """
+    deadline = time.monotonic() + timeout
+    pause = RETRY_FIRST_S
+    while True:
+        left = max(deadline - time.monotonic(), 0.0)
+        try:
+            answer = _request(
+                endpoint, {**doc, "wait_s": min(left, MAX_WAIT_S)}, left + _MIN_ANSWER_S
+            )
+        except BootstrapBusy:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            # A little jitter, so that ranks refused together do not all come back together.
+            time.sleep(min(left, pause * random.uniform(0.5, 1.0)))
+            pause = min(pause * 2, RETRY_MAX_S)
+            continue
+        if done(answer):
+            return answer
+        if time.monotonic() >= deadline:
+            busy = " (the server was busy: no waiter slot)" if pause > RETRY_FIRST_S else ""
+            raise BootstrapError(f"{failure} within {timeout}s{busy}")
 
 
 def register_rank(
@@ -615,19 +635,14 @@ def query_ranks(endpoint: str, role: str, count: int, timeout: float = 60.0) -> 
         BootstrapError: they did not all register within ``timeout`` (:class:`BootstrapBusy`
             if the server was still busy then).
     """
-    deadline = time.monotonic() + timeout
-    pause = [RETRY_FIRST_S]
-    while True:
-        request = {"op": "query", "role": role, "count": count, "wait_s": _wait_s(deadline)}
-        answer = _retrying(endpoint, request, deadline, pause)
-        if answer is None:
-            continue
-        infos = answer.get("infos")
-        if isinstance(infos, list):
-            return [RankInfo.from_json(doc) for doc in infos]
-        if time.monotonic() >= deadline:
-            busy = " (the server was busy: no waiter slot)" if pause[0] > RETRY_FIRST_S else ""
-            raise BootstrapError(f"{count} {role} ranks did not register within {timeout}s{busy}")
+    answer = _wait_until(
+        endpoint,
+        {"op": "query", "role": role, "count": count},
+        timeout,
+        lambda answer: isinstance(answer.get("infos"), list),
+        f"{count} {role} ranks did not register",
+    )
+    return [RankInfo.from_json(doc) for doc in answer["infos"]]
 
 
 def arrive(endpoint: str, barrier: str, party: str, timeout: float = 10.0) -> None:
@@ -648,32 +663,10 @@ def wait_barrier(endpoint: str, barrier: str, count: int, timeout: float = 60.0)
         BootstrapError: they did not within ``timeout`` (:class:`BootstrapBusy` if the server
             was still busy then).
     """
-    deadline = time.monotonic() + timeout
-    pause = [RETRY_FIRST_S]
-    while True:
-        request = {
-            "op": "count",
-            "barrier": barrier,
-            "wait_for": count,
-            "wait_s": _wait_s(deadline),
-        }
-        answer = _retrying(endpoint, request, deadline, pause)
-        if answer is None:
-            continue
-        if int(answer.get("count", 0)) >= count:
-            return
-        if time.monotonic() >= deadline:
-            busy = " (the server was busy: no waiter slot)" if pause[0] > RETRY_FIRST_S else ""
-            raise BootstrapError(
-                f"barrier {barrier!r} did not reach {count} within {timeout}s{busy}"
-            )
-
-
-def _wait_s(deadline: float) -> float:
-    """How long the server may hold a request: the time left, within its bound."""
-    return min(max(deadline - time.monotonic(), 0.0), MAX_WAIT_S)
-
-
-def _request_timeout(deadline: float) -> float:
-    """Time left before ``deadline`` plus what a loopback server needs to answer."""
-    return max(deadline - time.monotonic(), 0.0) + _MIN_ANSWER_S
+    _wait_until(
+        endpoint,
+        {"op": "count", "barrier": barrier, "wait_for": count},
+        timeout,
+        lambda answer: int(answer.get("count", 0)) >= count,
+        f"barrier {barrier!r} did not reach {count}",
+    )
