@@ -33,6 +33,7 @@ import torch
 from .._control.wire import MalformedMessage
 from .._run.workload import RequestPlan, TransferConfig, head_data, rank_heads, token_rows
 from .._staging.layout import (
+    StagingLayout,
     compute_head_slice_params,
     compute_staging_layout,
     prefill_ranks_for_decode,
@@ -166,8 +167,8 @@ def raw_offset(config: TransferConfig, index: int, prefill_rank: int, decode_ran
     return index * layout.total_bytes + layout.writer_offsets[writers.index(prefill_rank)]
 
 
-def _whole_request_layout(config: TransferConfig, decode_rank: int) -> _Layout:
-    layout = compute_staging_layout(
+def _whole_request_layout(config: TransferConfig, decode_rank: int) -> StagingLayout:
+    return compute_staging_layout(
         config.prefill_tp,
         config.decode_tp,
         decode_rank,
@@ -176,13 +177,6 @@ def _whole_request_layout(config: TransferConfig, decode_rank: int) -> _Layout:
         config.head_dim * config.element_size,
         config.layers,
     )
-    return _Layout(layout.total_bytes, layout.writer_offsets)
-
-
-@dataclass(frozen=True, slots=True)
-class _Layout:
-    total_bytes: int
-    writer_offsets: tuple[int, ...]
 
 
 def raw_share(

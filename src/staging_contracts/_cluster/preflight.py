@@ -1,19 +1,12 @@
 """What a multi-process run needs, checked before any process starts.
 
 A run that the layout, the engines or the machine cannot serve would start every rank
-process and fail a minute later (a bootstrap timeout, or each rank failing to allocate its
-pool). :func:`preflight` refuses it at once, with one line that names the options and
-the rule: every ``STAGING_CONTRACTS_*`` variable of the settings table
-(:func:`check_environment`: a bad one would kill a rank process a while after the start),
-the TP pair and the head count (the same validation the ranks run), the backend
-spec (a name, ``MODULE:CLASS`` or ``MODULE:CLASS=MODULE:FACTORY``: it resolves, its class
-satisfies the contract, its engine's extra is installed, and its engine crosses processes:
-known by name for an in-tree backend, else from one probe manager built and closed here, see
-``BackendFactory.process_local_reason``), the device (``--device cuda`` with an engine
-that moves host memory only: the installed Mooncake wheel), and the memory every rank will
-take in the run's mode (pools, rings and staging buffers; the anchor modes' pools, raw sources
-and buffers, and the host temporaries that build them) against the memory available: the
-host's (``MemAvailable``) and, on CUDA, the free memory of the one GPU all ranks share.
+process and fail a minute later. :func:`preflight` refuses it at once, in one line that
+names the options and the rule: the ``STAGING_CONTRACTS_*`` variables
+(:func:`check_environment`), the TP pair and head count, the backend spec
+(:func:`check_backend`), the device (:func:`check_device`) and the memory every rank will
+take in the run's mode (:func:`memory_need`) against the host's ``MemAvailable`` and, on
+CUDA, the free memory of the one GPU all ranks share.
 """
 
 from __future__ import annotations
@@ -108,7 +101,11 @@ def memory_need(config: TransferConfig) -> MemoryNeed:
         buffer = max(
             config.requests * raw_request_bytes(config, rank) for rank in range(config.decode_tp)
         )
-        share = max(_raw_share_bytes(config, p, d) for p, d in _raw_pairs(config))
+        share = max(
+            _raw_share_bytes(config, p, d)
+            for p in range(config.prefill_tp)
+            for d in decode_ranks_for_prefill(config.prefill_tp, config.decode_tp, p)
+        )
         # the shares, and their concatenation, on the host; then the source where pools live
         prefill = (source, 2 * source) if config.device == "cuda" else (0, 2 * source)
         decode = (buffer + share, share) if config.device == "cuda" else (buffer + share, 0)
@@ -133,15 +130,6 @@ def memory_need(config: TransferConfig) -> MemoryNeed:
         device_decode,
         config.prefill_tp * device_prefill + config.decode_tp * device_decode,
     )
-
-
-def _raw_pairs(config: TransferConfig) -> list[tuple[int, int]]:
-    """Every ``(prefill rank, decode rank)`` that a prefill rank feeds."""
-    return [
-        (p, d)
-        for p in range(config.prefill_tp)
-        for d in decode_ranks_for_prefill(config.prefill_tp, config.decode_tp, p)
-    ]
 
 
 def _raw_share_bytes(config: TransferConfig, prefill_rank: int, decode_rank: int) -> int:
@@ -314,17 +302,13 @@ def check_backend(spec: str, option: str = "--backend") -> None:
     try:
         factory = resolve_backend(spec)
     except (ImportError, ValueError) as exc:
-        raise ValueError(f"{option} {spec}: {_one_line(str(exc))}") from None
+        raise ValueError(f"{option} {spec}: {' '.join(str(exc).split())}") from None
     if factory.process_local:
         raise ValueError(
             f"{option} {spec}: {factory.backend_class.__name__} moves bytes within one process "
             "only, and every rank runs in a process of its own; choose an engine that crosses "
             "processes (nixl, mooncake)"
         )
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
 
 
 def check_environment(
