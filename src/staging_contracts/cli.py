@@ -184,7 +184,11 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         add_metrics_port_argument(soak)
     soak.set_defaults(run=_run_soak)
 
-    groups = _bench_groups() if command == "bench" else ("...",)
+    groups: Sequence[str] = ("...",)
+    if command == "bench":
+        from ._bench import GROUPS  # noqa: PLC0415 - keeps `check` free of benchmark imports
+
+        groups = tuple(GROUPS)
     bench = commands.add_parser(
         "bench",
         help="run benchmarks against anchors measured in the same run",
@@ -232,12 +236,6 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     bench.set_defaults(run=_run_bench)
     return parser
-
-
-def _bench_groups() -> tuple[str, ...]:
-    from ._bench import GROUPS  # noqa: PLC0415 - keeps `check` free of benchmark imports
-
-    return tuple(GROUPS)
 
 
 def _add_log_format(parser: argparse.ArgumentParser, default: str | None) -> None:

@@ -86,10 +86,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES: Final = 1 << 20
-"""Largest request the server reads, 1 MiB: the ``ZMQ_MAXMSGSIZE`` of its socket. The largest
-legitimate request is a registration, whose engine metadata (base64) is a few KiB (Mooncake)
-to some tens of KiB (NIXL); the rest is wide margin. ZMQ drops a larger frame while reading
-its header and disconnects its sender, whose request then times out."""
+"""Largest request the server reads (the ``ZMQ_MAXMSGSIZE`` of its socket), with wide margin
+over a registration's engine metadata. ZMQ drops a larger frame while reading its header and
+disconnects its sender, whose request then times out."""
 MAX_ANSWER_BYTES: Final = 64 << 20
 """Largest answer, 64 MiB: the ``ZMQ_MAXMSGSIZE`` of the client sockets. A query's answer
 holds every rank info it asks for; the server answers an error instead of a larger one."""
@@ -99,9 +98,8 @@ MAX_WAITERS: Final = 1024
 """Most requests the server holds at once (a cluster holds at most one per rank). Past it, a
 request that would wait gets a ``busy`` answer at once, and the client retries."""
 MAX_WAITERS_PER_PEER: Final = 256
-"""Most requests held at once for one peer address (ZMQ's ``Peer-Address``, the sender's IP):
-a quarter of :data:`MAX_WAITERS`, so that one host (one local process, without a secret)
-cannot hold every slot; ranks of one host hold one each."""
+"""Most requests held at once for one peer address (ZMQ's ``Peer-Address``, the sender's
+IP), so that one host cannot hold every slot."""
 RETRY_FIRST_S: Final = 0.05
 """First pause of a client before it asks again after a ``busy`` answer."""
 RETRY_MAX_S: Final = 2.0
@@ -252,9 +250,7 @@ class BootstrapServer:
                 "must be >= 1"
             )
         self.max_waiters = max_waiters
-        """Most requests held at once."""
         self.max_waiters_per_peer = max_waiters_per_peer
-        """Most requests held at once for one peer address."""
         self._per_peer: dict[str, int] = {}
         """Peer address -> requests of it held now."""
         cluster_secret = resolve_secret(secret)
@@ -429,7 +425,7 @@ class BootstrapServer:
         return None
 
     def _release(self, waiter: _Waiter) -> None:
-        """A held request is answered: its slot returns to its peer."""
+        """A held request was answered: its slot returns to its peer."""
         left = self._per_peer.get(waiter.peer, 1) - 1
         if left > 0:
             self._per_peer[waiter.peer] = left
@@ -470,7 +466,7 @@ class BootstrapServer:
             self._changed = True
 
     def _satisfied(self, request: _Request) -> bool:
-        """Whether ``request`` need not wait: one length comparison."""
+        """Whether ``request`` need not wait."""
         if request.op == "query":
             return len(self._ranks.get(request.key, ())) >= request.want
         if request.op == "count":
