@@ -354,9 +354,7 @@ def _load_class(target: str) -> type | int:
     return obj
 
 
-def _check_one(
-    target: str, forced: Contract | None = None, record: CheckRecord | None = None
-) -> int:
+def _check_one(target: str, forced: Contract | None, record: CheckRecord) -> int:
     obj = _load_class(target)
     if isinstance(obj, int):
         return obj
@@ -378,15 +376,13 @@ def _check_one(
         if error is not None:
             print(error)
             status = EXIT_NONCONFORMING
-        if record is not None:
-            name = class_label(contract.protocol)
-            problem = None if error is None else str(error)
-            record.contracts.append({"protocol": name, "conforms": error is None, "error": problem})
+        name = class_label(contract.protocol)
+        problem = None if error is None else str(error)
+        record.contracts.append({"protocol": name, "conforms": error is None, "error": problem})
     for note in (_hook_note(obj, target), _witness_note(obj, contracts)):
         if note is not None:
             print(note)
-            if record is not None:
-                record.notes.append(note)
+            record.notes.append(note)
     return status
 
 

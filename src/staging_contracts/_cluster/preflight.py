@@ -266,7 +266,7 @@ def backend_engine(spec: str) -> str | None:
     return None
 
 
-def check_device(spec: str, device: str, option: str = "--backend") -> None:
+def check_device(spec: str, device: str) -> None:
     """Refuse a backend whose engine cannot move memory of ``device``, in one line: on
     ``"cuda"``, a Mooncake build without CUDA (the wheel the ``mooncake`` extra installs here;
     see :func:`~staging_contracts.engines.mooncake.host_memory_only`). A spec whose engine
@@ -276,7 +276,7 @@ def check_device(spec: str, device: str, option: str = "--backend") -> None:
     **Thread:** any; imports the spec's modules.
 
     Raises:
-        ValueError: ``OPTION SPEC --device cuda: why``, on one line.
+        ValueError: ``--backend SPEC --device cuda: why``, on one line.
     """
     if device != "cuda" or backend_engine(spec) != "mooncake":
         return
@@ -287,25 +287,25 @@ def check_device(spec: str, device: str, option: str = "--backend") -> None:
     reason = host_memory_only()
     if reason is not None:
         raise ValueError(
-            f"{option} {spec} --device cuda: {reason}; use --device cpu, or --backend nixl"
+            f"--backend {spec} --device cuda: {reason}; use --device cpu, or --backend nixl"
         )
 
 
-def check_backend(spec: str, option: str = "--backend") -> None:
+def check_backend(spec: str) -> None:
     """Refuse a backend spec the rank processes cannot build, in one line.
 
     **Thread:** any; imports the spec's modules.
 
     Raises:
-        ValueError: ``OPTION SPEC: why``, on one line (see :func:`preflight`).
+        ValueError: ``--backend SPEC: why``, on one line (see :func:`preflight`).
     """
     try:
         factory = resolve_backend(spec)
     except (ImportError, ValueError) as exc:
-        raise ValueError(f"{option} {spec}: {' '.join(str(exc).split())}") from None
+        raise ValueError(f"--backend {spec}: {' '.join(str(exc).split())}") from None
     if factory.process_local:
         raise ValueError(
-            f"{option} {spec}: {factory.backend_class.__name__} moves bytes within one process "
+            f"--backend {spec}: {factory.backend_class.__name__} moves bytes within one process "
             "only, and every rank runs in a process of its own; choose an engine that crosses "
             "processes (nixl, mooncake)"
         )

@@ -412,22 +412,22 @@ class _Watch:
         except MalformedMessage as exc:
             logger.warning("malformed message from a rank dropped: %s", exc)
             return
-        key, event = (got.role, got.rank), got.message
-        if key not in self.rooms:
-            logger.warning("message from unknown rank %s dropped", key)
+        event = got.message
+        if (got.role, got.rank) not in self.rooms:
+            logger.warning("message from unknown rank %s dropped", (got.role, got.rank))
             return
-        role_rank = (str(got.role), int(got.rank or 0))
+        key = (str(got.role), int(got.rank or 0))
         if isinstance(event, RankSummary):
-            self.reports[role_rank] = event
-            if not event.ok and not (event.stopped and role_rank in self.stopped):
-                self._died(role_rank, str(event.error))
+            self.reports[key] = event
+            if not event.ok and not (event.stopped and key in self.stopped):
+                self._died(key, str(event.error))
             return
         if isinstance(event, Metrics):
             if self.metrics is not None:
                 self.metrics.update(event.snapshot)
             return
         if isinstance(event, RequestDone):
-            self.rooms[role_rank][event.index] = event.ok
+            self.rooms[key][event.index] = event.ok
         if self.progress is not None and isinstance(event, Ready | RequestDone):
             try:
                 self.progress(got)
