@@ -47,8 +47,7 @@ logger = logging.getLogger(__name__)
 MOONCAKE_MAX_TRANSFERS_PER_WRITE: Final = 1024
 """Largest Mooncake ``write`` of the per-token path: its TCP transport rejects a batch of
 more than about 2048 transfers to one peer ("TCP lane queue-full"; not raised by
-``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` or ``MC_TCP_LANES_PER_PEER``). Calls of 512 to
-2048 transfers cost about the same per transfer; smaller ones cost more."""
+``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` or ``MC_TCP_LANES_PER_PEER``)."""
 
 
 def engine_name(engine: TransferEngine) -> str | None:
@@ -62,11 +61,9 @@ def per_token_batch(engine: str | None, tokens: int) -> int:
     """Transfers per ``write`` call of the per-token path (0: all of a pass in one call).
 
     As SGLang's non-staging heterogeneous-TP paths submit them: Mooncake one call per
-    layer's K or V buffer (``tokens`` transfers), split at
-    :data:`MOONCAKE_MAX_TRANSFERS_PER_WRITE`, as SGLang calls ``batch_transfer_sync`` once
-    per layer buffer; NIXL every transfer of a pass (one request to one decode rank) in one
-    call, as SGLang's NIXL path posts one transfer for all layers, which is also NIXL's
-    fastest batching. Any other engine (``None`` included): one call per layer buffer.
+    layer's K or V buffer, split at :data:`MOONCAKE_MAX_TRANSFERS_PER_WRITE`; NIXL every
+    transfer of a pass (one request to one decode rank) in one call. Any other engine
+    (``None`` included): one call per layer buffer.
     """
     if engine == "nixl":
         return 0
