@@ -73,8 +73,6 @@ class RankExit:
     (it had reported a failure and had not exited yet)."""
     error: str | None
     """The failure the rank reported (``None``: it ended without a final report)."""
-    after_s: float
-    """Seconds from the start of the ranks until the driver saw the death."""
     last_words: str | None = None
     """Without a report: how the process ended in its own words (the traceback its entry
     point raised, bounded, or why it has none: :meth:`~staging_contracts._run.Supervisor.explain`).
@@ -360,12 +358,11 @@ class _Watch:
         self.stopped: list[RankKey] = []
         self.killed: list[RankKey] = []
         self.timed_out = False
-        self.started = time.monotonic()
         self.stop_deadline: float | None = None
 
     def follow(self, inbox: zmq.Socket[bytes], timeout_s: float) -> None:
         """Collect messages until every rank ended and is accounted for (bounded)."""
-        deadline = self.started + timeout_s
+        deadline = time.monotonic() + timeout_s
         while not self._settled():
             if inbox.poll(_POLL_MS):
                 while inbox.poll(0):  # everything that arrived, then look at the processes
@@ -450,8 +447,7 @@ class _Watch:
         words = None
         if error is None and not process.is_alive():
             words = self.processes.explain(process)
-        after_s = time.monotonic() - self.started
-        death = RankExit(key[0], key[1], process.exitcode, error, after_s, words)
+        death = RankExit(key[0], key[1], process.exitcode, error, words)
         if self.first_death is None:
             self.first_death = death
             logger.warning("%s %d died first: %s", key[0], key[1], death.reason)
