@@ -106,11 +106,11 @@ def test_a_rank_killed_after_the_transfer_leaves_the_survivors_report_whole() ->
 
 def test_rank_exit_says_why_a_rank_died() -> None:
     """A death reads as its signal, its exit code, or the failure the rank reported."""
-    assert RankExit("decode", 1, -9, None, 2.0).reason == "killed by SIGKILL without a report"
-    assert RankExit("decode", 1, -15, None, 2.0).signal == "SIGTERM"
-    assert RankExit("prefill", 0, 3, None, 2.0).reason == "exited with code 3 without a report"
-    assert RankExit("prefill", 0, 3, None, 2.0).signal is None
-    failed = RankExit("prefill", 0, 0, "TimeoutError: rooms", 2.0)
+    assert RankExit("decode", 1, -9, None).reason == "killed by SIGKILL without a report"
+    assert RankExit("decode", 1, -15, None).signal == "SIGTERM"
+    assert RankExit("prefill", 0, 3, None).reason == "exited with code 3 without a report"
+    assert RankExit("prefill", 0, 3, None).signal is None
+    failed = RankExit("prefill", 0, 0, "TimeoutError: rooms")
     assert failed.reason == "reported a failure: TimeoutError: rooms"
     report = RankReport("decode", 0, False, RankSummary(stopped=True), -6)
     assert report.stopped

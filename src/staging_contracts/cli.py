@@ -184,7 +184,11 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         add_metrics_port_argument(soak)
     soak.set_defaults(run=_run_soak)
 
-    groups = _bench_groups() if command == "bench" else ("...",)
+    groups: Sequence[str] = ("...",)
+    if command == "bench":
+        from ._bench import GROUPS  # noqa: PLC0415 - keeps `check` free of benchmark imports
+
+        groups = tuple(GROUPS)
     bench = commands.add_parser(
         "bench",
         help="run benchmarks against anchors measured in the same run",
@@ -232,12 +236,6 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     bench.set_defaults(run=_run_bench)
     return parser
-
-
-def _bench_groups() -> tuple[str, ...]:
-    from ._bench import GROUPS  # noqa: PLC0415 - keeps `check` free of benchmark imports
-
-    return tuple(GROUPS)
 
 
 def _add_log_format(parser: argparse.ArgumentParser, default: str | None) -> None:
@@ -356,9 +354,7 @@ def _load_class(target: str) -> type | int:
     return obj
 
 
-def _check_one(
-    target: str, forced: Contract | None = None, record: CheckRecord | None = None
-) -> int:
+def _check_one(target: str, forced: Contract | None, record: CheckRecord) -> int:
     obj = _load_class(target)
     if isinstance(obj, int):
         return obj
@@ -380,15 +376,13 @@ def _check_one(
         if error is not None:
             print(error)
             status = EXIT_NONCONFORMING
-        if record is not None:
-            name = class_label(contract.protocol)
-            problem = None if error is None else str(error)
-            record.contracts.append({"protocol": name, "conforms": error is None, "error": problem})
+        name = class_label(contract.protocol)
+        problem = None if error is None else str(error)
+        record.contracts.append({"protocol": name, "conforms": error is None, "error": problem})
     for note in (_hook_note(obj, target), _witness_note(obj, contracts)):
         if note is not None:
             print(note)
-            if record is not None:
-                record.notes.append(note)
+            record.notes.append(note)
     return status
 
 

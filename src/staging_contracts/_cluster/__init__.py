@@ -1,9 +1,9 @@
 """The multi-process runner: a staged transfer across real processes, and the demo.
 
 :mod:`.runner` (:func:`~.runner.run_cluster`: spawn the ranks, follow them, gather reports),
-:mod:`.rank` (one prefill or decode rank as an OS process), :mod:`.bootstrap` (where ranks
-meet: a small ZMQ rendezvous server and its client calls), :mod:`.workload` (seeded requests
-and KV data every rank derives alike) and :mod:`.demo` (``staging-contracts demo``).
+:mod:`.rank` (one prefill or decode rank as an OS process), :mod:`.plain_paths` (the anchor
+paths the ranks also run), :mod:`.bootstrap` (where ranks meet), :mod:`.preflight` (a run
+refused before any process starts) and :mod:`.demo` (``staging-contracts demo``).
 
 The soak (``staging-contracts soak``): :mod:`.soak` (:func:`~.soak.run_soak`: rank processes
 kept busy with rooms while faults are injected), :mod:`.soak_rank` (a long-running rank that

@@ -258,9 +258,8 @@ def encode(
     """One message as the bytes of one ZMQ frame; with ``role`` and ``rank``, an event of
     process ``pid`` (this one's unless given)."""
     pid = (pid or os.getpid()) if role is not None else None
-    doc: dict[str, object] = {"kind": type(message).__name__, "role": role, "rank": rank}
-    doc["pid"] = pid
-    doc["body"] = _plain(message)
+    kind = type(message).__name__
+    doc = {"kind": kind, "role": role, "rank": rank, "pid": pid, "body": _plain(message)}
     return json.dumps(doc).encode()
 
 

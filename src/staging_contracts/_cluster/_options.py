@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable
 
-__all__ = ["add_backend_argument", "add_typed_options"]
-
 
 def add_backend_argument(parser: argparse.ArgumentParser, default: str) -> None:
     """``--backend SPEC``: which backend the run's ranks use."""

@@ -86,10 +86,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES: Final = 1 << 20
-"""Largest request the server reads, 1 MiB: the ``ZMQ_MAXMSGSIZE`` of its socket. The largest
-legitimate request is a registration, whose engine metadata (base64) is a few KiB (Mooncake)
-to some tens of KiB (NIXL); the rest is wide margin. ZMQ drops a larger frame while reading
-its header and disconnects its sender, whose request then times out."""
+"""Largest request the server reads (the ``ZMQ_MAXMSGSIZE`` of its socket), with wide margin
+over a registration's engine metadata. ZMQ drops a larger frame while reading its header and
+disconnects its sender, whose request then times out."""
 MAX_ANSWER_BYTES: Final = 64 << 20
 """Largest answer, 64 MiB: the ``ZMQ_MAXMSGSIZE`` of the client sockets. A query's answer
 holds every rank info it asks for; the server answers an error instead of a larger one."""
@@ -99,9 +98,8 @@ MAX_WAITERS: Final = 1024
 """Most requests the server holds at once (a cluster holds at most one per rank). Past it, a
 request that would wait gets a ``busy`` answer at once, and the client retries."""
 MAX_WAITERS_PER_PEER: Final = 256
-"""Most requests held at once for one peer address (ZMQ's ``Peer-Address``, the sender's IP):
-a quarter of :data:`MAX_WAITERS`, so that one host (one local process, without a secret)
-cannot hold every slot; ranks of one host hold one each."""
+"""Most requests held at once for one peer address (ZMQ's ``Peer-Address``, the sender's
+IP), so that one host cannot hold every slot."""
 RETRY_FIRST_S: Final = 0.05
 """First pause of a client before it asks again after a ``busy`` answer."""
 RETRY_MAX_S: Final = 2.0
@@ -252,9 +250,7 @@ class BootstrapServer:
                 "must be >= 1"
             )
         self.max_waiters = max_waiters
-        """Most requests held at once."""
         self.max_waiters_per_peer = max_waiters_per_peer
-        """Most requests held at once for one peer address."""
         self._per_peer: dict[str, int] = {}
         """Peer address -> requests of it held now."""
         cluster_secret = resolve_secret(secret)
@@ -429,7 +425,7 @@ class BootstrapServer:
         return None
 
     def _release(self, waiter: _Waiter) -> None:
-        """A held request is answered: its slot returns to its peer."""
+        """A held request was answered: its slot returns to its peer."""
         left = self._per_peer.get(waiter.peer, 1) - 1
         if left > 0:
             self._per_peer[waiter.peer] = left
@@ -470,7 +466,7 @@ class BootstrapServer:
             self._changed = True
 
     def _satisfied(self, request: _Request) -> bool:
-        """Whether ``request`` need not wait: one length comparison."""
+        """Whether ``request`` need not wait."""
         if request.op == "query":
             return len(self._ranks.get(request.key, ())) >= request.want
         if request.op == "count":
@@ -572,22 +568,42 @@ def _request(endpoint: str, doc: dict[str, Any], timeout: float) -> dict[str, An
     return answer
 
 
-def _retrying(
-    endpoint: str, doc: dict[str, Any], deadline: float, pause: list[float]
-) -> dict[str, Any] | None:
-    """``_request`` with the time left; ``None`` after a ``busy`` answer, once the client
-    paused (``pause[0]``, doubled each time up to :data:`RETRY_MAX_S`, never past
-    ``deadline``)."""
-    try:
-        return _request(endpoint, doc, _request_timeout(deadline))
-    except BootstrapBusy:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise
-        # A little jitter, so that ranks refused together do not all come back together.
-        time.sleep(min(left, pause[0] * random.uniform(0.5, 1.0)))
-        pause[0] = min(pause[0] * 2, RETRY_MAX_S)
-        return None
+def _wait_until(
+    endpoint: str,
+    doc: dict[str, Any],
+    timeout: float,
+    done: Callable[[dict[str, Any]], bool],
+    failure: str,
+) -> dict[str, Any]:
+    """Ask ``doc`` (with the ``wait_s`` left) until an answer is ``done``; a ``busy`` answer
+    is asked again after a pause (from :data:`RETRY_FIRST_S`, doubled each time up to
+    :data:`RETRY_MAX_S`, never past the deadline).
+
+    Raises:
+        BootstrapError: no answer was ``done`` within ``timeout`` (``failure``, then why;
+            :class:`BootstrapBusy` if the server was still busy then).
+    """
+    deadline = time.monotonic() + timeout
+    pause = RETRY_FIRST_S
+    while True:
+        left = max(deadline - time.monotonic(), 0.0)
+        try:
+            answer = _request(
+                endpoint, {**doc, "wait_s": min(left, MAX_WAIT_S)}, left + _MIN_ANSWER_S
+            )
+        except BootstrapBusy:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            # A little jitter, so that ranks refused together do not all come back together.
+            time.sleep(min(left, pause * random.uniform(0.5, 1.0)))
+            pause = min(pause * 2, RETRY_MAX_S)
+            continue
+        if done(answer):
+            return answer
+        if time.monotonic() >= deadline:
+            busy = " (the server was busy: no waiter slot)" if pause > RETRY_FIRST_S else ""
+            raise BootstrapError(f"{failure} within {timeout}s{busy}")
 
 
 def register_rank(
@@ -615,19 +631,14 @@ def query_ranks(endpoint: str, role: str, count: int, timeout: float = 60.0) -> 
         BootstrapError: they did not all register within ``timeout`` (:class:`BootstrapBusy`
             if the server was still busy then).
     """
-    deadline = time.monotonic() + timeout
-    pause = [RETRY_FIRST_S]
-    while True:
-        request = {"op": "query", "role": role, "count": count, "wait_s": _wait_s(deadline)}
-        answer = _retrying(endpoint, request, deadline, pause)
-        if answer is None:
-            continue
-        infos = answer.get("infos")
-        if isinstance(infos, list):
-            return [RankInfo.from_json(doc) for doc in infos]
-        if time.monotonic() >= deadline:
-            busy = " (the server was busy: no waiter slot)" if pause[0] > RETRY_FIRST_S else ""
-            raise BootstrapError(f"{count} {role} ranks did not register within {timeout}s{busy}")
+    answer = _wait_until(
+        endpoint,
+        {"op": "query", "role": role, "count": count},
+        timeout,
+        lambda answer: isinstance(answer.get("infos"), list),
+        f"{count} {role} ranks did not register",
+    )
+    return [RankInfo.from_json(doc) for doc in answer["infos"]]
 
 
 def arrive(endpoint: str, barrier: str, party: str, timeout: float = 10.0) -> None:
@@ -648,32 +659,10 @@ def wait_barrier(endpoint: str, barrier: str, count: int, timeout: float = 60.0)
         BootstrapError: they did not within ``timeout`` (:class:`BootstrapBusy` if the server
             was still busy then).
     """
-    deadline = time.monotonic() + timeout
-    pause = [RETRY_FIRST_S]
-    while True:
-        request = {
-            "op": "count",
-            "barrier": barrier,
-            "wait_for": count,
-            "wait_s": _wait_s(deadline),
-        }
-        answer = _retrying(endpoint, request, deadline, pause)
-        if answer is None:
-            continue
-        if int(answer.get("count", 0)) >= count:
-            return
-        if time.monotonic() >= deadline:
-            busy = " (the server was busy: no waiter slot)" if pause[0] > RETRY_FIRST_S else ""
-            raise BootstrapError(
-                f"barrier {barrier!r} did not reach {count} within {timeout}s{busy}"
-            )
-
-
-def _wait_s(deadline: float) -> float:
-    """How long the server may hold a request: the time left, within its bound."""
-    return min(max(deadline - time.monotonic(), 0.0), MAX_WAIT_S)
-
-
-def _request_timeout(deadline: float) -> float:
-    """Time left before ``deadline`` plus what a loopback server needs to answer."""
-    return max(deadline - time.monotonic(), 0.0) + _MIN_ANSWER_S
+    _wait_until(
+        endpoint,
+        {"op": "count", "barrier": barrier, "wait_for": count},
+        timeout,
+        lambda answer: int(answer.get("count", 0)) >= count,
+        f"barrier {barrier!r} did not reach {count}",
+    )

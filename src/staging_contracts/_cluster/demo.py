@@ -28,23 +28,13 @@ import torch
 from .._control.security import SecurityError, check_insecure_bind, load_cluster_secret
 from .._run import exit_status, stop_on_signals
 from .._run.workload import DTYPES, TransferConfig
-from ._messages import RankMemory, Ready, Received, RequestDone
+from ._messages import RankMemory, Received, RequestDone
 from ._options import add_backend_argument, add_typed_options
 from .bootstrap import BootstrapServer
 from .metrics_relay import serving
 from .preflight import check_device
 from .runner import ClusterResult, RankSet, run_cluster
 from .summary_json import demo_summary, write_summary
-
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "DemoPlacement",
-    "add_demo_arguments",
-    "config_from_args",
-    "format_summary",
-    "placement_from_args",
-    "run_demo",
-]
 
 _BAR_WIDTH = 30
 DEFAULT_TIMEOUT_S: Final = 300.0
@@ -193,15 +183,11 @@ class _ProgressBar:
         self._total = total
         self._done = 0
         self._failed = 0
-        self._ready = 0
         self._out = out
         self._tty = out.isatty()
 
     def __call__(self, got: Received) -> None:
         event = got.message
-        if isinstance(event, Ready):
-            self._ready += 1
-            return
         if not isinstance(event, RequestDone) or got.role != self._role:
             return
         self._done += 1
@@ -219,18 +205,9 @@ class _ProgressBar:
 
 
 def format_summary(result: ClusterResult) -> str:
-    """The summary table of a run.
-
-    Besides the run's figures it gives what each rank's process held as the transfer phase
-    ended (``ClusterResult.transfer_memory``, sampled at the ``done`` barrier, before
-    verification): its peak RSS since the timed requests began (or since the process
-    started, where the peak could not be reset: the line says so), its RSS then and, on
-    CUDA, the allocator's peak on the device; and each decode rank's ring **reserved peak**
-    against its ring size (``ClusterResult.ring_peaks``): regions assigned and not yet freed
-    at once, which may exceed the ring because the allocator overcommits (regions of the
-    next round are handed out over ones in use, and their writers wait for the watermark).
-    A rank that reported none of these (it died) shows ``?``.
-    """
+    """The summary table of a run: its figures, what each rank held as the transfer ended
+    (:func:`_memory_rows`) and each decode ring's reserved peak (:func:`_ring_peaks`); a
+    rank that reported none of these (it died) shows ``?``."""
     config = result.config
     problems, errors = result.problems(), result.errors()
     prefill_here = result.side != "decode"
@@ -294,9 +271,8 @@ def format_summary(result: ClusterResult) -> str:
 
 
 def _ring_peaks(result: ClusterResult) -> str:
-    """Each decode rank's reserved peak against its ring size; above the ring, the factor
-    and why that is no overflow (regions of the next round, reserved ahead, wait for the
-    watermark before they are written)."""
+    """Each decode rank's reserved peak against its ring size (``ClusterResult.ring_peaks``);
+    above the ring, the factor and why that is no overflow."""
     peaks = result.ring_peaks()
     parts = []
     over = False

@@ -33,6 +33,7 @@ import torch
 from .._control.wire import MalformedMessage
 from .._run.workload import RequestPlan, TransferConfig, head_data, rank_heads, token_rows
 from .._staging.layout import (
+    StagingLayout,
     compute_head_slice_params,
     compute_staging_layout,
     prefill_ranks_for_decode,
@@ -41,29 +42,12 @@ from ..backends._kv_requests import KVPoll
 from ..engines import ENGINES
 from ..protocols import KVBufferTensors, Transfer, TransferEngine
 
-__all__ = [
-    "MOONCAKE_MAX_TRANSFERS_PER_WRITE",
-    "ArrivalBook",
-    "PlainDone",
-    "RoomWaiter",
-    "engine_name",
-    "per_token_batch",
-    "per_token_writes",
-    "pool_pointers",
-    "pool_regions",
-    "raw_offset",
-    "raw_request_bytes",
-    "raw_share",
-    "verify_raw",
-]
-
 logger = logging.getLogger(__name__)
 
 MOONCAKE_MAX_TRANSFERS_PER_WRITE: Final = 1024
 """Largest Mooncake ``write`` of the per-token path: its TCP transport rejects a batch of
 more than about 2048 transfers to one peer ("TCP lane queue-full"; not raised by
-``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` or ``MC_TCP_LANES_PER_PEER``). Calls of 512 to
-2048 transfers cost about the same per transfer; smaller ones cost more."""
+``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` or ``MC_TCP_LANES_PER_PEER``)."""
 
 
 def engine_name(engine: TransferEngine) -> str | None:
@@ -77,11 +61,9 @@ def per_token_batch(engine: str | None, tokens: int) -> int:
     """Transfers per ``write`` call of the per-token path (0: all of a pass in one call).
 
     As SGLang's non-staging heterogeneous-TP paths submit them: Mooncake one call per
-    layer's K or V buffer (``tokens`` transfers), split at
-    :data:`MOONCAKE_MAX_TRANSFERS_PER_WRITE`, as SGLang calls ``batch_transfer_sync`` once
-    per layer buffer; NIXL every transfer of a pass (one request to one decode rank) in one
-    call, as SGLang's NIXL path posts one transfer for all layers, which is also NIXL's
-    fastest batching. Any other engine (``None`` included): one call per layer buffer.
+    layer's K or V buffer, split at :data:`MOONCAKE_MAX_TRANSFERS_PER_WRITE`; NIXL every
+    transfer of a pass (one request to one decode rank) in one call. Any other engine
+    (``None`` included): one call per layer buffer.
     """
     if engine == "nixl":
         return 0
@@ -182,8 +164,8 @@ def raw_offset(config: TransferConfig, index: int, prefill_rank: int, decode_ran
     return index * layout.total_bytes + layout.writer_offsets[writers.index(prefill_rank)]
 
 
-def _whole_request_layout(config: TransferConfig, decode_rank: int) -> _Layout:
-    layout = compute_staging_layout(
+def _whole_request_layout(config: TransferConfig, decode_rank: int) -> StagingLayout:
+    return compute_staging_layout(
         config.prefill_tp,
         config.decode_tp,
         decode_rank,
@@ -192,13 +174,6 @@ def _whole_request_layout(config: TransferConfig, decode_rank: int) -> _Layout:
         config.head_dim * config.element_size,
         config.layers,
     )
-    return _Layout(layout.total_bytes, layout.writer_offsets)
-
-
-@dataclass(frozen=True, slots=True)
-class _Layout:
-    total_bytes: int
-    writer_offsets: tuple[int, ...]
 
 
 def raw_share(

@@ -1,25 +1,18 @@
 """What a multi-process run needs, checked before any process starts.
 
 A run that the layout, the engines or the machine cannot serve would start every rank
-process and fail a minute later (a bootstrap timeout, or each rank failing to allocate its
-pool). :func:`preflight` refuses it at once, with one line that names the options and
-the rule: every ``STAGING_CONTRACTS_*`` variable of the settings table
-(:func:`check_environment`: a bad one would kill a rank process a while after the start),
-the TP pair and the head count (the same validation the ranks run), the backend
-spec (a name, ``MODULE:CLASS`` or ``MODULE:CLASS=MODULE:FACTORY``: it resolves, its class
-satisfies the contract, its engine's extra is installed, and its engine crosses processes:
-known by name for an in-tree backend, else from one probe manager built and closed here, see
-``BackendFactory.process_local_reason``), the device (``--device cuda`` with an engine
-that moves host memory only: the installed Mooncake wheel), and the memory every rank will
-take in the run's mode (pools, rings and staging buffers; the anchor modes' pools, raw sources
-and buffers, and the host temporaries that build them) against the memory available: the
-host's (``MemAvailable``) and, on CUDA, the free memory of the one GPU all ranks share.
+process and fail a minute later. :func:`preflight` refuses it at once, in one line that
+names the options and the rule: the ``STAGING_CONTRACTS_*`` variables
+(:func:`check_environment`), the TP pair and head count, the backend spec
+(:func:`check_backend`), the device (:func:`check_device`) and the memory every rank will
+take in the run's mode (:func:`memory_need`) against the host's ``MemAvailable`` and, on
+CUDA, the free memory of the one GPU all ranks share.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -37,20 +30,6 @@ from .._staging.layout import (
 )
 from ..backends import BACKENDS, resolve_backend
 from .plain_paths import raw_request_bytes
-
-__all__ = [
-    "PROCESS_OVERHEAD_BYTES",
-    "MemoryNeed",
-    "available_device_memory",
-    "available_memory",
-    "backend_engine",
-    "check_backend",
-    "check_device",
-    "check_environment",
-    "ignored_variables",
-    "memory_need",
-    "preflight",
-]
 
 PROCESS_OVERHEAD_BYTES: Final = 300 << 20
 """Memory a rank process takes before its first tensor (Python, torch, ZMQ, an engine), about
@@ -122,7 +101,11 @@ def memory_need(config: TransferConfig) -> MemoryNeed:
         buffer = max(
             config.requests * raw_request_bytes(config, rank) for rank in range(config.decode_tp)
         )
-        share = max(_raw_share_bytes(config, p, d) for p, d in _raw_pairs(config))
+        share = max(
+            _raw_share_bytes(config, p, d)
+            for p in range(config.prefill_tp)
+            for d in decode_ranks_for_prefill(config.prefill_tp, config.decode_tp, p)
+        )
         # the shares, and their concatenation, on the host; then the source where pools live
         prefill = (source, 2 * source) if config.device == "cuda" else (0, 2 * source)
         decode = (buffer + share, share) if config.device == "cuda" else (buffer + share, 0)
@@ -149,15 +132,6 @@ def memory_need(config: TransferConfig) -> MemoryNeed:
     )
 
 
-def _raw_pairs(config: TransferConfig) -> list[tuple[int, int]]:
-    """Every ``(prefill rank, decode rank)`` that a prefill rank feeds."""
-    return [
-        (p, d)
-        for p in range(config.prefill_tp)
-        for d in decode_ranks_for_prefill(config.prefill_tp, config.decode_tp, p)
-    ]
-
-
 def _raw_share_bytes(config: TransferConfig, prefill_rank: int, decode_rank: int) -> int:
     """Bytes of one request's share a prefill rank sends a decode rank (``raw_share``)."""
     head = compute_head_slice_params(
@@ -174,19 +148,25 @@ def _raw_source_bytes(config: TransferConfig, prefill_rank: int) -> int:
     return config.requests * sum(_raw_share_bytes(config, prefill_rank, d) for d in fed)
 
 
-def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """``MemAvailable`` of this machine in bytes (``None`` where the kernel does not say)."""
+def proc_bytes(path: Path, names: Collection[str]) -> dict[str, int]:
+    """The fields of ``names`` in a ``/proc`` file of ``NAME: N kB`` lines, in bytes: those
+    it gives (none where it cannot be read)."""
     try:
-        text = meminfo.read_text()
+        text = path.read_text()
     except OSError:
-        return None
+        return {}
+    found: dict[str, int] = {}
     for line in text.splitlines():
         name, _, value = line.partition(":")
-        if name == "MemAvailable":
-            fields = value.split()
-            if fields and fields[0].isdigit():
-                return int(fields[0]) * 1024
-    return None
+        fields = value.split()
+        if name in names and fields and fields[0].isdigit():
+            found[name] = int(fields[0]) * 1024
+    return found
+
+
+def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """``MemAvailable`` of this machine in bytes (``None`` where the kernel does not say)."""
+    return proc_bytes(meminfo, ("MemAvailable",)).get("MemAvailable")
 
 
 def available_device_memory() -> int | None:
@@ -286,7 +266,7 @@ def backend_engine(spec: str) -> str | None:
     return None
 
 
-def check_device(spec: str, device: str, option: str = "--backend") -> None:
+def check_device(spec: str, device: str) -> None:
     """Refuse a backend whose engine cannot move memory of ``device``, in one line: on
     ``"cuda"``, a Mooncake build without CUDA (the wheel the ``mooncake`` extra installs here;
     see :func:`~staging_contracts.engines.mooncake.host_memory_only`). A spec whose engine
@@ -296,7 +276,7 @@ def check_device(spec: str, device: str, option: str = "--backend") -> None:
     **Thread:** any; imports the spec's modules.
 
     Raises:
-        ValueError: ``OPTION SPEC --device cuda: why``, on one line.
+        ValueError: ``--backend SPEC --device cuda: why``, on one line.
     """
     if device != "cuda" or backend_engine(spec) != "mooncake":
         return
@@ -307,32 +287,28 @@ def check_device(spec: str, device: str, option: str = "--backend") -> None:
     reason = host_memory_only()
     if reason is not None:
         raise ValueError(
-            f"{option} {spec} --device cuda: {reason}; use --device cpu, or --backend nixl"
+            f"--backend {spec} --device cuda: {reason}; use --device cpu, or --backend nixl"
         )
 
 
-def check_backend(spec: str, option: str = "--backend") -> None:
+def check_backend(spec: str) -> None:
     """Refuse a backend spec the rank processes cannot build, in one line.
 
     **Thread:** any; imports the spec's modules.
 
     Raises:
-        ValueError: ``OPTION SPEC: why``, on one line (see :func:`preflight`).
+        ValueError: ``--backend SPEC: why``, on one line (see :func:`preflight`).
     """
     try:
         factory = resolve_backend(spec)
     except (ImportError, ValueError) as exc:
-        raise ValueError(f"{option} {spec}: {_one_line(str(exc))}") from None
+        raise ValueError(f"--backend {spec}: {' '.join(str(exc).split())}") from None
     if factory.process_local:
         raise ValueError(
-            f"{option} {spec}: {factory.backend_class.__name__} moves bytes within one process "
+            f"--backend {spec}: {factory.backend_class.__name__} moves bytes within one process "
             "only, and every rank runs in a process of its own; choose an engine that crosses "
             "processes (nixl, mooncake)"
         )
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
 
 
 def check_environment(

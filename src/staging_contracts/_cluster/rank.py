@@ -1,38 +1,34 @@
 """One prefill or decode rank of a staged-transfer run, as an OS process of its own.
 
-Started by :func:`staging_contracts._cluster.runner.run_cluster` (``multiprocessing`` spawn). The
-rank builds its body (the run layer's ``DecodeBody`` or ``PrefillBody``), meets its peers
+Started by :func:`staging_contracts._cluster.runner.run_cluster` (``multiprocessing`` spawn).
+The rank builds its body (the run layer's ``DecodeBody`` or ``PrefillBody``), meets its peers
 through the bootstrap server, runs every request of the
-:class:`~staging_contracts._run.workload.TransferConfig` through the per-request API, verifies
-(decode) and reports to the driver (:mod:`._messages`): ``Ready``, one ``RequestDone`` per
-finished request, and a final ``RankSummary``.
+:class:`~staging_contracts._run.workload.TransferConfig` and reports to the driver
+(:mod:`._messages`): ``Ready``, one ``RequestDone`` per finished request, a final
+``RankSummary``.
 
-**Modes and warm-up.** ``config.mode`` chooses how the rank moves each request: through
-the staging rings (``"staged"``), or along one of the benchmark's anchor paths with the same
-processes (``"per-token"``, ``"raw"``; see :mod:`~staging_contracts._cluster.plain_paths`).
-In every mode ``config.warmup_requests`` untimed copies of the timed requests run first
-(barrier ``warm-rooms``); decode then zeroes what they wrote, and the timed requests start
-at barrier ``rooms``. Reported byte and message counts are the timed requests' only.
+**Modes and warm-up.** ``config.mode`` moves each request through the staging rings
+(``"staged"``) or along an anchor path (``"per-token"``, ``"raw"``; see
+:mod:`~staging_contracts._cluster.plain_paths`). ``config.warmup_requests`` untimed copies of
+the timed requests run first (barrier ``warm-rooms``); decode then zeroes what they wrote, and
+the timed requests start at barrier ``rooms``. Reported counts are the timed requests' only.
 
-**Memory.** A rank that ran to the end reports what its process held at the ``done``
-barrier, before verification (:class:`TransferMemory`): ``VmRSS`` and ``VmHWM`` then, the
-latter counted from the timed requests' start where the rank could reset it
-(``/proc/self/clear_refs``), else from the process start; on CUDA the allocator's peak over
-the same span; and ``ru_maxrss`` at the end (``peak_rss_bytes``).
+**Memory** (:class:`TransferMemory`): what the process held at the ``done`` barrier, before
+verification, and ``ru_maxrss`` at the end (``peak_rss_bytes``).
 
-**Per-request clocks.** It also reports ``time.monotonic()`` stamps per request index: a
-prefill rank's ``room_first_request_s`` (its first ``STAGING_REQ`` of the room handed to the
-control socket; in the anchor modes, its first write) and a decode rank's ``room_done_s``
-(the room reached SUCCESS or FAILED, stamped by the waiter thread the completion wakes; in
-the anchor modes, as the last ``PLAIN_DONE`` arrives). ``CLOCK_MONOTONIC`` is system-wide
-on Linux, so stamps of different processes of one host compare.
+**Per-request clocks.** ``time.monotonic()`` per request index: a prefill rank's
+``room_first_request_s`` (its first ``STAGING_REQ`` of the room handed to the control socket;
+in the anchor modes, its first write) and a decode rank's ``room_done_s`` (stamped by the
+waiter thread the room's end wakes; in the anchor modes, as the last ``PLAIN_DONE`` arrives).
+``CLOCK_MONOTONIC`` is system-wide on Linux, so stamps of different processes of one host
+compare.
 
-The rank binds and advertises ``config.host`` (its control listener and engine; Mooncake
-listens on every interface whatever it is told, see :mod:`staging_contracts.engines.mooncake`).
+The rank binds and advertises ``config.host`` (Mooncake listens on every interface whatever
+it is told, see :mod:`staging_contracts.engines.mooncake`).
 
-``SIGTERM`` (the driver's "stop": another rank died, or the run timed out) raises
-:class:`RankStopped` in the rank's main thread: the rank closes its backend and reports
-``stopped``, the ``phase`` it was in and the ``rooms`` it finished.
+``SIGTERM`` (the driver's "stop") raises :class:`RankStopped` in the main thread: the rank
+closes its backend and reports ``stopped``, the ``phase`` it was in and the ``rooms`` it
+finished.
 """
 
 from __future__ import annotations
@@ -101,16 +97,7 @@ from .plain_paths import (
     raw_share,
     verify_raw,
 )
-
-__all__ = [
-    "FirstRequestClock",
-    "RankStopped",
-    "TransferMemory",
-    "peak_rss_bytes",
-    "rank_main",
-    "reset_peak_rss",
-    "rss_status",
-]
+from .preflight import proc_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -201,10 +188,6 @@ Report = Callable[[Message], None]
 """Where a rank's events go (the driver's socket; nowhere for the warm-up)."""
 
 
-def _options(config: TransferConfig) -> BodyOptions:
-    return BodyOptions(host=config.host)
-
-
 @dataclass(frozen=True, slots=True)
 class _RankRun:
     """What every path of a rank runs with."""
@@ -214,7 +197,6 @@ class _RankRun:
     bootstrap: str
     """The bootstrap server (``tcp://host:port``)."""
     report: Report
-    """Where the rank's events go."""
     pusher: MetricsPusher | None = None
     """A staged rank's counters' pusher (the driver relays metrics), else ``None``."""
 
@@ -235,7 +217,7 @@ class _RankRun:
 
 def _run_decode(run: _RankRun) -> RankSummary:
     rank, config, bootstrap, report = run.rank, run.config, run.bootstrap, run.report
-    body = DecodeBody(config, rank, _options(config))
+    body = DecodeBody(config, rank, BodyOptions(host=config.host))
     common, allocator = body.common, body.handler.allocator
     with run.pushing(body):
         settle(config)  # the pool's and the ring's zeros, before any peer may write
@@ -252,7 +234,7 @@ def _run_decode(run: _RankRun) -> RankSummary:
                 for number, plan in enumerate(warmup_plans(config))
             }
             arrive(bootstrap, "warm-rooms", f"decode-{rank}")
-            _warmed(_wait_all(warm, _quiet)[0], {i: r.failure for i, r in warm.items()})
+            _warm_up(warm, {i: r.failure for i, r in warm.items()})
             for receiver in warm.values():
                 receiver.release()
             _zero_for_timed(config, body.pool, None)
@@ -261,27 +243,14 @@ def _run_decode(run: _RankRun) -> RankSummary:
             plan.index: body.receive(transfers, plan.room, plan.decode_pages)
             for plan in request_plans(config)
         }
-        memory = TransferMemory(config)
-        arrive(bootstrap, "rooms", f"decode-{rank}")
-        start = time.monotonic()
-        outcome, done_at = _wait_all(receivers, report)
-        end = time.monotonic()
-        at_done = memory.at_done()
-        arrive(bootstrap, "done", f"decode-{rank}")
-        succeeded = {i for i, state in outcome.items() if state is KVPoll.Success}
-        problems = verify_decode_pool(body.pool, config, rank, succeeded)
-        failures = {i: receivers[i].failure() for i in outcome if i not in succeeded}
+        timed = _time_decode(run, receivers, partial(verify_decode_pool, body.pool, config, rank))
+        failures = {i: r.failure() for i, r in receivers.items() if i not in timed.succeeded}
         for receiver in receivers.values():
             receiver.release()
         stats = body.manager.staging_stats()
-        return RankSummary(
-            start=start,
-            end=end,
-            verified=not problems,
-            problems=tuple(problems[:10]),
-            succeeded=tuple(sorted(succeeded)),
+        return replace(
+            timed,
             failed=failures,
-            room_done_s=dict(sorted(done_at.items())),
             ring_peak=allocator.peak_bytes,
             ring_size=allocator.total_size,
             ring_live_after=allocator.live_count,
@@ -289,13 +258,38 @@ def _run_decode(run: _RankRun) -> RankSummary:
             malformed=stats.malformed,
             chunks=stats.allocated - before.allocated,
             registered_after=body.release_ring(),
-            memory=at_done,
         )
+
+
+def _time_decode(
+    run: _RankRun, requests: Mapping[int, _Waitable], verify: Callable[[set[int]], list[str]]
+) -> RankSummary:
+    """A decode rank's timed requests: barrier ``rooms``, every request waited for, the
+    memory read, barrier ``done``, then ``verify`` of those that succeeded; the summary's
+    clocks, outcome, verdict and memory."""
+    memory = TransferMemory(run.config)
+    arrive(run.bootstrap, "rooms", f"decode-{run.rank}")
+    start = time.monotonic()
+    outcome, done_at = _wait_all(requests, run.report)
+    end = time.monotonic()
+    at_done = memory.at_done()
+    arrive(run.bootstrap, "done", f"decode-{run.rank}")
+    succeeded = {i for i, state in outcome.items() if state is KVPoll.Success}
+    problems = verify(succeeded)
+    return RankSummary(
+        start=start,
+        end=end,
+        verified=not problems,
+        problems=tuple(problems[:10]),
+        succeeded=tuple(sorted(succeeded)),
+        room_done_s=dict(sorted(done_at.items())),
+        memory=at_done,
+    )
 
 
 def _run_prefill(run: _RankRun) -> RankSummary:
     rank, config, bootstrap, report = run.rank, run.config, run.bootstrap, run.report
-    body = PrefillBody(config, rank, _options(config))
+    body = PrefillBody(config, rank, BodyOptions(host=config.host))
     common, writer = body.common, body.writer
     with run.pushing(body):
         clock = FirstRequestClock(body.manager.peers)
@@ -311,7 +305,7 @@ def _run_prefill(run: _RankRun) -> RankSummary:
                 number: body.send(plan.room, plan, targets)
                 for number, plan in enumerate(warmup_plans(config))
             }
-            _warmed(_wait_all(warm, _quiet)[0], {i: s.failure for i, s in warm.items()})
+            _warm_up(warm, {i: s.failure for i, s in warm.items()})
             for sender in warm.values():
                 sender.release()
         bytes_before, requests_before = writer.bytes_written, writer.requests_sent
@@ -369,31 +363,26 @@ def _run_plain_decode(run: _RankRun) -> RankSummary:
     :mod:`~staging_contracts._cluster.plain_paths`): its pool, or its raw buffer, registered
     with the engine and published; a room ends when every writer's ``PLAIN_DONE`` arrived."""
     rank, config, bootstrap, report = run.rank, run.config, run.bootstrap, run.report
-    raw = config.mode == "raw"
-    device = config.torch_device
-    pool = None if raw else config.empty_pool(config.decode_tp, rank)
-    buffer = (
-        torch.zeros(
-            config.requests * raw_request_bytes(config, rank), dtype=torch.uint8, device=device
-        )
-        if raw
-        else None
-    )
-    settle(config)  # the zeros, before the engine registers the memory and peers write it
-    regions = [(buffer.data_ptr(), buffer.numel())] if buffer is not None else []
-    if pool is not None:
+    pool: KVBufferTensors | None = None
+    buffer: torch.Tensor | None = None
+    if config.mode == "raw":
+        size = config.requests * raw_request_bytes(config, rank)
+        buffer = torch.zeros(size, dtype=torch.uint8, device=config.torch_device)
+        regions = [(buffer.data_ptr(), buffer.numel())]
+    else:
+        pool = config.empty_pool(config.decode_tp, rank)
         regions = pool_regions(pool)
-    body = RankBody(config, rank, _options(config), role=Role.DECODE)
-    manager, common = body.manager, body.common
+    settle(config)  # the zeros, before the engine registers the memory and peers write it
+    body = RankBody(config, rank, BodyOptions(host=config.host), role=Role.DECODE)
+    common = body.common
     book = ArrivalBook(prefill_ranks_for_decode(config.prefill_tp, config.decode_tp, rank))
     try:
-        engine = manager.engine
         for ptr, size in regions:
-            engine.register(ptr, size)
+            body.manager.engine.register(ptr, size)
         common.register_control(PlainDone.KIND, book.on_message)
         common.add_authorizer(book.authorize)
         common.start()
-        ring = regions[0] if raw else (0, 0)
+        ring = regions[0] if buffer is not None else (0, 0)
         register_rank(bootstrap, body.info(*ring, pool_pointers(pool) if pool is not None else ()))
         prefill = query_ranks(bootstrap, "prefill", config.prefill_tp, RENDEZVOUS_TIMEOUT_S)
         body.trust(prefill)
@@ -406,35 +395,24 @@ def _run_plain_decode(run: _RankRun) -> RankSummary:
             arrive(bootstrap, "warm-rooms", f"decode-{rank}")
             waiters = {number: RoomWaiter(book, plan.room) for number, plan in enumerate(warm)}
             failure = {n: partial(book.failure, plan.room) for n, plan in enumerate(warm)}
-            _warmed(_wait_all(waiters, _quiet)[0], failure)
+            _warm_up(waiters, failure)
             _zero_for_timed(config, pool, buffer)
         plans = request_plans(config)
         book.expect(plan.room for plan in plans)
-        memory = TransferMemory(config)
-        arrive(bootstrap, "rooms", f"decode-{rank}")
-        start = time.monotonic()
-        outcome, _ = _wait_all({p.index: RoomWaiter(book, p.room) for p in plans}, report)
-        end = time.monotonic()
-        at_done = memory.at_done()
-        arrive(bootstrap, "done", f"decode-{rank}")
-        succeeded = {i for i, state in outcome.items() if state is KVPoll.Success}
-        problems: list[str] = []
-        if buffer is not None:
-            problems = verify_raw(buffer, config, rank, sorted(succeeded))
-        elif pool is not None:
-            problems = verify_decode_pool(pool, config, rank, succeeded)
+
+        def verify(succeeded: set[int]) -> list[str]:
+            if buffer is not None:
+                return verify_raw(buffer, config, rank, sorted(succeeded))
+            return [] if pool is None else verify_decode_pool(pool, config, rank, succeeded)
+
+        timed = _time_decode(run, {p.index: RoomWaiter(book, p.room) for p in plans}, verify)
         done_at = {p.index: book.done_at(p.room) for p in plans}
-        return RankSummary(
-            start=start,
-            end=end,
-            mode=config.mode,
-            verified=not problems,
-            problems=tuple(problems[:10]),
-            succeeded=tuple(sorted(succeeded)),
+        return replace(
+            timed,
             failed={
                 p.index: book.failure(p.room) or "not every writer reported"
                 for p in plans
-                if p.index not in succeeded
+                if p.index not in timed.succeeded
             },
             room_done_s={i: at for i, at in sorted(done_at.items()) if at is not None},
             ring_live_after=0,
@@ -442,7 +420,6 @@ def _run_plain_decode(run: _RankRun) -> RankSummary:
             malformed=book.malformed,
             chunks=0,
             registered_after=body.deregister(regions),
-            memory=at_done,
         )
     finally:
         body.close()
@@ -457,15 +434,13 @@ def _run_plain_prefill(run: _RankRun) -> RankSummary:
     plans = request_plans(config)
     pool = None if raw else filled_prefill_pool(config, rank)
     source, offsets = _raw_source(config, rank, fed) if raw else (None, {})
-    if source is not None:
-        settle(config)  # the source's copy to the device, before the engine reads it
     regions = pool_regions(pool) if pool is not None else []
     if source is not None:
+        settle(config)  # the source's copy to the device, before the engine reads it
         regions = [(source.data_ptr(), source.numel())]
-    body = RankBody(config, rank, _options(config), role=Role.PREFILL)
-    manager, common = body.manager, body.common
+    body = RankBody(config, rank, BodyOptions(host=config.host), role=Role.PREFILL)
+    common, engine = body.common, body.manager.engine
     try:
-        engine = manager.engine
         for ptr, size in regions:
             engine.register(ptr, size)
         common.start()
@@ -532,7 +507,6 @@ def _run_plain_prefill(run: _RankRun) -> RankSummary:
         return RankSummary(
             start=start,
             end=end,
-            mode=config.mode,
             bytes_written=sum(t.length for call in writes for ts in call for t in ts),
             write_calls=sum(len(call) for call in writes),
             transfers=sum(len(ts) for call in writes for ts in call),
@@ -590,17 +564,15 @@ def _raw_source(
     return source, offsets
 
 
-def _quiet(event: Message) -> None:
-    """Report nothing (warm-up requests are not the run's)."""
-    del event
-
-
-def _warmed(outcome: Mapping[int, KVPoll], failure: Mapping[int, Callable[[], str | None]]) -> None:
-    """Check that every warm-up request succeeded.
+def _warm_up(
+    requests: Mapping[int, _Waitable], failure: Mapping[int, Callable[[], str | None]]
+) -> None:
+    """Wait for the warm-up requests, reporting none of them (they are not the run's).
 
     Raises:
         RuntimeError: one failed (the run would measure a broken set-up).
     """
+    outcome, _ = _wait_all(requests, lambda event: None)
     failed = {i: failure[i]() for i, state in outcome.items() if state is not KVPoll.Success}
     if failed:
         raise RuntimeError(f"warm-up requests failed: {failed}")
@@ -617,12 +589,10 @@ def _wait_all(
 ) -> tuple[dict[int, KVPoll], dict[int, float]]:
     """Wait for every request at once; report each as it ends, in the order they end.
 
-    One waiter thread per request blocks in its ``wait`` (no polling: six rank processes
-    share two cores here, and polling main threads took CPU from the copying ones) and
-    stamps ``time.monotonic()`` the moment it is woken by the request's end, so each stamp
-    is that request's own, not the time the main thread got round to it. The main thread
-    (the only one that touches the report socket) sends a ``room`` event per request as its
-    waiter hands it over.
+    One waiter thread per request blocks in its ``wait`` (no polling, which would take CPU
+    from the copying threads) and stamps ``time.monotonic()`` as the request's end wakes it.
+    The main thread (the only one that touches the report socket) reports each request as
+    its waiter hands it over.
 
     **Blocking:** until every request ended, at most ``timeout_s``.
 
@@ -664,9 +634,8 @@ def _wait_all(
 class FirstRequestClock:
     """When this prefill rank sent its first ``STAGING_REQ`` of each room.
 
-    Wraps ``peers.send`` (the sockets the staging writer sends its requests through) and
-    stamps ``time.monotonic()`` on the first ``STAGING_REQ`` of each room, just before handing
-    it to the socket; every message is passed on unchanged. Install it before the first room
+    Wraps ``peers.send`` (the staging writer's sockets), stamping each room's first
+    ``STAGING_REQ`` just before handing it on unchanged. Install it before the first room
     opens.
 
     **Side:** prefill. **Thread-safety:** the wrapped ``send`` may be called from any thread
@@ -682,7 +651,6 @@ class FirstRequestClock:
         peers.send = self.send  # type: ignore[method-assign]  # stamp, then pass on
 
     def send(self, endpoint: str, frames: Sequence[bytes]) -> bool:
-        """Stamp a room's first ``STAGING_REQ``, then send ``frames`` as ``peers.send`` does."""
         if len(frames) > 1 and frames[0] == StagingReq.WIRE_TYPE and frames[1].isdigit():
             now = time.monotonic()
             with self._lock:
@@ -691,9 +659,8 @@ class FirstRequestClock:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far, in bytes (``getrusage``'s
-    ``ru_maxrss``: KiB on Linux, bytes on macOS). On Linux it is the high-water mark that
-    :func:`reset_peak_rss` resets: the peak since the last reset, else since the start."""
+    """Peak resident set size of this process in bytes (``ru_maxrss``); on Linux since the
+    last :func:`reset_peak_rss`, else since the start."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
@@ -709,31 +676,20 @@ def reset_peak_rss() -> bool:
 
 
 def rss_status() -> tuple[int | None, int | None]:
-    """``(VmRSS, VmHWM)`` of this process now, in bytes, from ``/proc/self/status``; ``None``
-    for each the kernel does not give."""
-    try:
-        text = _PROC_STATUS.read_text()
-    except OSError:
-        return None, None
-    found: dict[str, int] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        fields = value.split()
-        if name in ("VmRSS", "VmHWM") and fields and fields[0].isdigit():
-            found[name] = int(fields[0]) * 1024
+    """``(VmRSS, VmHWM)`` of this process now, in bytes; ``None`` for each the kernel does
+    not give."""
+    found = proc_bytes(_PROC_STATUS, ("VmRSS", "VmHWM"))
     return found.get("VmRSS"), found.get("VmHWM")
 
 
 class TransferMemory:
-    """What a rank's process holds over its timed requests: made as they begin (it resets
-    the peaks there), read at the ``done`` barrier, before verification.
+    """What a rank's process holds over its timed requests: made as they begin, read at the
+    ``done`` barrier, before verification.
 
-    Creating it resets the process's peak RSS (:func:`reset_peak_rss`) and, on CUDA, the
-    device's allocator peak (``torch.cuda.reset_peak_memory_stats``), so the peaks read by
-    :meth:`at_done` count from this moment: the pools, rings and buffers already allocated,
-    plus whatever the transfer allocates, and not the temporaries of filling the pools or
-    of the warm-up. Where the RSS peak cannot be reset it counts from the process start, and
-    :meth:`at_done` says so.
+    Creating it resets the peak RSS and, on CUDA, the allocator's peak, so that the peaks
+    count the pools, rings and buffers and what the transfer allocates, not the temporaries
+    of filling the pools or of the warm-up. Where the RSS peak cannot be reset it counts from
+    the process start, and :meth:`at_done` says so.
 
     **Thread:** the rank's main thread.
     """
@@ -745,8 +701,6 @@ class TransferMemory:
         self._reset = reset_peak_rss()
 
     def at_done(self) -> RankMemory:
-        """``VmRSS`` now (``None`` where unknown), ``VmHWM`` now (else ``ru_maxrss``), where
-        that peak counts from and, on CUDA, the allocator's peak."""
         rss, hwm = rss_status()
         return RankMemory(
             hwm if hwm is not None else peak_rss_bytes(),

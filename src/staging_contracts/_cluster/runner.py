@@ -35,18 +35,6 @@ from .bootstrap import BootstrapServer
 from .metrics_relay import MetricsRelay
 from .rank import rank_main
 
-__all__ = [
-    "EXIT_GRACE_S",
-    "REPORT_GRACE_S",
-    "STOP_GRACE_S",
-    "ClusterResult",
-    "RankExit",
-    "RankMemory",
-    "RankReport",
-    "RankSet",
-    "run_cluster",
-]
-
 logger = logging.getLogger(__name__)
 
 REPORT_GRACE_S: Final = 0.5
@@ -85,8 +73,6 @@ class RankExit:
     (it had reported a failure and had not exited yet)."""
     error: str | None
     """The failure the rank reported (``None``: it ended without a final report)."""
-    after_s: float
-    """Seconds from the start of the ranks until the driver saw the death."""
     last_words: str | None = None
     """Without a report: how the process ended in its own words (the traceback its entry
     point raised, bounded, or why it has none: :meth:`~staging_contracts._run.Supervisor.explain`).
@@ -214,16 +200,10 @@ class ClusterResult:
         return [line for r in self.ranks("decode") for line in r.fields.problems]
 
     def request_latencies_s(self) -> dict[int, float]:
-        """Seconds each request took, by request index: from the earliest first
-        ``STAGING_REQ`` of it that a prefill rank sent to the latest moment a decode rank
-        saw it end (``room_first_request_s``, ``room_done_s``; see
-        :mod:`~staging_contracts._cluster.rank`).
-
-        The stamps are ``time.monotonic()`` of different processes: ``CLOCK_MONOTONIC`` is
-        system-wide on Linux, so they compare on one host (a split run's driver sees one side
-        only: empty). Only requests that no rank reported failed and that every rank of both
-        sides stamped are given.
-        """
+        """Seconds each request took, by request index: from the earliest
+        ``room_first_request_s`` of the prefill ranks to the latest ``room_done_s`` of the
+        decode ranks (see :mod:`~staging_contracts._cluster.rank`). Only requests that no rank
+        reported failed and that every rank of both sides stamped (a split run: none)."""
         first = _stamps([r.fields.room_first_request_s for r in self.ranks("prefill")], min)
         done = _stamps([r.fields.room_done_s for r in self.ranks("decode")], max)
         return {
@@ -233,11 +213,9 @@ class ClusterResult:
         }
 
     def peak_rss_bytes(self, role: str) -> dict[int, int]:
-        """Peak resident set size of each rank process of one side as it ended (verification
-        included), by rank, in bytes (``resource.getrusage`` in the rank; ranks that did not
-        report it are left out). On Linux it counts from the timed requests' start, where
-        the rank resets its peak; elsewhere from the process start (filling the pools and the
-        warm-up included). :meth:`transfer_memory` gives what the transfer phase held."""
+        """Peak RSS of each rank process of one side as it ended (verification included), by
+        rank, in bytes; ranks that did not report it are left out. :meth:`transfer_memory`
+        gives what the transfer phase held."""
         return {
             r.rank: r.fields.peak_rss_bytes
             for r in self.ranks(role)
@@ -253,11 +231,9 @@ class ClusterResult:
     def ring_peaks(self) -> dict[int, tuple[int, int]]:
         """``(reserved peak, ring bytes)`` of each decode rank's staging ring, by rank.
 
-        The reserved peak is the most bytes of regions assigned and not yet freed at once
-        (``StagingAllocator.peak_bytes``). The allocator overcommits: it hands out regions of
-        the next round over ones still in use, and their writers wait for the watermark
-        before writing, so the reserved peak may exceed the ring (2x: two rounds reserved at
-        once) while the bytes in use never do."""
+        The reserved peak (``StagingAllocator.peak_bytes``) may exceed the ring: the
+        allocator hands out regions of the next round over ones still in use, and their
+        writers wait for the watermark, so the bytes in use never do."""
         return {
             r.rank: (r.fields.ring_peak, r.fields.ring_size)
             for r in self.ranks("decode")
@@ -268,8 +244,7 @@ class ClusterResult:
 def _stamps(
     per_rank: list[dict[int, float]], pick: Callable[[list[float]], float]
 ) -> dict[int, float]:
-    """One stamp per request index over a side's ranks (``min`` or ``max`` of theirs), for
-    the requests that every one of those ranks stamped."""
+    """``pick`` of the ranks' stamps of each request that every one of them stamped."""
     if not per_rank or not all(per_rank):
         return {}
     common = set.intersection(*(set(m) for m in per_rank))
@@ -383,13 +358,11 @@ class _Watch:
         self.stopped: list[RankKey] = []
         self.killed: list[RankKey] = []
         self.timed_out = False
-        self.started = time.monotonic()
         self.stop_deadline: float | None = None
 
     def follow(self, inbox: zmq.Socket[bytes], timeout_s: float) -> None:
         """Collect messages until every rank ended and is accounted for (bounded)."""
-        self.started = time.monotonic()
-        deadline = self.started + timeout_s
+        deadline = time.monotonic() + timeout_s
         while not self._settled():
             if inbox.poll(_POLL_MS):
                 while inbox.poll(0):  # everything that arrived, then look at the processes
@@ -436,22 +409,22 @@ class _Watch:
         except MalformedMessage as exc:
             logger.warning("malformed message from a rank dropped: %s", exc)
             return
-        key, event = (got.role, got.rank), got.message
-        if key not in self.rooms:
-            logger.warning("message from unknown rank %s dropped", key)
+        event = got.message
+        if (got.role, got.rank) not in self.rooms:
+            logger.warning("message from unknown rank %s dropped", (got.role, got.rank))
             return
-        role_rank = (str(got.role), int(got.rank or 0))
+        key = (str(got.role), int(got.rank or 0))
         if isinstance(event, RankSummary):
-            self.reports[role_rank] = event
-            if not event.ok and not (event.stopped and role_rank in self.stopped):
-                self._died(role_rank, str(event.error))
+            self.reports[key] = event
+            if not event.ok and not (event.stopped and key in self.stopped):
+                self._died(key, str(event.error))
             return
         if isinstance(event, Metrics):
             if self.metrics is not None:
                 self.metrics.update(event.snapshot)
             return
         if isinstance(event, RequestDone):
-            self.rooms[role_rank][event.index] = event.ok
+            self.rooms[key][event.index] = event.ok
         if self.progress is not None and isinstance(event, Ready | RequestDone):
             try:
                 self.progress(got)
@@ -474,8 +447,7 @@ class _Watch:
         words = None
         if error is None and not process.is_alive():
             words = self.processes.explain(process)
-        after_s = time.monotonic() - self.started
-        death = RankExit(key[0], key[1], process.exitcode, error, after_s, words)
+        death = RankExit(key[0], key[1], process.exitcode, error, words)
         if self.first_death is None:
             self.first_death = death
             logger.warning("%s %d died first: %s", key[0], key[1], death.reason)
@@ -517,23 +489,18 @@ def _result(
     starts = [r.fields.start for r in out if r.role == first and r.fields.start is not None]
     ends = [r.fields.end for r in out if r.role == last and r.fields.end is not None]
     elapsed = max(ends) - min(starts) if starts and ends else 0.0
+    death = watch.first_death
+    if death is not None and death.exitcode is None:  # it reported a failure, then exited
+        death = replace(death, exitcode=watch.processes[(death.role, death.rank)].exitcode)
     return ClusterResult(
         config,
         tuple(out),
         elapsed,
         frozenset(failed),
-        first_death=_with_exitcode(watch.first_death, watch),
+        first_death=death,
         stopped=tuple(watch.stopped),
         killed=tuple(watch.killed),
         timed_out=watch.timed_out,
         interrupted=watch.interrupted,
         side=ranks,
     )
-
-
-def _with_exitcode(death: RankExit | None, watch: _Watch) -> RankExit | None:
-    """The death with the process's exit status once it exited (a rank that reported a
-    failure may not have exited when it was seen)."""
-    if death is None or death.exitcode is not None:
-        return death
-    return replace(death, exitcode=watch.processes[(death.role, death.rank)].exitcode)
