@@ -32,18 +32,6 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, Final
 
-__all__ = [
-    "JSON_KEYS",
-    "LOG_FORMATS",
-    "LOG_FORMAT_ENV",
-    "JsonFormatter",
-    "TextFormatter",
-    "install",
-    "installed",
-    "json_line",
-    "log_format",
-]
-
 LOG_FORMAT_ENV: Final = "STAGING_CONTRACTS_LOG_FORMAT"
 """``text`` (default) or ``json``: the format of every process's log lines."""
 LOG_FORMATS: Final = ("text", "json")

@@ -42,19 +42,6 @@ if TYPE_CHECKING:
     from ..backends._common import CommonKVManager
     from ..backends._kv_requests import PrefillTransfers
 
-__all__ = [
-    "METRICS_EXTRA_HINT",
-    "REPORT_EVERY_S",
-    "STALE_AFTER_S",
-    "UP_SERIES",
-    "MetricsPusher",
-    "MetricsRelay",
-    "RankReporter",
-    "add_metrics_port_argument",
-    "check_metrics_available",
-    "metrics_port",
-    "serving",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -60,7 +60,6 @@ from .soak_flood import (
     FloodTarget,
     flood_counts,
     flood_state,
-    malformed_message,
     send_flood,
     state_bounds,
 )
@@ -78,24 +77,6 @@ from .soak_report import (
     reason_group,
 )
 from .soak_ticker import Ticker, tally_line
-
-__all__ = [
-    "FLOOD_DEADLINE_S",
-    "HUNG_SLACK_S",
-    "IDLE_S",
-    "LONG_STALL_EXTRA_S",
-    "MAX_REVIVALS",
-    "NEEDED_S",
-    "PEERS_S",
-    "SHORT_STALL_S",
-    "STARTUP_S",
-    "STATUS_EVERY_S",
-    "STATUS_S",
-    "STOP_S",
-    "ProgressCallback",
-    "malformed_message",
-    "run_soak",
-]
 
 logger = logging.getLogger(__name__)
 

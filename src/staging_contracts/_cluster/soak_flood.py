@@ -46,21 +46,6 @@ from .._control.wire import MESSAGE_TYPES, ChunkReady, StagingRsp
 from ..backends._kv_requests import DEFAULT_EARLY_META_PER_PEER
 from ._messages import RankStatus
 
-__all__ = [
-    "COUNTERS",
-    "FLOOD_DEADLINE_S",
-    "FLOOD_ENDPOINT",
-    "FLOOD_LINGER_MS",
-    "STATE",
-    "FloodTarget",
-    "flood_counts",
-    "flood_state",
-    "malformed_message",
-    "send_flood",
-    "state_bounds",
-    "unwanted_message",
-]
-
 FLOOD_DEADLINE_S: Final = 10.0
 """Longest one flood burst lasts, whatever its frame count."""
 FLOOD_LINGER_MS: Final = 10_000

@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from ..engines.mooncake import MooncakeEngine
     from ..engines.nixl import NixlEngine
 
-__all__ = ["FORGE_WRITE_TIMEOUT_S", "SCRIBBLE_S", "Forger", "Scribbler", "forged_arrivals"]
 
 logger = logging.getLogger(__name__)
 

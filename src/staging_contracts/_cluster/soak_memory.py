@@ -22,22 +22,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = [
-    "GROWTH_BOUND_BYTES",
-    "GROWTH_BOUND_SHARE",
-    "MAX_SAMPLES",
-    "MIN_SAMPLES",
-    "RULE",
-    "SAMPLE_EVERY_S",
-    "WARMUP_MAX_S",
-    "WARMUP_SHARE",
-    "MemoryVerdict",
-    "ProcessMemory",
-    "RssSampler",
-    "judge_memory",
-    "read_rss",
-]
-
 SAMPLE_EVERY_S: Final = 1.0
 """A rank samples its RSS this often at first (less often once its list was thinned)."""
 

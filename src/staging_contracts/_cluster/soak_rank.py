@@ -53,7 +53,6 @@ from .._run._rank_info import RankInfo
 from .._run.workload import (
     TransferConfig,
     request_plans,
-    ring_bytes,
     verify_decode_pool,
 )
 from ..backends._common import Role
@@ -81,16 +80,6 @@ from ._messages import (
 )
 from .metrics_relay import RankReporter
 from .soak_memory import RssSampler
-
-__all__ = [
-    "CommandLoop",
-    "DropCounter",
-    "EventSink",
-    "RankSettings",
-    "install_drop",
-    "ring_bytes",
-    "soak_rank_main",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -33,13 +33,13 @@ from typing import Final
 
 from .. import config as settings
 from .._prefill.writer import PrefillTimeouts
-from .._run.workload import TransferConfig
+from .._run.workload import TransferConfig, ring_bytes
 from ..backends import BACKENDS
 from ..outcomes import classify
 from ._options import add_backend_argument, add_typed_options
 from .preflight import check_environment
 from .soak_memory import MemoryVerdict, memory_rows
-from .soak_rank import SOAK_BODY, SOAK_PREFILL_TIMEOUTS, RankSettings, ring_bytes
+from .soak_rank import SOAK_BODY, SOAK_PREFILL_TIMEOUTS, RankSettings
 
 SOAK_LIVENESS_TIMEOUT_S: Final = 3.0
 """The soak's liveness timeout (short, so that kills are found quickly), unless
@@ -53,22 +53,6 @@ otherwise."""
 NO_MEMORY: Final = MemoryVerdict((), 0.0)
 """No samples (a result built without them)."""
 
-__all__ = [
-    "FAULTS",
-    "FAULT_ORDER",
-    "SOAK_EPILOG",
-    "FloodRecord",
-    "ForgeRecord",
-    "KillRecord",
-    "SoakConfig",
-    "SoakResult",
-    "StallRecord",
-    "add_soak_arguments",
-    "config_from_args",
-    "format_summary",
-    "parse_faults",
-    "reason_group",
-]
 
 FAULTS: Final[Mapping[str, str]] = MappingProxyType(
     {

@@ -16,8 +16,6 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Final
 
-__all__ = ["TICK_EVERY_S", "Ticker", "tally_line"]
-
 TICK_EVERY_S: Final = 10.0
 """The longest the soak goes without a progress line while it runs."""
 

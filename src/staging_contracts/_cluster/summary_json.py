@@ -40,17 +40,6 @@ if TYPE_CHECKING:  # the run's types; their modules import torch, this one must 
     from .runner import ClusterResult, RankReport
     from .soak_report import SoakResult
 
-__all__ = [
-    "COMMON_KEYS",
-    "SCHEMA",
-    "CheckRecord",
-    "check_summary",
-    "check_target",
-    "demo_summary",
-    "package_version",
-    "soak_summary",
-    "write_summary",
-]
 
 SCHEMA: Final = 1
 """The version of the documents' shape."""
