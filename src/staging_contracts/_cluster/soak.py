@@ -199,6 +199,16 @@ class _Rank:
     gone: bool = False
     """The driver has seen it dead (killed or by itself) and stopped talking to it."""
 
+    @property
+    def name(self) -> str:
+        """``"decode 0"``, ``"prefill 1"``, ..."""
+        return f"{self.key[0]} {self.key[1]}"
+
+    def close_commands(self) -> None:
+        if self.commands is not None:
+            self.commands.close(linger=0)
+            self.commands = None
+
 
 @dataclass
 class _Room:
@@ -233,6 +243,8 @@ class _Driver:
         self.relay = relay
         self.progress = progress
         self.rng = random.Random(config.seed)
+        self.hung_after_s = config.room_bound_s + HUNG_SLACK_S
+        """A room no rank reported this long after it was issued is hung."""
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.LINGER, 0)
@@ -284,16 +296,14 @@ class _Driver:
 
     def run(self) -> None:
         config = self.config
-        self.start = time.monotonic()
-        self.ticker = Ticker(self.start)
         for key in self.keys:
             self._spawn(key)
-        if not self._wait(self._all_ready, STARTUP_S):
-            raise RuntimeError(f"rank processes not ready in {STARTUP_S:.0f} s: {self._unready()}")
+        if unready := self._lacking(lambda rank: rank.info is not None, STARTUP_S):
+            raise RuntimeError(f"rank processes not ready in {STARTUP_S:.0f} s: {unready}")
         self._send_peers()
         self.peering = True
-        if not self._wait(self._all_peered, PEERS_S):
-            raise RuntimeError(f"rank processes did not take their peers: {self._unpeered()}")
+        if unpeered := self._lacking(lambda rank: rank.peered, PEERS_S):
+            raise RuntimeError(f"rank processes did not take their peers: {unpeered}")
         self.startup_s = time.monotonic() - self.start
         self.issuing = True
         run_from = time.monotonic()
@@ -316,10 +326,9 @@ class _Driver:
             self._inject(cycle[turn % len(cycle)])
             turn += 1
         self.issuing = False
-        bound = config.room_bound_s + HUNG_SLACK_S
         self._wait(lambda: not self._unsettled(), self._until_hung(self._unsettled()))
         for room in self._unsettled():
-            self._settle(room, hung=f"no report in {bound:.0f} s")
+            self._settle(room, hung=f"no report in {self.hung_after_s:.0f} s")
         self.idle = self._wait_idle()
         if "drop" in config.faults and self._drops()[1]:
             self.injected["drop"] = 1
@@ -330,8 +339,7 @@ class _Driver:
         if not rooms:
             return 0.0
         last = max(room.issued for room in rooms)
-        bound = self.config.room_bound_s + HUNG_SLACK_S
-        return max(0.0, last + bound - time.monotonic()) + 2 * _PUMP_S
+        return max(0.0, last + self.hung_after_s - time.monotonic()) + 2 * _PUMP_S
 
     def _estimate(self, fault: str) -> float:
         """About how long injecting ``fault`` takes (to not start one past the duration)."""
@@ -352,9 +360,7 @@ class _Driver:
                 self._send(rank, msg.Stop())
         self.processes.close(grace_s)
         for rank in self.ranks.values():
-            if rank.commands is not None:
-                rank.commands.close(linger=0)
-                rank.commands = None
+            rank.close_commands()
         self.ended = time.monotonic()
         self.inbox.close(linger=0)
         if self.forger is not None:
@@ -390,7 +396,7 @@ class _Driver:
     def _victim(self, role: str) -> _Rank:
         """A ``role`` rank, drawn, once a room in flight needs it (the soak goes on meanwhile,
         bounded by ``NEEDED_S``), so that the fault hits rooms that depend on it."""
-        rank = self.ranks[self.rng.choice([key for key in self.keys if key[0] == role])]
+        rank = self.ranks[self.rng.choice(self._role_keys(role))]
         self._wait(lambda: self._needed(rank), NEEDED_S)
         return rank
 
@@ -417,7 +423,7 @@ class _Driver:
             self.relay.mark_dead(*rank.key)
         if unexpected:
             self.unexpected.append(
-                f"{rank.key[0]} {rank.key[1]} (pid {rank.pid}) exited with {rank.process.exitcode}"
+                f"{rank.name} (pid {rank.pid}) exited with {rank.process.exitcode}"
             )
         waiting = [r for r in self._unsettled() if rank.key in r.waiting()]
         # The rooms a survivor still had in flight: those the death must be detected for
@@ -439,9 +445,7 @@ class _Driver:
         failed = sum(room.outcome == "failed" for room in dependent)
         detect = max(failed_at) - at if failed_at else None
         rank.process.join(5)
-        if rank.commands is not None:
-            rank.commands.close(linger=0)
-            rank.commands = None
+        rank.close_commands()
         new = self._spawn(rank.key)
         back = self._wait(lambda: new.info is not None, STARTUP_S) and self._wait(
             lambda: new.peered, PEERS_S
@@ -462,7 +466,7 @@ class _Driver:
         detected = "no room failed" if detect is None else f"detected in {detect:.2f} s"
         self._say(
             at,
-            f"{'died' if unexpected else 'killed'} {rank.key[0]} {rank.key[1]} with "
+            f"{'died' if unexpected else 'killed'} {rank.name} with "
             f"{len(dependent)} rooms in flight ({failed} failed): {detected}; "
             + ("back" if back else "NOT back")
             + (f" in {restart:.1f} s" if restart is not None else ""),
@@ -499,7 +503,7 @@ class _Driver:
         """Flood a decode rank, then a prefill rank (each role's ranks in turn)."""
         turn = self.injected["flood"]
         for role in ("decode", "prefill"):
-            keys = [key for key in self.keys if key[0] == role]
+            keys = self._role_keys(role)
             self._flood_one(self.ranks[keys[turn % len(keys)]])
 
     def _flood_one(self, rank: _Rank) -> None:
@@ -511,15 +515,16 @@ class _Driver:
         keys = CurveKeys.generate() if load_cluster_secret() is not None else None
         if keys is not None:
             self._send(rank, msg.Trust(FLOOD_ENDPOINT, keys.public.decode()))
-        before = self._status([rank.key]).get(rank.key, _NO_STATUS)  # answered after the trust
-        decode = [r.info for k, r in self.ranks.items() if k[0] == "decode" and r.info]
+        before = self._status_of(rank) or _NO_STATUS  # answered after the trust
+        session = rank.info
+        if rank.key[0] == "prefill":  # its messages name a decode rank's session
+            decode = (r.info for k, r in self.ranks.items() if k[0] == "decode" and r.info)
+            session = next(decode, session)
         late = [room.room for room in self.rooms.values() if room.outcome is not None][-64:]
         target = FloodTarget(
             rank.info.endpoint,
             rank.key[0],
-            (
-                rank.info if rank.key[0] == "decode" else decode[0] if decode else rank.info
-            ).session_id,
+            session.session_id,
             late,
             keys,
             rank.info.curve_key.encode("ascii"),
@@ -551,17 +556,15 @@ class _Driver:
 
         def counted_all() -> bool:
             nonlocal after
-            after = self._status([rank.key]).get(rank.key, after)
+            after = self._status_of(rank) or after
             return sum(flood_counts(before, after).values()) >= total
 
-        deadline = time.monotonic() + STATUS_S
-        while not counted_all() and time.monotonic() < deadline:
-            self._wait(_never, 0.25)
+        self._poll(counted_all, STATUS_S)
         counts = flood_counts(before, after)
         chunks = len(list(self.config.transfer().chunks()))
         bounds = state_bounds(self.config.rooms_in_flight, chunks, self.config.decode_tp)
         record = FloodRecord(
-            f"{rank.key[0]} {rank.key[1]}",
+            rank.name,
             at - self.start,
             total,
             sum(counts.values()),
@@ -584,16 +587,16 @@ class _Driver:
         """Send a decode rank forged arrivals for the rooms in flight from a hostile agent
         that holds its engine metadata, and wait (bounded) until it counted them
         ``unauthorized``; over Mooncake, overwrite its ring instead (``_scribble``)."""
-        if self.config.backend == "mooncake":
-            self._scribble()
-            return
         rank = self._victim("decode")
         info = rank.info
         if info is None:
             return
+        if self.config.backend == "mooncake":
+            self._scribble(rank, info)
+            return
         if self.forger is None:
             self.forger = Forger(self.config.host)
-        before = self._status([rank.key]).get(rank.key, _NO_STATUS).unauthorized
+        before = (self._status_of(rank) or _NO_STATUS).unauthorized
         rooms = [room.room for room in self._unsettled()]
         chunks = list(self.config.transfer().chunks())
         payloads = forged_arrivals(rooms, chunks, info.session_id, self.config.prefill_tp, self.rng)
@@ -605,30 +608,23 @@ class _Driver:
             nonlocal counted
             if self.forger is not None:
                 self.forger.progress()
-            answer = self._status([rank.key]).get(rank.key)
+            answer = self._status_of(rank)
             if answer is not None:
                 counted = answer.unauthorized - before
             return counted >= sent
 
-        deadline = time.monotonic() + STATUS_S
-        while not counted_all() and time.monotonic() < deadline:
-            self._wait(_never, 0.25)
-        label = f"{rank.key[0]} {rank.key[1]}"
-        self.forges.append(ForgeRecord(label, at - self.start, len(rooms), sent, counted))
+        self._poll(counted_all, STATUS_S)
+        self.forges.append(ForgeRecord(rank.name, at - self.start, len(rooms), sent, counted))
         self._say(
             at,
-            f"forged {sent} arrivals to {label} for {len(rooms)} rooms in flight; "
+            f"forged {sent} arrivals to {rank.name} for {len(rooms)} rooms in flight; "
             f"{counted} counted unauthorized",
         )
 
-    def _scribble(self) -> None:
-        """Overwrite a decode rank's ring with garbage from a hostile Mooncake engine for
+    def _scribble(self, rank: _Rank, info: RankInfo) -> None:
+        """Overwrite ``rank``'s ring with garbage from a hostile Mooncake engine for
         ``SCRIBBLE_S`` while rooms go on (``soak_forge.Scribbler``, on a thread), and count
         the rooms that failed ``integrity`` meanwhile."""
-        rank = self._victim("decode")
-        info = rank.info
-        if info is None:
-            return
         if self.scribbler is None:
             self.scribbler = Scribbler(self.config.host)
         scribbler = self.scribbler
@@ -669,13 +665,14 @@ class _Driver:
             r.outcome == "failed" and r.settled_at >= at and reason_group(r.reason) == "integrity"
             for r in self.rooms.values()
         )
-        label = f"{rank.key[0]} {rank.key[1]}"
         self.forges.append(
-            ForgeRecord(label, at - self.start, rooms, writes, 0, "write", written, seconds, failed)
+            ForgeRecord(
+                rank.name, at - self.start, rooms, writes, 0, "write", written, seconds, failed
+            )
         )
         self._say(
             at,
-            f"overwrote the ring of {label} {writes} times in {seconds:.1f} s; "
+            f"overwrote the ring of {rank.name} {writes} times in {seconds:.1f} s; "
             f"{failed} rooms failed integrity",
         )
 
@@ -700,7 +697,7 @@ class _Driver:
         self._look_at_processes(now)
         self._top_up()
         for room in self._unsettled():
-            if now - room.issued > self.config.room_bound_s + HUNG_SLACK_S:
+            if now - room.issued > self.hung_after_s:
                 self._settle(room, hung="no report")
         if self.ticker.due(now):
             self._say(now, tally_line(room.outcome for room in self.rooms.values()))
@@ -720,7 +717,7 @@ class _Driver:
                 continue
             rank.gone = True
             why = self.exit_errors.get(rank.pid or 0) or self.processes.explain(rank.process)
-            name = f"{rank.key[0]} {rank.key[1]} (pid {rank.pid})"
+            name = f"{rank.name} (pid {rank.pid})"
             if rank.info is None:
                 raise RuntimeError(f"{name} exited while starting: {why}")
             if len(self.unexpected) >= MAX_REVIVALS:
@@ -786,9 +783,6 @@ class _Driver:
         if self.peering:  # a restarted rank: it and the others learn its peers now, and it
             self._send_peers()  # gets rooms once it answers (``peered``), never before
 
-    def _all_peered(self) -> bool:
-        return all(rank.peered for rank in self.ranks.values())
-
     def _answering_peers(self) -> bool:
         """Whether a rank was sent ``peers`` less than ``PEERS_S`` ago and has not answered."""
         now = time.monotonic()
@@ -800,14 +794,17 @@ class _Driver:
             for rank in self.ranks.values()
         )
 
-    def _unpeered(self) -> str:
-        return ", ".join(f"{k[0]} {k[1]}" for k, r in self.ranks.items() if not r.peered)
+    def _lacking(self, has: Callable[[_Rank], bool], timeout_s: float) -> str:
+        """Wait (bounded) until every rank ``has``; the ranks that still lack it, named."""
 
-    def _all_ready(self) -> bool:
-        return all(rank.info is not None for rank in self.ranks.values())
+        def lacking() -> str:
+            return ", ".join(rank.name for rank in self.ranks.values() if not has(rank))
 
-    def _unready(self) -> str:
-        return ", ".join(f"{k[0]} {k[1]}" for k, r in self.ranks.items() if r.info is None)
+        self._wait(lambda: not lacking(), timeout_s)
+        return lacking()
+
+    def _role_keys(self, role: str) -> list[RankKey]:
+        return [key for key in self.keys if key[0] == role]
 
     def _send(self, rank: _Rank, command: msg.Message) -> bool:
         if rank.commands is None or rank.gone:
@@ -842,17 +839,29 @@ class _Driver:
         self._wait(lambda: all(key in answers for key in keys), STATUS_S)
         return dict(answers)
 
-    def _wait_idle(self) -> bool:
-        """Ask every rank for its counters until nothing is held (bounded); keep the last."""
-        deadline = time.monotonic() + IDLE_S
-        while True:
-            self.final = self._status(self.keys)
-            complete = len(self.final) == len(self.keys)
-            if complete and not any(answer.holds() for answer in self.final.values()):
-                return True
+    def _status_of(self, rank: _Rank) -> msg.RankStatus | None:
+        """``rank``'s counters (``None``: it did not answer within ``STATUS_S``)."""
+        return self._status([rank.key]).get(rank.key)
+
+    def _poll(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Check ``done()`` (which asks ranks for their counters) every 0.25 s until it
+        holds or ``timeout_s`` passed; whether it held."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
             if time.monotonic() >= deadline:
                 return False
             self._wait(_never, 0.25)
+        return True
+
+    def _wait_idle(self) -> bool:
+        """Ask every rank for its counters until nothing is held (bounded); keep the last."""
+
+        def idle() -> bool:
+            self.final = self._status(self.keys)
+            complete = len(self.final) == len(self.keys)
+            return complete and not any(answer.holds() for answer in self.final.values())
+
+        return self._poll(idle, IDLE_S)
 
     def _drops(self) -> tuple[int, int]:
         sent = sum(s.control_sent for _, s in self.last_status.values())
@@ -912,9 +921,7 @@ class _Driver:
         """The ranks a room of prefill ``instance`` needs: every decode rank (first) and
         that instance's prefill ranks."""
         tp = self.config.prefill_tp
-        return [key for key in self.keys if key[0] == "decode"] + [
-            ("prefill", instance * tp + r) for r in range(tp)
-        ]
+        return self._role_keys("decode") + [("prefill", instance * tp + r) for r in range(tp)]
 
     def _maybe_settle(self, room: _Room) -> None:
         if room.outcome is None and not room.waiting():
@@ -936,8 +943,9 @@ class _Driver:
             for key, report in sorted(reports.items(), key=lambda item: item[0][0] != "decode")
             if report.state == "failed"
         ]
-        decode = [key for key in self.keys if key[0] == "decode"]
-        decode_done = all(key in reports and reports[key].state == "ok" for key in decode)
+        decode_done = all(
+            key in reports and reports[key].state == "ok" for key in self._role_keys("decode")
+        )
         room.settled_at = time.monotonic()
         if corrupt:
             room.outcome, room.reason = "corrupt", "\n".join(corrupt)
