@@ -2,10 +2,10 @@
 
 A rank process sends a ``metrics`` event with its :class:`~staging_contracts.metrics.
 MetricsSnapshot` (as JSON) every :data:`REPORT_EVERY_S` to the driver's inbox: a soak rank
-from its command loop (:class:`RankReporter` says when one is due), a demo rank from a
+from its command loop (a ``soak_ticker.Ticker`` says when one is due), a demo rank from a
 thread of its own with a socket of its own (:class:`MetricsPusher`: the demo rank's main
-thread alone uses its report socket). The driver keeps the latest snapshot
-of each ``(role, rank)`` in a :class:`MetricsRelay`, whose collector serves them all at
+thread alone uses its report socket). The driver keeps the latest snapshot of each
+``(role, rank)`` in a :class:`MetricsRelay`, whose collector serves them all at
 ``http://127.0.0.1:PORT/metrics``, labelled ``role``, ``rank`` and ``engine``. A rank that
 restarts starts its counters again from zero (Prometheus reads that as a counter reset).
 
@@ -55,24 +55,6 @@ UP_SERIES: Final = "staging_contracts_rank_up"
 METRICS_EXTRA_HINT: Final = (
     "--metrics-port needs prometheus-client: pip install 'staging-contracts[metrics]'"
 )
-
-
-class RankReporter:
-    """When a rank's next ``metrics`` event is due (every :data:`REPORT_EVERY_S`).
-
-    **Threads:** the rank's main loop only.
-    """
-
-    def __init__(self, every_s: float = REPORT_EVERY_S) -> None:
-        self.every_s = every_s
-        self._last = float("-inf")
-
-    def due(self, now: float) -> bool:
-        """Whether one is due at ``now`` (``time.monotonic()``); if so, the clock restarts."""
-        if now - self._last < self.every_s:
-            return False
-        self._last = now
-        return True
 
 
 class MetricsPusher:

@@ -56,7 +56,7 @@ from .._run.workload import (
     verify_decode_pool,
 )
 from ..backends._common import Role
-from ..backends._kv_requests import DecodeTransfers, KVPoll, PrefillTransfers
+from ..backends._kv_requests import DecodeTransfers, KVPoll
 from ..backends._staging_setup import StagingBackend
 from ..metrics import snapshot_of
 from . import logformat
@@ -78,8 +78,9 @@ from ._messages import (
     decode,
     encode,
 )
-from .metrics_relay import RankReporter
+from .metrics_relay import REPORT_EVERY_S
 from .soak_memory import RssSampler
+from .soak_ticker import Ticker
 
 logger = logging.getLogger(__name__)
 
@@ -238,19 +239,10 @@ class _Events:
 
 
 class CommandLoop:
-    """A soak rank's command handling, apart from its backend: ``peers``, ``room``,
-    ``status`` (``stop`` ends :meth:`command`). Subclasses supply the side:
-    :meth:`peers_known`, :meth:`on_peers`, :meth:`open_room` and :meth:`status`.
-
-    Every ``room`` command is answered by exactly one ``room`` event, whatever happens:
-
-    * before :meth:`peers_known`, the room waits (in :attr:`waiting_rooms`) for a ``peers``
-      command, and opens when one is taken; :meth:`expire` fails it once it waited
-      :attr:`RankSettings.peers_wait_s` (``no peers known ...``);
-    * when :meth:`open_room` raises, the room fails with ``rank error: ...`` (and an
-      ``error`` event says which command failed);
-    * otherwise a thread waits for its end (``open_room``'s function, bounded by the
-      subclass) and reports it; an exception there fails the room too.
+    """A soak rank's command handling, apart from its backend (the module's docstring says
+    what each command does, and how every ``OpenRoom`` is answered by one ``RoomEnded``).
+    Subclasses supply the side: :meth:`peers_known`, :meth:`on_peers`, :meth:`open_room`,
+    :meth:`status` and :meth:`trust_one`.
 
     **Threads:** :meth:`command` and :meth:`expire` are called on the rank's main thread;
     the room threads only call ``events.send`` (thread-safe). ``clock`` is
@@ -269,10 +261,10 @@ class CommandLoop:
         self.clock = clock
         self.threads: list[threading.Thread] = []
         self.waiting_rooms: list[tuple[int, int, float]] = []
+        """Rooms that came before the peers: ``(room, index, deadline)``, in order."""
         self.room_instance: dict[int, int] = {}
         """Room -> the prefill instance it comes from (``room`` commands' ``instance``;
         decode reads it when it opens the room)."""
-        """Rooms that came before the peers: ``(room, index, deadline)``, in order."""
 
     # ------------------------------------------------------------------ to override
 
@@ -401,15 +393,11 @@ class _RankServer(CommandLoop):
         self.listener_reported = False
         self.memory = RssSampler()
         """This process's RSS samples, sent with every ``status`` (see ``soak_memory``)."""
-        self.reporter = RankReporter() if settings.metrics else None
+        self.reporter = Ticker(float("-inf"), REPORT_EVERY_S) if settings.metrics else None
         self.plans = request_plans(self.config)
         """Each request's pages, by request index (``OpenRoom.index``)."""
         self.body = body(self.config, self.rank, self.options)
         self.body.common.start()
-
-    def info(self) -> RankInfo:
-        """What this rank publishes (its body's)."""
-        return self.body.info()
 
     # ------------------------------------------------------------------ to override
 
@@ -427,7 +415,7 @@ class _RankServer(CommandLoop):
             raw = commands.getsockopt(zmq.LAST_ENDPOINT)
             endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
             freeze_heap()
-            self.events.send(Serving(self.info(), endpoint))
+            self.events.send(Serving(self.body.info(), endpoint))
             while True:
                 if commands.poll(COMMAND_POLL_MS) and not self.command(commands.recv()):
                     return
@@ -448,15 +436,11 @@ class _RankServer(CommandLoop):
             logger.error("the control listener thread ended")
             self.events.send(ListenerDown())
 
-    def metrics_transfers(self) -> PrefillTransfers | None:
-        """The prefill side's transfers (its rooms and bytes); ``None`` on decode."""
-        return None
-
     def send_metrics(self) -> None:
         """Send this rank's counters to the driver (a ``metrics`` event)."""
         snapshot = snapshot_of(
             self.body.common,
-            transfers=self.metrics_transfers(),
+            transfers=self.body.transfers if isinstance(self.body, PrefillBody) else None,
             role=self.role.value,
             rank=self.label_rank,
             engine=self.config.backend,
@@ -538,15 +522,10 @@ class _DecodeServer(_RankServer):
 
         def finish() -> RoomEnded:
             state = receiver.wait(max(0.0, deadline - time.monotonic()))
-            end = time.monotonic()
+            ended = _ended(room, index, state, receiver.failure)
             if state is KVPoll.Success:
                 problems = verify_decode_pool(self.body.pool, self.config, self.rank, {index})
-                ended = RoomEnded(room, index, "ok", end, verified=not problems)
-                ended = replace(ended, problems=tuple(problems[:3]))
-            elif state is KVPoll.Failed:
-                ended = RoomEnded(room, index, "failed", end, receiver.failure() or "unknown")
-            else:
-                ended = RoomEnded(room, index, "hung", end, f"still {state.name}")
+                ended = replace(ended, verified=not problems, problems=tuple(problems[:3]))
             try:
                 receiver.release()
             except TimeoutError as exc:
@@ -605,12 +584,7 @@ class _PrefillServer(_RankServer):
         def finish() -> RoomEnded:
             try:
                 state = sender.wait(max(0.0, deadline - time.monotonic()))
-                end = time.monotonic()
-                if state is KVPoll.Success:
-                    return RoomEnded(room, index, "ok", end)
-                if state is KVPoll.Failed:
-                    return RoomEnded(room, index, "failed", end, sender.failure() or "unknown")
-                return RoomEnded(room, index, "hung", end, f"still {state.name}")
+                return _ended(room, index, state, sender.failure)
             finally:
                 sender.release()
                 with self.lock:
@@ -633,9 +607,17 @@ class _PrefillServer(_RankServer):
             early_meta_dropped=transfers.early_meta_dropped,
         )
 
-    def metrics_transfers(self) -> PrefillTransfers | None:
-        return self.body.transfers
-
     def close(self) -> None:
         self.body.close_side(CLOSE_TIMEOUT_S)
         super().close()
+
+
+def _ended(room: int, index: int, state: KVPoll, failure: Callable[[], str | None]) -> RoomEnded:
+    """How a room ended on this rank, now: ``ok``, ``failed`` (``failure()``'s reason) or
+    ``hung`` (still in ``state`` at its bound)."""
+    end = time.monotonic()
+    if state is KVPoll.Success:
+        return RoomEnded(room, index, "ok", end)
+    if state is KVPoll.Failed:
+        return RoomEnded(room, index, "failed", end, failure() or "unknown")
+    return RoomEnded(room, index, "hung", end, f"still {state.name}")

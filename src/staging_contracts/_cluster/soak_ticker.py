@@ -21,10 +21,11 @@ TICK_EVERY_S: Final = 10.0
 
 
 class Ticker:
-    """Says when the next progress line is due.
+    """Says when the next progress line is due (or, in a soak rank, its next ``metrics``
+    event).
 
     Args:
-        start: the soak's start (``time.monotonic()``).
+        start: the soak's start (``time.monotonic()``; ``-inf``: the first is due at once).
         every_s: the longest gap between two lines (:data:`TICK_EVERY_S`).
 
     Raises:
