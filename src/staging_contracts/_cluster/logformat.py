@@ -135,10 +135,6 @@ class _StderrHandler(logging.Handler):
             self.handleError(record)
 
 
-def _formatter(fmt: str, role: str | None, rank: int | None, label: str) -> logging.Formatter:
-    return JsonFormatter(role, rank) if fmt == "json" else TextFormatter(label)
-
-
 def install(
     *,
     role: str | None = None,
@@ -174,7 +170,7 @@ def install(
     for old in [h for h in root.handlers if isinstance(h, _StderrHandler)]:
         root.removeHandler(old)
     handler = _StderrHandler()
-    handler.setFormatter(_formatter(fmt, role, rank, label))
+    handler.setFormatter(JsonFormatter(role, rank) if fmt == "json" else TextFormatter(label))
     root.addHandler(handler)
     if level is not None:
         root.setLevel(level)

@@ -186,7 +186,6 @@ class _Rank:
 
     key: RankKey
     process: BaseProcess
-    started: float
     pid: int | None = None
     info: RankInfo | None = None
     commands: zmq.Socket[bytes] | None = None
@@ -245,6 +244,8 @@ class _Driver:
         self.rng = random.Random(config.seed)
         self.hung_after_s = config.room_bound_s + HUNG_SLACK_S
         """A room no rank reported this long after it was issued is hung."""
+        self.long_stall_s = config.liveness_timeout_s + LONG_STALL_EXTRA_S
+        """How long ``stall-long`` and ``pause`` stop a rank."""
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.LINGER, 0)
@@ -269,7 +270,7 @@ class _Driver:
         self.start = time.monotonic()
         self.ended = self.start
         self.ticker = Ticker(self.start)
-        self.last_status_poll = 0.0
+        self.status_ticker = Ticker(float("-inf"), STATUS_EVERY_S)
         self.status_id = 0
         self.answers: dict[int, dict[RankKey, msg.RankStatus]] = {}
         self.last_status: dict[int, tuple[RankKey, msg.RankStatus]] = {}
@@ -343,14 +344,13 @@ class _Driver:
 
     def _estimate(self, fault: str) -> float:
         """About how long injecting ``fault`` takes (to not start one past the duration)."""
-        liveness = self.config.liveness_timeout_s
         return {
             "flood": 6.0,
             "forge": 3.0 + SCRIBBLE_S + self.config.settle_s,
             "stall": SHORT_STALL_S,
-            "stall-long": liveness + LONG_STALL_EXTRA_S,
-            "pause": 2 * (liveness + LONG_STALL_EXTRA_S + self.config.settle_s),
-        }.get(fault, liveness + self.startup_s + 2.0)
+            "stall-long": self.long_stall_s,
+            "pause": 2 * (self.long_stall_s + self.config.settle_s),
+        }.get(fault, self.config.liveness_timeout_s + self.startup_s + 2.0)
 
     def shutdown(self, grace_s: float = STOP_S) -> None:
         """Stop every rank process (``stop``, then ``SIGKILL`` after ``grace_s``); idempotent."""
@@ -377,18 +377,14 @@ class _Driver:
             self._flood()
         elif fault == "forge":
             self._forge()
-        elif fault in ("stall", "stall-long"):
-            long = fault == "stall-long"
-            self._stall(
-                self.config.liveness_timeout_s + LONG_STALL_EXTRA_S if long else SHORT_STALL_S,
-                "prefill",
-                fault,
-            )
+        elif fault == "stall":
+            self._stall(SHORT_STALL_S, "prefill", fault)
+        elif fault == "stall-long":
+            self._stall(self.long_stall_s, "prefill", fault)
         elif fault == "pause":  # both roles, each past the liveness timeout
-            seconds = self.config.liveness_timeout_s + LONG_STALL_EXTRA_S
-            self._stall(seconds, "prefill", fault)
+            self._stall(self.long_stall_s, "prefill", fault)
             self._wait(_never, self.config.settle_s)
-            self._stall(seconds, "decode", fault)
+            self._stall(self.long_stall_s, "decode", fault)
         elif fault in ("kill-prefill", "kill-decode"):
             self._kill(fault.removeprefix("kill-"))
         self.injected[fault] += 1
@@ -452,22 +448,15 @@ class _Driver:
         )
         restart = time.monotonic() - at if back else None
         self.replacements.append(new if back else None)
-        record = KillRecord(
-            rank.key[0],
-            rank.key[1],
-            at - self.start,
-            len(dependent),
-            failed,
-            detect,
-            restart,
-            unexpected,
+        in_flight = len(dependent)
+        self.kills.append(
+            KillRecord(*rank.key, at - self.start, in_flight, failed, detect, restart, unexpected)
         )
-        self.kills.append(record)
         detected = "no room failed" if detect is None else f"detected in {detect:.2f} s"
         self._say(
             at,
             f"{'died' if unexpected else 'killed'} {rank.name} with "
-            f"{len(dependent)} rooms in flight ({failed} failed): {detected}; "
+            f"{in_flight} rooms in flight ({failed} failed): {detected}; "
             + ("back" if back else "NOT back")
             + (f" in {restart:.1f} s" if restart is not None else ""),
         )
@@ -531,16 +520,11 @@ class _Driver:
         )
         at = time.monotonic()
         sent: list[Counter[str]] = [Counter(), Counter()]
+        half, seed = self.config.flood_frames // 2, self.config.seed
         threads = [
             threading.Thread(
                 target=send_flood,
-                args=(
-                    self.ctx,
-                    target,
-                    self.config.flood_frames // 2,
-                    self.config.seed + i,
-                    sent[i],
-                ),
+                args=(self.ctx, target, half, seed + i, sent[i]),
                 name=f"soak-flood-{i}",
                 daemon=True,
             )
@@ -701,8 +685,7 @@ class _Driver:
                 self._settle(room, hung="no report")
         if self.ticker.due(now):
             self._say(now, tally_line(room.outcome for room in self.rooms.values()))
-        if now - self.last_status_poll > STATUS_EVERY_S:
-            self.last_status_poll = now
+        if self.status_ticker.due(now):
             self._ask_status(self.keys)
 
     def _look_at_processes(self, now: float) -> None:
@@ -768,7 +751,7 @@ class _Driver:
     def _spawn(self, key: RankKey) -> _Rank:
         args = (key[0], key[1], self.settings, self.inbox_endpoint)
         process = self.processes.start(key, soak_rank_main, args, name=f"soak-{key[0]}-{key[1]}")
-        rank = _Rank(key, process, time.monotonic(), pid=process.pid)
+        rank = _Rank(key, process, pid=process.pid)
         self.ranks[key] = rank
         return rank
 

@@ -27,6 +27,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Final
 
 import zmq
@@ -77,34 +78,23 @@ STATE: Final = ("answers_held", "early_meta", "open_rooms")
 the rank's open rooms."""
 
 
+@dataclass(frozen=True, slots=True)
 class FloodTarget:
-    """Where one flood thread sends and what it names.
+    """Where one flood thread sends and what it names."""
 
-    Args:
-        endpoint: the target's control listener.
-        role: ``"prefill"`` or ``"decode"``.
-        session_id: the decode session the messages name (the target's own, for decode;
-            a decode rank's, for prefill).
-        late_rooms: rooms that closed lately (the late answers name them).
-        keys: the flooder's CURVE keys (the target trusts them), or ``None`` without a secret.
-        server_key: the target's CURVE public key (Z85), with ``keys``.
-    """
-
-    def __init__(
-        self,
-        endpoint: str,
-        role: str,
-        session_id: str,
-        late_rooms: Sequence[int] = (),
-        keys: CurveKeys | None = None,
-        server_key: bytes = b"",
-    ) -> None:
-        self.endpoint = endpoint
-        self.role = role
-        self.session_id = session_id
-        self.late_rooms = tuple(late_rooms)
-        self.keys = keys
-        self.server_key = server_key
+    endpoint: str
+    """The target's control listener."""
+    role: str
+    """``"prefill"`` or ``"decode"``."""
+    session_id: str
+    """The decode session the messages name (the target's own, for decode; a decode rank's,
+    for prefill)."""
+    late_rooms: Sequence[int] = ()
+    """Rooms that closed lately (the late answers name them)."""
+    keys: CurveKeys | None = None
+    """The flooder's CURVE keys (the target trusts them), or ``None`` without a secret."""
+    server_key: bytes = b""
+    """The target's CURVE public key (Z85), with ``keys``."""
 
 
 _KINDS: Final = (

@@ -84,12 +84,12 @@ FAULTS: Final[Mapping[str, str]] = MappingProxyType(
         "integrity, never succeed. With this fault listed the ranks run with the integrity "
         "check on. Skipped (injected 0 times) on nixl without the secret and on other "
         "backends",
-        "kill-prefill": "SIGKILL a prefill rank with rooms in flight, time until the survivors "
-        "fail those rooms, start a new process for it (rooms keep coming to the survivors "
-        "meanwhile)",
-        "kill-decode": "SIGKILL a decode rank with rooms in flight, time until the survivors "
-        "fail those rooms, start a new process for it (rooms keep coming to the survivors "
-        "meanwhile)",
+        **{
+            f"kill-{role}": f"SIGKILL a {role} rank with rooms in flight, time until the "
+            "survivors fail those rooms, start a new process for it (rooms keep coming to the "
+            "survivors meanwhile)"
+            for role in ("prefill", "decode")
+        },
     }
 )
 """Every fault the soak injects: name -> what it does (``--help`` lists these)."""
@@ -635,13 +635,6 @@ class SoakResult:
         return not self.problems
 
 
-def _prefill_text(config: SoakConfig) -> str:
-    """``2 prefill``, or ``2 instances of 2 prefill``."""
-    if config.prefill_instances == 1:
-        return f"{config.prefill_tp} prefill"
-    return f"{config.prefill_instances} instances of {config.prefill_tp} prefill"
-
-
 def _flood_rows(flood: FloodRecord) -> list[tuple[str, str]]:
     """What one flood sent, how the target counted it and what it held after."""
     how = "authenticated (CURVE, a trusted key)" if flood.authenticated else "plain sockets"
@@ -667,8 +660,11 @@ def format_summary(result: SoakResult) -> str:
     """The soak's summary, one fact per line."""
     config = result.config
     failed = result.failed_by_reason
+    prefill = f"{config.prefill_tp} prefill"
+    if config.prefill_instances > 1:
+        prefill = f"{config.prefill_instances} instances of {prefill}"
     rows: list[tuple[str, str]] = [
-        ("engine", f"{config.backend}, {_prefill_text(config)} -> {config.decode_tp} decode"),
+        ("engine", f"{config.backend}, {prefill} -> {config.decode_tp} decode"),
         ("ran", f"{result.elapsed_s:.1f} s, faults: {', '.join(config.faults) or 'none'}"),
         *(
             [("PARTIAL", f"interrupted by {result.interrupted}: what was seen until then")]
