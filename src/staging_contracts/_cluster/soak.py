@@ -65,7 +65,7 @@ from .soak_flood import (
 )
 from .soak_forge import FORGE_WRITE_TIMEOUT_S, SCRIBBLE_S, Forger, Scribbler, forged_arrivals
 from .soak_memory import judge_memory
-from .soak_rank import soak_rank_main
+from .soak_rank import bind_pull, soak_rank_main
 from .soak_report import (
     FAULT_ORDER,
     FloodRecord,
@@ -247,11 +247,7 @@ class _Driver:
         self.long_stall_s = config.liveness_timeout_s + LONG_STALL_EXTRA_S
         """How long ``stall-long`` and ``pause`` stop a rank."""
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.setsockopt(zmq.LINGER, 0)
-        self.inbox.bind("tcp://127.0.0.1:*")  # the ranks run on this host
-        raw = self.inbox.getsockopt(zmq.LAST_ENDPOINT)
-        self.inbox_endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
+        self.inbox, self.inbox_endpoint = bind_pull(self.ctx)  # the ranks run on this host
         self.processes: Supervisor[RankKey] = Supervisor()
         """Every rank process of the soak, each able to say how it died."""
         self.keys: list[RankKey] = [("decode", d) for d in range(config.decode_tp)] + [
@@ -756,13 +752,11 @@ class _Driver:
         return rank
 
     def _ready(self, rank: _Rank, event: msg.Serving) -> None:
-        info, endpoint = event.info, event.commands
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
-        sock.connect(endpoint)
-        rank.commands = sock
-        rank.info = info
+        sock.connect(event.commands)
+        rank.commands, rank.info = sock, event.info
         if self.peering:  # a restarted rank: it and the others learn its peers now, and it
             self._send_peers()  # gets rooms once it answers (``peered``), never before
 
@@ -857,13 +851,8 @@ class _Driver:
         return [room for room in self.rooms.values() if room.outcome is None]
 
     def _top_up(self) -> None:
-        """Issue rooms until ``rooms_in_flight`` are unsettled, to every rank that is up.
-
-        While a rank is down its rooms still come (as from a router that has not noticed):
-        the survivors get them with the peers they know, and the rank counts as lost. A rank
-        is up once it answered ``peers`` (a restarted rank that is only ``ready`` is not: a
-        room would reach it before it knows the other side). A room command that cannot be
-        sent fails the room on that rank.
+        """Issue rooms until ``rooms_in_flight`` are unsettled, to every rank that answered
+        ``peers`` and is alive (a rank that is down counts as lost; see the module).
 
         No room is issued while a rank that is ready has not answered its ``peers`` yet
         (up to ``PEERS_S``): the others know it already, and a room it does not get would

@@ -208,6 +208,15 @@ def soak_rank_main(role: str, rank: int, settings: RankSettings, driver: str) ->
         events.close()
 
 
+def bind_pull(ctx: zmq.Context[zmq.Socket[bytes]]) -> tuple[zmq.Socket[bytes], str]:
+    """A PULL socket bound on loopback (a free port, no linger), and its endpoint."""
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind("tcp://127.0.0.1:*")
+    raw = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return sock, raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
 class EventSink(Protocol):
     """Where a rank's events go (the driver's socket; a list in tests)."""
 
@@ -389,14 +398,14 @@ class _RankServer(CommandLoop):
             rng = random.Random(f"{settings.seed}-{self.role.value}-{self.rank}-{os.getpid()}")
             self.drops = install_drop(manager.peers, settings.drop_share, rng)
 
-        self.options = replace(settings.body, prepare=drop if settings.drop_share > 0 else None)
+        options = replace(settings.body, prepare=drop if settings.drop_share > 0 else None)
         self.listener_reported = False
         self.memory = RssSampler()
         """This process's RSS samples, sent with every ``status`` (see ``soak_memory``)."""
         self.reporter = Ticker(float("-inf"), REPORT_EVERY_S) if settings.metrics else None
         self.plans = request_plans(self.config)
         """Each request's pages, by request index (``OpenRoom.index``)."""
-        self.body = body(self.config, self.rank, self.options)
+        self.body = body(self.config, self.rank, options)
         self.body.common.start()
 
     # ------------------------------------------------------------------ to override
@@ -408,12 +417,8 @@ class _RankServer(CommandLoop):
     # ------------------------------------------------------------------ the loop
 
     def serve(self, ctx: zmq.Context[zmq.Socket[bytes]], parent: int) -> None:
-        commands = ctx.socket(zmq.PULL)
-        commands.setsockopt(zmq.LINGER, 0)
+        commands, endpoint = bind_pull(ctx)
         try:
-            commands.bind("tcp://127.0.0.1:*")
-            raw = commands.getsockopt(zmq.LAST_ENDPOINT)
-            endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
             freeze_heap()
             self.events.send(Serving(self.body.info(), endpoint))
             while True:

@@ -1,10 +1,7 @@
 """What a soak is and what it found: its faults, its configuration, its result and summary.
 
-The pure half of ``staging-contracts soak`` (no process is started here): :data:`FAULTS` (the
-faults, each with the description ``--help`` shows), :func:`parse_faults`,
-:class:`SoakConfig`, the records of each fault (:class:`KillRecord`, :class:`StallRecord`,
-:class:`FloodRecord`), :class:`SoakResult` with its verdict, :func:`reason_group` (failure
-reasons in a few categories) and :func:`format_summary`. :func:`~.soak.run_soak` runs a soak.
+The pure half of ``staging-contracts soak``: no process is started here
+(:func:`~.soak.run_soak` runs a soak).
 
 A room *succeeds* when every decode rank reported it done and its pages verified bit for bit
 (a prefill rank that failed it or died afterwards is counted apart); it *fails* when a
@@ -238,7 +235,6 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
         prefill_instances=args.prefill_instances,
         rooms_in_flight=args.rooms_in_flight,
         drop_share=args.drop_share,
-        # the command line, else the environment, else the soak's own value
         liveness_timeout_s=liveness_timeout_s,
         liveness_interval_s=settings.LIVENESS_INTERVAL_S.value(),
         stall_timeout_s=settings.STALL_TIMEOUT_S.value_or(SOAK_STALL_TIMEOUT_S),
