@@ -306,10 +306,16 @@ class CommandLoop:
             if isinstance(command, Peers):
                 self.on_peers(list(command.ranks))
                 self.events.send(PeersTaken(len(command.ranks)))
-                self._open_waiting()
+                waiting, self.waiting_rooms = self.waiting_rooms, []
+                for room, index, _ in waiting:
+                    self._start(room, index)
             elif isinstance(command, OpenRoom):
                 self.room_instance[command.room] = command.instance
-                self._room(command.room, command.index)
+                if self.peers_known():
+                    self._start(command.room, command.index)
+                else:
+                    deadline = self.clock() + self.settings.peers_wait_s
+                    self.waiting_rooms.append((command.room, command.index, deadline))
             elif isinstance(command, AskStatus):
                 self.events.send(self.status(command))
             elif isinstance(command, Trust):
@@ -332,18 +338,6 @@ class CommandLoop:
             self.room_instance.pop(room, None)
             reason = f"no peers known {self.settings.peers_wait_s:g} s after the room came"
             self.events.send(RoomEnded(room, index, "failed", now, reason))
-
-    def _room(self, room: int, index: int) -> None:
-        if self.peers_known():
-            self._start(room, index)
-        else:
-            deadline = self.clock() + self.settings.peers_wait_s
-            self.waiting_rooms.append((room, index, deadline))
-
-    def _open_waiting(self) -> None:
-        waiting, self.waiting_rooms = self.waiting_rooms, []
-        for room, index, _ in waiting:
-            self._start(room, index)
 
     def _start(self, room: int, index: int) -> None:
         try:
