@@ -193,8 +193,6 @@ class _Rank:
     """When it was last sent ``peers`` (``time.monotonic()``)."""
     peered: bool = False
     """It answered a ``peers`` command: it can open rooms, and only now is it sent any."""
-    killed: bool = False
-    """The soak killed this process (its death is expected)."""
     gone: bool = False
     """The driver has seen it dead (killed or by itself) and stopped talking to it."""
 
@@ -271,9 +269,8 @@ class _Driver:
         self.answers: dict[int, dict[RankKey, msg.RankStatus]] = {}
         self.last_status: dict[int, tuple[RankKey, msg.RankStatus]] = {}
         """Process id -> its rank and latest status (so killed processes' counts are kept)."""
-        self.kills: list[KillRecord] = []
-        self.replacements: list[_Rank | None] = []
-        """The new process of each kill (``None``: it did not take its peers in time)."""
+        self.kills: list[tuple[KillRecord, _Rank | None]] = []
+        """Each kill, with the new process (``None``: it did not take its peers in time)."""
         self.stalls: list[StallRecord] = []
         self.floods: list[FloodRecord] = []
         self.forges: list[ForgeRecord] = []
@@ -305,7 +302,10 @@ class _Driver:
         self.issuing = True
         run_from = time.monotonic()
         cycle = [name for name in FAULT_ORDER if name in config.faults and name != "drop"]
-        if "forge" in cycle and not _can_forge(config):
+        # forge: NIXL notifications authenticated with the secret, or Mooncake (hostile
+        # one-sided writes, with or without the secret)
+        nixl_forge = config.backend == "nixl" and load_cluster_secret() is not None
+        if "forge" in cycle and not (nixl_forge or config.backend == "mooncake"):
             logger.warning("forge skipped: it needs nixl and the cluster secret, or mooncake")
             cycle.remove("forge")
         turn = 0
@@ -402,7 +402,6 @@ class _Driver:
     def _kill(self, role: str) -> None:
         rank = self._victim(role)
         at = time.monotonic()
-        rank.killed = True
         rank.process.kill()
         self._died(rank, at, unexpected=False)
 
@@ -443,11 +442,11 @@ class _Driver:
             lambda: new.peered, PEERS_S
         )
         restart = time.monotonic() - at if back else None
-        self.replacements.append(new if back else None)
         in_flight = len(dependent)
-        self.kills.append(
-            KillRecord(*rank.key, at - self.start, in_flight, failed, detect, restart, unexpected)
+        record = KillRecord(
+            *rank.key, at - self.start, in_flight, failed, detect, restart, unexpected
         )
+        self.kills.append((record, new if back else None))
         detected = "no room failed" if detect is None else f"detected in {detect:.2f} s"
         self._say(
             at,
@@ -692,7 +691,7 @@ class _Driver:
                 themselves more than ``MAX_REVIVALS`` times.
         """
         for rank in list(self.ranks.values()):  # _died replaces its rank, and pumps events
-            if rank.gone or rank.killed or rank.process.is_alive():
+            if rank.gone or rank.process.is_alive():  # a rank the soak kills is gone at once
                 continue
             rank.gone = True
             why = self.exit_errors.get(rank.pid or 0) or self.processes.explain(rank.process)
@@ -989,7 +988,7 @@ class _Driver:
             hung_details=tuple(r.reason for r in rooms if r.outcome == "hung"),
             kills=tuple(
                 dataclasses.replace(kill, served_after=self._served(new))
-                for kill, new in zip(self.kills, self.replacements, strict=True)
+                for kill, new in self.kills
             ),
             stalls=tuple(self.stalls),
             floods=tuple(self.floods),
@@ -1013,14 +1012,6 @@ class _Driver:
                 self.ended - self.start,
             ),
         )
-
-
-def _can_forge(config: SoakConfig) -> bool:
-    """Whether ``forge`` applies: NIXL notifications, authenticated with the secret, or
-    Mooncake (hostile one-sided writes, with or without the secret)."""
-    if config.backend == "mooncake":
-        return True
-    return config.backend == "nixl" and load_cluster_secret() is not None
 
 
 _NO_STATUS: Final = msg.RankStatus(0, listener_alive=False)
