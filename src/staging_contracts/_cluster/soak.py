@@ -867,7 +867,9 @@ class _Driver:
                 break
             instance = self.next_instance
             self.next_instance = (instance + 1) % self.config.prefill_instances
-            keys = self._room_keys(instance)
+            # every decode rank and the prefill ranks of the instance
+            tp = self.config.prefill_tp
+            keys = self._role_keys("decode") + [("prefill", instance * tp + r) for r in range(tp)]
             live = {key: rank for key, rank in up.items() if key in keys}
             index = self.free.pop(0)
             room = _Room(
@@ -887,12 +889,6 @@ class _Driver:
                         room.room, index, "failed", time.monotonic(), reason
                     )
             self._maybe_settle(room)
-
-    def _room_keys(self, instance: int) -> list[RankKey]:
-        """The ranks a room of prefill ``instance`` needs: every decode rank (first) and
-        that instance's prefill ranks."""
-        tp = self.config.prefill_tp
-        return self._role_keys("decode") + [("prefill", instance * tp + r) for r in range(tp)]
 
     def _maybe_settle(self, room: _Room) -> None:
         if room.outcome is None and not room.waiting():

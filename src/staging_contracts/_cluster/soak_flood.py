@@ -128,13 +128,8 @@ def malformed_message(rng: random.Random) -> list[bytes]:
 
 
 def unwanted_message(target: FloodTarget, rng: random.Random) -> tuple[str, list[bytes]]:
-    """One well-formed message the target must drop or hold within a bound, and its kind.
-
-    Prefill: a ``STAGING_RSP`` naming ``session_id`` for a room that closed lately or was
-    never asked (its answer table keeps only answers an open room asked for), or a
-    ``ROOM_META`` for a room never opened (held aside within the sender's cap). Decode: a
-    ``CHUNK_READY`` without a tag for a room it never registered.
-    """
+    """One well-formed message the target must drop or hold within a bound (the module's
+    docstring says which, by role), and its kind."""
     never = _ROOMS_NEVER_OPENED + rng.randrange(1 << 30)
     if target.role == "decode":
         ready = ChunkReady(never, rng.randrange(8), rng.randrange(64), 1, target.session_id, 0)

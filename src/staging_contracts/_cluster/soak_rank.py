@@ -419,7 +419,10 @@ class _RankServer(CommandLoop):
                 if commands.poll(COMMAND_POLL_MS) and not self.command(commands.recv()):
                     return
                 self.expire()
-                self._check_listener()
+                if not self.listener_reported and not self.body.common.listener.alive:
+                    self.listener_reported = True
+                    logger.error("the control listener thread ended")
+                    self.events.send(ListenerDown())
                 self.memory.maybe_sample(time.monotonic())
                 if self.reporter is not None and self.reporter.due(time.monotonic()):
                     self.send_metrics()
@@ -428,12 +431,6 @@ class _RankServer(CommandLoop):
                     return
         finally:
             commands.close(linger=0)
-
-    def _check_listener(self) -> None:
-        if not self.listener_reported and not self.body.common.listener.alive:
-            self.listener_reported = True
-            logger.error("the control listener thread ended")
-            self.events.send(ListenerDown())
 
     def send_metrics(self) -> None:
         """Send this rank's counters to the driver (a ``metrics`` event)."""
