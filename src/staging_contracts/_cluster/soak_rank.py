@@ -125,14 +125,14 @@ class RankSettings:
     """Send a ``metrics`` event every second, and before each ``status`` (``--metrics-port``)."""
 
 
+@dataclass
 class DropCounter:
     """What the ``drop`` fault did in one process (read from any thread)."""
 
-    def __init__(self) -> None:
-        self.sent = 0
-        """Control messages the rank tried to send."""
-        self.dropped = 0
-        """Of those, dropped by the fault."""
+    sent: int = 0
+    """Control messages the rank tried to send."""
+    dropped: int = 0
+    """Of those, dropped by the fault."""
 
 
 def install_drop(peers: PeerSockets, share: float, rng: random.Random) -> DropCounter:
