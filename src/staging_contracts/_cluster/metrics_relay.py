@@ -199,13 +199,29 @@ class MetricsRelay:
 
         registry = CollectorRegistry()
         registry.register(StagingCollector(self.served))
-        registry.register(_UpCollector(self))
+        registry.register(self)  # collect(): the rank_up gauge
         try:
             server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
         except OSError as exc:
             raise OSError(exc.errno, f"cannot serve metrics on 127.0.0.1:{port}: {exc}") from exc
         self._server, self._thread = server, thread
         self.port = server.server_port
+
+    def collect(self) -> Iterable[Metric]:
+        """``staging_contracts_rank_up`` of every rank heard from. **Called by:** the scrape
+        (``prometheus_client``'s thread)."""
+        from prometheus_client.core import GaugeMetricFamily  # noqa: PLC0415 - the extra
+
+        family = GaugeMetricFamily(
+            UP_SERIES,
+            "1 while the rank's snapshots reach the driver; 0 once it is known dead or "
+            f"silent for {STALE_AFTER_S:g} s.",
+            labels=("role", "rank", "engine"),
+        )
+        engines = {(s.role, s.rank): s.engine for s in self.snapshots()}
+        for (role, rank), alive in self.up().items():
+            family.add_metric([role, str(rank), engines.get((role, rank), "")], 1 if alive else 0)
+        return [family]
 
     @property
     def url(self) -> str | None:
@@ -220,28 +236,6 @@ class MetricsRelay:
             server.server_close()
         if self._thread is not None:
             self._thread.join(timeout_s)
-
-
-class _UpCollector:
-    """``staging_contracts_rank_up`` of every rank the relay heard from (the scrape's
-    thread)."""
-
-    def __init__(self, relay: MetricsRelay) -> None:
-        self._relay = relay
-
-    def collect(self) -> Iterable[Metric]:
-        from prometheus_client.core import GaugeMetricFamily  # noqa: PLC0415 - the extra
-
-        family = GaugeMetricFamily(
-            UP_SERIES,
-            "1 while the rank's snapshots reach the driver; 0 once it is known dead or "
-            f"silent for {STALE_AFTER_S:g} s.",
-            labels=("role", "rank", "engine"),
-        )
-        engines = {(s.role, s.rank): s.engine for s in self._relay.snapshots()}
-        for (role, rank), alive in self._relay.up().items():
-            family.add_metric([role, str(rank), engines.get((role, rank), "")], 1 if alive else 0)
-        return [family]
 
 
 @contextmanager
