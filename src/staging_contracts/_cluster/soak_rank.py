@@ -249,8 +249,9 @@ class _Events:
 
 class CommandLoop:
     """A soak rank's command handling, apart from its backend (the module's docstring says
-    what each command does, and how every ``OpenRoom`` is answered by one ``RoomEnded``).
-    Subclasses supply the side: :meth:`peers_known`, :meth:`on_peers`, :meth:`open_room`,
+    what each command does, and how every ``OpenRoom`` is answered by one ``RoomEnded``; an
+    exception while a room's thread waits for its end fails the room too). Subclasses
+    supply the side: :meth:`peers_known`, :meth:`on_peers`, :meth:`open_room`,
     :meth:`status` and :meth:`trust_one`.
 
     **Threads:** :meth:`command` and :meth:`expire` are called on the rank's main thread;
