@@ -20,7 +20,8 @@ import zmq
 
 from staging_contracts import cli
 from staging_contracts._cluster import soak
-from staging_contracts._cluster.soak import malformed_message, run_soak
+from staging_contracts._cluster.soak import run_soak
+from staging_contracts._cluster.soak_flood import malformed_message
 from staging_contracts._cluster.soak_rank import install_drop
 from staging_contracts._cluster.soak_report import (
     FAULT_ORDER,

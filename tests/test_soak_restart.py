@@ -99,7 +99,7 @@ class Harness:
         """A new process for ``key`` (what ``_spawn`` does, without the process)."""
         self.next_pid += 1
         process = FakeProcess(self.next_pid)
-        rank = soak._Rank(key, process, 0.0, pid=self.next_pid)  # type: ignore[arg-type]
+        rank = soak._Rank(key, process, pid=self.next_pid)  # type: ignore[arg-type]
         self.driver.ranks[key] = rank
         return rank
 

@@ -32,18 +32,6 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, Final
 
-__all__ = [
-    "JSON_KEYS",
-    "LOG_FORMATS",
-    "LOG_FORMAT_ENV",
-    "JsonFormatter",
-    "TextFormatter",
-    "install",
-    "installed",
-    "json_line",
-    "log_format",
-]
-
 LOG_FORMAT_ENV: Final = "STAGING_CONTRACTS_LOG_FORMAT"
 """``text`` (default) or ``json``: the format of every process's log lines."""
 LOG_FORMATS: Final = ("text", "json")
@@ -147,10 +135,6 @@ class _StderrHandler(logging.Handler):
             self.handleError(record)
 
 
-def _formatter(fmt: str, role: str | None, rank: int | None, label: str) -> logging.Formatter:
-    return JsonFormatter(role, rank) if fmt == "json" else TextFormatter(label)
-
-
 def install(
     *,
     role: str | None = None,
@@ -186,7 +170,7 @@ def install(
     for old in [h for h in root.handlers if isinstance(h, _StderrHandler)]:
         root.removeHandler(old)
     handler = _StderrHandler()
-    handler.setFormatter(_formatter(fmt, role, rank, label))
+    handler.setFormatter(JsonFormatter(role, rank) if fmt == "json" else TextFormatter(label))
     root.addHandler(handler)
     if level is not None:
         root.setLevel(level)

@@ -2,10 +2,10 @@
 
 A rank process sends a ``metrics`` event with its :class:`~staging_contracts.metrics.
 MetricsSnapshot` (as JSON) every :data:`REPORT_EVERY_S` to the driver's inbox: a soak rank
-from its command loop (:class:`RankReporter` says when one is due), a demo rank from a
+from its command loop (a ``soak_ticker.Ticker`` says when one is due), a demo rank from a
 thread of its own with a socket of its own (:class:`MetricsPusher`: the demo rank's main
-thread alone uses its report socket). The driver keeps the latest snapshot
-of each ``(role, rank)`` in a :class:`MetricsRelay`, whose collector serves them all at
+thread alone uses its report socket). The driver keeps the latest snapshot of each
+``(role, rank)`` in a :class:`MetricsRelay`, whose collector serves them all at
 ``http://127.0.0.1:PORT/metrics``, labelled ``role``, ``rank`` and ``engine``. A rank that
 restarts starts its counters again from zero (Prometheus reads that as a counter reset).
 
@@ -42,19 +42,6 @@ if TYPE_CHECKING:
     from ..backends._common import CommonKVManager
     from ..backends._kv_requests import PrefillTransfers
 
-__all__ = [
-    "METRICS_EXTRA_HINT",
-    "REPORT_EVERY_S",
-    "STALE_AFTER_S",
-    "UP_SERIES",
-    "MetricsPusher",
-    "MetricsRelay",
-    "RankReporter",
-    "add_metrics_port_argument",
-    "check_metrics_available",
-    "metrics_port",
-    "serving",
-]
 
 logger = logging.getLogger(__name__)
 
@@ -68,24 +55,6 @@ UP_SERIES: Final = "staging_contracts_rank_up"
 METRICS_EXTRA_HINT: Final = (
     "--metrics-port needs prometheus-client: pip install 'staging-contracts[metrics]'"
 )
-
-
-class RankReporter:
-    """When a rank's next ``metrics`` event is due (every :data:`REPORT_EVERY_S`).
-
-    **Threads:** the rank's main loop only.
-    """
-
-    def __init__(self, every_s: float = REPORT_EVERY_S) -> None:
-        self.every_s = every_s
-        self._last = float("-inf")
-
-    def due(self, now: float) -> bool:
-        """Whether one is due at ``now`` (``time.monotonic()``); if so, the clock restarts."""
-        if now - self._last < self.every_s:
-            return False
-        self._last = now
-        return True
 
 
 class MetricsPusher:
@@ -230,13 +199,29 @@ class MetricsRelay:
 
         registry = CollectorRegistry()
         registry.register(StagingCollector(self.served))
-        registry.register(_UpCollector(self))
+        registry.register(self)  # collect(): the rank_up gauge
         try:
             server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
         except OSError as exc:
             raise OSError(exc.errno, f"cannot serve metrics on 127.0.0.1:{port}: {exc}") from exc
         self._server, self._thread = server, thread
         self.port = server.server_port
+
+    def collect(self) -> Iterable[Metric]:
+        """``staging_contracts_rank_up`` of every rank heard from. **Called by:** the scrape
+        (``prometheus_client``'s thread)."""
+        from prometheus_client.core import GaugeMetricFamily  # noqa: PLC0415 - the extra
+
+        family = GaugeMetricFamily(
+            UP_SERIES,
+            "1 while the rank's snapshots reach the driver; 0 once it is known dead or "
+            f"silent for {STALE_AFTER_S:g} s.",
+            labels=("role", "rank", "engine"),
+        )
+        engines = {(s.role, s.rank): s.engine for s in self.snapshots()}
+        for (role, rank), alive in self.up().items():
+            family.add_metric([role, str(rank), engines.get((role, rank), "")], 1 if alive else 0)
+        return [family]
 
     @property
     def url(self) -> str | None:
@@ -251,28 +236,6 @@ class MetricsRelay:
             server.server_close()
         if self._thread is not None:
             self._thread.join(timeout_s)
-
-
-class _UpCollector:
-    """``staging_contracts_rank_up`` of every rank the relay heard from (the scrape's
-    thread)."""
-
-    def __init__(self, relay: MetricsRelay) -> None:
-        self._relay = relay
-
-    def collect(self) -> Iterable[Metric]:
-        from prometheus_client.core import GaugeMetricFamily  # noqa: PLC0415 - the extra
-
-        family = GaugeMetricFamily(
-            UP_SERIES,
-            "1 while the rank's snapshots reach the driver; 0 once it is known dead or "
-            f"silent for {STALE_AFTER_S:g} s.",
-            labels=("role", "rank", "engine"),
-        )
-        engines = {(s.role, s.rank): s.engine for s in self._relay.snapshots()}
-        for (role, rank), alive in self._relay.up().items():
-            family.add_metric([role, str(rank), engines.get((role, rank), "")], 1 if alive else 0)
-        return [family]
 
 
 @contextmanager

@@ -60,13 +60,12 @@ from .soak_flood import (
     FloodTarget,
     flood_counts,
     flood_state,
-    malformed_message,
     send_flood,
     state_bounds,
 )
 from .soak_forge import FORGE_WRITE_TIMEOUT_S, SCRIBBLE_S, Forger, Scribbler, forged_arrivals
 from .soak_memory import judge_memory
-from .soak_rank import soak_rank_main
+from .soak_rank import bind_pull, soak_rank_main
 from .soak_report import (
     FAULT_ORDER,
     FloodRecord,
@@ -78,24 +77,6 @@ from .soak_report import (
     reason_group,
 )
 from .soak_ticker import Ticker, tally_line
-
-__all__ = [
-    "FLOOD_DEADLINE_S",
-    "HUNG_SLACK_S",
-    "IDLE_S",
-    "LONG_STALL_EXTRA_S",
-    "MAX_REVIVALS",
-    "NEEDED_S",
-    "PEERS_S",
-    "SHORT_STALL_S",
-    "STARTUP_S",
-    "STATUS_EVERY_S",
-    "STATUS_S",
-    "STOP_S",
-    "ProgressCallback",
-    "malformed_message",
-    "run_soak",
-]
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +186,6 @@ class _Rank:
 
     key: RankKey
     process: BaseProcess
-    started: float
     pid: int | None = None
     info: RankInfo | None = None
     commands: zmq.Socket[bytes] | None = None
@@ -213,10 +193,18 @@ class _Rank:
     """When it was last sent ``peers`` (``time.monotonic()``)."""
     peered: bool = False
     """It answered a ``peers`` command: it can open rooms, and only now is it sent any."""
-    killed: bool = False
-    """The soak killed this process (its death is expected)."""
     gone: bool = False
     """The driver has seen it dead (killed or by itself) and stopped talking to it."""
+
+    @property
+    def name(self) -> str:
+        """``"decode 0"``, ``"prefill 1"``, ..."""
+        return f"{self.key[0]} {self.key[1]}"
+
+    def close_commands(self) -> None:
+        if self.commands is not None:
+            self.commands.close(linger=0)
+            self.commands = None
 
 
 @dataclass
@@ -252,12 +240,12 @@ class _Driver:
         self.relay = relay
         self.progress = progress
         self.rng = random.Random(config.seed)
+        self.hung_after_s = config.room_bound_s + HUNG_SLACK_S
+        """A room no rank reported this long after it was issued is hung."""
+        self.long_stall_s = config.liveness_timeout_s + LONG_STALL_EXTRA_S
+        """How long ``stall-long`` and ``pause`` stop a rank."""
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.setsockopt(zmq.LINGER, 0)
-        self.inbox.bind("tcp://127.0.0.1:*")  # the ranks run on this host
-        raw = self.inbox.getsockopt(zmq.LAST_ENDPOINT)
-        self.inbox_endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
+        self.inbox, self.inbox_endpoint = bind_pull(self.ctx)  # the ranks run on this host
         self.processes: Supervisor[RankKey] = Supervisor()
         """Every rank process of the soak, each able to say how it died."""
         self.keys: list[RankKey] = [("decode", d) for d in range(config.decode_tp)] + [
@@ -276,14 +264,13 @@ class _Driver:
         self.start = time.monotonic()
         self.ended = self.start
         self.ticker = Ticker(self.start)
-        self.last_status_poll = 0.0
+        self.status_ticker = Ticker(float("-inf"), STATUS_EVERY_S)
         self.status_id = 0
         self.answers: dict[int, dict[RankKey, msg.RankStatus]] = {}
         self.last_status: dict[int, tuple[RankKey, msg.RankStatus]] = {}
         """Process id -> its rank and latest status (so killed processes' counts are kept)."""
-        self.kills: list[KillRecord] = []
-        self.replacements: list[_Rank | None] = []
-        """The new process of each kill (``None``: it did not take its peers in time)."""
+        self.kills: list[tuple[KillRecord, _Rank | None]] = []
+        """Each kill, with the new process (``None``: it did not take its peers in time)."""
         self.stalls: list[StallRecord] = []
         self.floods: list[FloodRecord] = []
         self.forges: list[ForgeRecord] = []
@@ -303,21 +290,22 @@ class _Driver:
 
     def run(self) -> None:
         config = self.config
-        self.start = time.monotonic()
-        self.ticker = Ticker(self.start)
         for key in self.keys:
             self._spawn(key)
-        if not self._wait(self._all_ready, STARTUP_S):
-            raise RuntimeError(f"rank processes not ready in {STARTUP_S:.0f} s: {self._unready()}")
+        if unready := self._lacking(lambda rank: rank.info is not None, STARTUP_S):
+            raise RuntimeError(f"rank processes not ready in {STARTUP_S:.0f} s: {unready}")
         self._send_peers()
         self.peering = True
-        if not self._wait(self._all_peered, PEERS_S):
-            raise RuntimeError(f"rank processes did not take their peers: {self._unpeered()}")
+        if unpeered := self._lacking(lambda rank: rank.peered, PEERS_S):
+            raise RuntimeError(f"rank processes did not take their peers: {unpeered}")
         self.startup_s = time.monotonic() - self.start
         self.issuing = True
         run_from = time.monotonic()
         cycle = [name for name in FAULT_ORDER if name in config.faults and name != "drop"]
-        if "forge" in cycle and not _can_forge(config):
+        # forge: NIXL notifications authenticated with the secret, or Mooncake (hostile
+        # one-sided writes, with or without the secret)
+        nixl_forge = config.backend == "nixl" and load_cluster_secret() is not None
+        if "forge" in cycle and not (nixl_forge or config.backend == "mooncake"):
             logger.warning("forge skipped: it needs nixl and the cluster secret, or mooncake")
             cycle.remove("forge")
         turn = 0
@@ -335,10 +323,9 @@ class _Driver:
             self._inject(cycle[turn % len(cycle)])
             turn += 1
         self.issuing = False
-        bound = config.room_bound_s + HUNG_SLACK_S
         self._wait(lambda: not self._unsettled(), self._until_hung(self._unsettled()))
         for room in self._unsettled():
-            self._settle(room, hung=f"no report in {bound:.0f} s")
+            self._settle(room, hung=f"no report in {self.hung_after_s:.0f} s")
         self.idle = self._wait_idle()
         if "drop" in config.faults and self._drops()[1]:
             self.injected["drop"] = 1
@@ -349,19 +336,17 @@ class _Driver:
         if not rooms:
             return 0.0
         last = max(room.issued for room in rooms)
-        bound = self.config.room_bound_s + HUNG_SLACK_S
-        return max(0.0, last + bound - time.monotonic()) + 2 * _PUMP_S
+        return max(0.0, last + self.hung_after_s - time.monotonic()) + 2 * _PUMP_S
 
     def _estimate(self, fault: str) -> float:
         """About how long injecting ``fault`` takes (to not start one past the duration)."""
-        liveness = self.config.liveness_timeout_s
         return {
             "flood": 6.0,
             "forge": 3.0 + SCRIBBLE_S + self.config.settle_s,
             "stall": SHORT_STALL_S,
-            "stall-long": liveness + LONG_STALL_EXTRA_S,
-            "pause": 2 * (liveness + LONG_STALL_EXTRA_S + self.config.settle_s),
-        }.get(fault, liveness + self.startup_s + 2.0)
+            "stall-long": self.long_stall_s,
+            "pause": 2 * (self.long_stall_s + self.config.settle_s),
+        }.get(fault, self.config.liveness_timeout_s + self.startup_s + 2.0)
 
     def shutdown(self, grace_s: float = STOP_S) -> None:
         """Stop every rank process (``stop``, then ``SIGKILL`` after ``grace_s``); idempotent."""
@@ -371,9 +356,7 @@ class _Driver:
                 self._send(rank, msg.Stop())
         self.processes.close(grace_s)
         for rank in self.ranks.values():
-            if rank.commands is not None:
-                rank.commands.close(linger=0)
-                rank.commands = None
+            rank.close_commands()
         self.ended = time.monotonic()
         self.inbox.close(linger=0)
         if self.forger is not None:
@@ -390,18 +373,14 @@ class _Driver:
             self._flood()
         elif fault == "forge":
             self._forge()
-        elif fault in ("stall", "stall-long"):
-            long = fault == "stall-long"
-            self._stall(
-                self.config.liveness_timeout_s + LONG_STALL_EXTRA_S if long else SHORT_STALL_S,
-                "prefill",
-                fault,
-            )
+        elif fault == "stall":
+            self._stall(SHORT_STALL_S, "prefill", fault)
+        elif fault == "stall-long":
+            self._stall(self.long_stall_s, "prefill", fault)
         elif fault == "pause":  # both roles, each past the liveness timeout
-            seconds = self.config.liveness_timeout_s + LONG_STALL_EXTRA_S
-            self._stall(seconds, "prefill", fault)
+            self._stall(self.long_stall_s, "prefill", fault)
             self._wait(_never, self.config.settle_s)
-            self._stall(seconds, "decode", fault)
+            self._stall(self.long_stall_s, "decode", fault)
         elif fault in ("kill-prefill", "kill-decode"):
             self._kill(fault.removeprefix("kill-"))
         self.injected[fault] += 1
@@ -409,7 +388,7 @@ class _Driver:
     def _victim(self, role: str) -> _Rank:
         """A ``role`` rank, drawn, once a room in flight needs it (the soak goes on meanwhile,
         bounded by ``NEEDED_S``), so that the fault hits rooms that depend on it."""
-        rank = self.ranks[self.rng.choice([key for key in self.keys if key[0] == role])]
+        rank = self.ranks[self.rng.choice(self._role_keys(role))]
         self._wait(lambda: self._needed(rank), NEEDED_S)
         return rank
 
@@ -423,7 +402,6 @@ class _Driver:
     def _kill(self, role: str) -> None:
         rank = self._victim(role)
         at = time.monotonic()
-        rank.killed = True
         rank.process.kill()
         self._died(rank, at, unexpected=False)
 
@@ -436,7 +414,7 @@ class _Driver:
             self.relay.mark_dead(*rank.key)
         if unexpected:
             self.unexpected.append(
-                f"{rank.key[0]} {rank.key[1]} (pid {rank.pid}) exited with {rank.process.exitcode}"
+                f"{rank.name} (pid {rank.pid}) exited with {rank.process.exitcode}"
             )
         waiting = [r for r in self._unsettled() if rank.key in r.waiting()]
         # The rooms a survivor still had in flight: those the death must be detected for
@@ -458,31 +436,22 @@ class _Driver:
         failed = sum(room.outcome == "failed" for room in dependent)
         detect = max(failed_at) - at if failed_at else None
         rank.process.join(5)
-        if rank.commands is not None:
-            rank.commands.close(linger=0)
-            rank.commands = None
+        rank.close_commands()
         new = self._spawn(rank.key)
         back = self._wait(lambda: new.info is not None, STARTUP_S) and self._wait(
             lambda: new.peered, PEERS_S
         )
         restart = time.monotonic() - at if back else None
-        self.replacements.append(new if back else None)
+        in_flight = len(dependent)
         record = KillRecord(
-            rank.key[0],
-            rank.key[1],
-            at - self.start,
-            len(dependent),
-            failed,
-            detect,
-            restart,
-            unexpected,
+            *rank.key, at - self.start, in_flight, failed, detect, restart, unexpected
         )
-        self.kills.append(record)
+        self.kills.append((record, new if back else None))
         detected = "no room failed" if detect is None else f"detected in {detect:.2f} s"
         self._say(
             at,
-            f"{'died' if unexpected else 'killed'} {rank.key[0]} {rank.key[1]} with "
-            f"{len(dependent)} rooms in flight ({failed} failed): {detected}; "
+            f"{'died' if unexpected else 'killed'} {rank.name} with "
+            f"{in_flight} rooms in flight ({failed} failed): {detected}; "
             + ("back" if back else "NOT back")
             + (f" in {restart:.1f} s" if restart is not None else ""),
         )
@@ -518,7 +487,7 @@ class _Driver:
         """Flood a decode rank, then a prefill rank (each role's ranks in turn)."""
         turn = self.injected["flood"]
         for role in ("decode", "prefill"):
-            keys = [key for key in self.keys if key[0] == role]
+            keys = self._role_keys(role)
             self._flood_one(self.ranks[keys[turn % len(keys)]])
 
     def _flood_one(self, rank: _Rank) -> None:
@@ -530,31 +499,27 @@ class _Driver:
         keys = CurveKeys.generate() if load_cluster_secret() is not None else None
         if keys is not None:
             self._send(rank, msg.Trust(FLOOD_ENDPOINT, keys.public.decode()))
-        before = self._status([rank.key]).get(rank.key, _NO_STATUS)  # answered after the trust
-        decode = [r.info for k, r in self.ranks.items() if k[0] == "decode" and r.info]
+        before = self._status_of(rank) or _NO_STATUS  # answered after the trust
+        session = rank.info
+        if rank.key[0] == "prefill":  # its messages name a decode rank's session
+            decode = (r.info for k, r in self.ranks.items() if k[0] == "decode" and r.info)
+            session = next(decode, session)
         late = [room.room for room in self.rooms.values() if room.outcome is not None][-64:]
         target = FloodTarget(
             rank.info.endpoint,
             rank.key[0],
-            (
-                rank.info if rank.key[0] == "decode" else decode[0] if decode else rank.info
-            ).session_id,
+            session.session_id,
             late,
             keys,
             rank.info.curve_key.encode("ascii"),
         )
         at = time.monotonic()
         sent: list[Counter[str]] = [Counter(), Counter()]
+        half, seed = self.config.flood_frames // 2, self.config.seed
         threads = [
             threading.Thread(
                 target=send_flood,
-                args=(
-                    self.ctx,
-                    target,
-                    self.config.flood_frames // 2,
-                    self.config.seed + i,
-                    sent[i],
-                ),
+                args=(self.ctx, target, half, seed + i, sent[i]),
                 name=f"soak-flood-{i}",
                 daemon=True,
             )
@@ -570,17 +535,15 @@ class _Driver:
 
         def counted_all() -> bool:
             nonlocal after
-            after = self._status([rank.key]).get(rank.key, after)
+            after = self._status_of(rank) or after
             return sum(flood_counts(before, after).values()) >= total
 
-        deadline = time.monotonic() + STATUS_S
-        while not counted_all() and time.monotonic() < deadline:
-            self._wait(_never, 0.25)
+        self._poll(counted_all, STATUS_S)
         counts = flood_counts(before, after)
         chunks = len(list(self.config.transfer().chunks()))
         bounds = state_bounds(self.config.rooms_in_flight, chunks, self.config.decode_tp)
         record = FloodRecord(
-            f"{rank.key[0]} {rank.key[1]}",
+            rank.name,
             at - self.start,
             total,
             sum(counts.values()),
@@ -603,16 +566,16 @@ class _Driver:
         """Send a decode rank forged arrivals for the rooms in flight from a hostile agent
         that holds its engine metadata, and wait (bounded) until it counted them
         ``unauthorized``; over Mooncake, overwrite its ring instead (``_scribble``)."""
-        if self.config.backend == "mooncake":
-            self._scribble()
-            return
         rank = self._victim("decode")
         info = rank.info
         if info is None:
             return
+        if self.config.backend == "mooncake":
+            self._scribble(rank, info)
+            return
         if self.forger is None:
             self.forger = Forger(self.config.host)
-        before = self._status([rank.key]).get(rank.key, _NO_STATUS).unauthorized
+        before = (self._status_of(rank) or _NO_STATUS).unauthorized
         rooms = [room.room for room in self._unsettled()]
         chunks = list(self.config.transfer().chunks())
         payloads = forged_arrivals(rooms, chunks, info.session_id, self.config.prefill_tp, self.rng)
@@ -624,30 +587,23 @@ class _Driver:
             nonlocal counted
             if self.forger is not None:
                 self.forger.progress()
-            answer = self._status([rank.key]).get(rank.key)
+            answer = self._status_of(rank)
             if answer is not None:
                 counted = answer.unauthorized - before
             return counted >= sent
 
-        deadline = time.monotonic() + STATUS_S
-        while not counted_all() and time.monotonic() < deadline:
-            self._wait(_never, 0.25)
-        label = f"{rank.key[0]} {rank.key[1]}"
-        self.forges.append(ForgeRecord(label, at - self.start, len(rooms), sent, counted))
+        self._poll(counted_all, STATUS_S)
+        self.forges.append(ForgeRecord(rank.name, at - self.start, len(rooms), sent, counted))
         self._say(
             at,
-            f"forged {sent} arrivals to {label} for {len(rooms)} rooms in flight; "
+            f"forged {sent} arrivals to {rank.name} for {len(rooms)} rooms in flight; "
             f"{counted} counted unauthorized",
         )
 
-    def _scribble(self) -> None:
-        """Overwrite a decode rank's ring with garbage from a hostile Mooncake engine for
+    def _scribble(self, rank: _Rank, info: RankInfo) -> None:
+        """Overwrite ``rank``'s ring with garbage from a hostile Mooncake engine for
         ``SCRIBBLE_S`` while rooms go on (``soak_forge.Scribbler``, on a thread), and count
         the rooms that failed ``integrity`` meanwhile."""
-        rank = self._victim("decode")
-        info = rank.info
-        if info is None:
-            return
         if self.scribbler is None:
             self.scribbler = Scribbler(self.config.host)
         scribbler = self.scribbler
@@ -688,13 +644,14 @@ class _Driver:
             r.outcome == "failed" and r.settled_at >= at and reason_group(r.reason) == "integrity"
             for r in self.rooms.values()
         )
-        label = f"{rank.key[0]} {rank.key[1]}"
         self.forges.append(
-            ForgeRecord(label, at - self.start, rooms, writes, 0, "write", written, seconds, failed)
+            ForgeRecord(
+                rank.name, at - self.start, rooms, writes, 0, "write", written, seconds, failed
+            )
         )
         self._say(
             at,
-            f"overwrote the ring of {label} {writes} times in {seconds:.1f} s; "
+            f"overwrote the ring of {rank.name} {writes} times in {seconds:.1f} s; "
             f"{failed} rooms failed integrity",
         )
 
@@ -719,12 +676,11 @@ class _Driver:
         self._look_at_processes(now)
         self._top_up()
         for room in self._unsettled():
-            if now - room.issued > self.config.room_bound_s + HUNG_SLACK_S:
+            if now - room.issued > self.hung_after_s:
                 self._settle(room, hung="no report")
         if self.ticker.due(now):
             self._say(now, tally_line(room.outcome for room in self.rooms.values()))
-        if now - self.last_status_poll > STATUS_EVERY_S:
-            self.last_status_poll = now
+        if self.status_ticker.due(now):
             self._ask_status(self.keys)
 
     def _look_at_processes(self, now: float) -> None:
@@ -735,11 +691,11 @@ class _Driver:
                 themselves more than ``MAX_REVIVALS`` times.
         """
         for rank in list(self.ranks.values()):  # _died replaces its rank, and pumps events
-            if rank.gone or rank.killed or rank.process.is_alive():
+            if rank.gone or rank.process.is_alive():  # a rank the soak kills is gone at once
                 continue
             rank.gone = True
             why = self.exit_errors.get(rank.pid or 0) or self.processes.explain(rank.process)
-            name = f"{rank.key[0]} {rank.key[1]} (pid {rank.pid})"
+            name = f"{rank.name} (pid {rank.pid})"
             if rank.info is None:
                 raise RuntimeError(f"{name} exited while starting: {why}")
             if len(self.unexpected) >= MAX_REVIVALS:
@@ -790,23 +746,18 @@ class _Driver:
     def _spawn(self, key: RankKey) -> _Rank:
         args = (key[0], key[1], self.settings, self.inbox_endpoint)
         process = self.processes.start(key, soak_rank_main, args, name=f"soak-{key[0]}-{key[1]}")
-        rank = _Rank(key, process, time.monotonic(), pid=process.pid)
+        rank = _Rank(key, process, pid=process.pid)
         self.ranks[key] = rank
         return rank
 
     def _ready(self, rank: _Rank, event: msg.Serving) -> None:
-        info, endpoint = event.info, event.commands
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
-        sock.connect(endpoint)
-        rank.commands = sock
-        rank.info = info
+        sock.connect(event.commands)
+        rank.commands, rank.info = sock, event.info
         if self.peering:  # a restarted rank: it and the others learn its peers now, and it
             self._send_peers()  # gets rooms once it answers (``peered``), never before
-
-    def _all_peered(self) -> bool:
-        return all(rank.peered for rank in self.ranks.values())
 
     def _answering_peers(self) -> bool:
         """Whether a rank was sent ``peers`` less than ``PEERS_S`` ago and has not answered."""
@@ -819,14 +770,17 @@ class _Driver:
             for rank in self.ranks.values()
         )
 
-    def _unpeered(self) -> str:
-        return ", ".join(f"{k[0]} {k[1]}" for k, r in self.ranks.items() if not r.peered)
+    def _lacking(self, has: Callable[[_Rank], bool], timeout_s: float) -> str:
+        """Wait (bounded) until every rank ``has``; the ranks that still lack it, named."""
 
-    def _all_ready(self) -> bool:
-        return all(rank.info is not None for rank in self.ranks.values())
+        def lacking() -> str:
+            return ", ".join(rank.name for rank in self.ranks.values() if not has(rank))
 
-    def _unready(self) -> str:
-        return ", ".join(f"{k[0]} {k[1]}" for k, r in self.ranks.items() if r.info is None)
+        self._wait(lambda: not lacking(), timeout_s)
+        return lacking()
+
+    def _role_keys(self, role: str) -> list[RankKey]:
+        return [key for key in self.keys if key[0] == role]
 
     def _send(self, rank: _Rank, command: msg.Message) -> bool:
         if rank.commands is None or rank.gone:
@@ -861,17 +815,29 @@ class _Driver:
         self._wait(lambda: all(key in answers for key in keys), STATUS_S)
         return dict(answers)
 
-    def _wait_idle(self) -> bool:
-        """Ask every rank for its counters until nothing is held (bounded); keep the last."""
-        deadline = time.monotonic() + IDLE_S
-        while True:
-            self.final = self._status(self.keys)
-            complete = len(self.final) == len(self.keys)
-            if complete and not any(answer.holds() for answer in self.final.values()):
-                return True
+    def _status_of(self, rank: _Rank) -> msg.RankStatus | None:
+        """``rank``'s counters (``None``: it did not answer within ``STATUS_S``)."""
+        return self._status([rank.key]).get(rank.key)
+
+    def _poll(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Check ``done()`` (which asks ranks for their counters) every 0.25 s until it
+        holds or ``timeout_s`` passed; whether it held."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
             if time.monotonic() >= deadline:
                 return False
             self._wait(_never, 0.25)
+        return True
+
+    def _wait_idle(self) -> bool:
+        """Ask every rank for its counters until nothing is held (bounded); keep the last."""
+
+        def idle() -> bool:
+            self.final = self._status(self.keys)
+            complete = len(self.final) == len(self.keys)
+            return complete and not any(answer.holds() for answer in self.final.values())
+
+        return self._poll(idle, IDLE_S)
 
     def _drops(self) -> tuple[int, int]:
         sent = sum(s.control_sent for _, s in self.last_status.values())
@@ -884,13 +850,8 @@ class _Driver:
         return [room for room in self.rooms.values() if room.outcome is None]
 
     def _top_up(self) -> None:
-        """Issue rooms until ``rooms_in_flight`` are unsettled, to every rank that is up.
-
-        While a rank is down its rooms still come (as from a router that has not noticed):
-        the survivors get them with the peers they know, and the rank counts as lost. A rank
-        is up once it answered ``peers`` (a restarted rank that is only ``ready`` is not: a
-        room would reach it before it knows the other side). A room command that cannot be
-        sent fails the room on that rank.
+        """Issue rooms until ``rooms_in_flight`` are unsettled, to every rank that answered
+        ``peers`` and is alive (a rank that is down counts as lost; see the module).
 
         No room is issued while a rank that is ready has not answered its ``peers`` yet
         (up to ``PEERS_S``): the others know it already, and a room it does not get would
@@ -906,7 +867,9 @@ class _Driver:
                 break
             instance = self.next_instance
             self.next_instance = (instance + 1) % self.config.prefill_instances
-            keys = self._room_keys(instance)
+            # every decode rank and the prefill ranks of the instance
+            tp = self.config.prefill_tp
+            keys = self._role_keys("decode") + [("prefill", instance * tp + r) for r in range(tp)]
             live = {key: rank for key, rank in up.items() if key in keys}
             index = self.free.pop(0)
             room = _Room(
@@ -926,14 +889,6 @@ class _Driver:
                         room.room, index, "failed", time.monotonic(), reason
                     )
             self._maybe_settle(room)
-
-    def _room_keys(self, instance: int) -> list[RankKey]:
-        """The ranks a room of prefill ``instance`` needs: every decode rank (first) and
-        that instance's prefill ranks."""
-        tp = self.config.prefill_tp
-        return [key for key in self.keys if key[0] == "decode"] + [
-            ("prefill", instance * tp + r) for r in range(tp)
-        ]
 
     def _maybe_settle(self, room: _Room) -> None:
         if room.outcome is None and not room.waiting():
@@ -955,8 +910,9 @@ class _Driver:
             for key, report in sorted(reports.items(), key=lambda item: item[0][0] != "decode")
             if report.state == "failed"
         ]
-        decode = [key for key in self.keys if key[0] == "decode"]
-        decode_done = all(key in reports and reports[key].state == "ok" for key in decode)
+        decode_done = all(
+            key in reports and reports[key].state == "ok" for key in self._role_keys("decode")
+        )
         room.settled_at = time.monotonic()
         if corrupt:
             room.outcome, room.reason = "corrupt", "\n".join(corrupt)
@@ -1028,7 +984,7 @@ class _Driver:
             hung_details=tuple(r.reason for r in rooms if r.outcome == "hung"),
             kills=tuple(
                 dataclasses.replace(kill, served_after=self._served(new))
-                for kill, new in zip(self.kills, self.replacements, strict=True)
+                for kill, new in self.kills
             ),
             stalls=tuple(self.stalls),
             floods=tuple(self.floods),
@@ -1052,14 +1008,6 @@ class _Driver:
                 self.ended - self.start,
             ),
         )
-
-
-def _can_forge(config: SoakConfig) -> bool:
-    """Whether ``forge`` applies: NIXL notifications, authenticated with the secret, or
-    Mooncake (hostile one-sided writes, with or without the secret)."""
-    if config.backend == "mooncake":
-        return True
-    return config.backend == "nixl" and load_cluster_secret() is not None
 
 
 _NO_STATUS: Final = msg.RankStatus(0, listener_alive=False)

@@ -27,6 +27,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Final
 
 import zmq
@@ -45,21 +46,6 @@ from .._control.transport import MAX_FRAMES
 from .._control.wire import MESSAGE_TYPES, ChunkReady, StagingRsp
 from ..backends._kv_requests import DEFAULT_EARLY_META_PER_PEER
 from ._messages import RankStatus
-
-__all__ = [
-    "COUNTERS",
-    "FLOOD_DEADLINE_S",
-    "FLOOD_ENDPOINT",
-    "FLOOD_LINGER_MS",
-    "STATE",
-    "FloodTarget",
-    "flood_counts",
-    "flood_state",
-    "malformed_message",
-    "send_flood",
-    "state_bounds",
-    "unwanted_message",
-]
 
 FLOOD_DEADLINE_S: Final = 10.0
 """Longest one flood burst lasts, whatever its frame count."""
@@ -92,34 +78,23 @@ STATE: Final = ("answers_held", "early_meta", "open_rooms")
 the rank's open rooms."""
 
 
+@dataclass(frozen=True, slots=True)
 class FloodTarget:
-    """Where one flood thread sends and what it names.
+    """Where one flood thread sends and what it names."""
 
-    Args:
-        endpoint: the target's control listener.
-        role: ``"prefill"`` or ``"decode"``.
-        session_id: the decode session the messages name (the target's own, for decode;
-            a decode rank's, for prefill).
-        late_rooms: rooms that closed lately (the late answers name them).
-        keys: the flooder's CURVE keys (the target trusts them), or ``None`` without a secret.
-        server_key: the target's CURVE public key (Z85), with ``keys``.
-    """
-
-    def __init__(
-        self,
-        endpoint: str,
-        role: str,
-        session_id: str,
-        late_rooms: Sequence[int] = (),
-        keys: CurveKeys | None = None,
-        server_key: bytes = b"",
-    ) -> None:
-        self.endpoint = endpoint
-        self.role = role
-        self.session_id = session_id
-        self.late_rooms = tuple(late_rooms)
-        self.keys = keys
-        self.server_key = server_key
+    endpoint: str
+    """The target's control listener."""
+    role: str
+    """``"prefill"`` or ``"decode"``."""
+    session_id: str
+    """The decode session the messages name (the target's own, for decode; a decode rank's,
+    for prefill)."""
+    late_rooms: Sequence[int] = ()
+    """Rooms that closed lately (the late answers name them)."""
+    keys: CurveKeys | None = None
+    """The flooder's CURVE keys (the target trusts them), or ``None`` without a secret."""
+    server_key: bytes = b""
+    """The target's CURVE public key (Z85), with ``keys``."""
 
 
 _KINDS: Final = (
@@ -153,13 +128,8 @@ def malformed_message(rng: random.Random) -> list[bytes]:
 
 
 def unwanted_message(target: FloodTarget, rng: random.Random) -> tuple[str, list[bytes]]:
-    """One well-formed message the target must drop or hold within a bound, and its kind.
-
-    Prefill: a ``STAGING_RSP`` naming ``session_id`` for a room that closed lately or was
-    never asked (its answer table keeps only answers an open room asked for), or a
-    ``ROOM_META`` for a room never opened (held aside within the sender's cap). Decode: a
-    ``CHUNK_READY`` without a tag for a room it never registered.
-    """
+    """One well-formed message the target must drop or hold within a bound (the module's
+    docstring says which, by role), and its kind."""
     never = _ROOMS_NEVER_OPENED + rng.randrange(1 << 30)
     if target.role == "decode":
         ready = ChunkReady(never, rng.randrange(8), rng.randrange(64), 1, target.session_id, 0)

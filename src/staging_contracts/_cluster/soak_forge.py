@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from ..engines.mooncake import MooncakeEngine
     from ..engines.nixl import NixlEngine
 
-__all__ = ["FORGE_WRITE_TIMEOUT_S", "SCRIBBLE_S", "Forger", "Scribbler", "forged_arrivals"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,19 +66,10 @@ def forged_arrivals(
     for room in rooms:
         for chunk_idx, (start, count) in enumerate(chunks):
             for writer in range(writers):
-                bare = ChunkReady(room, chunk_idx, start, count, session_id, writer)
+                head = (room, chunk_idx, start, count, session_id, writer)
                 digest, mac = rng.randbytes(8).hex(), rng.randbytes(16).hex()
-                tagged = ChunkReady(
-                    room,
-                    chunk_idx,
-                    start,
-                    count,
-                    session_id,
-                    writer,
-                    rng.randrange(4),
-                    f"{digest}:{mac}",
-                )
-                out += [bare.to_notification(), tagged.to_notification()]
+                tagged = ChunkReady(*head, rng.randrange(4), f"{digest}:{mac}")
+                out += [ChunkReady(*head).to_notification(), tagged.to_notification()]
     return out
 
 

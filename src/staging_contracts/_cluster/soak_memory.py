@@ -18,25 +18,9 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
-
-__all__ = [
-    "GROWTH_BOUND_BYTES",
-    "GROWTH_BOUND_SHARE",
-    "MAX_SAMPLES",
-    "MIN_SAMPLES",
-    "RULE",
-    "SAMPLE_EVERY_S",
-    "WARMUP_MAX_S",
-    "WARMUP_SHARE",
-    "MemoryVerdict",
-    "ProcessMemory",
-    "RssSampler",
-    "judge_memory",
-    "read_rss",
-]
 
 SAMPLE_EVERY_S: Final = 1.0
 """A rank samples its RSS this often at first (less often once its list was thinned)."""
@@ -172,25 +156,6 @@ class MemoryVerdict:
         return out
 
 
-def _median(values: Sequence[int]) -> int:
-    return int(statistics.median(values))
-
-
-def judge_process(
-    role: str, rank: int, pid: int, samples: Iterable[Sequence[float]], after: float
-) -> ProcessMemory | None:
-    """One process's memory from its samples taken at or after ``after`` (``None``: none)."""
-    kept = [int(rss) for t, rss in samples if t >= after and rss > 0]
-    if not kept:
-        return None
-    half = len(kept) // 2
-    first_half, second_half = kept[:half] or kept, kept[half:]
-    base = _median(first_half)
-    growth = _median(second_half) - base
-    bound = max(GROWTH_BOUND_BYTES, int(base * GROWTH_BOUND_SHARE))
-    return ProcessMemory(role, rank, pid, len(kept), kept[0], kept[-1], max(kept), growth, bound)
-
-
 def judge_memory(
     statuses: Mapping[int, tuple[str, int, Sequence[tuple[float, int]]]],
     start: float,
@@ -206,9 +171,16 @@ def judge_memory(
     warmup = min(WARMUP_MAX_S, elapsed_s * WARMUP_SHARE)
     processes = []
     for pid, (role, rank, samples) in sorted(statuses.items()):
-        judged = judge_process(role, rank, pid, samples, start + warmup)
-        if judged is not None:
-            processes.append(judged)
+        kept = [int(rss) for t, rss in samples if t >= start + warmup and rss > 0]
+        if not kept:
+            continue
+        half = len(kept) // 2
+        base = int(statistics.median(kept[:half] or kept))
+        growth = int(statistics.median(kept[half:])) - base
+        bound = max(GROWTH_BOUND_BYTES, int(base * GROWTH_BOUND_SHARE))
+        processes.append(
+            ProcessMemory(role, rank, pid, len(kept), kept[0], kept[-1], max(kept), growth, bound)
+        )
     return MemoryVerdict(tuple(processes), warmup)
 
 

@@ -53,11 +53,10 @@ from .._run._rank_info import RankInfo
 from .._run.workload import (
     TransferConfig,
     request_plans,
-    ring_bytes,
     verify_decode_pool,
 )
 from ..backends._common import Role
-from ..backends._kv_requests import DecodeTransfers, KVPoll, PrefillTransfers
+from ..backends._kv_requests import DecodeTransfers, KVPoll
 from ..backends._staging_setup import StagingBackend
 from ..metrics import snapshot_of
 from . import logformat
@@ -79,18 +78,9 @@ from ._messages import (
     decode,
     encode,
 )
-from .metrics_relay import RankReporter
+from .metrics_relay import REPORT_EVERY_S
 from .soak_memory import RssSampler
-
-__all__ = [
-    "CommandLoop",
-    "DropCounter",
-    "EventSink",
-    "RankSettings",
-    "install_drop",
-    "ring_bytes",
-    "soak_rank_main",
-]
+from .soak_ticker import Ticker
 
 logger = logging.getLogger(__name__)
 
@@ -135,14 +125,14 @@ class RankSettings:
     """Send a ``metrics`` event every second, and before each ``status`` (``--metrics-port``)."""
 
 
+@dataclass
 class DropCounter:
     """What the ``drop`` fault did in one process (read from any thread)."""
 
-    def __init__(self) -> None:
-        self.sent = 0
-        """Control messages the rank tried to send."""
-        self.dropped = 0
-        """Of those, dropped by the fault."""
+    sent: int = 0
+    """Control messages the rank tried to send."""
+    dropped: int = 0
+    """Of those, dropped by the fault."""
 
 
 def install_drop(peers: PeerSockets, share: float, rng: random.Random) -> DropCounter:
@@ -218,6 +208,15 @@ def soak_rank_main(role: str, rank: int, settings: RankSettings, driver: str) ->
         events.close()
 
 
+def bind_pull(ctx: zmq.Context[zmq.Socket[bytes]]) -> tuple[zmq.Socket[bytes], str]:
+    """A PULL socket bound on loopback (a free port, no linger), and its endpoint."""
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind("tcp://127.0.0.1:*")
+    raw = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return sock, raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
 class EventSink(Protocol):
     """Where a rank's events go (the driver's socket; a list in tests)."""
 
@@ -249,19 +248,11 @@ class _Events:
 
 
 class CommandLoop:
-    """A soak rank's command handling, apart from its backend: ``peers``, ``room``,
-    ``status`` (``stop`` ends :meth:`command`). Subclasses supply the side:
-    :meth:`peers_known`, :meth:`on_peers`, :meth:`open_room` and :meth:`status`.
-
-    Every ``room`` command is answered by exactly one ``room`` event, whatever happens:
-
-    * before :meth:`peers_known`, the room waits (in :attr:`waiting_rooms`) for a ``peers``
-      command, and opens when one is taken; :meth:`expire` fails it once it waited
-      :attr:`RankSettings.peers_wait_s` (``no peers known ...``);
-    * when :meth:`open_room` raises, the room fails with ``rank error: ...`` (and an
-      ``error`` event says which command failed);
-    * otherwise a thread waits for its end (``open_room``'s function, bounded by the
-      subclass) and reports it; an exception there fails the room too.
+    """A soak rank's command handling, apart from its backend (the module's docstring says
+    what each command does, and how every ``OpenRoom`` is answered by one ``RoomEnded``; an
+    exception while a room's thread waits for its end fails the room too). Subclasses
+    supply the side: :meth:`peers_known`, :meth:`on_peers`, :meth:`open_room`,
+    :meth:`status` and :meth:`trust_one`.
 
     **Threads:** :meth:`command` and :meth:`expire` are called on the rank's main thread;
     the room threads only call ``events.send`` (thread-safe). ``clock`` is
@@ -280,10 +271,10 @@ class CommandLoop:
         self.clock = clock
         self.threads: list[threading.Thread] = []
         self.waiting_rooms: list[tuple[int, int, float]] = []
+        """Rooms that came before the peers: ``(room, index, deadline)``, in order."""
         self.room_instance: dict[int, int] = {}
         """Room -> the prefill instance it comes from (``room`` commands' ``instance``;
         decode reads it when it opens the room)."""
-        """Rooms that came before the peers: ``(room, index, deadline)``, in order."""
 
     # ------------------------------------------------------------------ to override
 
@@ -316,10 +307,16 @@ class CommandLoop:
             if isinstance(command, Peers):
                 self.on_peers(list(command.ranks))
                 self.events.send(PeersTaken(len(command.ranks)))
-                self._open_waiting()
+                waiting, self.waiting_rooms = self.waiting_rooms, []
+                for room, index, _ in waiting:
+                    self._start(room, index)
             elif isinstance(command, OpenRoom):
                 self.room_instance[command.room] = command.instance
-                self._room(command.room, command.index)
+                if self.peers_known():
+                    self._start(command.room, command.index)
+                else:
+                    deadline = self.clock() + self.settings.peers_wait_s
+                    self.waiting_rooms.append((command.room, command.index, deadline))
             elif isinstance(command, AskStatus):
                 self.events.send(self.status(command))
             elif isinstance(command, Trust):
@@ -342,18 +339,6 @@ class CommandLoop:
             self.room_instance.pop(room, None)
             reason = f"no peers known {self.settings.peers_wait_s:g} s after the room came"
             self.events.send(RoomEnded(room, index, "failed", now, reason))
-
-    def _room(self, room: int, index: int) -> None:
-        if self.peers_known():
-            self._start(room, index)
-        else:
-            deadline = self.clock() + self.settings.peers_wait_s
-            self.waiting_rooms.append((room, index, deadline))
-
-    def _open_waiting(self) -> None:
-        waiting, self.waiting_rooms = self.waiting_rooms, []
-        for room, index, _ in waiting:
-            self._start(room, index)
 
     def _start(self, room: int, index: int) -> None:
         try:
@@ -408,19 +393,15 @@ class _RankServer(CommandLoop):
             rng = random.Random(f"{settings.seed}-{self.role.value}-{self.rank}-{os.getpid()}")
             self.drops = install_drop(manager.peers, settings.drop_share, rng)
 
-        self.options = replace(settings.body, prepare=drop if settings.drop_share > 0 else None)
+        options = replace(settings.body, prepare=drop if settings.drop_share > 0 else None)
         self.listener_reported = False
         self.memory = RssSampler()
         """This process's RSS samples, sent with every ``status`` (see ``soak_memory``)."""
-        self.reporter = RankReporter() if settings.metrics else None
+        self.reporter = Ticker(float("-inf"), REPORT_EVERY_S) if settings.metrics else None
         self.plans = request_plans(self.config)
         """Each request's pages, by request index (``OpenRoom.index``)."""
-        self.body = body(self.config, self.rank, self.options)
+        self.body = body(self.config, self.rank, options)
         self.body.common.start()
-
-    def info(self) -> RankInfo:
-        """What this rank publishes (its body's)."""
-        return self.body.info()
 
     # ------------------------------------------------------------------ to override
 
@@ -431,19 +412,18 @@ class _RankServer(CommandLoop):
     # ------------------------------------------------------------------ the loop
 
     def serve(self, ctx: zmq.Context[zmq.Socket[bytes]], parent: int) -> None:
-        commands = ctx.socket(zmq.PULL)
-        commands.setsockopt(zmq.LINGER, 0)
+        commands, endpoint = bind_pull(ctx)
         try:
-            commands.bind("tcp://127.0.0.1:*")
-            raw = commands.getsockopt(zmq.LAST_ENDPOINT)
-            endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
             freeze_heap()
-            self.events.send(Serving(self.info(), endpoint))
+            self.events.send(Serving(self.body.info(), endpoint))
             while True:
                 if commands.poll(COMMAND_POLL_MS) and not self.command(commands.recv()):
                     return
                 self.expire()
-                self._check_listener()
+                if not self.listener_reported and not self.body.common.listener.alive:
+                    self.listener_reported = True
+                    logger.error("the control listener thread ended")
+                    self.events.send(ListenerDown())
                 self.memory.maybe_sample(time.monotonic())
                 if self.reporter is not None and self.reporter.due(time.monotonic()):
                     self.send_metrics()
@@ -453,21 +433,11 @@ class _RankServer(CommandLoop):
         finally:
             commands.close(linger=0)
 
-    def _check_listener(self) -> None:
-        if not self.listener_reported and not self.body.common.listener.alive:
-            self.listener_reported = True
-            logger.error("the control listener thread ended")
-            self.events.send(ListenerDown())
-
-    def metrics_transfers(self) -> PrefillTransfers | None:
-        """The prefill side's transfers (its rooms and bytes); ``None`` on decode."""
-        return None
-
     def send_metrics(self) -> None:
         """Send this rank's counters to the driver (a ``metrics`` event)."""
         snapshot = snapshot_of(
             self.body.common,
-            transfers=self.metrics_transfers(),
+            transfers=self.body.transfers if isinstance(self.body, PrefillBody) else None,
             role=self.role.value,
             rank=self.label_rank,
             engine=self.config.backend,
@@ -549,15 +519,10 @@ class _DecodeServer(_RankServer):
 
         def finish() -> RoomEnded:
             state = receiver.wait(max(0.0, deadline - time.monotonic()))
-            end = time.monotonic()
+            ended = _ended(room, index, state, receiver.failure)
             if state is KVPoll.Success:
                 problems = verify_decode_pool(self.body.pool, self.config, self.rank, {index})
-                ended = RoomEnded(room, index, "ok", end, verified=not problems)
-                ended = replace(ended, problems=tuple(problems[:3]))
-            elif state is KVPoll.Failed:
-                ended = RoomEnded(room, index, "failed", end, receiver.failure() or "unknown")
-            else:
-                ended = RoomEnded(room, index, "hung", end, f"still {state.name}")
+                ended = replace(ended, verified=not problems, problems=tuple(problems[:3]))
             try:
                 receiver.release()
             except TimeoutError as exc:
@@ -616,12 +581,7 @@ class _PrefillServer(_RankServer):
         def finish() -> RoomEnded:
             try:
                 state = sender.wait(max(0.0, deadline - time.monotonic()))
-                end = time.monotonic()
-                if state is KVPoll.Success:
-                    return RoomEnded(room, index, "ok", end)
-                if state is KVPoll.Failed:
-                    return RoomEnded(room, index, "failed", end, sender.failure() or "unknown")
-                return RoomEnded(room, index, "hung", end, f"still {state.name}")
+                return _ended(room, index, state, sender.failure)
             finally:
                 sender.release()
                 with self.lock:
@@ -644,9 +604,17 @@ class _PrefillServer(_RankServer):
             early_meta_dropped=transfers.early_meta_dropped,
         )
 
-    def metrics_transfers(self) -> PrefillTransfers | None:
-        return self.body.transfers
-
     def close(self) -> None:
         self.body.close_side(CLOSE_TIMEOUT_S)
         super().close()
+
+
+def _ended(room: int, index: int, state: KVPoll, failure: Callable[[], str | None]) -> RoomEnded:
+    """How a room ended on this rank, now: ``ok``, ``failed`` (``failure()``'s reason) or
+    ``hung`` (still in ``state`` at its bound)."""
+    end = time.monotonic()
+    if state is KVPoll.Success:
+        return RoomEnded(room, index, "ok", end)
+    if state is KVPoll.Failed:
+        return RoomEnded(room, index, "failed", end, failure() or "unknown")
+    return RoomEnded(room, index, "hung", end, f"still {state.name}")

@@ -1,10 +1,7 @@
 """What a soak is and what it found: its faults, its configuration, its result and summary.
 
-The pure half of ``staging-contracts soak`` (no process is started here): :data:`FAULTS` (the
-faults, each with the description ``--help`` shows), :func:`parse_faults`,
-:class:`SoakConfig`, the records of each fault (:class:`KillRecord`, :class:`StallRecord`,
-:class:`FloodRecord`), :class:`SoakResult` with its verdict, :func:`reason_group` (failure
-reasons in a few categories) and :func:`format_summary`. :func:`~.soak.run_soak` runs a soak.
+The pure half of ``staging-contracts soak``: no process is started here
+(:func:`~.soak.run_soak` runs a soak).
 
 A room *succeeds* when every decode rank reported it done and its pages verified bit for bit
 (a prefill rank that failed it or died afterwards is counted apart); it *fails* when a
@@ -33,13 +30,13 @@ from typing import Final
 
 from .. import config as settings
 from .._prefill.writer import PrefillTimeouts
-from .._run.workload import TransferConfig
+from .._run.workload import TransferConfig, ring_bytes
 from ..backends import BACKENDS
 from ..outcomes import classify
 from ._options import add_backend_argument, add_typed_options
 from .preflight import check_environment
 from .soak_memory import MemoryVerdict, memory_rows
-from .soak_rank import SOAK_BODY, SOAK_PREFILL_TIMEOUTS, RankSettings, ring_bytes
+from .soak_rank import SOAK_BODY, SOAK_PREFILL_TIMEOUTS, RankSettings
 
 SOAK_LIVENESS_TIMEOUT_S: Final = 3.0
 """The soak's liveness timeout (short, so that kills are found quickly), unless
@@ -53,22 +50,6 @@ otherwise."""
 NO_MEMORY: Final = MemoryVerdict((), 0.0)
 """No samples (a result built without them)."""
 
-__all__ = [
-    "FAULTS",
-    "FAULT_ORDER",
-    "SOAK_EPILOG",
-    "FloodRecord",
-    "ForgeRecord",
-    "KillRecord",
-    "SoakConfig",
-    "SoakResult",
-    "StallRecord",
-    "add_soak_arguments",
-    "config_from_args",
-    "format_summary",
-    "parse_faults",
-    "reason_group",
-]
 
 FAULTS: Final[Mapping[str, str]] = MappingProxyType(
     {
@@ -100,12 +81,12 @@ FAULTS: Final[Mapping[str, str]] = MappingProxyType(
         "integrity, never succeed. With this fault listed the ranks run with the integrity "
         "check on. Skipped (injected 0 times) on nixl without the secret and on other "
         "backends",
-        "kill-prefill": "SIGKILL a prefill rank with rooms in flight, time until the survivors "
-        "fail those rooms, start a new process for it (rooms keep coming to the survivors "
-        "meanwhile)",
-        "kill-decode": "SIGKILL a decode rank with rooms in flight, time until the survivors "
-        "fail those rooms, start a new process for it (rooms keep coming to the survivors "
-        "meanwhile)",
+        **{
+            f"kill-{role}": f"SIGKILL a {role} rank with rooms in flight, time until the "
+            "survivors fail those rooms, start a new process for it (rooms keep coming to the "
+            "survivors meanwhile)"
+            for role in ("prefill", "decode")
+        },
     }
 )
 """Every fault the soak injects: name -> what it does (``--help`` lists these)."""
@@ -254,7 +235,6 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
         prefill_instances=args.prefill_instances,
         rooms_in_flight=args.rooms_in_flight,
         drop_share=args.drop_share,
-        # the command line, else the environment, else the soak's own value
         liveness_timeout_s=liveness_timeout_s,
         liveness_interval_s=settings.LIVENESS_INTERVAL_S.value(),
         stall_timeout_s=settings.STALL_TIMEOUT_S.value_or(SOAK_STALL_TIMEOUT_S),
@@ -651,13 +631,6 @@ class SoakResult:
         return not self.problems
 
 
-def _prefill_text(config: SoakConfig) -> str:
-    """``2 prefill``, or ``2 instances of 2 prefill``."""
-    if config.prefill_instances == 1:
-        return f"{config.prefill_tp} prefill"
-    return f"{config.prefill_instances} instances of {config.prefill_tp} prefill"
-
-
 def _flood_rows(flood: FloodRecord) -> list[tuple[str, str]]:
     """What one flood sent, how the target counted it and what it held after."""
     how = "authenticated (CURVE, a trusted key)" if flood.authenticated else "plain sockets"
@@ -683,8 +656,11 @@ def format_summary(result: SoakResult) -> str:
     """The soak's summary, one fact per line."""
     config = result.config
     failed = result.failed_by_reason
+    prefill = f"{config.prefill_tp} prefill"
+    if config.prefill_instances > 1:
+        prefill = f"{config.prefill_instances} instances of {prefill}"
     rows: list[tuple[str, str]] = [
-        ("engine", f"{config.backend}, {_prefill_text(config)} -> {config.decode_tp} decode"),
+        ("engine", f"{config.backend}, {prefill} -> {config.decode_tp} decode"),
         ("ran", f"{result.elapsed_s:.1f} s, faults: {', '.join(config.faults) or 'none'}"),
         *(
             [("PARTIAL", f"interrupted by {result.interrupted}: what was seen until then")]

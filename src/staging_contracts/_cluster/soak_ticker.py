@@ -16,17 +16,16 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Final
 
-__all__ = ["TICK_EVERY_S", "Ticker", "tally_line"]
-
 TICK_EVERY_S: Final = 10.0
 """The longest the soak goes without a progress line while it runs."""
 
 
 class Ticker:
-    """Says when the next progress line is due.
+    """Says when the next progress line is due (or, in a soak rank, its next ``metrics``
+    event).
 
     Args:
-        start: the soak's start (``time.monotonic()``).
+        start: the soak's start (``time.monotonic()``; ``-inf``: the first is due at once).
         every_s: the longest gap between two lines (:data:`TICK_EVERY_S`).
 
     Raises:

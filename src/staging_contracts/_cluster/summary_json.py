@@ -40,17 +40,6 @@ if TYPE_CHECKING:  # the run's types; their modules import torch, this one must 
     from .runner import ClusterResult, RankReport
     from .soak_report import SoakResult
 
-__all__ = [
-    "COMMON_KEYS",
-    "SCHEMA",
-    "CheckRecord",
-    "check_summary",
-    "check_target",
-    "demo_summary",
-    "package_version",
-    "soak_summary",
-    "write_summary",
-]
 
 SCHEMA: Final = 1
 """The version of the documents' shape."""
@@ -95,7 +84,7 @@ def check_target(path: str | os.PathLike[str]) -> None:
         ValueError: its folder does not exist or is not writable, or the path is a folder.
     """
     target = Path(path)
-    folder = target.parent if str(target.parent) else Path(".")
+    folder = target.parent
     if target.is_dir():
         raise ValueError(f"--json {path}: is a folder")
     if not folder.is_dir() or not os.access(folder, os.W_OK):
@@ -110,8 +99,7 @@ def write_summary(doc: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
         OSError: the folder cannot be written.
     """
     target = Path(path)
-    folder = target.parent if str(target.parent) else Path(".")
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=folder)
+    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as out:
             json.dump(doc, out, indent=2, sort_keys=False)
