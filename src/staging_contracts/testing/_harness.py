@@ -59,9 +59,9 @@ import time
 import traceback
 from collections.abc import Sequence
 from contextlib import ExitStack, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Final, Protocol, cast
+from typing import Any, Final, Protocol, TypeAlias, cast
 
 import torch
 
@@ -70,7 +70,6 @@ from .._prefill.writer import DecodeTarget, PrefillTimeouts
 from .._run._rank_body import BodyOptions, DecodeBody, PrefillBody
 from .._run._rank_info import RankInfo
 from .._run.workload import (
-    RequestPlan,
     TransferConfig,
     chunks_landed,
     request_plans,
@@ -392,29 +391,19 @@ class TransferReport:
         return "\n".join(lines)
 
 
-@dataclass
-class _Room:
-    plan: RequestPlan
-    receivers: list[KVReceiver] = field(default_factory=list)
-    senders: list[KVSender] = field(default_factory=list)
-    decode_states: tuple[KVPoll, ...] = ()
-    prefill_states: tuple[KVPoll, ...] = ()
-    reason: str | None = None
-
-    @property
-    def room(self) -> int:
-        return self.plan.room
+_Outcome: TypeAlias = tuple[KVPoll, str | None]
+"""A rank's final state of a room and its failure text."""
 
 
 class _ArrivalTally:
-    """Writer arrivals per room, counted as the decode handler accepts them."""
+    """Writer arrivals per room, counted as one decode handler accepts them.
 
-    def __init__(self) -> None:
+    **Threads:** the listener thread counts; any thread reads.
+    """
+
+    def __init__(self, handler: DecodeStagingHandler) -> None:
         self._lock = threading.Lock()
         self._counts: dict[int, int] = {}
-
-    def tap(self, handler: DecodeStagingHandler) -> None:
-        """Count the arrivals ``handler`` accepts (the listener thread calls it)."""
         accept = handler.handle_chunk_arrival
 
         def counted(room: int, chunk_idx: int, **arrival: Any) -> ArrivalOutcome:
@@ -432,6 +421,30 @@ class _ArrivalTally:
         """Arrivals counted for ``room`` so far."""
         with self._lock:
             return self._counts.get(room, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeReport:
+    """What a decode rank reports once its manager is closed (no arrival or scatter is late)."""
+
+    chunks_ok: list[list[bool]]
+    """Per room, per chunk: it landed bit for bit here."""
+    arrivals: list[int]
+    """Per room: writer arrivals this rank's handler accepted."""
+    stray: set[int]
+    """Pages outside every room written here."""
+    stats: StagingStats
+
+    @classmethod
+    def of(cls, body: DecodeBody, tally: _ArrivalTally) -> _DecodeReport:
+        config = body.config
+        plans = request_plans(config)
+        return cls(
+            chunks_ok=[chunks_landed(body.pool, config, body.rank, plan) for plan in plans],
+            arrivals=[tally.count(plan.room) for plan in plans],
+            stray=stray_pages(body.pool, config, plans),
+            stats=body.manager.staging_stats(),
+        )
 
 
 def _backend_name(backend: ManagerFactory | str) -> str:
@@ -529,7 +542,7 @@ def run_transfer(
             run.execute()
         finally:
             stack.close()
-        report = run.report(name)
+        report = run.report()
     logger.log(logging.DEBUG if report.ok else logging.WARNING, "%s", report.summary())
     return report
 
@@ -593,15 +606,6 @@ def _decode_transfers(body: DecodeBody, infos: Sequence[RankInfo]) -> DecodeTran
     return DecodeTransfers(body.common, body.handler, [info.endpoint for info in prefill])
 
 
-def _make_rooms(config: TransferConfig) -> list[_Room]:
-    """The run's rooms: pages and data, the same in every process for the same seed."""
-    return [_Room(plan) for plan in request_plans(config)]
-
-
-def _chunks(config: TransferConfig) -> int:
-    return len(list(config.chunks()))
-
-
 def _room_reason(
     decode: Sequence[tuple[KVPoll, str | None]],
     prefill: Sequence[tuple[KVPoll, str | None]],
@@ -627,53 +631,84 @@ def _room_reason(
     return f"timed out after {timeout_s:g}s ({states})"
 
 
-def _room_report(
-    config: TransferConfig,
-    room: int,
-    reason: str | None,
-    decode_states: tuple[KVPoll, ...],
-    prefill_states: tuple[KVPoll, ...],
-    chunk_ok: Sequence[Sequence[bool]],
-    arrivals: int,
-) -> RoomReport:
-    """One room's report; ``chunk_ok[d][c]``: chunk ``c`` landed on decode rank ``d``."""
-    prefill_tp, decode_tp = len(prefill_states), len(decode_states)
-    chunks = _chunks(config)
-    verified = sum(all(rank[c] for rank in chunk_ok) for c in range(chunks))
-    writers = sum(len(prefill_ranks_for_decode(prefill_tp, decode_tp, d)) for d in range(decode_tp))
-    if reason is None and verified < chunks:
-        reason = (
-            f"every rank reported success but {chunks - verified} chunk(s) do "
-            "not hold the staged bytes"
-        )
-    return RoomReport(
-        room=room,
-        succeeded=reason is None,
-        reason=reason,
-        decode_states=decode_states,
-        prefill_states=prefill_states,
-        chunks=chunks,
-        chunks_verified=verified,
-        arrivals=arrivals,
-        expected_arrivals=chunks * writers,
-    )
+def _outcomes(ends: Sequence[KVReceiver | KVSender]) -> list[_Outcome]:
+    return [(end.poll(), end.failure()) for end in ends]
 
 
-def _fail_unfinished_receivers(
-    handler: DecodeStagingHandler, room: int, receiver: KVReceiver
-) -> None:
-    """Fail a room still running on decode, telling its prefill ranks (ROOM_FAILED)."""
-    if receiver.poll() not in _DONE:
-        handler.fail_room(room, HARNESS_ENDED)
-        receiver.poll()  # reports the failure to its prefill ranks
+def _wait_all(ends: Sequence[KVReceiver | KVSender], deadline: float) -> None:
+    for end in ends:
+        end.wait(max(0.0, deadline - time.monotonic()))
+
+
+def _fail_unfinished(body: DecodeBody, receivers: Sequence[KVReceiver]) -> None:
+    """Fail the rooms still running on decode, telling their prefill ranks (ROOM_FAILED)."""
+    for receiver in receivers:
+        if receiver.poll() not in _DONE:
+            body.handler.fail_room(receiver.room, HARNESS_ENDED)
+            receiver.poll()  # reports the failure to its prefill ranks
 
 
 def _wait_unfinished(senders: Sequence[KVSender]) -> None:
     """Wait (at most :data:`_TEARDOWN_S` in all) for the senders still running to hear that
     their rooms failed, so that the prefill workers drop their chunks and stop promptly."""
-    deadline = time.monotonic() + _TEARDOWN_S
-    for sender in [s for s in senders if s.poll() not in _DONE]:
-        sender.wait(max(0.0, deadline - time.monotonic()))
+    _wait_all([s for s in senders if s.poll() not in _DONE], time.monotonic() + _TEARDOWN_S)
+
+
+def _report(
+    config: TransferConfig,
+    timeout_s: float,
+    outcomes: Sequence[Sequence[_Outcome]],
+    decode: Sequence[_DecodeReport],
+    prefill_stats: Sequence[StagingStats],
+    notifications: bool,
+    elapsed_s: float,
+    *,
+    processes: bool = False,
+    stopped: str | None = None,
+) -> TransferReport:
+    """The run's report from every rank's (``outcomes``: per rank, prefill ranks then decode
+    ranks, per room)."""
+    prefill_tp, decode_tp = config.prefill_tp, config.decode_tp
+    chunks = len(list(config.chunks()))
+    writers = sum(len(prefill_ranks_for_decode(prefill_tp, decode_tp, d)) for d in range(decode_tp))
+    rooms = []
+    for i in range(config.requests):
+        prefill_side = [rank[i] for rank in outcomes[:prefill_tp]]
+        decode_side = [rank[i] for rank in outcomes[prefill_tp:]]
+        reason = _room_reason(decode_side, prefill_side, timeout_s, stopped)
+        verified = sum(all(out.chunks_ok[i][c] for out in decode) for c in range(chunks))
+        if reason is None and verified < chunks:
+            reason = (
+                f"every rank reported success but {chunks - verified} chunk(s) do "
+                "not hold the staged bytes"
+            )
+        rooms.append(
+            RoomReport(
+                room=config.room(i),
+                succeeded=reason is None,
+                reason=reason,
+                decode_states=tuple(state for state, _ in decode_side),
+                prefill_states=tuple(state for state, _ in prefill_side),
+                chunks=chunks,
+                chunks_verified=verified,
+                arrivals=sum(out.arrivals[i] for out in decode),
+                expected_arrivals=chunks * writers,
+            )
+        )
+    return TransferReport(
+        backend=config.backend,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        notifications=notifications,
+        rooms=tuple(rooms),
+        decode_stats=tuple(out.stats for out in decode),
+        prefill_stats=tuple(prefill_stats),
+        stray_pages=len(set().union(*(out.stray for out in decode))),
+        elapsed_s=elapsed_s,
+        timeout_s=timeout_s,
+        processes=processes,
+        stopped=stopped,
+    )
 
 
 # --------------------------------------------------------------------------- one process
@@ -687,17 +722,16 @@ class _Run:
         self.timeout_s = jobs[0].timeout_s
         self.stall_s = stall_s
         self.stopped: str | None = None
-        self.tally = _ArrivalTally()
         self.prefill: list[PrefillBody] = []
         self.decode: list[DecodeBody] = []
         for job in jobs:
             body = _body(job)
             stack.callback(body.close)
             if isinstance(body, DecodeBody):
-                self.tally.tap(body.handler)
                 self.decode.append(body)
             else:
                 self.prefill.append(body)
+        self.tallies = [_ArrivalTally(body.handler) for body in self.decode]
         for prefill in self.prefill:  # the prefill workers stop first (bounded)
             stack.callback(prefill.close_side, _TEARDOWN_S)
         infos = [body.info() for body in (*self.prefill, *self.decode)]
@@ -705,63 +739,49 @@ class _Run:
         for decode in self.decode:
             _wire(decode, infos)
         self.decode_transfers = [_decode_transfers(body, infos) for body in self.decode]
-        self.rooms: list[_Room] = []
+        self.receivers: list[list[KVReceiver]] = [[] for _ in self.decode]
+        self.senders: list[list[KVSender]] = [[] for _ in self.prefill]
+        self.outcomes: list[list[_Outcome]] = []
         self.elapsed_s = 0.0
-        self.notifications = all(p.writer.arrival == "notification" for p in self.prefill)
+
+    def _ends(self) -> list[KVReceiver | KVSender]:
+        return [*(r for rank in self.receivers for r in rank), *self._senders()]
+
+    def _senders(self) -> list[KVSender]:
+        return [s for rank in self.senders for s in rank]
 
     def execute(self) -> None:
         """Run the rooms to the end or the deadline; note each rank's verdict, then fail
         the rooms still running (the managers are still open)."""
-        self.rooms = _make_rooms(self.config)
         started = time.monotonic()
         deadline = started + self.timeout_s
-        for room in self.rooms:
-            room.receivers = [
-                body.receive(transfers, room.room, room.plan.decode_pages)
-                for body, transfers in zip(self.decode, self.decode_transfers, strict=True)
-            ]
-            room.senders = [
-                body.send(room.room, room.plan, targets)
-                for body, targets in zip(self.prefill, self.targets, strict=True)
-            ]
+        for plan in request_plans(self.config):
+            for body, transfers, receivers in zip(
+                self.decode, self.decode_transfers, self.receivers, strict=True
+            ):
+                receivers.append(body.receive(transfers, plan.room, plan.decode_pages))
+            for prefill, targets, senders in zip(
+                self.prefill, self.targets, self.senders, strict=True
+            ):
+                senders.append(prefill.send(plan.room, plan, targets))
         if self.stall_s is None:
-            for room in self.rooms:
-                ends: list[KVReceiver | KVSender] = [*room.receivers, *room.senders]
-                for end in ends:
-                    end.wait(max(0.0, deadline - time.monotonic()))
+            _wait_all(self._ends(), deadline)
         else:
             self.stopped = self._wait_while_progress(started, deadline, self.stall_s)
         self.elapsed_s = time.monotonic() - started
-        for room in self.rooms:
-            room.decode_states = tuple(r.poll() for r in room.receivers)
-            room.prefill_states = tuple(s.poll() for s in room.senders)
-            room.reason = _room_reason(
-                [
-                    (st, r.failure())
-                    for st, r in zip(room.decode_states, room.receivers, strict=True)
-                ],
-                [
-                    (st, s.failure())
-                    for st, s in zip(room.prefill_states, room.senders, strict=True)
-                ],
-                self.timeout_s,
-                self.stopped,
-            )
-        for room in self.rooms:  # on decode, and (ROOM_FAILED) on prefill
-            for body, receiver in zip(self.decode, room.receivers, strict=True):
-                _fail_unfinished_receivers(body.handler, room.room, receiver)
-        _wait_unfinished([s for room in self.rooms for s in room.senders])
+        self.outcomes = [*map(_outcomes, self.senders), *map(_outcomes, self.receivers)]
+        for body, receivers in zip(self.decode, self.receivers, strict=True):
+            _fail_unfinished(body, receivers)  # on decode, and (ROOM_FAILED) on prefill
+        _wait_unfinished(self._senders())
 
     def _wait_while_progress(self, started: float, deadline: float, stall_s: float) -> str | None:
         """Wait for every room until ``deadline``, or until no progress is possible; why it
         stopped early, or ``None``. Bounded by ``deadline``; polls every 50 ms."""
         writes_done_at: float | None = None
+        rooms = [self.config.room(i) for i in range(self.config.requests)]
         while True:
-            senders = [s for room in self.rooms for s in room.senders]
-            waiting: list[KVReceiver | KVSender] = [
-                *(r for room in self.rooms for r in room.receivers),
-                *senders,
-            ]
+            senders = self._senders()
+            waiting = self._ends()
             if all(x.poll() in _DONE for x in waiting):
                 return None
             now = time.monotonic()
@@ -770,7 +790,7 @@ class _Run:
             received = sum(d.manager.staging_stats().received for d in self.decode)
             if received == 0 and now - started >= stall_s:
                 return f"stopped after {now - started:.1f}s: decode got no staging message"
-            arrivals = sum(self.tally.count(room.room) for room in self.rooms)
+            arrivals = sum(tally.count(room) for tally in self.tallies for room in rooms)
             if writes_done_at is None and all(s.poll() is KVPoll.Success for s in senders):
                 writes_done_at = now
             if writes_done_at is not None and arrivals == 0 and now - writes_done_at >= stall_s:
@@ -781,38 +801,19 @@ class _Run:
             pending = next(x for x in waiting if x.poll() not in _DONE)
             pending.wait(min(_STALL_POLL_S, max(0.0, deadline - now)))
 
-    def report(self, name: str) -> TransferReport:
+    def report(self) -> TransferReport:
         """The report, built once every manager is closed (no arrival or scatter is late)."""
-        config = self.config
-        plans = [room.plan for room in self.rooms]
-        stray: set[int] = set()
-        for body in self.decode:
-            stray |= stray_pages(body.pool, config, plans)
-        return TransferReport(
-            backend=name,
-            prefill_tp=len(self.prefill),
-            decode_tp=len(self.decode),
-            notifications=self.notifications,
-            rooms=tuple(
-                _room_report(
-                    config,
-                    room.room,
-                    room.reason,
-                    room.decode_states,
-                    room.prefill_states,
-                    [
-                        chunks_landed(body.pool, config, body.rank, room.plan)
-                        for body in self.decode
-                    ],
-                    self.tally.count(room.room),
-                )
-                for room in self.rooms
-            ),
-            decode_stats=tuple(d.manager.staging_stats() for d in self.decode),
-            prefill_stats=tuple(p.manager.staging_stats() for p in self.prefill),
-            stray_pages=len(stray),
-            elapsed_s=self.elapsed_s,
-            timeout_s=self.timeout_s,
+        return _report(
+            self.config,
+            self.timeout_s,
+            self.outcomes,
+            [
+                _DecodeReport.of(body, tally)
+                for body, tally in zip(self.decode, self.tallies, strict=True)
+            ],
+            [p.manager.staging_stats() for p in self.prefill],
+            all(p.writer.arrival == "notification" for p in self.prefill),
+            self.elapsed_s,
             stopped=self.stopped,
         )
 
@@ -861,53 +862,16 @@ def _run_across_processes(jobs: Sequence[_RankJob]) -> TransferReport:
         decode_reports = group.gather(decode, "report", _STEP_S)
     finally:
         group.close()
-    made = _make_rooms(config)
-    outcomes = [cast(list[tuple[KVPoll, str | None]], payload[0]) for payload in states]
-    decode_out = [cast(_DecodeReport, payload[0]) for payload in decode_reports]
-    stray: set[int] = set()
-    for out in decode_out:
-        stray |= out.stray
-    room_reports = []
-    for i, room in enumerate(made):
-        decode_side = [outcomes[r][i] for r in decode]
-        prefill_side = [outcomes[r][i] for r in prefill]
-        room_reports.append(
-            _room_report(
-                config,
-                room.room,
-                _room_reason(decode_side, prefill_side, timeout_s),
-                tuple(state for state, _ in decode_side),
-                tuple(state for state, _ in prefill_side),
-                [out.chunks_ok[i] for out in decode_out],
-                sum(out.arrivals[i] for out in decode_out),
-            )
-        )
-    return TransferReport(
-        backend=name,
-        prefill_tp=prefill_tp,
-        decode_tp=config.decode_tp,
-        notifications=all(ready[r][1] is True for r in prefill),
-        rooms=tuple(room_reports),
-        decode_stats=tuple(out.stats for out in decode_out),
-        prefill_stats=tuple(cast(StagingStats, payload[0]) for payload in prefill_reports),
-        stray_pages=len(stray),
-        elapsed_s=elapsed,
-        timeout_s=timeout_s,
+    return _report(
+        config,
+        timeout_s,
+        [cast(list[_Outcome], payload[0]) for payload in states],
+        [cast(_DecodeReport, payload[0]) for payload in decode_reports],
+        [cast(StagingStats, payload[0]) for payload in prefill_reports],
+        all(ready[r][1] is True for r in prefill),
+        elapsed,
         processes=True,
     )
-
-
-@dataclass(frozen=True, slots=True)
-class _DecodeReport:
-    """What a decode rank reports once its manager is closed."""
-
-    chunks_ok: list[list[bool]]
-    """Per room, per chunk: it landed bit for bit here."""
-    arrivals: list[int]
-    """Per room: writer arrivals this rank's handler accepted."""
-    stray: set[int]
-    """Pages outside every room written here."""
-    stats: StagingStats
 
 
 def _rank_process(job: object, conn: Connection) -> None:
@@ -921,9 +885,9 @@ def _rank_process(job: object, conn: Connection) -> None:
         body = _body(job, processes=True)
         try:
             if isinstance(body, DecodeBody):
-                _decode_rank(job, body, link)
+                _decode_rank(body, link, job.timeout_s)
             else:
-                _prefill_rank(job, body, link)
+                _prefill_rank(body, link, job.timeout_s)
         finally:
             body.close()
     except _ProcessLocal as exc:  # the body closed its manager
@@ -942,71 +906,47 @@ def _exchange(
 ) -> list[RankInfo]:
     """Send this rank's info (and whether its writer notifies); every rank's, as the parent
     sends them back. The rank then wires to them (:func:`_wire`), routes its rooms' messages
-    and tells the parent (:func:`_wired`): no rank sends a room's message before every rank
-    can route it."""
+    and tells the parent (``wired``): no rank sends a room's message before every rank can
+    route it."""
     link.send("ready", body.info(), notifications)
     (peers,) = link.expect("peers")
     return cast(list[RankInfo], peers)
 
 
-def _wired(link: ParentLink) -> None:
-    """Tell the parent this rank routes its messages; wait until every rank does."""
-    link.send("wired")
-    link.expect("arm")
+def _step(link: ParentLink, done: str, then: str, *payload: object) -> None:
+    """Tell the parent this rank has done ``done``; wait for ``then``, which the parent sends
+    once every rank has."""
+    link.send(done, *payload)
+    link.expect(then)
 
 
-def _go(link: ParentLink) -> None:
-    """Tell the parent this rank's rooms are armed; wait until every rank's are."""
-    link.send("armed")
-    link.expect("go")
-
-
-def _states(link: ParentLink, ends: Sequence[KVReceiver | KVSender], timeout_s: float) -> None:
-    """Wait (at most ``timeout_s``) for every room, send their final states; wait for the
-    parent's ``finish``."""
-    deadline = time.monotonic() + timeout_s
-    for end in ends:
-        end.wait(max(0.0, deadline - time.monotonic()))
-    link.send("states", [(end.poll(), end.failure()) for end in ends])
-    link.expect("finish")
-
-
-def _decode_rank(job: _RankJob, body: DecodeBody, link: ParentLink) -> None:
-    config = job.config
-    tally = _ArrivalTally()
-    tally.tap(body.handler)
+def _decode_rank(body: DecodeBody, link: ParentLink, timeout_s: float) -> None:
+    tally = _ArrivalTally(body.handler)
     infos = _exchange(body, link, False)
     _wire(body, infos)
     transfers = _decode_transfers(body, infos)
-    _wired(link)
-    rooms = _make_rooms(config)
-    receivers = [body.receive(transfers, room.room, room.plan.decode_pages) for room in rooms]
-    _go(link)
-    _states(link, receivers, job.timeout_s)
-    for room, receiver in zip(rooms, receivers, strict=True):
-        _fail_unfinished_receivers(body.handler, room.room, receiver)
-    link.send("finished")
-    link.expect("close")
+    _step(link, "wired", "arm")
+    receivers = [
+        body.receive(transfers, plan.room, plan.decode_pages) for plan in request_plans(body.config)
+    ]
+    _step(link, "armed", "go")
+    _wait_all(receivers, time.monotonic() + timeout_s)
+    _step(link, "states", "finish", _outcomes(receivers))
+    _fail_unfinished(body, receivers)
+    _step(link, "finished", "close")
     body.close()  # no arrival or scatter is late for the checks below
-    report = _DecodeReport(
-        chunks_ok=[chunks_landed(body.pool, config, job.rank, room.plan) for room in rooms],
-        arrivals=[tally.count(room.room) for room in rooms],
-        stray=stray_pages(body.pool, config, [room.plan for room in rooms]),
-        stats=body.manager.staging_stats(),
-    )
-    link.send("report", report)
+    link.send("report", _DecodeReport.of(body, tally))
 
 
-def _prefill_rank(job: _RankJob, body: PrefillBody, link: ParentLink) -> None:
+def _prefill_rank(body: PrefillBody, link: ParentLink, timeout_s: float) -> None:
     targets = _wire(body, _exchange(body, link, body.writer.arrival == "notification"))
-    _wired(link)
-    rooms = _make_rooms(job.config)
-    _go(link)
-    senders = [body.send(room.room, room.plan, targets) for room in rooms]
-    _states(link, senders, job.timeout_s)
+    _step(link, "wired", "arm")
+    _step(link, "armed", "go")
+    senders = [body.send(plan.room, plan, targets) for plan in request_plans(body.config)]
+    _wait_all(senders, time.monotonic() + timeout_s)
+    _step(link, "states", "finish", _outcomes(senders))
     _wait_unfinished(senders)
-    link.send("finished")
-    link.expect("close")
+    _step(link, "finished", "close")
     body.close_side(_TEARDOWN_S)  # the workers (bounded), then the manager
     body.close()
     link.send("report", body.manager.staging_stats())
