@@ -1,7 +1,7 @@
 """``run_transfer``: a staged transfer through any backend, every decode page verified.
 
 The contract kit's behaviour checks drive one decode manager with fake prefill peers; this
-harness runs the real thing, in one process, over the backend's own engine and listeners::
+harness runs the real thing over the backend's own engine and listeners::
 
     from staging_contracts.testing import run_transfer
 
@@ -9,40 +9,20 @@ harness runs the real thing, in one process, over the backend's own engine and l
     if not report.ok:
         pytest.fail(report.summary())
 
-It builds ``prefill_tp`` prefill and ``decode_tp`` decode managers with the backend (a class is
-called with the standard constructor ``Class(kv_args, role=..., attn_tp_size=...)``; any
-:class:`ManagerFactory` with that signature will do), enables staging on each
-(:func:`~staging_contracts.backends.enable_decode_staging`,
-:func:`~staging_contracts.backends.enable_prefill_staging`), wires them as a
-bootstrap would (each prefill engine ``add_peer``-s each decode engine; every manager
-``trust_peer``-s every other, a no-op without a cluster secret), starts their listeners and
-moves ``rooms`` multi-chunk requests through the per-request API
-(:class:`~staging_contracts.backends.KVReceiver` on decode,
-:class:`~staging_contracts.backends.KVSender` on prefill), all rooms at once. It
-then compares every decode KV page with the seeded data of the heads it must hold (the
-workload's), closes everything, and returns a
-:class:`TransferReport`: per room, whether it succeeded or why not, the writer arrivals decode
-counted, the chunks that landed bit for bit; and, when something failed, a diagnosis that
-names the likely cause.
+Every rank is a body of the run layer (:mod:`staging_contracts._run._rank_body`), built with
+the backend's standard constructor and wired as a bootstrap would (each prefill engine
+``add_peer``-s each decode engine; every manager ``trust_peer``-s every other). Decode ranks
+register every room, prefill ranks stage them, all at once; after the verdicts (or the
+deadline) the rooms still running are failed, everything is closed, and each decode rank's
+pages, arrivals and stray pages make the :class:`TransferReport`.
 
-Every wait is bounded by ``timeout_s``; a room still running then is failed and reported as
-timed out. The harness raises only for bad arguments or when a manager cannot be built or
-wired; everything that goes wrong during the transfer is in the report.
-
-**Across processes.** ``run_transfer(backend, ..., processes=True)`` runs the same rooms with
-every rank in a spawned process of its own (:mod:`~staging_contracts.testing._processes`): each
-builds its manager with the backend (which must be importable by reference: a class, a
-module-level function or a backend spec string), sends its endpoint, engine session and
-metadata (and, on decode, its ring's base) to the harness, which hands every rank the others';
-the ranks then trust and start, register their per-request handlers, and only when all have
-done so do decode ranks register the rooms and prefill ranks stage them. Each decode rank
-checks its own pages, counts its arrivals and stray pages after closing, and the harness joins
-it all into the same :class:`TransferReport` (``processes=True``). A backend whose engine stays
-within one process (``LocalEngine``, or an engine class with ``process_local = True``) raises
-:class:`ProcessesUnavailable` as soon as a rank has built its manager; a rank that fails to
-build or wire, dies, or outlives a step's bound raises
-:class:`~staging_contracts.testing._processes.RankFailed` naming the rank and its error. Every
-step is bounded; every rank process is gone when it returns.
+**Across processes** (``processes=True``) every rank runs in a spawned process of its own
+(:mod:`~staging_contracts.testing._processes`), in lockstep with the harness: each sends its
+:class:`~staging_contracts._run._rank_info.RankInfo` and gets everyone's, wires, arms its rooms,
+and only when every rank has done so do prefill ranks stage them; each rank then sends its
+rooms' final states and, after closing, its report. A rank whose engine stays within one
+process says so as soon as its manager is built (:class:`ProcessesUnavailable`). Every step
+is bounded; every rank process is gone when the run returns.
 
 **Thread:** call it from any thread but a listener's; it blocks until the report is ready.
 Across processes, call it from the main module's ``if __name__ == "__main__":`` block or a
@@ -451,10 +431,8 @@ def _backend_name(backend: ManagerFactory | str) -> str:
     """``module.QualName`` of a class or function, the spec of a string, else ``repr``."""
     if isinstance(backend, str):
         return backend
-    name = getattr(backend, "__qualname__", None)
-    module = getattr(backend, "__module__", None)
     if isinstance(backend, type) or inspect.isfunction(backend) or inspect.ismethod(backend):
-        return f"{module}.{name}"
+        return f"{backend.__module__}.{backend.__qualname__}"
     return repr(backend)
 
 
