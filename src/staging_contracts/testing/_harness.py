@@ -551,10 +551,10 @@ def _refuse_process_local(manager: StagingBackend) -> None:
         raise _ProcessLocal(reason)
 
 
-def _body(job: _RankJob, processes: bool = False) -> DecodeBody | PrefillBody:
-    """The rank's body (the run layer's, as every cluster rank's): its pool, its manager
-    built by the backend's standard constructor (no ``host``), staging enabled with every
-    bound the run's."""
+def _build(job: _RankJob, processes: bool = False) -> _DecodeRank | _PrefillRank:
+    """The rank, on a body of the run layer's (as every cluster rank's): its pool, its
+    manager built by the backend's standard constructor (no ``host``), staging enabled with
+    every bound the run's."""
     options = BodyOptions(
         host=None,
         log_level=None,
@@ -563,25 +563,97 @@ def _body(job: _RankJob, processes: bool = False) -> DecodeBody | PrefillBody:
         meta_timeout_s=job.timeout_s,
         prepare=_refuse_process_local if processes else None,
     )
-    side = DecodeBody if job.role is Role.DECODE else PrefillBody
-    return side(job.config, job.rank, options, job.backend)
+    if job.role is Role.DECODE:
+        return _DecodeRank(DecodeBody(job.config, job.rank, options, job.backend))
+    return _PrefillRank(PrefillBody(job.config, job.rank, options, job.backend))
 
 
-def _wire(body: DecodeBody | PrefillBody, infos: Sequence[RankInfo]) -> list[DecodeTarget]:
-    """Trust every other rank, as a bootstrap would (prefill: and add the decode engines),
-    then start the listener; a prefill rank's decode targets (none on decode)."""
+def _trust_and_start(body: DecodeBody | PrefillBody, infos: Sequence[RankInfo]) -> None:
+    """Trust every other rank, as a bootstrap would, then start the listener."""
     me = (body.role.value, body.rank)
     body.trust([info for info in infos if (info.role, info.tp_rank) != me])
     body.common.start()
-    if isinstance(body, PrefillBody):
-        return body.meet([info for info in infos if info.role == Role.DECODE.value])
-    return []
 
 
-def _decode_transfers(body: DecodeBody, infos: Sequence[RankInfo]) -> DecodeTransfers:
-    """Decode's per-request side, routing the prefill ranks' messages (by TP rank)."""
-    prefill = sorted((i for i in infos if i.role == Role.PREFILL.value), key=lambda i: i.tp_rank)
-    return DecodeTransfers(body.common, body.handler, [info.endpoint for info in prefill])
+class _DecodeRank:
+    """A decode rank's steps (see :class:`_PrefillRank`)."""
+
+    notifies = False
+
+    def __init__(self, body: DecodeBody) -> None:
+        self.body = body
+        self.tally = _ArrivalTally(body.handler)
+        self.ends: list[KVReceiver] = []
+        self._transfers: DecodeTransfers
+
+    def wire(self, infos: Sequence[RankInfo]) -> None:
+        _trust_and_start(self.body, infos)
+        prefill = sorted(
+            (i for i in infos if i.role == Role.PREFILL.value), key=lambda i: i.tp_rank
+        )
+        endpoints = [info.endpoint for info in prefill]
+        self._transfers = DecodeTransfers(self.body.common, self.body.handler, endpoints)
+
+    def arm(self) -> None:
+        self.ends = [
+            self.body.receive(self._transfers, plan.room, plan.decode_pages)
+            for plan in request_plans(self.body.config)
+        ]
+
+    def go(self) -> None:
+        """Prefill stages the rooms."""
+
+    def finish(self) -> None:
+        """Fail the rooms still running, telling their prefill ranks (ROOM_FAILED)."""
+        for receiver in self.ends:
+            if receiver.poll() not in _DONE:
+                self.body.handler.fail_room(receiver.room, HARNESS_ENDED)
+                receiver.poll()  # reports the failure to its prefill ranks
+
+    def close(self) -> None:
+        self.body.close()
+
+    def report(self) -> _DecodeReport:
+        return _DecodeReport.of(self.body, self.tally)
+
+
+class _PrefillRank:
+    """A prefill rank's steps, alike in one process (the harness takes each on every rank in
+    turn) and across processes (:func:`_step_by_step`): ``wire``, ``arm`` (decode registers
+    the rooms), ``go`` (prefill stages them), ``finish`` (after the verdicts), ``close``, and
+    (once closed) ``report``."""
+
+    def __init__(self, body: PrefillBody) -> None:
+        self.body = body
+        self.notifies = body.writer.arrival == "notification"
+        self.ends: list[KVSender] = []
+        self._targets: list[DecodeTarget] = []
+
+    def wire(self, infos: Sequence[RankInfo]) -> None:
+        _trust_and_start(self.body, infos)
+        self._targets = self.body.meet([info for info in infos if info.role == Role.DECODE.value])
+
+    def arm(self) -> None:
+        """Decode registers the rooms."""
+
+    def go(self) -> None:
+        self.ends = [
+            self.body.send(plan.room, plan, self._targets)
+            for plan in request_plans(self.body.config)
+        ]
+
+    def finish(self) -> None:
+        """Wait (at most :data:`_TEARDOWN_S` in all) for the rooms still running to hear that
+        they failed, so that the workers drop their chunks and stop promptly."""
+        unfinished = [s for s in self.ends if s.poll() not in _DONE]
+        _wait_all(unfinished, time.monotonic() + _TEARDOWN_S)
+
+    def close(self) -> None:
+        self.body.close_side(_TEARDOWN_S)  # the workers (bounded), then the manager
+        self.body.close()
+
+    def report(self) -> StagingStats:
+        return self.body.manager.staging_stats()
 
 
 def _room_reason(
@@ -616,20 +688,6 @@ def _outcomes(ends: Sequence[KVReceiver | KVSender]) -> list[_Outcome]:
 def _wait_all(ends: Sequence[KVReceiver | KVSender], deadline: float) -> None:
     for end in ends:
         end.wait(max(0.0, deadline - time.monotonic()))
-
-
-def _fail_unfinished(body: DecodeBody, receivers: Sequence[KVReceiver]) -> None:
-    """Fail the rooms still running on decode, telling their prefill ranks (ROOM_FAILED)."""
-    for receiver in receivers:
-        if receiver.poll() not in _DONE:
-            body.handler.fail_room(receiver.room, HARNESS_ENDED)
-            receiver.poll()  # reports the failure to its prefill ranks
-
-
-def _wait_unfinished(senders: Sequence[KVSender]) -> None:
-    """Wait (at most :data:`_TEARDOWN_S` in all) for the senders still running to hear that
-    their rooms failed, so that the prefill workers drop their chunks and stop promptly."""
-    _wait_all([s for s in senders if s.poll() not in _DONE], time.monotonic() + _TEARDOWN_S)
 
 
 def _report(
@@ -700,57 +758,43 @@ class _Run:
         self.timeout_s = jobs[0].timeout_s
         self.stall_s = stall_s
         self.stopped: str | None = None
-        self.prefill: list[PrefillBody] = []
-        self.decode: list[DecodeBody] = []
+        self.ranks: list[_DecodeRank | _PrefillRank] = []
         for job in jobs:
-            body = _body(job)
-            stack.callback(body.close)
-            if isinstance(body, DecodeBody):
-                self.decode.append(body)
-            else:
-                self.prefill.append(body)
-        self.tallies = [_ArrivalTally(body.handler) for body in self.decode]
+            rank = _build(job)
+            stack.callback(rank.body.close)
+            self.ranks.append(rank)
+        self.prefill = [rank for rank in self.ranks if isinstance(rank, _PrefillRank)]
+        self.decode = [rank for rank in self.ranks if isinstance(rank, _DecodeRank)]
         for prefill in self.prefill:  # the prefill workers stop first (bounded)
-            stack.callback(prefill.close_side, _TEARDOWN_S)
-        infos = [body.info() for body in (*self.prefill, *self.decode)]
-        self.targets = [_wire(body, infos) for body in self.prefill]
-        for decode in self.decode:
-            _wire(decode, infos)
-        self.decode_transfers = [_decode_transfers(body, infos) for body in self.decode]
-        self.receivers: list[list[KVReceiver]] = [[] for _ in self.decode]
-        self.senders: list[list[KVSender]] = [[] for _ in self.prefill]
+            stack.callback(prefill.body.close_side, _TEARDOWN_S)
+        infos = [rank.body.info() for rank in self.ranks]
+        for rank in self.ranks:
+            rank.wire(infos)
         self.outcomes: list[list[_Outcome]] = []
         self.elapsed_s = 0.0
 
     def _ends(self) -> list[KVReceiver | KVSender]:
-        return [*(r for rank in self.receivers for r in rank), *self._senders()]
-
-    def _senders(self) -> list[KVSender]:
-        return [s for rank in self.senders for s in rank]
+        return [end for rank in self.ranks for end in rank.ends]
 
     def execute(self) -> None:
         """Run the rooms to the end or the deadline; note each rank's verdict, then fail
         the rooms still running (the managers are still open)."""
         started = time.monotonic()
         deadline = started + self.timeout_s
-        for plan in request_plans(self.config):
-            for body, transfers, receivers in zip(
-                self.decode, self.decode_transfers, self.receivers, strict=True
-            ):
-                receivers.append(body.receive(transfers, plan.room, plan.decode_pages))
-            for prefill, targets, senders in zip(
-                self.prefill, self.targets, self.senders, strict=True
-            ):
-                senders.append(prefill.send(plan.room, plan, targets))
+        for rank in self.ranks:
+            rank.arm()
+        for rank in self.ranks:
+            rank.go()
         if self.stall_s is None:
             _wait_all(self._ends(), deadline)
         else:
             self.stopped = self._wait_while_progress(started, deadline, self.stall_s)
         self.elapsed_s = time.monotonic() - started
-        self.outcomes = [*map(_outcomes, self.senders), *map(_outcomes, self.receivers)]
-        for body, receivers in zip(self.decode, self.receivers, strict=True):
-            _fail_unfinished(body, receivers)  # on decode, and (ROOM_FAILED) on prefill
-        _wait_unfinished(self._senders())
+        self.outcomes = [_outcomes(rank.ends) for rank in self.ranks]
+        for decode in self.decode:  # on decode, and (ROOM_FAILED) on prefill
+            decode.finish()
+        for prefill in self.prefill:
+            prefill.finish()
 
     def _wait_while_progress(self, started: float, deadline: float, stall_s: float) -> str | None:
         """Wait for every room until ``deadline``, or until no progress is possible; why it
@@ -758,17 +802,17 @@ class _Run:
         writes_done_at: float | None = None
         rooms = [self.config.room(i) for i in range(self.config.requests)]
         while True:
-            senders = self._senders()
             waiting = self._ends()
             if all(x.poll() in _DONE for x in waiting):
                 return None
             now = time.monotonic()
             if now >= deadline:
                 return None
-            received = sum(d.manager.staging_stats().received for d in self.decode)
+            received = sum(d.body.manager.staging_stats().received for d in self.decode)
             if received == 0 and now - started >= stall_s:
                 return f"stopped after {now - started:.1f}s: decode got no staging message"
-            arrivals = sum(tally.count(room) for tally in self.tallies for room in rooms)
+            arrivals = sum(d.tally.count(room) for d in self.decode for room in rooms)
+            senders = [s for p in self.prefill for s in p.ends]
             if writes_done_at is None and all(s.poll() is KVPoll.Success for s in senders):
                 writes_done_at = now
             if writes_done_at is not None and arrivals == 0 and now - writes_done_at >= stall_s:
@@ -785,12 +829,9 @@ class _Run:
             self.config,
             self.timeout_s,
             self.outcomes,
-            [
-                _DecodeReport.of(body, tally)
-                for body, tally in zip(self.decode, self.tallies, strict=True)
-            ],
-            [p.manager.staging_stats() for p in self.prefill],
-            all(p.writer.arrival == "notification" for p in self.prefill),
+            [rank.report() for rank in self.decode],
+            [rank.report() for rank in self.prefill],
+            all(rank.notifies for rank in self.prefill),
             self.elapsed_s,
             stopped=self.stopped,
         )
@@ -860,14 +901,11 @@ def _rank_process(job: object, conn: Connection) -> None:
         if not isinstance(job, _RankJob):
             raise TypeError(f"not a rank job: {job!r}")
         torch.set_num_threads(1)
-        body = _body(job, processes=True)
+        rank = _build(job, processes=True)
         try:
-            if isinstance(body, DecodeBody):
-                _decode_rank(body, link, job.timeout_s)
-            else:
-                _prefill_rank(body, link, job.timeout_s)
+            _step_by_step(rank, link, job.timeout_s)
         finally:
-            body.close()
+            rank.body.close()
     except _ProcessLocal as exc:  # the body closed its manager
         link.send("process-local", str(exc))
     except (EOFError, BrokenPipeError):
@@ -879,16 +917,23 @@ def _rank_process(job: object, conn: Connection) -> None:
         link.close()
 
 
-def _exchange(
-    body: DecodeBody | PrefillBody, link: ParentLink, notifications: bool
-) -> list[RankInfo]:
-    """Send this rank's info (and whether its writer notifies); every rank's, as the parent
-    sends them back. The rank then wires to them (:func:`_wire`), routes its rooms' messages
-    and tells the parent (``wired``): no rank sends a room's message before every rank can
-    route it."""
-    link.send("ready", body.info(), notifications)
+def _step_by_step(rank: _DecodeRank | _PrefillRank, link: ParentLink, timeout_s: float) -> None:
+    """A rank process's steps, each on the parent's command once every rank has taken the one
+    before: no rank sends a room's message before every rank routes it, and prefill stages
+    the rooms only once decode has registered them all."""
+    link.send("ready", rank.body.info(), rank.notifies)
     (peers,) = link.expect("peers")
-    return cast(list[RankInfo], peers)
+    rank.wire(cast(list[RankInfo], peers))
+    _step(link, "wired", "arm")
+    rank.arm()
+    _step(link, "armed", "go")
+    rank.go()
+    _wait_all(rank.ends, time.monotonic() + timeout_s)
+    _step(link, "states", "finish", _outcomes(rank.ends))
+    rank.finish()
+    _step(link, "finished", "close")
+    rank.close()
+    link.send("report", rank.report())
 
 
 def _step(link: ParentLink, done: str, then: str, *payload: object) -> None:
@@ -896,35 +941,3 @@ def _step(link: ParentLink, done: str, then: str, *payload: object) -> None:
     once every rank has."""
     link.send(done, *payload)
     link.expect(then)
-
-
-def _decode_rank(body: DecodeBody, link: ParentLink, timeout_s: float) -> None:
-    tally = _ArrivalTally(body.handler)
-    infos = _exchange(body, link, False)
-    _wire(body, infos)
-    transfers = _decode_transfers(body, infos)
-    _step(link, "wired", "arm")
-    receivers = [
-        body.receive(transfers, plan.room, plan.decode_pages) for plan in request_plans(body.config)
-    ]
-    _step(link, "armed", "go")
-    _wait_all(receivers, time.monotonic() + timeout_s)
-    _step(link, "states", "finish", _outcomes(receivers))
-    _fail_unfinished(body, receivers)
-    _step(link, "finished", "close")
-    body.close()  # no arrival or scatter is late for the checks below
-    link.send("report", _DecodeReport.of(body, tally))
-
-
-def _prefill_rank(body: PrefillBody, link: ParentLink, timeout_s: float) -> None:
-    targets = _wire(body, _exchange(body, link, body.writer.arrival == "notification"))
-    _step(link, "wired", "arm")
-    _step(link, "armed", "go")
-    senders = [body.send(plan.room, plan, targets) for plan in request_plans(body.config)]
-    _wait_all(senders, time.monotonic() + timeout_s)
-    _step(link, "states", "finish", _outcomes(senders))
-    _wait_unfinished(senders)
-    _step(link, "finished", "close")
-    body.close_side(_TEARDOWN_S)  # the workers (bounded), then the manager
-    body.close()
-    link.send("report", body.manager.staging_stats())
