@@ -539,16 +539,12 @@ class _RankJob:
     timeout_s: float
 
 
-class _ProcessLocal(Exception):
-    """A rank process's backend keeps its engine within one process (the reason)."""
-
-
 def _refuse_process_local(manager: StagingBackend) -> None:
     """Across processes: stop the rank as soon as its manager is built, before any staging
     set-up, when its engine stays within one process."""
     reason = process_local_reason(manager.engine)
     if reason is not None:
-        raise _ProcessLocal(reason)
+        raise ProcessesUnavailable(reason)
 
 
 def _build(job: _RankJob, processes: bool = False) -> _DecodeRank | _PrefillRank:
@@ -906,7 +902,7 @@ def _rank_process(job: object, conn: Connection) -> None:
             _step_by_step(rank, link, job.timeout_s)
         finally:
             rank.body.close()
-    except _ProcessLocal as exc:  # the body closed its manager
+    except ProcessesUnavailable as exc:  # the body closed its manager
         link.send("process-local", str(exc))
     except (EOFError, BrokenPipeError):
         logger.debug("the harness closed the pipe; rank process ends")

@@ -289,23 +289,10 @@ class StagingBackendContract:
                 message = f"{message}\n\n{trace}"
         self._once(builder, message)
 
-    @classmethod
-    def _backend_class(cls) -> type | None:
-        target = cls._backend_target
-        if target is not None:
-            try:
-                return target.load_class()
-            except BackendLoadError as exc:
-                kit_fail(str(exc))
-        backend = getattr(cls, "backend_class", None)
-        return backend if isinstance(backend, type) else None
-
     def _contracts(self, cls: type) -> list[Contract]:
         """The contracts ``cls`` is held to: one per enforcing mixin (ours when none)."""
         roots = contract_roots(cls)
-        if not roots:
-            return [contract_of(cls)]
-        return [root.__dict__["contract"] for root in roots]
+        return [root.__dict__["contract"] for root in roots] or [contract_of(cls)]
 
     def _staging_path_or_skip(self, what: str) -> type:
         """The backend, when it is on our staging path; else skip ``what``, saying why."""
@@ -323,8 +310,14 @@ class StagingBackendContract:
         return cls
 
     def _backend(self) -> type:
-        backend = self._backend_class()
-        if backend is None:
+        target = type(self)._backend_target
+        if target is not None:
+            try:
+                return target.load_class()
+            except BackendLoadError as exc:
+                kit_fail(str(exc))
+        backend = getattr(type(self), "backend_class", None)
+        if not isinstance(backend, type):
             self._once(
                 "naming the backend (backend_class)",
                 f"{type(self).__name__} sets no backend_class: add 'backend_class = "
