@@ -415,17 +415,6 @@ class _DecodeReport:
     """Pages outside every room written here."""
     stats: StagingStats
 
-    @classmethod
-    def of(cls, body: DecodeBody, tally: _ArrivalTally) -> _DecodeReport:
-        config = body.config
-        plans = request_plans(config)
-        return cls(
-            chunks_ok=[chunks_landed(body.pool, config, body.rank, plan) for plan in plans],
-            arrivals=[tally.count(plan.room) for plan in plans],
-            stray=stray_pages(body.pool, config, plans),
-            stats=body.manager.staging_stats(),
-        )
-
 
 def _backend_name(backend: ManagerFactory | str) -> str:
     """``module.QualName`` of a class or function, the spec of a string, else ``repr``."""
@@ -513,13 +502,10 @@ def run_transfer(
     if processes:
         report = _run_across_processes(jobs)
     else:
-        stack = ExitStack()  # closes, last first: prefill workers, then every rank's body
-        try:
+        with ExitStack() as stack:  # closes, last first: prefill workers, then every body
             run = _Run(jobs, stack, stall_s)
             logger.debug("%s: %d prefill and %d decode ranks built", name, prefill_tp, decode_tp)
             run.execute()
-        finally:
-            stack.close()
         report = run.report()
     logger.log(logging.DEBUG if report.ok else logging.WARNING, "%s", report.summary())
     return report
@@ -610,7 +596,14 @@ class _DecodeRank:
         self.body.close()
 
     def report(self) -> _DecodeReport:
-        return _DecodeReport.of(self.body, self.tally)
+        body, config = self.body, self.body.config
+        plans = request_plans(config)
+        return _DecodeReport(
+            chunks_ok=[chunks_landed(body.pool, config, body.rank, plan) for plan in plans],
+            arrivals=[self.tally.count(plan.room) for plan in plans],
+            stray=stray_pages(body.pool, config, plans),
+            stats=body.manager.staging_stats(),
+        )
 
 
 class _PrefillRank:
