@@ -16,19 +16,6 @@ import base64
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
-__all__ = [
-    "MAX_METADATA_CHARS",
-    "MAX_NAME_CHARS",
-    "MAX_POOL_POINTERS",
-    "MAX_RANKS",
-    "ROLES",
-    "RankInfo",
-    "curve_key_text",
-    "int_field",
-    "show",
-    "str_field",
-]
-
 MAX_RANKS: Final = 1 << 16
 """Bound (exclusive) on a rank's ``tp_rank``; also on a bootstrap query's ``count`` and a
 barrier's ``wait_for`` (inclusive)."""

@@ -19,15 +19,6 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Final
 
-__all__ = [
-    "INTERRUPT_GRACE_S",
-    "STOP_SIGNALS",
-    "Interrupted",
-    "StopRequest",
-    "exit_status",
-    "stop_on_signals",
-]
-
 STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT)
 """The signals that stop a run."""
 INTERRUPT_GRACE_S: Final = 2.0

@@ -33,8 +33,6 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Final, Generic, TypeVar
 
-__all__ = ["KILL_WAIT_S", "LIMIT_CHARS", "Supervisor", "run_reporting"]
-
 logger = logging.getLogger(__name__)
 
 LIMIT_CHARS: Final = 8000

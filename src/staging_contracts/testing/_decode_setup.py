@@ -35,8 +35,6 @@ if TYPE_CHECKING:
     from .._decode.handler import DecodeStagingHandler
     from ..stats import StagingStats
 
-__all__ = ["DecodeFactory", "DecodeSetup", "LiveDecodeManager", "StartableBackend"]
-
 
 class LiveDecodeManager(Protocol):
     """A started decode manager with staging enabled, as the kit drives it.

@@ -25,15 +25,6 @@ from ..engines import engine_available
 from ..protocols import KVArgs
 from ._harness import ManagerFactory, TransferManager
 
-__all__ = [
-    "IN_TREE_OPTIONS",
-    "EngineUnavailable",
-    "FactoryUnavailable",
-    "StandardFactory",
-    "read_signature",
-    "standard_factory",
-]
-
 IN_TREE_OPTIONS: Final[Mapping[str, Mapping[str, object]]] = MappingProxyType(
     {
         "mooncake": MappingProxyType({"protocol": "tcp"}),

@@ -1,7 +1,7 @@
 """``run_transfer``: a staged transfer through any backend, every decode page verified.
 
 The contract kit's behaviour checks drive one decode manager with fake prefill peers; this
-harness runs the real thing, in one process, over the backend's own engine and listeners::
+harness runs the real thing over the backend's own engine and listeners::
 
     from staging_contracts.testing import run_transfer
 
@@ -9,40 +9,20 @@ harness runs the real thing, in one process, over the backend's own engine and l
     if not report.ok:
         pytest.fail(report.summary())
 
-It builds ``prefill_tp`` prefill and ``decode_tp`` decode managers with the backend (a class is
-called with the standard constructor ``Class(kv_args, role=..., attn_tp_size=...)``; any
-:class:`ManagerFactory` with that signature will do), enables staging on each
-(:func:`~staging_contracts.backends.enable_decode_staging`,
-:func:`~staging_contracts.backends.enable_prefill_staging`), wires them as a
-bootstrap would (each prefill engine ``add_peer``-s each decode engine; every manager
-``trust_peer``-s every other, a no-op without a cluster secret), starts their listeners and
-moves ``rooms`` multi-chunk requests through the per-request API
-(:class:`~staging_contracts.backends.KVReceiver` on decode,
-:class:`~staging_contracts.backends.KVSender` on prefill), all rooms at once. It
-then compares every decode KV page with the seeded data of the heads it must hold (the
-workload's), closes everything, and returns a
-:class:`TransferReport`: per room, whether it succeeded or why not, the writer arrivals decode
-counted, the chunks that landed bit for bit; and, when something failed, a diagnosis that
-names the likely cause.
+Every rank is a body of the run layer (:mod:`staging_contracts._run._rank_body`), built with
+the backend's standard constructor and wired as a bootstrap would (each prefill engine
+``add_peer``-s each decode engine; every manager ``trust_peer``-s every other). Decode ranks
+register every room, prefill ranks stage them, all at once; after the verdicts (or the
+deadline) the rooms still running are failed, everything is closed, and each decode rank's
+pages, arrivals and stray pages make the :class:`TransferReport`.
 
-Every wait is bounded by ``timeout_s``; a room still running then is failed and reported as
-timed out. The harness raises only for bad arguments or when a manager cannot be built or
-wired; everything that goes wrong during the transfer is in the report.
-
-**Across processes.** ``run_transfer(backend, ..., processes=True)`` runs the same rooms with
-every rank in a spawned process of its own (:mod:`~staging_contracts.testing._processes`): each
-builds its manager with the backend (which must be importable by reference: a class, a
-module-level function or a backend spec string), sends its endpoint, engine session and
-metadata (and, on decode, its ring's base) to the harness, which hands every rank the others';
-the ranks then trust and start, register their per-request handlers, and only when all have
-done so do decode ranks register the rooms and prefill ranks stage them. Each decode rank
-checks its own pages, counts its arrivals and stray pages after closing, and the harness joins
-it all into the same :class:`TransferReport` (``processes=True``). A backend whose engine stays
-within one process (``LocalEngine``, or an engine class with ``process_local = True``) raises
-:class:`ProcessesUnavailable` as soon as a rank has built its manager; a rank that fails to
-build or wire, dies, or outlives a step's bound raises
-:class:`~staging_contracts.testing._processes.RankFailed` naming the rank and its error. Every
-step is bounded; every rank process is gone when it returns.
+**Across processes** (``processes=True``) every rank runs in a spawned process of its own
+(:mod:`~staging_contracts.testing._processes`), in lockstep with the harness: each sends its
+:class:`~staging_contracts._run._rank_info.RankInfo` and gets everyone's, wires, arms its rooms,
+and only when every rank has done so do prefill ranks stage them; each rank then sends its
+rooms' final states and, after closing, its report. A rank whose engine stays within one
+process says so as soon as its manager is built (:class:`ProcessesUnavailable`). Every step
+is bounded; every rank process is gone when the run returns.
 
 **Thread:** call it from any thread but a listener's; it blocks until the report is ready.
 Across processes, call it from the main module's ``if __name__ == "__main__":`` block or a
@@ -59,9 +39,9 @@ import time
 import traceback
 from collections.abc import Sequence
 from contextlib import ExitStack, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Final, Protocol, cast
+from typing import Any, Final, Protocol, TypeAlias, cast
 
 import torch
 
@@ -70,7 +50,6 @@ from .._prefill.writer import DecodeTarget, PrefillTimeouts
 from .._run._rank_body import BodyOptions, DecodeBody, PrefillBody
 from .._run._rank_info import RankInfo
 from .._run.workload import (
-    RequestPlan,
     TransferConfig,
     chunks_landed,
     request_plans,
@@ -392,29 +371,19 @@ class TransferReport:
         return "\n".join(lines)
 
 
-@dataclass
-class _Room:
-    plan: RequestPlan
-    receivers: list[KVReceiver] = field(default_factory=list)
-    senders: list[KVSender] = field(default_factory=list)
-    decode_states: tuple[KVPoll, ...] = ()
-    prefill_states: tuple[KVPoll, ...] = ()
-    reason: str | None = None
-
-    @property
-    def room(self) -> int:
-        return self.plan.room
+_Outcome: TypeAlias = tuple[KVPoll, str | None]
+"""A rank's final state of a room and its failure text."""
 
 
 class _ArrivalTally:
-    """Writer arrivals per room, counted as the decode handler accepts them."""
+    """Writer arrivals per room, counted as one decode handler accepts them.
 
-    def __init__(self) -> None:
+    **Threads:** the listener thread counts; any thread reads.
+    """
+
+    def __init__(self, handler: DecodeStagingHandler) -> None:
         self._lock = threading.Lock()
         self._counts: dict[int, int] = {}
-
-    def tap(self, handler: DecodeStagingHandler) -> None:
-        """Count the arrivals ``handler`` accepts (the listener thread calls it)."""
         accept = handler.handle_chunk_arrival
 
         def counted(room: int, chunk_idx: int, **arrival: Any) -> ArrivalOutcome:
@@ -434,14 +403,25 @@ class _ArrivalTally:
             return self._counts.get(room, 0)
 
 
+@dataclass(frozen=True, slots=True)
+class _DecodeReport:
+    """What a decode rank reports once its manager is closed (no arrival or scatter is late)."""
+
+    chunks_ok: list[list[bool]]
+    """Per room, per chunk: it landed bit for bit here."""
+    arrivals: list[int]
+    """Per room: writer arrivals this rank's handler accepted."""
+    stray: set[int]
+    """Pages outside every room written here."""
+    stats: StagingStats
+
+
 def _backend_name(backend: ManagerFactory | str) -> str:
     """``module.QualName`` of a class or function, the spec of a string, else ``repr``."""
     if isinstance(backend, str):
         return backend
-    name = getattr(backend, "__qualname__", None)
-    module = getattr(backend, "__module__", None)
     if isinstance(backend, type) or inspect.isfunction(backend) or inspect.ismethod(backend):
-        return f"{module}.{name}"
+        return f"{backend.__module__}.{backend.__qualname__}"
     return repr(backend)
 
 
@@ -522,14 +502,11 @@ def run_transfer(
     if processes:
         report = _run_across_processes(jobs)
     else:
-        stack = ExitStack()  # closes, last first: prefill workers, then every rank's body
-        try:
+        with ExitStack() as stack:  # closes, last first: prefill workers, then every body
             run = _Run(jobs, stack, stall_s)
             logger.debug("%s: %d prefill and %d decode ranks built", name, prefill_tp, decode_tp)
             run.execute()
-        finally:
-            stack.close()
-        report = run.report(name)
+        report = run.report()
     logger.log(logging.DEBUG if report.ok else logging.WARNING, "%s", report.summary())
     return report
 
@@ -548,22 +525,18 @@ class _RankJob:
     timeout_s: float
 
 
-class _ProcessLocal(Exception):
-    """A rank process's backend keeps its engine within one process (the reason)."""
-
-
 def _refuse_process_local(manager: StagingBackend) -> None:
     """Across processes: stop the rank as soon as its manager is built, before any staging
     set-up, when its engine stays within one process."""
     reason = process_local_reason(manager.engine)
     if reason is not None:
-        raise _ProcessLocal(reason)
+        raise ProcessesUnavailable(reason)
 
 
-def _body(job: _RankJob, processes: bool = False) -> DecodeBody | PrefillBody:
-    """The rank's body (the run layer's, as every cluster rank's): its pool, its manager
-    built by the backend's standard constructor (no ``host``), staging enabled with every
-    bound the run's."""
+def _build(job: _RankJob, processes: bool = False) -> _DecodeRank | _PrefillRank:
+    """The rank, on a body of the run layer's (as every cluster rank's): its pool, its
+    manager built by the backend's standard constructor (no ``host``), staging enabled with
+    every bound the run's."""
     options = BodyOptions(
         host=None,
         log_level=None,
@@ -572,34 +545,104 @@ def _body(job: _RankJob, processes: bool = False) -> DecodeBody | PrefillBody:
         meta_timeout_s=job.timeout_s,
         prepare=_refuse_process_local if processes else None,
     )
-    side = DecodeBody if job.role is Role.DECODE else PrefillBody
-    return side(job.config, job.rank, options, job.backend)
+    if job.role is Role.DECODE:
+        return _DecodeRank(DecodeBody(job.config, job.rank, options, job.backend))
+    return _PrefillRank(PrefillBody(job.config, job.rank, options, job.backend))
 
 
-def _wire(body: DecodeBody | PrefillBody, infos: Sequence[RankInfo]) -> list[DecodeTarget]:
-    """Trust every other rank, as a bootstrap would (prefill: and add the decode engines),
-    then start the listener; a prefill rank's decode targets (none on decode)."""
+def _trust_and_start(body: DecodeBody | PrefillBody, infos: Sequence[RankInfo]) -> None:
+    """Trust every other rank, as a bootstrap would, then start the listener."""
     me = (body.role.value, body.rank)
     body.trust([info for info in infos if (info.role, info.tp_rank) != me])
     body.common.start()
-    if isinstance(body, PrefillBody):
-        return body.meet([info for info in infos if info.role == Role.DECODE.value])
-    return []
 
 
-def _decode_transfers(body: DecodeBody, infos: Sequence[RankInfo]) -> DecodeTransfers:
-    """Decode's per-request side, routing the prefill ranks' messages (by TP rank)."""
-    prefill = sorted((i for i in infos if i.role == Role.PREFILL.value), key=lambda i: i.tp_rank)
-    return DecodeTransfers(body.common, body.handler, [info.endpoint for info in prefill])
+class _DecodeRank:
+    """A decode rank's steps (see :class:`_PrefillRank`)."""
+
+    notifies = False
+
+    def __init__(self, body: DecodeBody) -> None:
+        self.body = body
+        self.tally = _ArrivalTally(body.handler)
+        self.ends: list[KVReceiver] = []
+        self._transfers: DecodeTransfers
+
+    def wire(self, infos: Sequence[RankInfo]) -> None:
+        _trust_and_start(self.body, infos)
+        prefill = sorted(
+            (i for i in infos if i.role == Role.PREFILL.value), key=lambda i: i.tp_rank
+        )
+        endpoints = [info.endpoint for info in prefill]
+        self._transfers = DecodeTransfers(self.body.common, self.body.handler, endpoints)
+
+    def arm(self) -> None:
+        self.ends = [
+            self.body.receive(self._transfers, plan.room, plan.decode_pages)
+            for plan in request_plans(self.body.config)
+        ]
+
+    def go(self) -> None:
+        """Prefill stages the rooms."""
+
+    def finish(self) -> None:
+        """Fail the rooms still running, telling their prefill ranks (ROOM_FAILED)."""
+        for receiver in self.ends:
+            if receiver.poll() not in _DONE:
+                self.body.handler.fail_room(receiver.room, HARNESS_ENDED)
+                receiver.poll()  # reports the failure to its prefill ranks
+
+    def close(self) -> None:
+        self.body.close()
+
+    def report(self) -> _DecodeReport:
+        body, config = self.body, self.body.config
+        plans = request_plans(config)
+        return _DecodeReport(
+            chunks_ok=[chunks_landed(body.pool, config, body.rank, plan) for plan in plans],
+            arrivals=[self.tally.count(plan.room) for plan in plans],
+            stray=stray_pages(body.pool, config, plans),
+            stats=body.manager.staging_stats(),
+        )
 
 
-def _make_rooms(config: TransferConfig) -> list[_Room]:
-    """The run's rooms: pages and data, the same in every process for the same seed."""
-    return [_Room(plan) for plan in request_plans(config)]
+class _PrefillRank:
+    """A prefill rank's steps, alike in one process (the harness takes each on every rank in
+    turn) and across processes (:func:`_step_by_step`): ``wire``, ``arm`` (decode registers
+    the rooms), ``go`` (prefill stages them), ``finish`` (after the verdicts), ``close``, and
+    (once closed) ``report``."""
 
+    def __init__(self, body: PrefillBody) -> None:
+        self.body = body
+        self.notifies = body.writer.arrival == "notification"
+        self.ends: list[KVSender] = []
+        self._targets: list[DecodeTarget] = []
 
-def _chunks(config: TransferConfig) -> int:
-    return len(list(config.chunks()))
+    def wire(self, infos: Sequence[RankInfo]) -> None:
+        _trust_and_start(self.body, infos)
+        self._targets = self.body.meet([info for info in infos if info.role == Role.DECODE.value])
+
+    def arm(self) -> None:
+        """Decode registers the rooms."""
+
+    def go(self) -> None:
+        self.ends = [
+            self.body.send(plan.room, plan, self._targets)
+            for plan in request_plans(self.body.config)
+        ]
+
+    def finish(self) -> None:
+        """Wait (at most :data:`_TEARDOWN_S` in all) for the rooms still running to hear that
+        they failed, so that the workers drop their chunks and stop promptly."""
+        unfinished = [s for s in self.ends if s.poll() not in _DONE]
+        _wait_all(unfinished, time.monotonic() + _TEARDOWN_S)
+
+    def close(self) -> None:
+        self.body.close_side(_TEARDOWN_S)  # the workers (bounded), then the manager
+        self.body.close()
+
+    def report(self) -> StagingStats:
+        return self.body.manager.staging_stats()
 
 
 def _room_reason(
@@ -627,53 +670,70 @@ def _room_reason(
     return f"timed out after {timeout_s:g}s ({states})"
 
 
-def _room_report(
+def _outcomes(ends: Sequence[KVReceiver | KVSender]) -> list[_Outcome]:
+    return [(end.poll(), end.failure()) for end in ends]
+
+
+def _wait_all(ends: Sequence[KVReceiver | KVSender], deadline: float) -> None:
+    for end in ends:
+        end.wait(max(0.0, deadline - time.monotonic()))
+
+
+def _report(
     config: TransferConfig,
-    room: int,
-    reason: str | None,
-    decode_states: tuple[KVPoll, ...],
-    prefill_states: tuple[KVPoll, ...],
-    chunk_ok: Sequence[Sequence[bool]],
-    arrivals: int,
-) -> RoomReport:
-    """One room's report; ``chunk_ok[d][c]``: chunk ``c`` landed on decode rank ``d``."""
-    prefill_tp, decode_tp = len(prefill_states), len(decode_states)
-    chunks = _chunks(config)
-    verified = sum(all(rank[c] for rank in chunk_ok) for c in range(chunks))
+    timeout_s: float,
+    outcomes: Sequence[Sequence[_Outcome]],
+    decode: Sequence[_DecodeReport],
+    prefill_stats: Sequence[StagingStats],
+    notifications: bool,
+    elapsed_s: float,
+    *,
+    processes: bool = False,
+    stopped: str | None = None,
+) -> TransferReport:
+    """The run's report from every rank's (``outcomes``: per rank, prefill ranks then decode
+    ranks, per room)."""
+    prefill_tp, decode_tp = config.prefill_tp, config.decode_tp
+    chunks = len(list(config.chunks()))
     writers = sum(len(prefill_ranks_for_decode(prefill_tp, decode_tp, d)) for d in range(decode_tp))
-    if reason is None and verified < chunks:
-        reason = (
-            f"every rank reported success but {chunks - verified} chunk(s) do "
-            "not hold the staged bytes"
+    rooms = []
+    for i in range(config.requests):
+        prefill_side = [rank[i] for rank in outcomes[:prefill_tp]]
+        decode_side = [rank[i] for rank in outcomes[prefill_tp:]]
+        reason = _room_reason(decode_side, prefill_side, timeout_s, stopped)
+        verified = sum(all(out.chunks_ok[i][c] for out in decode) for c in range(chunks))
+        if reason is None and verified < chunks:
+            reason = (
+                f"every rank reported success but {chunks - verified} chunk(s) do "
+                "not hold the staged bytes"
+            )
+        rooms.append(
+            RoomReport(
+                room=config.room(i),
+                succeeded=reason is None,
+                reason=reason,
+                decode_states=tuple(state for state, _ in decode_side),
+                prefill_states=tuple(state for state, _ in prefill_side),
+                chunks=chunks,
+                chunks_verified=verified,
+                arrivals=sum(out.arrivals[i] for out in decode),
+                expected_arrivals=chunks * writers,
+            )
         )
-    return RoomReport(
-        room=room,
-        succeeded=reason is None,
-        reason=reason,
-        decode_states=decode_states,
-        prefill_states=prefill_states,
-        chunks=chunks,
-        chunks_verified=verified,
-        arrivals=arrivals,
-        expected_arrivals=chunks * writers,
+    return TransferReport(
+        backend=config.backend,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        notifications=notifications,
+        rooms=tuple(rooms),
+        decode_stats=tuple(out.stats for out in decode),
+        prefill_stats=tuple(prefill_stats),
+        stray_pages=len(set().union(*(out.stray for out in decode))),
+        elapsed_s=elapsed_s,
+        timeout_s=timeout_s,
+        processes=processes,
+        stopped=stopped,
     )
-
-
-def _fail_unfinished_receivers(
-    handler: DecodeStagingHandler, room: int, receiver: KVReceiver
-) -> None:
-    """Fail a room still running on decode, telling its prefill ranks (ROOM_FAILED)."""
-    if receiver.poll() not in _DONE:
-        handler.fail_room(room, HARNESS_ENDED)
-        receiver.poll()  # reports the failure to its prefill ranks
-
-
-def _wait_unfinished(senders: Sequence[KVSender]) -> None:
-    """Wait (at most :data:`_TEARDOWN_S` in all) for the senders still running to hear that
-    their rooms failed, so that the prefill workers drop their chunks and stop promptly."""
-    deadline = time.monotonic() + _TEARDOWN_S
-    for sender in [s for s in senders if s.poll() not in _DONE]:
-        sender.wait(max(0.0, deadline - time.monotonic()))
 
 
 # --------------------------------------------------------------------------- one process
@@ -687,90 +747,61 @@ class _Run:
         self.timeout_s = jobs[0].timeout_s
         self.stall_s = stall_s
         self.stopped: str | None = None
-        self.tally = _ArrivalTally()
-        self.prefill: list[PrefillBody] = []
-        self.decode: list[DecodeBody] = []
+        self.ranks: list[_DecodeRank | _PrefillRank] = []
         for job in jobs:
-            body = _body(job)
-            stack.callback(body.close)
-            if isinstance(body, DecodeBody):
-                self.tally.tap(body.handler)
-                self.decode.append(body)
-            else:
-                self.prefill.append(body)
+            rank = _build(job)
+            stack.callback(rank.body.close)
+            self.ranks.append(rank)
+        self.prefill = [rank for rank in self.ranks if isinstance(rank, _PrefillRank)]
+        self.decode = [rank for rank in self.ranks if isinstance(rank, _DecodeRank)]
         for prefill in self.prefill:  # the prefill workers stop first (bounded)
-            stack.callback(prefill.close_side, _TEARDOWN_S)
-        infos = [body.info() for body in (*self.prefill, *self.decode)]
-        self.targets = [_wire(body, infos) for body in self.prefill]
-        for decode in self.decode:
-            _wire(decode, infos)
-        self.decode_transfers = [_decode_transfers(body, infos) for body in self.decode]
-        self.rooms: list[_Room] = []
+            stack.callback(prefill.body.close_side, _TEARDOWN_S)
+        infos = [rank.body.info() for rank in self.ranks]
+        for rank in self.ranks:
+            rank.wire(infos)
+        self.outcomes: list[list[_Outcome]] = []
         self.elapsed_s = 0.0
-        self.notifications = all(p.writer.arrival == "notification" for p in self.prefill)
+
+    def _ends(self) -> list[KVReceiver | KVSender]:
+        return [end for rank in self.ranks for end in rank.ends]
 
     def execute(self) -> None:
         """Run the rooms to the end or the deadline; note each rank's verdict, then fail
         the rooms still running (the managers are still open)."""
-        self.rooms = _make_rooms(self.config)
         started = time.monotonic()
         deadline = started + self.timeout_s
-        for room in self.rooms:
-            room.receivers = [
-                body.receive(transfers, room.room, room.plan.decode_pages)
-                for body, transfers in zip(self.decode, self.decode_transfers, strict=True)
-            ]
-            room.senders = [
-                body.send(room.room, room.plan, targets)
-                for body, targets in zip(self.prefill, self.targets, strict=True)
-            ]
+        for rank in self.ranks:
+            rank.arm()
+        for rank in self.ranks:
+            rank.go()
         if self.stall_s is None:
-            for room in self.rooms:
-                ends: list[KVReceiver | KVSender] = [*room.receivers, *room.senders]
-                for end in ends:
-                    end.wait(max(0.0, deadline - time.monotonic()))
+            _wait_all(self._ends(), deadline)
         else:
             self.stopped = self._wait_while_progress(started, deadline, self.stall_s)
         self.elapsed_s = time.monotonic() - started
-        for room in self.rooms:
-            room.decode_states = tuple(r.poll() for r in room.receivers)
-            room.prefill_states = tuple(s.poll() for s in room.senders)
-            room.reason = _room_reason(
-                [
-                    (st, r.failure())
-                    for st, r in zip(room.decode_states, room.receivers, strict=True)
-                ],
-                [
-                    (st, s.failure())
-                    for st, s in zip(room.prefill_states, room.senders, strict=True)
-                ],
-                self.timeout_s,
-                self.stopped,
-            )
-        for room in self.rooms:  # on decode, and (ROOM_FAILED) on prefill
-            for body, receiver in zip(self.decode, room.receivers, strict=True):
-                _fail_unfinished_receivers(body.handler, room.room, receiver)
-        _wait_unfinished([s for room in self.rooms for s in room.senders])
+        self.outcomes = [_outcomes(rank.ends) for rank in self.ranks]
+        for decode in self.decode:  # on decode, and (ROOM_FAILED) on prefill
+            decode.finish()
+        for prefill in self.prefill:
+            prefill.finish()
 
     def _wait_while_progress(self, started: float, deadline: float, stall_s: float) -> str | None:
         """Wait for every room until ``deadline``, or until no progress is possible; why it
         stopped early, or ``None``. Bounded by ``deadline``; polls every 50 ms."""
         writes_done_at: float | None = None
+        rooms = [self.config.room(i) for i in range(self.config.requests)]
         while True:
-            senders = [s for room in self.rooms for s in room.senders]
-            waiting: list[KVReceiver | KVSender] = [
-                *(r for room in self.rooms for r in room.receivers),
-                *senders,
-            ]
+            waiting = self._ends()
             if all(x.poll() in _DONE for x in waiting):
                 return None
             now = time.monotonic()
             if now >= deadline:
                 return None
-            received = sum(d.manager.staging_stats().received for d in self.decode)
+            received = sum(d.body.manager.staging_stats().received for d in self.decode)
             if received == 0 and now - started >= stall_s:
                 return f"stopped after {now - started:.1f}s: decode got no staging message"
-            arrivals = sum(self.tally.count(room.room) for room in self.rooms)
+            arrivals = sum(d.tally.count(room) for d in self.decode for room in rooms)
+            senders = [s for p in self.prefill for s in p.ends]
             if writes_done_at is None and all(s.poll() is KVPoll.Success for s in senders):
                 writes_done_at = now
             if writes_done_at is not None and arrivals == 0 and now - writes_done_at >= stall_s:
@@ -781,38 +812,16 @@ class _Run:
             pending = next(x for x in waiting if x.poll() not in _DONE)
             pending.wait(min(_STALL_POLL_S, max(0.0, deadline - now)))
 
-    def report(self, name: str) -> TransferReport:
+    def report(self) -> TransferReport:
         """The report, built once every manager is closed (no arrival or scatter is late)."""
-        config = self.config
-        plans = [room.plan for room in self.rooms]
-        stray: set[int] = set()
-        for body in self.decode:
-            stray |= stray_pages(body.pool, config, plans)
-        return TransferReport(
-            backend=name,
-            prefill_tp=len(self.prefill),
-            decode_tp=len(self.decode),
-            notifications=self.notifications,
-            rooms=tuple(
-                _room_report(
-                    config,
-                    room.room,
-                    room.reason,
-                    room.decode_states,
-                    room.prefill_states,
-                    [
-                        chunks_landed(body.pool, config, body.rank, room.plan)
-                        for body in self.decode
-                    ],
-                    self.tally.count(room.room),
-                )
-                for room in self.rooms
-            ),
-            decode_stats=tuple(d.manager.staging_stats() for d in self.decode),
-            prefill_stats=tuple(p.manager.staging_stats() for p in self.prefill),
-            stray_pages=len(stray),
-            elapsed_s=self.elapsed_s,
-            timeout_s=self.timeout_s,
+        return _report(
+            self.config,
+            self.timeout_s,
+            self.outcomes,
+            [rank.report() for rank in self.decode],
+            [rank.report() for rank in self.prefill],
+            all(rank.notifies for rank in self.prefill),
+            self.elapsed_s,
             stopped=self.stopped,
         )
 
@@ -861,53 +870,16 @@ def _run_across_processes(jobs: Sequence[_RankJob]) -> TransferReport:
         decode_reports = group.gather(decode, "report", _STEP_S)
     finally:
         group.close()
-    made = _make_rooms(config)
-    outcomes = [cast(list[tuple[KVPoll, str | None]], payload[0]) for payload in states]
-    decode_out = [cast(_DecodeReport, payload[0]) for payload in decode_reports]
-    stray: set[int] = set()
-    for out in decode_out:
-        stray |= out.stray
-    room_reports = []
-    for i, room in enumerate(made):
-        decode_side = [outcomes[r][i] for r in decode]
-        prefill_side = [outcomes[r][i] for r in prefill]
-        room_reports.append(
-            _room_report(
-                config,
-                room.room,
-                _room_reason(decode_side, prefill_side, timeout_s),
-                tuple(state for state, _ in decode_side),
-                tuple(state for state, _ in prefill_side),
-                [out.chunks_ok[i] for out in decode_out],
-                sum(out.arrivals[i] for out in decode_out),
-            )
-        )
-    return TransferReport(
-        backend=name,
-        prefill_tp=prefill_tp,
-        decode_tp=config.decode_tp,
-        notifications=all(ready[r][1] is True for r in prefill),
-        rooms=tuple(room_reports),
-        decode_stats=tuple(out.stats for out in decode_out),
-        prefill_stats=tuple(cast(StagingStats, payload[0]) for payload in prefill_reports),
-        stray_pages=len(stray),
-        elapsed_s=elapsed,
-        timeout_s=timeout_s,
+    return _report(
+        config,
+        timeout_s,
+        [cast(list[_Outcome], payload[0]) for payload in states],
+        [cast(_DecodeReport, payload[0]) for payload in decode_reports],
+        [cast(StagingStats, payload[0]) for payload in prefill_reports],
+        all(ready[r][1] is True for r in prefill),
+        elapsed,
         processes=True,
     )
-
-
-@dataclass(frozen=True, slots=True)
-class _DecodeReport:
-    """What a decode rank reports once its manager is closed."""
-
-    chunks_ok: list[list[bool]]
-    """Per room, per chunk: it landed bit for bit here."""
-    arrivals: list[int]
-    """Per room: writer arrivals this rank's handler accepted."""
-    stray: set[int]
-    """Pages outside every room written here."""
-    stats: StagingStats
 
 
 def _rank_process(job: object, conn: Connection) -> None:
@@ -918,15 +890,12 @@ def _rank_process(job: object, conn: Connection) -> None:
         if not isinstance(job, _RankJob):
             raise TypeError(f"not a rank job: {job!r}")
         torch.set_num_threads(1)
-        body = _body(job, processes=True)
+        rank = _build(job, processes=True)
         try:
-            if isinstance(body, DecodeBody):
-                _decode_rank(job, body, link)
-            else:
-                _prefill_rank(job, body, link)
+            _step_by_step(rank, link, job.timeout_s)
         finally:
-            body.close()
-    except _ProcessLocal as exc:  # the body closed its manager
+            rank.body.close()
+    except ProcessesUnavailable as exc:  # the body closed its manager
         link.send("process-local", str(exc))
     except (EOFError, BrokenPipeError):
         logger.debug("the harness closed the pipe; rank process ends")
@@ -937,76 +906,27 @@ def _rank_process(job: object, conn: Connection) -> None:
         link.close()
 
 
-def _exchange(
-    body: DecodeBody | PrefillBody, link: ParentLink, notifications: bool
-) -> list[RankInfo]:
-    """Send this rank's info (and whether its writer notifies); every rank's, as the parent
-    sends them back. The rank then wires to them (:func:`_wire`), routes its rooms' messages
-    and tells the parent (:func:`_wired`): no rank sends a room's message before every rank
-    can route it."""
-    link.send("ready", body.info(), notifications)
+def _step_by_step(rank: _DecodeRank | _PrefillRank, link: ParentLink, timeout_s: float) -> None:
+    """A rank process's steps, each on the parent's command once every rank has taken the one
+    before: no rank sends a room's message before every rank routes it, and prefill stages
+    the rooms only once decode has registered them all."""
+    link.send("ready", rank.body.info(), rank.notifies)
     (peers,) = link.expect("peers")
-    return cast(list[RankInfo], peers)
+    rank.wire(cast(list[RankInfo], peers))
+    _step(link, "wired", "arm")
+    rank.arm()
+    _step(link, "armed", "go")
+    rank.go()
+    _wait_all(rank.ends, time.monotonic() + timeout_s)
+    _step(link, "states", "finish", _outcomes(rank.ends))
+    rank.finish()
+    _step(link, "finished", "close")
+    rank.close()
+    link.send("report", rank.report())
 
 
-def _wired(link: ParentLink) -> None:
-    """Tell the parent this rank routes its messages; wait until every rank does."""
-    link.send("wired")
-    link.expect("arm")
-
-
-def _go(link: ParentLink) -> None:
-    """Tell the parent this rank's rooms are armed; wait until every rank's are."""
-    link.send("armed")
-    link.expect("go")
-
-
-def _states(link: ParentLink, ends: Sequence[KVReceiver | KVSender], timeout_s: float) -> None:
-    """Wait (at most ``timeout_s``) for every room, send their final states; wait for the
-    parent's ``finish``."""
-    deadline = time.monotonic() + timeout_s
-    for end in ends:
-        end.wait(max(0.0, deadline - time.monotonic()))
-    link.send("states", [(end.poll(), end.failure()) for end in ends])
-    link.expect("finish")
-
-
-def _decode_rank(job: _RankJob, body: DecodeBody, link: ParentLink) -> None:
-    config = job.config
-    tally = _ArrivalTally()
-    tally.tap(body.handler)
-    infos = _exchange(body, link, False)
-    _wire(body, infos)
-    transfers = _decode_transfers(body, infos)
-    _wired(link)
-    rooms = _make_rooms(config)
-    receivers = [body.receive(transfers, room.room, room.plan.decode_pages) for room in rooms]
-    _go(link)
-    _states(link, receivers, job.timeout_s)
-    for room, receiver in zip(rooms, receivers, strict=True):
-        _fail_unfinished_receivers(body.handler, room.room, receiver)
-    link.send("finished")
-    link.expect("close")
-    body.close()  # no arrival or scatter is late for the checks below
-    report = _DecodeReport(
-        chunks_ok=[chunks_landed(body.pool, config, job.rank, room.plan) for room in rooms],
-        arrivals=[tally.count(room.room) for room in rooms],
-        stray=stray_pages(body.pool, config, [room.plan for room in rooms]),
-        stats=body.manager.staging_stats(),
-    )
-    link.send("report", report)
-
-
-def _prefill_rank(job: _RankJob, body: PrefillBody, link: ParentLink) -> None:
-    targets = _wire(body, _exchange(body, link, body.writer.arrival == "notification"))
-    _wired(link)
-    rooms = _make_rooms(job.config)
-    _go(link)
-    senders = [body.send(room.room, room.plan, targets) for room in rooms]
-    _states(link, senders, job.timeout_s)
-    _wait_unfinished(senders)
-    link.send("finished")
-    link.expect("close")
-    body.close_side(_TEARDOWN_S)  # the workers (bounded), then the manager
-    body.close()
-    link.send("report", body.manager.staging_stats())
+def _step(link: ParentLink, done: str, then: str, *payload: object) -> None:
+    """Tell the parent this rank has done ``done``; wait for ``then``, which the parent sends
+    once every rank has."""
+    link.send(done, *payload)
+    link.expect(then)

@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import ClassVar, NoReturn, cast
+from typing import ClassVar, NoReturn, TypeVar, cast
 
 import pytest
 
@@ -65,8 +65,6 @@ from ._live import WAIT_S, LiveDecode, kit_fail
 from ._notes import WITNESS_GUIDE, WITNESS_NOTES
 from ._targets import BackendLoadError, BackendTarget, contract_of
 
-__all__ = ["NO_FACTORY_MESSAGE", "NO_MANAGER_FACTORY_MESSAGE", "StagingBackendContract"]
-
 NO_FACTORY_MESSAGE = (
     "needs a live decode manager: define make_decode_manager(self, setup) on your "
     "StagingBackendContract subclass, returning a started manager with decode staging "
@@ -93,6 +91,8 @@ shown to an author, whose own frames remain."""
 
 _FIRST_FAILURE: dict[tuple[type, str], str] = {}
 """(test class, what failed to build) -> the test that reported it (once per session)."""
+
+_T = TypeVar("_T")
 
 _UNKNOWN_ROOM = 987_654_321
 _ROOM_BEFORE_ATTACH = 1
@@ -262,6 +262,15 @@ class StagingBackendContract:
         name = backend if isinstance(backend, str) else class_label(cast(type, backend))
         return f"the constructor {name}(kv_args, role=..., attn_tp_size=...)"
 
+    def _build(self, hook: str, build: Callable[[], _T]) -> _T:
+        """``build()``; a failure is reported once (:meth:`_build_failed`), outside the except
+        block (pytest would show the caught error too)."""
+        try:
+            return build()
+        except Exception as exc:  # noqa: BLE001 - reported once, naming the author's builder
+            failure = exc
+        self._build_failed(hook, failure)
+
     def _build_failed(self, hook: str, exc: Exception) -> NoReturn:
         """Report, once per class, that building a manager raised ``exc``: the author's
         builder named, the contract's text or the error with the author's frames only."""
@@ -280,23 +289,10 @@ class StagingBackendContract:
                 message = f"{message}\n\n{trace}"
         self._once(builder, message)
 
-    @classmethod
-    def _backend_class(cls) -> type | None:
-        target = cls._backend_target
-        if target is not None:
-            try:
-                return target.load_class()
-            except BackendLoadError as exc:
-                kit_fail(str(exc))
-        backend = getattr(cls, "backend_class", None)
-        return backend if isinstance(backend, type) else None
-
     def _contracts(self, cls: type) -> list[Contract]:
         """The contracts ``cls`` is held to: one per enforcing mixin (ours when none)."""
         roots = contract_roots(cls)
-        if not roots:
-            return [contract_of(cls)]
-        return [root.__dict__["contract"] for root in roots]
+        return [root.__dict__["contract"] for root in roots] or [contract_of(cls)]
 
     def _staging_path_or_skip(self, what: str) -> type:
         """The backend, when it is on our staging path; else skip ``what``, saying why."""
@@ -314,8 +310,14 @@ class StagingBackendContract:
         return cls
 
     def _backend(self) -> type:
-        backend = self._backend_class()
-        if backend is None:
+        target = type(self)._backend_target
+        if target is not None:
+            try:
+                return target.load_class()
+            except BackendLoadError as exc:
+                kit_fail(str(exc))
+        backend = getattr(type(self), "backend_class", None)
+        if not isinstance(backend, type):
             self._once(
                 "naming the backend (backend_class)",
                 f"{type(self).__name__} sets no backend_class: add 'backend_class = "
@@ -327,13 +329,9 @@ class StagingBackendContract:
     def staging_live(self) -> Iterator[LiveDecode]:
         """A live decode manager of the backend, with the kit's peers; closed afterwards."""
         backend = self._staging_path_or_skip("this check")
-        failure: Exception | None = None
-        try:
-            manager = self.make_decode_manager(self.decode_setup)
-        except Exception as exc:  # noqa: BLE001 - reported once, naming the author's builder
-            failure = exc
-        if failure is not None:
-            self._build_failed("make_decode_manager", failure)
+        manager = self._build(
+            "make_decode_manager", lambda: self.make_decode_manager(self.decode_setup)
+        )
         try:
             if not isinstance(manager, backend):
                 self._once(
@@ -343,9 +341,7 @@ class StagingBackendContract:
                 )
             live = LiveDecode(manager, wait_s=self.wait_s)
         except BaseException:
-            close = getattr(manager, "close", None)
-            if callable(close):  # whatever it returned, it is not left open
-                close()
+            _close(manager)  # whatever it returned, it is not left open
             raise
         try:
             yield live
@@ -415,13 +411,7 @@ class StagingBackendContract:
     def kit_hosts(self, request: pytest.FixtureRequest) -> Iterator[list[object]]:
         """The managers the instance check runs on: those :meth:`make_hosts` builds the host's
         way (closed afterwards), else the live decode manager of our staging path."""
-        failure: Exception | None = None
-        try:
-            hosts = self.make_hosts()
-        except Exception as exc:  # noqa: BLE001 - reported once, naming the author's builder
-            failure = exc
-        if failure is not None:
-            self._build_failed("make_hosts", failure)
+        hosts = self._build("make_hosts", self.make_hosts)
         if hosts is None:
             self._staging_path_or_skip(
                 "without a host factory (make_hosts, or --staging-backend "
@@ -436,9 +426,7 @@ class StagingBackendContract:
             yield owned
         finally:
             for host in owned:
-                close = getattr(host, "close", None)
-                if callable(close):
-                    close()
+                _close(host)
 
     def test_instance_satisfies_the_contract(self, kit_hosts: list[object]) -> None:
         """Every manager built the host's way (or the live decode manager of our staging
@@ -672,6 +660,13 @@ def _qualified(cls: type | None) -> str:
     return "?" if cls is None else f"{cls.__module__}.{class_label(cls)}"
 
 
+def _close(obj: object) -> None:
+    """Close ``obj`` when it has a ``close()``."""
+    close = getattr(obj, "close", None)
+    if callable(close):
+        close()
+
+
 def _a(noun: str) -> str:
     """``a Foo`` / ``an int``."""
     return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
@@ -717,11 +712,8 @@ def _expect_counts(
         after = live.manager.staging_stats()
         return {field: getattr(after, field) - getattr(before, field) for field in want}
 
-    live.wait_until(
-        lambda: grown() == want,
-        lambda: f"staging_stats() changed by {_nonzero(grown())}, expected {expected}{hint}",
-    )
+    def failure() -> str:
+        changed = {name: value for name, value in grown().items() if value}
+        return f"staging_stats() changed by {changed}, expected {expected}{hint}"
 
-
-def _nonzero(counts: dict[str, int]) -> dict[str, int]:
-    return {name: value for name, value in counts.items() if value}
+    live.wait_until(lambda: grown() == want, failure)

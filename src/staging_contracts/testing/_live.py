@@ -21,8 +21,6 @@ from .._staging.layout import compute_staging_layout, prefill_ranks_for_decode, 
 from ..protocols import DecodeStagingContext, KVBufferTensors
 from ._decode_setup import LiveDecodeManager
 
-__all__ = ["FakePrefill", "LiveDecode", "kit_fail"]
-
 _PEER_CONTROL: Final = frozenset({Ping.KIND, RoomFence.KIND})
 """Peer messages a decode manager may send a prefill peer besides the staging messages."""
 

@@ -9,8 +9,6 @@ from typing import Final
 
 import pytest
 
-__all__ = ["WITNESS_GUIDE", "WITNESS_NOTES"]
-
 WITNESS_GUIDE: Final = "docs/writing-a-backend.md, section 7"
 """Where the guide documents the witness (the notes that recommend it name it)."""
 

@@ -23,8 +23,6 @@ from typing import Final
 
 from .._run import Supervisor
 
-__all__ = ["JOIN_S", "ParentLink", "RankFailed", "RankGroup"]
-
 JOIN_S: Final = 10.0
 """Longest :meth:`RankGroup.close` waits for the processes to exit by themselves, and a rank's
 process to be gone once its pipe said it ended."""
@@ -114,9 +112,6 @@ class RankGroup:
         except BaseException:
             self.close()
             raise
-
-    def __len__(self) -> int:
-        return len(self._conns)
 
     def send(self, indices: Sequence[int], kind: str, *payload: object) -> None:
         """Send the command ``(kind, *payload)`` to the ranks at ``indices``.

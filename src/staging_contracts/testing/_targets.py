@@ -33,8 +33,6 @@ from ..mixin import STAGING_CONTRACT
 from ._factories import read_signature
 from ._harness import ManagerFactory
 
-__all__ = ["PATH_HINT", "BackendLoadError", "BackendTarget", "HostFactory", "contract_of"]
-
 HostFactory = Callable[[], object]
 """``FACTORY()``: builds managers the host's own way; returns one, or an iterable of them."""
 

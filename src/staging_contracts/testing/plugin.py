@@ -221,10 +221,9 @@ class _KitModule(pytest.Module):
 
     def __init__(self, *, targets: Sequence[BackendTarget], **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._targets = tuple(targets)
         self._names: list[tuple[str, BackendTarget]] = []
         taken: set[str] = set()
-        for index, target in enumerate(self._targets):
+        for index, target in enumerate(targets):
             name = f"Test{target.class_name}"
             if name in taken:
                 name = f"{name}_{index}"
