@@ -1,34 +1,11 @@
 """Group ``contract``: what enforcement costs.
 
-* ``contract.per-call`` — a method the host defines and one the mixin provides (the prefill's
-  per-chunk ``_is_watermark_ready``), called on an enforced host, against the same methods
-  on an unchecked plain class (goal <= 1.02: the contract never touches the hot path); both
-  methods only read attributes (assignments are the ``member-assign`` rows');
-* ``contract.instance-check`` — our once-per-construction check against
-  ``typeguard.check_type(obj, HostValues)`` on the same object (goal <= 0.3), where
-  ``HostValues`` is ``StagingHost`` with every member an annotated attribute of the same type:
-  typeguard checks a Protocol's properties for presence only, and ``StagingHost``'s members
-  are read-only properties, so checking against it would compare our value checks with a
-  presence check. Repeated on
-  one host: after the first check the per-class conformance cache of the Protocol-typed
-  members (``kv_args``, ``_staging_handler``: typeguard verifies a class's methods once, see
-  ``contract.valuecheck``) always hits, as for every instance after a class's first;
-* ``contract.instance-check.cold`` — the same check where that cache never helps: each
-  check is the first of a host of a new class whose ``kv_args`` and ``_staging_handler``
-  are instances of new classes (all made outside the timed region), against the same
-  typeguard anchor (``HostValues``) on equally new hosts; median of single checks, ours
-  and the anchor's in turns (goal <= 1.0: a class's first check costs no more than typeguard's);
-* ``contract.member-read`` — reading the contract's members (``kv_args``, ``attn_tp_size``,
-  ``_staging_handler``, ``_staging_ctx``) on an enforced host against a plain class (goal
-  <= 1.05: the assignment check of ``set_later`` members costs reads nothing);
-* ``contract.member-assign`` — assigning ``_staging_handler`` (a ``set_later`` member, its
-  value checked on every assignment) on an enforced host against the same assignment on a
-  plain class (informative);
-* ``contract.member-assign.unwatched`` — assigning an attribute the contract does not watch,
-  the same way: the toll of the mixin's ``__setattr__`` on every other assignment to the
-  host (informative);
-* ``contract.class-check`` — creating a host class with the mixin (class check and
-  initialiser wrapping included) against creating the same class without it (informative).
+Each row times an enforced host (:class:`~staging_contracts.mixin.StagingManagerMixin`)
+against the same work on a plain class, or our instance check against typeguard's; the
+docs' benchmarks page lists the rows, their anchors and goals. ``contract.instance-check``
+repeats the check on one host, so the per-class conformance cache of the Protocol-typed
+members always hits; ``contract.instance-check.cold`` checks hosts of new classes only
+(:func:`_cold_hosts`), where it never helps.
 """
 
 from __future__ import annotations
@@ -36,8 +13,9 @@ from __future__ import annotations
 import statistics
 import time
 import typing
-from dataclasses import replace
-from typing import Any, Final, Protocol
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any, Protocol
 
 from typeguard import CollectionCheckStrategy, check_type
 
@@ -56,12 +34,8 @@ from ..protocols import (
     StagingReqOutcome,
     Watermark,
 )
-from . import BenchOptions, BenchRow, ratio_row
+from . import BenchOptions, BenchRow, ratio_row, smoke
 from .timing import interleaved_ns_per_call, median_seconds
-
-_QUICK: Final = "quick: smoke only"
-
-__all__ = ["run"]
 
 
 class _Handler:
@@ -239,9 +213,7 @@ def _instance_check(quick: bool) -> BenchRow:
 
     def anchor() -> None:
         for _ in range(loops):
-            check_type(
-                host, HostValues, collection_check_strategy=CollectionCheckStrategy.ALL_ITEMS
-            )
+            _typeguard_check(host)
 
     ours_s = median_seconds(ours, repeats=repeats)
     anchor_s = median_seconds(anchor, repeats=repeats)
@@ -269,40 +241,28 @@ def _cold_hosts(count: int, tag: str) -> list[_EnforcedHost]:
         handler_class = type(f"_ColdHandler{tag}{number}", (_Handler,), {})
         args_class = type(f"_ColdKVArgs{tag}{number}", (KVArgsRecord,), {})
         host._staging_handler = handler_class()
-        host.kv_args = args_class(**{f: getattr(host.kv_args, f) for f in _KV_FIELDS})
+        host.kv_args = args_class(**asdict(host.kv_args))
         hosts.append(host)
     return hosts
 
 
-_KV_FIELDS = (
-    "page_size",
-    "kv_item_lens",
-    "engine_rank",
-    "device",
-    "total_kv_head_num",
-    "kv_head_num",
-    "kv_layer_ids",
-)
+def _typeguard_check(host: object) -> None:
+    """The anchor: typeguard's check of ``host`` against :class:`HostValues`."""
+    check_type(host, HostValues, collection_check_strategy=CollectionCheckStrategy.ALL_ITEMS)
 
 
 def _instance_check_cold(quick: bool) -> BenchRow:
     count = 30 if quick else 300
-    ours_hosts = _cold_hosts(count, "Ours")
-    anchor_hosts = _cold_hosts(count, "Anchor")
     ours: list[float] = []
     anchor: list[float] = []
+    checks: tuple[tuple[Callable[[object], None], list[_EnforcedHost], list[float]], ...] = (
+        (STAGING_CONTRACT.check_instance, _cold_hosts(count, "Ours"), ours),
+        (_typeguard_check, _cold_hosts(count, "Anchor"), anchor),
+    )
     for index in range(count):
-        runs = [(ours, ours_hosts[index], True), (anchor, anchor_hosts[index], False)]
-        if index % 2:
-            runs.reverse()
-        for samples, host, is_ours in runs:
+        for check, hosts, samples in checks[::-1] if index % 2 else checks:
             start = time.perf_counter()
-            if is_ours:
-                STAGING_CONTRACT.check_instance(host)
-            else:
-                check_type(
-                    host, HostValues, collection_check_strategy=CollectionCheckStrategy.ALL_ITEMS
-                )
+            check(hosts[index])
             samples.append(time.perf_counter() - start)
     note = (
         f"{count} checks each, every one the first of a host of a new class whose kv_args "
@@ -370,6 +330,4 @@ def run(options: BenchOptions) -> list[BenchRow]:
         _instance_check_cold(quick),
         _class_check(quick),
     ]
-    if quick:  # too few repetitions to judge against a goal
-        rows = [replace(r, goal="", note="; ".join(filter(None, (_QUICK, r.note)))) for r in rows]
-    return rows
+    return smoke(rows) if quick else rows  # quick: too few repetitions to judge
