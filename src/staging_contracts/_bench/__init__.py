@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Final, Literal
+from typing import Final
 
 from .._run._signals import Interrupted
 
@@ -100,20 +100,10 @@ class BenchRow:
 
 
 def ratio_row(
-    name: str,
-    ours: float,
-    anchor: float,
-    unit: str,
-    goal: str = "",
-    *,
-    kind: Literal["ours/anchor", "anchor/ours"] = "ours/anchor",
-    note: str = "",
+    name: str, ours: float, anchor: float, unit: str, goal: str = "", *, note: str = ""
 ) -> BenchRow:
-    """Build a row whose ratio is ``ours / anchor`` (or the inverse)."""
-    if kind == "ours/anchor":
-        ratio = ours / anchor if anchor else math.inf
-    else:
-        ratio = anchor / ours if ours else math.inf
+    """Build a row whose ratio is ``ours / anchor`` (``inf`` for an anchor of 0)."""
+    ratio = ours / anchor if anchor else math.inf
     return BenchRow(name, ours, anchor, unit, ratio, goal, note)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any, Protocol
 
@@ -35,7 +35,7 @@ from ..protocols import (
     Watermark,
 )
 from . import BenchOptions, BenchRow, ratio_row, smoke
-from .timing import interleaved_ns_per_call, median_seconds
+from .timing import in_turns, interleaved_ns_per_call, median_seconds
 
 
 class _Handler:
@@ -255,15 +255,15 @@ def _instance_check_cold(quick: bool) -> BenchRow:
     count = 30 if quick else 300
     ours: list[float] = []
     anchor: list[float] = []
-    checks: tuple[tuple[Callable[[object], None], list[_EnforcedHost], list[float]], ...] = (
-        (STAGING_CONTRACT.check_instance, _cold_hosts(count, "Ours"), ours),
-        (_typeguard_check, _cold_hosts(count, "Anchor"), anchor),
+    checks: tuple[tuple[Callable[[object], None], Iterator[_EnforcedHost], list[float]], ...] = (
+        (STAGING_CONTRACT.check_instance, iter(_cold_hosts(count, "Ours")), ours),
+        (_typeguard_check, iter(_cold_hosts(count, "Anchor")), anchor),
     )
-    for index in range(count):
-        for check, hosts, samples in checks[::-1] if index % 2 else checks:
-            start = time.perf_counter()
-            check(hosts[index])
-            samples.append(time.perf_counter() - start)
+    for check, hosts, samples in in_turns(checks, count):
+        host = next(hosts)
+        start = time.perf_counter()
+        check(host)
+        samples.append(time.perf_counter() - start)
     note = (
         f"{count} checks each, every one the first of a host of a new class whose kv_args "
         "and _staging_handler are of new classes (made before timing), so typeguard "

@@ -15,6 +15,7 @@ counts the answers; only the server differs.
 from __future__ import annotations
 
 import secrets
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -31,9 +32,7 @@ from ..backends._common import Role
 from ..backends._staging_setup import enable_decode_staging
 from ..backends.local import LocalKVManager
 from ..protocols import KVArgsRecord, KVBufferTensors
-from . import BenchOptions, BenchRow, ratio_row
-
-__all__ = ["run"]
+from . import BenchOptions, BenchRow, ratio_row, smoke
 
 WINDOW: Final = 256
 """Requests in flight at once."""
@@ -161,34 +160,19 @@ def run(options: BenchOptions) -> list[BenchRow]:
     have no goal, and their notes say ``quick: smoke only``."""
     quick = options.quick
     count = 2_000 if quick else 20_000
-    repeats = 1 if quick else 5
     ours: list[float] = []
     anchor: list[float] = []
     curve: list[float] = []
     secret = secrets.token_hex(16).encode()
-    for _ in range(repeats):
+    for _ in range(1 if quick else 5):
         anchor.append(_echo_rate(count))
         ours.append(_decode_rate(count))
         curve.append(_decode_rate(count, secret))
-    plain = sorted(ours)[len(ours) // 2]
-    # one repetition of a small count when quick: too little to judge against a goal
-    goals = ("", "") if quick else (">= 0.5", ">= 0.8")
-    note = "quick: smoke only" if quick else ""
-    return [
+    plain = statistics.median(ours)
+    rows = [
+        ratio_row("control.staging-req-rate", plain, statistics.median(anchor), "msg/s", ">= 0.5"),
         ratio_row(
-            "control.staging-req-rate",
-            plain,
-            sorted(anchor)[len(anchor) // 2],
-            "msg/s",
-            goals[0],
-            note=note,
-        ),
-        ratio_row(
-            "control.staging-req-rate.curve",
-            sorted(curve)[len(curve) // 2],
-            plain,
-            "msg/s",
-            goals[1],
-            note=note,
+            "control.staging-req-rate.curve", statistics.median(curve), plain, "msg/s", ">= 0.8"
         ),
     ]
+    return smoke(rows) if quick else rows  # one small repetition: nothing to judge

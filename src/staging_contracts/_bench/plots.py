@@ -33,8 +33,6 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["CHARTS", "DPI", "FIGSIZE", "drawn_charts", "matplotlib_missing", "write_plots"]
-
 CHARTS: Final = (
     "scaling-throughput.png",
     "scaling-latency.png",
@@ -113,14 +111,11 @@ def _machine_note(result: ScalingResult) -> str:
     where = f"{cpus} CPUs" if cpus else ""
     where += f" (load {load[0]:.1f} at start)" if cpus and load else ""
     where += ", " if where else ""
+    runs = "one run" if result.plan.runs == 1 else f"median of {result.plan.runs} runs"
     return (
         f"{where}{base.layers} layers x {base.kv_heads} KV heads x {base.head_dim}, "
-        f"{base.dtype}; each point {_runs(result.plan.runs)}, every page verified"
+        f"{base.dtype}; each point {runs}, every page verified"
     )
-
-
-def _runs(runs: int) -> str:
-    return "one run" if runs == 1 else f"median of {runs} runs"
 
 
 def _series(rows: Sequence[ScalingRow], engine: str, dimension: str) -> list[ScalingRow]:
