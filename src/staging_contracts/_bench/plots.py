@@ -4,18 +4,11 @@ matplotlib is an optional extra (``pip install 'staging-contracts[plot]'``); it 
 only inside :func:`write_plots`, with the non-interactive Agg backend, so the package works
 without it. :func:`matplotlib_missing` says, before a long sweep starts, whether it is there.
 
-Four charts, each readable at a glance:
-
-* ``scaling-throughput.png`` — staged GB/s against request length, one colour per engine,
-  with the engine's raw write of the same bytes as a dashed line of the same colour;
-* ``scaling-latency.png`` — per-request latency p50 (solid) and high figure (dashed: the
-  p99, or the maximum below 100 samples, as the legend says) against concurrent requests,
-  per engine;
-* ``scaling-tp.png`` — staged GB/s per TP pair, grouped bars per engine;
-* ``scaling-page-size.png`` — staged GB/s per page size, grouped bars per engine.
-
-A point that failed is never drawn as a figure: lines leave a gap at it, and bars put a
-hatched outline labelled ``failed`` (or ``missing``, for a value the engine has no row for)
+Four charts (:data:`CHARTS`): staged GB/s against request length with the engine's raw
+write of the same bytes as a dashed line, per-request latency p50 and high figure against
+concurrency, and staged GB/s per TP pair and per page size as grouped bars; one colour per
+engine. A point that failed is never drawn as a figure: lines leave a gap at it, and bars put
+a hatched outline labelled ``failed`` (or ``missing``, for a value the engine has no row for)
 where its bar would be.
 """
 

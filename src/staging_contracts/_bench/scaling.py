@@ -318,41 +318,23 @@ class ScalingResult:
 
     def format_text(self) -> str:
         """The points as an aligned table, then the skipped engines and the fitted slopes."""
-        header = (
-            "engine",
-            "dimension",
-            "value",
-            "MiB",
-            "runs",
-            "staged GB/s",
-            "raw GB/s",
-            "samples",
-            "p50 s",
-            "high s",
-            "ring MiB",
-            "RSS MiB",
-            "ok",
+        columns: tuple[tuple[str, Callable[[ScalingRow], str]], ...] = (
+            ("engine", lambda row: row.engine),
+            ("dimension", lambda row: row.dimension),
+            ("value", lambda row: str(row.value)),
+            ("MiB", lambda row: f"{row.bytes / 2**20:.1f}"),
+            ("runs", lambda row: str(row.runs)),
+            ("staged GB/s", lambda row: _num(row.staged_gbps)),
+            ("raw GB/s", lambda row: _num(row.raw_gbps)),
+            ("samples", lambda row: str(row.latency_samples)),
+            ("p50 s", lambda row: _num(row.latency_p50_s)),
+            ("high s", lambda row: f"{_num(row.latency_high_s)} ({row.high_label()})"),
+            ("ring MiB", lambda row: f"{row.peak_ring_bytes / 2**20:.1f}"),
+            ("RSS MiB", lambda row: _mib(row.peak_rss_bytes)),
+            ("ok", lambda row: "yes" if row.ok else "NO"),
         )
-        table = [header]
-        for row in self.rows:
-            rss = "-" if row.peak_rss_bytes is None else f"{row.peak_rss_bytes / 2**20:.0f}"
-            table.append(
-                (
-                    row.engine,
-                    row.dimension,
-                    str(row.value),
-                    f"{row.bytes / 2**20:.1f}",
-                    str(row.runs),
-                    _num(row.staged_gbps),
-                    _num(row.raw_gbps),
-                    str(row.latency_samples),
-                    _num(row.latency_p50_s),
-                    f"{_num(row.latency_high_s)} ({row.high_label()})",
-                    f"{row.peak_ring_bytes / 2**20:.1f}",
-                    rss,
-                    "yes" if row.ok else "NO",
-                )
-            )
+        table = [[name for name, _ in columns]]
+        table += [[cell(row) for _, cell in columns] for row in self.rows]
         base = self.plan.describe()["base"]
         lines = [
             "base point: {tokens} tokens, TP {prefill_tp}->{decode_tp}, page size {page_size}, "
@@ -383,6 +365,10 @@ class ScalingResult:
 
 def _num(value: float, spec: str = ".4g") -> str:
     return "-" if math.isnan(value) else format(value, spec)
+
+
+def _mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.0f}"
 
 
 def _no_nan(values: dict[str, Any]) -> dict[str, Any]:

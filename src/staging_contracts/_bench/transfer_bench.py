@@ -110,25 +110,25 @@ class Measurement:
             f"{config.mode}: {self.nbytes / 2**20:.0f} MiB ({config.tokens} tokens x"
             f" {config.layers} layers)"
         ]
-        peaks = {role: self._most(role, "rss") for role in ("prefill", "decode")}
-        if all(value is not None for value in peaks.values()):
-            origins = {
-                memory.peak_rss_from
-                for result in self.results
-                for role in ("prefill", "decode")
-                for memory in result.transfer_memory(role).values()
-            }
-            since = " (since the process started)" if "process start" in origins else ""
-            parts.append(
-                f"peak RSS to done: prefill <= {_mib(peaks['prefill'])}, decode <="
-                f" {_mib(peaks['decode'])} MiB{since}"
-            )
-        cuda = {role: self._most(role, "cuda") for role in ("prefill", "decode")}
-        if all(value is not None for value in cuda.values()):
-            parts.append(
-                f"CUDA peak allocated: prefill <= {_mib(cuda['prefill'])}, decode <="
-                f" {_mib(cuda['decode'])} MiB"
-            )
+        memory = [
+            memory
+            for result in self.results
+            for role in ("prefill", "decode")
+            for memory in result.transfer_memory(role).values()
+        ]
+        since = ""
+        if "process start" in {held.peak_rss_from for held in memory}:
+            since = " (since the process started)"
+        for what, label, after in (
+            ("rss", "peak RSS to done", since),
+            ("cuda", "CUDA peak allocated", ""),
+        ):
+            most = {role: self._most(role, what) for role in ("prefill", "decode")}
+            if None not in most.values():
+                parts.append(
+                    f"{label}: prefill <= {_mib(most['prefill'])}, decode <="
+                    f" {_mib(most['decode'])} MiB{after}"
+                )
         rings = [ring for result in self.results for ring in result.ring_peaks().values()]
         if rings:
             peak, size = max(rings)
@@ -195,29 +195,20 @@ def _note(ours: Measurement, anchor: Measurement, goal: str, quick: bool) -> str
     return f"{QUICK_NOTE}; {note}" if quick else note
 
 
-def _run_once(config: TransferConfig) -> ClusterResult:
-    """One verified run.
-
-    Raises:
-        RunFailed: it did not verify (the ranks' first errors or problems say why).
-    """
-    result = run_cluster(config)
-    if not result.verified:
-        why = result.errors() or result.problems()[:3] or ["no decode rank verified"]
-        timed = " (timed out)" if result.timed_out else ""
-        raise RunFailed(f"{config.mode} transfer did not verify{timed}: {why}")
-    return result
-
-
 def _measure_rounds(configs: Mapping[Mode, TransferConfig], rounds: int) -> dict[Mode, Measurement]:
-    """Every mode once a round, the order reversed every other round.
+    """Every mode once a round, :func:`~staging_contracts._bench.timing.in_turns`.
 
     Raises:
-        RunFailed: a run failed or did not verify.
+        RunFailed: a run did not verify (the ranks' first errors or problems say why).
     """
     results: dict[Mode, list[ClusterResult]] = {mode: [] for mode in configs}
     for mode in in_turns(list(configs), rounds):
-        results[mode].append(_run_once(configs[mode]))
+        result = run_cluster(configs[mode])
+        if not result.verified:
+            why = result.errors() or result.problems()[:3] or ["no decode rank verified"]
+            timed = " (timed out)" if result.timed_out else ""
+            raise RunFailed(f"{mode} transfer did not verify{timed}: {why}")
+        results[mode].append(result)
     return {
         mode: Measurement(
             configs[mode],
@@ -260,14 +251,6 @@ def _skip_reason(backend: str, configs: Mapping[Mode, TransferConfig]) -> str | 
     return None
 
 
-def _failed_rows(backend: str, why: str) -> list[BenchRow]:
-    note = f"FAILED: {why}"
-    return [
-        BenchRow(f"transfer.{backend}.{name}", 0.0, 0.0, "GB/s", 0.0, "", note)
-        for name, _, _ in _GOALS
-    ]
-
-
 def run(options: BenchOptions) -> list[BenchRow]:
     """Run the group for each backend of ``options.backends`` (names or specs), else for
     every importable in-tree engine; ``options.quick`` uses a small request and one round,
@@ -294,7 +277,10 @@ def run(options: BenchOptions) -> list[BenchRow]:
         except (RunFailed, ImportError, OSError, RuntimeError, ValueError) as exc:
             why = f"{type(exc).__name__}: {exc}"
             logger.error("transfer bench: %s failed, its rows are marked failed: %s", backend, why)
-            rows.extend(_failed_rows(backend, why))
+            rows.extend(
+                BenchRow(f"transfer.{backend}.{name}", 0.0, 0.0, "GB/s", 0.0, "", f"FAILED: {why}")
+                for name, _, _ in _GOALS
+            )
             continue
         staged = measured["staged"]
         for name, mode, goal in _GOALS:
