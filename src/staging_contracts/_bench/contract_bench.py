@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import types
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -69,25 +70,21 @@ class HostValues(Protocol):
     kv_buffer_tensors: KVBufferTensors | None
 
 
-def _kv_args() -> KVArgsRecord:
-    return KVArgsRecord(
-        page_size=16,
-        kv_item_lens=(4096,) * 4,
-        engine_rank=0,
-        device="cpu",
-        total_kv_head_num=8,
-        kv_head_num=4,
-        kv_layer_ids=(0, 1),
-    )
-
-
 class _Base:
     kv_args: KVArgs
     attn_tp_size: int
     kv_buffer_tensors: KVBufferTensors | None
 
     def __init__(self) -> None:
-        self.kv_args = _kv_args()
+        self.kv_args = KVArgsRecord(
+            page_size=16,
+            kv_item_lens=(4096,) * 4,
+            engine_rank=0,
+            device="cpu",
+            total_kv_head_num=8,
+            kv_head_num=4,
+            kv_layer_ids=(0, 1),
+        )
         self.attn_tp_size = 2
         self.kv_buffer_tensors = None
         self.counter = 0
@@ -95,12 +92,6 @@ class _Base:
     def host_method(self) -> int:
         # reads only: what an assignment costs is the contract.member-assign rows' part
         return self.counter + self.attn_tp_size
-
-
-def _prefill_context() -> PrefillStagingContext:
-    watermarks = WatermarkTracker()
-    watermarks.observe("decode-0", Watermark(3, 4096))
-    return PrefillStagingContext(watermarks, RegionAnswerTable())
 
 
 class _PlainHost(_Base):
@@ -111,7 +102,9 @@ class _PlainHost(_Base):
     def __init__(self) -> None:
         super().__init__()
         self._staging_handler = _Handler()
-        self._staging_ctx = _prefill_context()
+        watermarks = WatermarkTracker()
+        watermarks.observe("decode-0", Watermark(3, 4096))
+        self._staging_ctx = PrefillStagingContext(watermarks, RegionAnswerTable())
 
     # The very function the mixin provides (the prefill's per-chunk readiness check, its
     # hot path), copied onto a class without any contract.
@@ -298,8 +291,6 @@ def _class_body(ns: dict[str, Any]) -> None:
 
 
 def _class_check(quick: bool) -> BenchRow:
-    import types  # noqa: PLC0415 - only this benchmark creates classes dynamically
-
     loops = 20 if quick else 200
 
     def make(bases: tuple[type, ...]) -> Any:
