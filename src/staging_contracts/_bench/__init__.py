@@ -40,6 +40,9 @@ GROUPS: Final[dict[str, str]] = {
 }
 """Group name -> module that implements it."""
 
+ENGINES: Final = ("mooncake", "nixl")
+"""The in-tree cross-process engines: what ``transfer`` and ``scaling`` run by default."""
+
 DEVICES: Final = ("cpu", "cuda")
 """Devices the KV pools and staging buffers of a benchmark can live on."""
 

@@ -1,15 +1,10 @@
 """Group ``control``: how fast a decode rank answers ``STAGING_REQ``.
 
-``control.staging-req-rate`` — requests answered per second by a real decode listener (codec,
-mixin, handler, allocator, ``STAGING_RSP`` sent back over ZMQ), against a raw pyzmq
-PUSH/PULL echo of the same frames measured in the same run (goal >= 0.5).
-
-``control.staging-req-rate.curve`` — the same with the control plane authenticated (a cluster
-secret: CURVE encryption and authorisation on both sides, the client a trusted prefill peer),
-against the plain rate of the same run (goal >= 0.8).
-
-Both sides run in this process: a client thread keeps a window of requests in flight and
-counts the answers; only the server differs.
+``control.staging-req-rate``: requests answered per second by a real decode listener (codec,
+mixin, handler, allocator, ``STAGING_RSP`` back over ZMQ) against a raw pyzmq PUSH/PULL echo
+of the same frames; ``.curve``: the same with the control plane authenticated (CURVE, the
+client a trusted prefill peer) against the plain rate. Both sides run in this process: a
+client keeps :data:`WINDOW` requests in flight and counts the answers; only the server differs.
 """
 
 from __future__ import annotations

@@ -139,15 +139,12 @@ def _throughput(axes: Axes, rows: Sequence[ScalingRow], engines: Sequence[str]) 
 
     drawn = _lines(axes, rows, engines, "tokens", lines)
     axes.set_xscale("log", base=2)
-    axes.set_xticks(sorted({row.tokens for row in drawn}) or [1])
-    axes.set_xticklabels([_tokens_label(t) for t in sorted({row.tokens for row in drawn})] or [""])
+    ticks = sorted({row.tokens for row in drawn})
+    axes.set_xticks(ticks or [1])
+    axes.set_xticklabels([f"{t // 1024}k" if t % 1024 == 0 else str(t) for t in ticks] or [""])
     axes.set_xlabel("request length (tokens)")
     axes.set_ylabel("throughput (GB/s)")
     axes.set_title("Staged transfer throughput vs request length")
-
-
-def _tokens_label(tokens: int) -> str:
-    return f"{tokens // 1024}k" if tokens >= 1024 and tokens % 1024 == 0 else str(tokens)
 
 
 def _latency(axes: Axes, rows: Sequence[ScalingRow], engines: Sequence[str]) -> None:

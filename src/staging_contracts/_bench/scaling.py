@@ -38,12 +38,9 @@ from .._cluster.runner import ClusterResult, run_cluster
 from .._run import Interrupted
 from .._run.workload import Device, TransferConfig
 from ..engines import engine_available
-from . import BenchOptions, aligned
+from . import ENGINES, BenchOptions, aligned
 
 logger = logging.getLogger(__name__)
-
-ENGINES: Final = ("mooncake", "nixl")
-"""Engines the sweep runs by default (and the only ones it runs)."""
 
 P99_MIN_SAMPLES: Final = 100
 """Fewest latency samples a point needs before its high figure is called a p99; with fewer

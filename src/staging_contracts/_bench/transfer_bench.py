@@ -34,12 +34,10 @@ from .._cluster.preflight import backend_engine, preflight
 from .._cluster.runner import ClusterResult, run_cluster
 from .._run.workload import Mode, TransferConfig
 from ..engines import engine_available
-from . import QUICK_NOTE, BenchOptions, BenchRow, ratio_row
+from . import ENGINES, QUICK_NOTE, BenchOptions, BenchRow, ratio_row
 from .timing import in_turns
 
 logger = logging.getLogger(__name__)
-
-ENGINES = ("mooncake", "nixl")
 
 WARMUP_REQUESTS: Final = 1
 """Untimed requests every run of the group does first, in every mode."""
