@@ -308,8 +308,7 @@ def _class_check(quick: bool) -> BenchRow:
 
 
 def run(options: BenchOptions) -> list[BenchRow]:
-    """Run the group; ``options.quick`` trades precision for time (smoke tests): its rows
-    have no goal, and their notes start with ``quick: smoke only``."""
+    """Run the group; ``options.quick`` trades precision for time (:func:`smoke` rows)."""
     quick = options.quick
     typing.get_type_hints(StagingHost)  # resolve outside the timed region
     typing.get_type_hints(HostValues)

@@ -151,8 +151,7 @@ def _echo_rate(count: int) -> float:
 
 
 def run(options: BenchOptions) -> list[BenchRow]:
-    """Run the group; ``options.quick`` trades precision for time (smoke tests): its rows
-    have no goal, and their notes say ``quick: smoke only``."""
+    """Run the group; ``options.quick`` trades precision for time (:func:`smoke` rows)."""
     quick = options.quick
     count = 2_000 if quick else 20_000
     ours: list[float] = []

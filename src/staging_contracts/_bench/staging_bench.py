@@ -464,7 +464,6 @@ def _alloc_scaling(quick: bool) -> list[BenchRow]:
 
 def run(options: BenchOptions) -> list[BenchRow]:
     """Run the group on ``options.device``; ``options.quick`` trades size and precision for
-    time (smoke tests): its rows have no goal, and their notes start with
-    ``quick: smoke only``."""
+    time (:func:`smoke` rows)."""
     rows = [*_bandwidths(options), *_alloc_scaling(options.quick)]
     return smoke(rows) if options.quick else rows  # quick: nothing to judge against a goal
