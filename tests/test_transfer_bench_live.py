@@ -8,15 +8,15 @@ import os
 
 import pytest
 
-from staging_contracts._bench import BenchOptions, transfer_bench
+from staging_contracts._bench import ENGINES, BenchOptions, transfer_bench
 from staging_contracts.engines import engine_available
 
-AVAILABLE = [name for name in transfer_bench.ENGINES if engine_available(name)[0]]
+AVAILABLE = [name for name in ENGINES if engine_available(name)[0]]
 
 
 def missing_engines() -> dict[str, str]:
     """Each engine of the transfer group that does not import here, with the reason."""
-    found = {name: engine_available(name) for name in transfer_bench.ENGINES}
+    found = {name: engine_available(name) for name in ENGINES}
     return {name: why or "does not import" for name, (ok, why) in found.items() if not ok}
 
 
@@ -29,7 +29,7 @@ def require_engines(missing: dict[str, str], *, ci: bool) -> None:
     named = "; ".join(f"{name}: {why}" for name, why in missing.items())
     if ci:
         pytest.fail(f"CI installs every transfer engine, but these do not import: {named}")
-    if len(missing) == len(transfer_bench.ENGINES):
+    if len(missing) == len(ENGINES):
         pytest.skip(f"no transfer engine imports here: {named}")
 
 
@@ -37,11 +37,11 @@ def require_engines(missing: dict[str, str], *, ci: bool) -> None:
 def test_require_engines_fails_in_ci_and_skips_elsewhere_naming_the_engines(ci: bool) -> None:
     """The guard of the live test: in CI a missing engine is a failure, elsewhere a skip
     only when none imports; the message names the engines and reasons."""
-    every = {name: f"no {name} wheel" for name in transfer_bench.ENGINES}
+    every = {name: f"no {name} wheel" for name in ENGINES}
     outcome = pytest.fail.Exception if ci else pytest.skip.Exception
     with pytest.raises(outcome) as raised:
         require_engines(every, ci=ci)
-    for name in transfer_bench.ENGINES:
+    for name in ENGINES:
         assert f"{name}: no {name} wheel" in str(raised.value)
     one = dict(list(every.items())[:1])
     if ci:

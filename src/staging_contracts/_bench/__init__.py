@@ -16,9 +16,9 @@ import importlib
 import json
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Final, Literal
+from typing import Final
 
 from .._run._signals import Interrupted
 
@@ -40,8 +40,14 @@ GROUPS: Final[dict[str, str]] = {
 }
 """Group name -> module that implements it."""
 
+ENGINES: Final = ("mooncake", "nixl")
+"""The in-tree cross-process engines: what ``transfer`` and ``scaling`` run by default."""
+
 DEVICES: Final = ("cpu", "cuda")
 """Devices the KV pools and staging buffers of a benchmark can live on."""
+
+QUICK_NOTE: Final = "quick: smoke only"
+"""How a quick row's note starts (its figures are not for judging, and it has no goal)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,21 +103,16 @@ class BenchRow:
 
 
 def ratio_row(
-    name: str,
-    ours: float,
-    anchor: float,
-    unit: str,
-    goal: str = "",
-    *,
-    kind: Literal["ours/anchor", "anchor/ours"] = "ours/anchor",
-    note: str = "",
+    name: str, ours: float, anchor: float, unit: str, goal: str = "", *, note: str = ""
 ) -> BenchRow:
-    """Build a row whose ratio is ``ours / anchor`` (or the inverse)."""
-    if kind == "ours/anchor":
-        ratio = ours / anchor if anchor else math.inf
-    else:
-        ratio = anchor / ours if ours else math.inf
+    """Build a row whose ratio is ``ours / anchor`` (``inf`` for an anchor of 0)."""
+    ratio = ours / anchor if anchor else math.inf
     return BenchRow(name, ours, anchor, unit, ratio, goal, note)
+
+
+def smoke(rows: list[BenchRow]) -> list[BenchRow]:
+    """``rows`` of a quick run: no goal, and each note starts with :data:`QUICK_NOTE`."""
+    return [replace(r, goal="", note="; ".join(filter(None, (QUICK_NOTE, r.note)))) for r in rows]
 
 
 def run_groups(
@@ -169,11 +170,17 @@ def format_table(rows: Iterable[BenchRow]) -> str:
                 met,
             )
         )
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = aligned(table)
     lines.extend(f"[{number}] {note}" for number, note in enumerate(notes, 1))
     return "\n".join(lines)
+
+
+def aligned(table: Sequence[Sequence[str]]) -> list[str]:
+    """A header and its rows as left-aligned columns, with a rule under the header."""
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
 
 
 def _fmt(value: float) -> str:

@@ -1,43 +1,22 @@
 """Group ``contract``: what enforcement costs.
 
-* ``contract.per-call`` — a method the host defines and one the mixin provides (the prefill's
-  per-chunk ``_is_watermark_ready``), called on an enforced host, against the same methods
-  on an unchecked plain class (goal <= 1.02: the contract never touches the hot path); both
-  methods only read attributes (assignments are the ``member-assign`` rows');
-* ``contract.instance-check`` — our once-per-construction check against
-  ``typeguard.check_type(obj, HostValues)`` on the same object (goal <= 0.3), where
-  ``HostValues`` is ``StagingHost`` with every member an annotated attribute of the same type:
-  typeguard checks a Protocol's properties for presence only, and ``StagingHost``'s members
-  are read-only properties, so checking against it would compare our value checks with a
-  presence check. Repeated on
-  one host: after the first check the per-class conformance cache of the Protocol-typed
-  members (``kv_args``, ``_staging_handler``: typeguard verifies a class's methods once, see
-  ``contract.valuecheck``) always hits, as for every instance after a class's first;
-* ``contract.instance-check.cold`` — the same check where that cache never helps: each
-  check is the first of a host of a new class whose ``kv_args`` and ``_staging_handler``
-  are instances of new classes (all made outside the timed region), against the same
-  typeguard anchor (``HostValues``) on equally new hosts; median of single checks, ours
-  and the anchor's in turns (goal <= 1.0: a class's first check costs no more than typeguard's);
-* ``contract.member-read`` — reading the contract's members (``kv_args``, ``attn_tp_size``,
-  ``_staging_handler``, ``_staging_ctx``) on an enforced host against a plain class (goal
-  <= 1.05: the assignment check of ``set_later`` members costs reads nothing);
-* ``contract.member-assign`` — assigning ``_staging_handler`` (a ``set_later`` member, its
-  value checked on every assignment) on an enforced host against the same assignment on a
-  plain class (informative);
-* ``contract.member-assign.unwatched`` — assigning an attribute the contract does not watch,
-  the same way: the toll of the mixin's ``__setattr__`` on every other assignment to the
-  host (informative);
-* ``contract.class-check`` — creating a host class with the mixin (class check and
-  initialiser wrapping included) against creating the same class without it (informative).
+Each row times an enforced host (:class:`~staging_contracts.mixin.StagingManagerMixin`)
+against the same work on a plain class, or our instance check against typeguard's; the
+docs' benchmarks page lists the rows, their anchors and goals. ``contract.instance-check``
+repeats the check on one host, so the per-class conformance cache of the Protocol-typed
+members always hits; ``contract.instance-check.cold`` checks hosts of new classes only
+(:func:`_cold_hosts`), where it never helps.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+import types
 import typing
-from dataclasses import replace
-from typing import Any, Final, Protocol
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from typing import Any, Protocol
 
 from typeguard import CollectionCheckStrategy, check_type
 
@@ -56,12 +35,8 @@ from ..protocols import (
     StagingReqOutcome,
     Watermark,
 )
-from . import BenchOptions, BenchRow, ratio_row
-from .timing import interleaved_ns_per_call, median_seconds
-
-_QUICK: Final = "quick: smoke only"
-
-__all__ = ["run"]
+from . import BenchOptions, BenchRow, ratio_row, smoke
+from .timing import in_turns, interleaved_ns_per_call, median_seconds
 
 
 class _Handler:
@@ -95,25 +70,21 @@ class HostValues(Protocol):
     kv_buffer_tensors: KVBufferTensors | None
 
 
-def _kv_args() -> KVArgsRecord:
-    return KVArgsRecord(
-        page_size=16,
-        kv_item_lens=(4096,) * 4,
-        engine_rank=0,
-        device="cpu",
-        total_kv_head_num=8,
-        kv_head_num=4,
-        kv_layer_ids=(0, 1),
-    )
-
-
 class _Base:
     kv_args: KVArgs
     attn_tp_size: int
     kv_buffer_tensors: KVBufferTensors | None
 
     def __init__(self) -> None:
-        self.kv_args = _kv_args()
+        self.kv_args = KVArgsRecord(
+            page_size=16,
+            kv_item_lens=(4096,) * 4,
+            engine_rank=0,
+            device="cpu",
+            total_kv_head_num=8,
+            kv_head_num=4,
+            kv_layer_ids=(0, 1),
+        )
         self.attn_tp_size = 2
         self.kv_buffer_tensors = None
         self.counter = 0
@@ -121,12 +92,6 @@ class _Base:
     def host_method(self) -> int:
         # reads only: what an assignment costs is the contract.member-assign rows' part
         return self.counter + self.attn_tp_size
-
-
-def _prefill_context() -> PrefillStagingContext:
-    watermarks = WatermarkTracker()
-    watermarks.observe("decode-0", Watermark(3, 4096))
-    return PrefillStagingContext(watermarks, RegionAnswerTable())
 
 
 class _PlainHost(_Base):
@@ -137,7 +102,9 @@ class _PlainHost(_Base):
     def __init__(self) -> None:
         super().__init__()
         self._staging_handler = _Handler()
-        self._staging_ctx = _prefill_context()
+        watermarks = WatermarkTracker()
+        watermarks.observe("decode-0", Watermark(3, 4096))
+        self._staging_ctx = PrefillStagingContext(watermarks, RegionAnswerTable())
 
     # The very function the mixin provides (the prefill's per-chunk readiness check, its
     # hot path), copied onto a class without any contract.
@@ -239,9 +206,7 @@ def _instance_check(quick: bool) -> BenchRow:
 
     def anchor() -> None:
         for _ in range(loops):
-            check_type(
-                host, HostValues, collection_check_strategy=CollectionCheckStrategy.ALL_ITEMS
-            )
+            _typeguard_check(host)
 
     ours_s = median_seconds(ours, repeats=repeats)
     anchor_s = median_seconds(anchor, repeats=repeats)
@@ -269,41 +234,29 @@ def _cold_hosts(count: int, tag: str) -> list[_EnforcedHost]:
         handler_class = type(f"_ColdHandler{tag}{number}", (_Handler,), {})
         args_class = type(f"_ColdKVArgs{tag}{number}", (KVArgsRecord,), {})
         host._staging_handler = handler_class()
-        host.kv_args = args_class(**{f: getattr(host.kv_args, f) for f in _KV_FIELDS})
+        host.kv_args = args_class(**asdict(host.kv_args))
         hosts.append(host)
     return hosts
 
 
-_KV_FIELDS = (
-    "page_size",
-    "kv_item_lens",
-    "engine_rank",
-    "device",
-    "total_kv_head_num",
-    "kv_head_num",
-    "kv_layer_ids",
-)
+def _typeguard_check(host: object) -> None:
+    """The anchor: typeguard's check of ``host`` against :class:`HostValues`."""
+    check_type(host, HostValues, collection_check_strategy=CollectionCheckStrategy.ALL_ITEMS)
 
 
 def _instance_check_cold(quick: bool) -> BenchRow:
     count = 30 if quick else 300
-    ours_hosts = _cold_hosts(count, "Ours")
-    anchor_hosts = _cold_hosts(count, "Anchor")
     ours: list[float] = []
     anchor: list[float] = []
-    for index in range(count):
-        runs = [(ours, ours_hosts[index], True), (anchor, anchor_hosts[index], False)]
-        if index % 2:
-            runs.reverse()
-        for samples, host, is_ours in runs:
-            start = time.perf_counter()
-            if is_ours:
-                STAGING_CONTRACT.check_instance(host)
-            else:
-                check_type(
-                    host, HostValues, collection_check_strategy=CollectionCheckStrategy.ALL_ITEMS
-                )
-            samples.append(time.perf_counter() - start)
+    checks: tuple[tuple[Callable[[object], None], Iterator[_EnforcedHost], list[float]], ...] = (
+        (STAGING_CONTRACT.check_instance, iter(_cold_hosts(count, "Ours")), ours),
+        (_typeguard_check, iter(_cold_hosts(count, "Anchor")), anchor),
+    )
+    for check, hosts, samples in in_turns(checks, count):
+        host = next(hosts)
+        start = time.perf_counter()
+        check(host)
+        samples.append(time.perf_counter() - start)
     note = (
         f"{count} checks each, every one the first of a host of a new class whose kv_args "
         "and _staging_handler are of new classes (made before timing), so typeguard "
@@ -338,8 +291,6 @@ def _class_body(ns: dict[str, Any]) -> None:
 
 
 def _class_check(quick: bool) -> BenchRow:
-    import types  # noqa: PLC0415 - only this benchmark creates classes dynamically
-
     loops = 20 if quick else 200
 
     def make(bases: tuple[type, ...]) -> Any:
@@ -357,8 +308,7 @@ def _class_check(quick: bool) -> BenchRow:
 
 
 def run(options: BenchOptions) -> list[BenchRow]:
-    """Run the group; ``options.quick`` trades precision for time (smoke tests): its rows
-    have no goal, and their notes start with ``quick: smoke only``."""
+    """Run the group; ``options.quick`` trades precision for time (:func:`smoke` rows)."""
     quick = options.quick
     typing.get_type_hints(StagingHost)  # resolve outside the timed region
     typing.get_type_hints(HostValues)
@@ -370,6 +320,4 @@ def run(options: BenchOptions) -> list[BenchRow]:
         _instance_check_cold(quick),
         _class_check(quick),
     ]
-    if quick:  # too few repetitions to judge against a goal
-        rows = [replace(r, goal="", note="; ".join(filter(None, (_QUICK, r.note)))) for r in rows]
-    return rows
+    return smoke(rows) if quick else rows  # quick: too few repetitions to judge

@@ -1,20 +1,16 @@
 """Group ``control``: how fast a decode rank answers ``STAGING_REQ``.
 
-``control.staging-req-rate`` — requests answered per second by a real decode listener (codec,
-mixin, handler, allocator, ``STAGING_RSP`` sent back over ZMQ), against a raw pyzmq
-PUSH/PULL echo of the same frames measured in the same run (goal >= 0.5).
-
-``control.staging-req-rate.curve`` — the same with the control plane authenticated (a cluster
-secret: CURVE encryption and authorisation on both sides, the client a trusted prefill peer),
-against the plain rate of the same run (goal >= 0.8).
-
-Both sides run in this process: a client thread keeps a window of requests in flight and
-counts the answers; only the server differs.
+``control.staging-req-rate``: requests answered per second by a real decode listener (codec,
+mixin, handler, allocator, ``STAGING_RSP`` back over ZMQ) against a raw pyzmq PUSH/PULL echo
+of the same frames; ``.curve``: the same with the control plane authenticated (CURVE, the
+client a trusted prefill peer) against the plain rate. Both sides run in this process: a
+client keeps :data:`WINDOW` requests in flight and counts the answers; only the server differs.
 """
 
 from __future__ import annotations
 
 import secrets
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -31,9 +27,7 @@ from ..backends._common import Role
 from ..backends._staging_setup import enable_decode_staging
 from ..backends.local import LocalKVManager
 from ..protocols import KVArgsRecord, KVBufferTensors
-from . import BenchOptions, BenchRow, ratio_row
-
-__all__ = ["run"]
+from . import BenchOptions, BenchRow, ratio_row, smoke
 
 WINDOW: Final = 256
 """Requests in flight at once."""
@@ -157,38 +151,22 @@ def _echo_rate(count: int) -> float:
 
 
 def run(options: BenchOptions) -> list[BenchRow]:
-    """Run the group; ``options.quick`` trades precision for time (smoke tests): its rows
-    have no goal, and their notes say ``quick: smoke only``."""
+    """Run the group; ``options.quick`` trades precision for time (:func:`smoke` rows)."""
     quick = options.quick
     count = 2_000 if quick else 20_000
-    repeats = 1 if quick else 5
     ours: list[float] = []
     anchor: list[float] = []
     curve: list[float] = []
     secret = secrets.token_hex(16).encode()
-    for _ in range(repeats):
+    for _ in range(1 if quick else 5):
         anchor.append(_echo_rate(count))
         ours.append(_decode_rate(count))
         curve.append(_decode_rate(count, secret))
-    plain = sorted(ours)[len(ours) // 2]
-    # one repetition of a small count when quick: too little to judge against a goal
-    goals = ("", "") if quick else (">= 0.5", ">= 0.8")
-    note = "quick: smoke only" if quick else ""
-    return [
+    plain = statistics.median(ours)
+    rows = [
+        ratio_row("control.staging-req-rate", plain, statistics.median(anchor), "msg/s", ">= 0.5"),
         ratio_row(
-            "control.staging-req-rate",
-            plain,
-            sorted(anchor)[len(anchor) // 2],
-            "msg/s",
-            goals[0],
-            note=note,
-        ),
-        ratio_row(
-            "control.staging-req-rate.curve",
-            sorted(curve)[len(curve) // 2],
-            plain,
-            "msg/s",
-            goals[1],
-            note=note,
+            "control.staging-req-rate.curve", statistics.median(curve), plain, "msg/s", ">= 0.8"
         ),
     ]
+    return smoke(rows) if quick else rows  # one small repetition: nothing to judge

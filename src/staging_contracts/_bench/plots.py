@@ -4,18 +4,11 @@ matplotlib is an optional extra (``pip install 'staging-contracts[plot]'``); it 
 only inside :func:`write_plots`, with the non-interactive Agg backend, so the package works
 without it. :func:`matplotlib_missing` says, before a long sweep starts, whether it is there.
 
-Four charts, each readable at a glance:
-
-* ``scaling-throughput.png`` — staged GB/s against request length, one colour per engine,
-  with the engine's raw write of the same bytes as a dashed line of the same colour;
-* ``scaling-latency.png`` — per-request latency p50 (solid) and high figure (dashed: the
-  p99, or the maximum below 100 samples, as the legend says) against concurrent requests,
-  per engine;
-* ``scaling-tp.png`` — staged GB/s per TP pair, grouped bars per engine;
-* ``scaling-page-size.png`` — staged GB/s per page size, grouped bars per engine.
-
-A point that failed is never drawn as a figure: lines leave a gap at it, and bars put a
-hatched outline labelled ``failed`` (or ``missing``, for a value the engine has no row for)
+Four charts (:data:`CHARTS`): staged GB/s against request length with the engine's raw
+write of the same bytes as a dashed line, per-request latency p50 and high figure against
+concurrency, and staged GB/s per TP pair and per page size as grouped bars; one colour per
+engine. A point that failed is never drawn as a figure: lines leave a gap at it, and bars put
+a hatched outline labelled ``failed`` (or ``missing``, for a value the engine has no row for)
 where its bar would be.
 """
 
@@ -32,8 +25,6 @@ from .scaling import ScalingResult, ScalingRow
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
-
-__all__ = ["CHARTS", "DPI", "FIGSIZE", "drawn_charts", "matplotlib_missing", "write_plots"]
 
 CHARTS: Final = (
     "scaling-throughput.png",
@@ -113,14 +104,11 @@ def _machine_note(result: ScalingResult) -> str:
     where = f"{cpus} CPUs" if cpus else ""
     where += f" (load {load[0]:.1f} at start)" if cpus and load else ""
     where += ", " if where else ""
+    runs = "one run" if result.plan.runs == 1 else f"median of {result.plan.runs} runs"
     return (
         f"{where}{base.layers} layers x {base.kv_heads} KV heads x {base.head_dim}, "
-        f"{base.dtype}; each point {_runs(result.plan.runs)}, every page verified"
+        f"{base.dtype}; each point {runs}, every page verified"
     )
-
-
-def _runs(runs: int) -> str:
-    return "one run" if runs == 1 else f"median of {runs} runs"
 
 
 def _series(rows: Sequence[ScalingRow], engine: str, dimension: str) -> list[ScalingRow]:
@@ -151,15 +139,12 @@ def _throughput(axes: Axes, rows: Sequence[ScalingRow], engines: Sequence[str]) 
 
     drawn = _lines(axes, rows, engines, "tokens", lines)
     axes.set_xscale("log", base=2)
-    axes.set_xticks(sorted({row.tokens for row in drawn}) or [1])
-    axes.set_xticklabels([_tokens_label(t) for t in sorted({row.tokens for row in drawn})] or [""])
+    ticks = sorted({row.tokens for row in drawn})
+    axes.set_xticks(ticks or [1])
+    axes.set_xticklabels([f"{t // 1024}k" if t % 1024 == 0 else str(t) for t in ticks] or [""])
     axes.set_xlabel("request length (tokens)")
     axes.set_ylabel("throughput (GB/s)")
     axes.set_title("Staged transfer throughput vs request length")
-
-
-def _tokens_label(tokens: int) -> str:
-    return f"{tokens // 1024}k" if tokens >= 1024 and tokens % 1024 == 0 else str(tokens)
 
 
 def _latency(axes: Axes, rows: Sequence[ScalingRow], engines: Sequence[str]) -> None:

@@ -1,67 +1,22 @@
 """``bench scaling``: how the staged transfer's throughput and latency grow, per engine.
 
-Not a row group of :data:`~staging_contracts._bench.GROUPS` (its result is a table of points
-and fitted slopes, not ours-against-anchor rows): the command line runs it on its own as
-``staging-contracts bench scaling``.
-
-**What is swept.** One dimension at a time around a base point, not a full grid (so a full
-run takes minutes, not hours); every point is a real :func:`~staging_contracts._cluster.runner.
-run_cluster` run, each rank its own process, every decode page verified:
-
-========================  =================================  ==========
-dimension                 values                             base
-========================  =================================  ==========
-``tokens``                1k, 2k, 4k, 8k, 16k, 32k           4k
-``tp`` (prefill->decode)  1->4, 2->4, 4->2, 8->2, 4->1       4->2
-``page_size``             1, 16, 64                          16
-``concurrency``           1, 2, 4, 8, 16 requests at once    1
-========================  =================================  ==========
-
-The geometry is fixed: 8 layers, 8 KV heads of 128, bf16 (32 KiB of KV per token over all
-heads and layers: a 4k-token request is 128 MiB, a 32k one 1 GiB), chunks of 1024 tokens, a
-ring of two chunks, one untimed warm-up request before the timed ones in every run (as the
-``transfer`` group does). The base point is measured once per engine and shared by the four
+Not a row group of :data:`~staging_contracts._bench.GROUPS`: its result is a table of points
+and fitted slopes, run on its own as ``staging-contracts bench scaling``. It sweeps one
+dimension at a time around a base point (:meth:`ScalingPlan.full`; the docs' benchmarks page
+lists the values and the measured figures); every point is real
+:func:`~staging_contracts._cluster.runner.run_cluster` runs, each rank its own process, every
+decode page verified. The base point is measured once per engine and shared by the four
 dimensions' series.
 
-**What a point is.** The full plan runs every staged point :attr:`ScalingPlan.runs` = 2
-times (what fits the sweep's time budget; the docs' benchmarks page gives the timings); the
-quick plan runs it once. A point's
-throughput is the median over its runs, its latencies are pooled over them (``runs`` x
-``concurrency`` samples: 2 to 32 in the full plan), and each row records ``runs`` and
-``latency_samples``. The raw write is run once per TP pair and byte count.
+A point is :attr:`ScalingPlan.runs` staged runs: its throughput is the median of theirs, its
+latencies (per request, from the first ``STAGING_REQ`` to the last decode rank's success) are
+pooled over them. The raw write of the same bytes by the same rank processes
+(``mode="raw"``), the ceiling the staged path is measured against, is run once per TP pair and
+byte count. Least-squares lines (:func:`fit_line`, with :func:`slope_stderr`) give transfer
+time against tokens and latency against concurrency, per engine.
 
-**What is measured**, per point:
-
-* *staged GB/s* — the KV bytes of every request of the point over the transfer phase
-  (:attr:`ClusterResult.elapsed_s <staging_contracts._cluster.runner.ClusterResult.elapsed_s>`:
-  from the first prefill rank starting its requests to the last decode rank finishing);
-* *raw GB/s* — the engine's raw bulk write of the same bytes by the same rank processes
-  (:attr:`TransferConfig.mode <staging_contracts._run.workload.TransferConfig.mode>`
-  ``"raw"``: each prefill rank writes its share in one bulk write per decode rank it feeds,
-  every byte checked on decode; warmed alike): the ceiling the staged path is measured
-  against. It is measured once per TP pair and byte count: points of equal bytes share it
-  (page sizes share the base point's; 2 requests of 4k tokens share 1 request of 8k);
-* *latency p50 and high* — per request, from the first ``STAGING_REQ`` any prefill rank sent for
-  it to the last decode rank seeing it succeed
-  (:meth:`ClusterResult.request_latencies_s
-  <staging_contracts._cluster.runner.ClusterResult.request_latencies_s>`); the p50 by
-  linear interpolation (:func:`percentile`). The high figure is honest about its sample
-  count (:func:`high_latency`): the p99 when the point has at least
-  :data:`P99_MIN_SAMPLES` samples, else the *maximum*, labelled ``max`` (the text shows
-  ``max of K``). The full plan has at most 32 samples a point, so its high figure is the
-  maximum;
-* the decode rings' peak use and the largest rank's peak RSS.
-
-**How the cost grows**: least-squares lines (:func:`fit_line`) of transfer time against
-tokens (seconds per 1k tokens, and the intercept; fitted through every run's time, not the
-medians) and of the latency p50 and high figure against concurrency (seconds per extra
-concurrent request), per engine. Each slope comes with its standard error
-(:func:`slope_stderr`, from the fit's residuals; ``nan`` with only two samples): read a
-slope as ``slope +- 2 se`` at best, since the samples are few and the machine is shared.
-
-``BenchOptions.quick`` runs tiny points (two token lengths, two concurrencies, one TP pair
-and page size) for smoke tests; its figures mean nothing. ``BenchOptions.device`` places
-every rank's pools, buffers and ring (``"cuda"`` needs a GPU).
+``BenchOptions.quick`` runs tiny points for smoke tests (figures meaningless);
+``BenchOptions.device`` places every rank's pools, buffers and ring (``"cuda"`` needs a GPU).
 """
 
 from __future__ import annotations
@@ -72,7 +27,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -83,60 +38,9 @@ from .._cluster.runner import ClusterResult, run_cluster
 from .._run import Interrupted
 from .._run.workload import Device, TransferConfig
 from ..engines import engine_available
-from . import BenchOptions
-
-__all__ = [
-    "CSV_COLUMNS",
-    "DIMENSIONS",
-    "ENGINES",
-    "Fit",
-    "ScalingPlan",
-    "ScalingPoint",
-    "ScalingResult",
-    "ScalingRow",
-    "P99_MIN_SAMPLES",
-    "fit_line",
-    "fit_rows",
-    "high_latency",
-    "percentile",
-    "slope_stderr",
-    "run_scaling",
-]
+from . import ENGINES, BenchOptions, aligned
 
 logger = logging.getLogger(__name__)
-
-ENGINES: Final = ("mooncake", "nixl")
-"""Engines the sweep runs by default (and the only ones it runs)."""
-
-DIMENSIONS: Final = ("tokens", "tp", "page_size", "concurrency")
-"""The swept dimensions, in the order they are run and printed."""
-
-CSV_COLUMNS: Final = (
-    "engine",
-    "dimension",
-    "value",
-    "tokens",
-    "prefill_tp",
-    "decode_tp",
-    "page_size",
-    "concurrency",
-    "bytes",
-    "runs",
-    "elapsed_s",
-    "elapsed_runs_s",
-    "staged_gbps",
-    "raw_gbps",
-    "latency_samples",
-    "latency_p50_s",
-    "latency_high_s",
-    "latency_high_stat",
-    "peak_ring_bytes",
-    "peak_rss_bytes",
-    "ok",
-    "error",
-)
-"""Columns of the CSV file, in order: the fields of :class:`ScalingRow` (``elapsed_runs_s``
-as the runs' seconds joined by spaces)."""
 
 P99_MIN_SAMPLES: Final = 100
 """Fewest latency samples a point needs before its high figure is called a p99; with fewer
@@ -151,9 +55,8 @@ class ScalingPoint:
     """One planned point: where it sits and the run that measures it (any engine)."""
 
     dimension: str
-    """One of :data:`DIMENSIONS`."""
+    """``tokens``, ``tp``, ``page_size`` or ``concurrency``."""
     value: PointValue
-    """Its value on that dimension (``"4->2"`` for a TP pair)."""
     config: TransferConfig
     """The run, with the base point's engine (replaced per engine)."""
 
@@ -207,8 +110,7 @@ class ScalingPlan:
 
     @classmethod
     def full(cls) -> ScalingPlan:
-        """The documented sweep (module docstring), each staged point run twice (the
-        benchmarks page gives how long it takes)."""
+        """The documented sweep, each staged point run twice."""
         return cls(
             base=_FULL_BASE,
             tokens=(1024, 2048, 4096, 8192, 16384, 32768),
@@ -220,8 +122,7 @@ class ScalingPlan:
 
     @classmethod
     def quick(cls) -> ScalingPlan:
-        """Tiny points for smoke tests, each run once: five runs per engine, figures
-        meaningless."""
+        """Tiny points for smoke tests, each run once: five runs per engine."""
         return cls(
             base=replace(
                 _FULL_BASE,
@@ -299,7 +200,6 @@ class ScalingRow:
     """KV bytes of every timed request of the point (what both the staged run and the raw
     write move)."""
     runs: int
-    """Staged runs of the point (:attr:`ScalingPlan.runs`)."""
     elapsed_s: float
     """The median of the staged runs' transfer phases (``nan`` when a run failed)."""
     elapsed_runs_s: tuple[float, ...]
@@ -314,7 +214,6 @@ class ScalingRow:
     verified)."""
     latency_p50_s: float
     latency_high_s: float
-    """The p99 of the samples, or their maximum below :data:`P99_MIN_SAMPLES` samples."""
     latency_high_stat: str
     """What ``latency_high_s`` is: ``"p99"`` or ``"max"`` (:func:`high_latency`)."""
     peak_ring_bytes: int
@@ -325,15 +224,16 @@ class ScalingRow:
     error: str = ""
     """Why the point failed (empty when it verified)."""
 
-    def as_dict(self) -> dict[str, Any]:
-        """The row as a dict with the keys of :data:`CSV_COLUMNS`."""
-        return asdict(self)
-
     def high_label(self) -> str:
         """``p99``, or ``max of K`` when the high figure is the maximum of K samples."""
         if self.latency_high_stat == "p99":
             return "p99"
         return f"max of {self.latency_samples}"
+
+
+CSV_COLUMNS: Final = tuple(f.name for f in fields(ScalingRow))
+"""Columns of the CSV file, in order: the fields of :class:`ScalingRow` (``elapsed_runs_s``
+as the runs' seconds joined by spaces)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,7 +243,7 @@ class Fit:
     engine: str
     name: str
     """``time-vs-tokens``, ``latency-p50-vs-concurrency`` or
-    ``latency-high-vs-concurrency`` (the high figure: see :func:`high_latency`)."""
+    ``latency-high-vs-concurrency``."""
     slope: float
     slope_se: float
     """Standard error of ``slope`` (:func:`slope_stderr`; ``nan`` with two samples)."""
@@ -385,16 +285,15 @@ class ScalingResult:
         return bool(self.rows) and all(row.ok for row in self.rows) and not self.interrupted
 
     def as_json(self) -> dict[str, Any]:
-        """The result as JSON-ready values: whether it is partial, plan, machine, skipped
-        engines, fits, rows."""
+        """The result as JSON-ready values (``nan`` as ``null``)."""
         return {
             "partial": self.interrupted is not None,
             "interrupted": self.interrupted,
             "plan": self.plan.describe(),
             "machine": self.machine,
             "skipped": self.skipped,
-            "fits": [_json_fit(fit) for fit in self.fits],
-            "rows": [_json_row(row) for row in self.rows],
+            "fits": [_no_nan(asdict(fit)) for fit in self.fits],
+            "rows": [_no_nan(asdict(row)) for row in self.rows],
         }
 
     def write(self, directory: str | Path) -> list[Path]:
@@ -409,56 +308,32 @@ class ScalingResult:
             writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
             writer.writeheader()
             for row in self.rows:
-                line = row.as_dict()
+                line = asdict(row)
                 line["elapsed_runs_s"] = " ".join(repr(s) for s in row.elapsed_runs_s)
                 writer.writerow(line)
         return [json_path, csv_path]
 
     def format_text(self) -> str:
         """The points as an aligned table, then the skipped engines and the fitted slopes."""
-        header = (
-            "engine",
-            "dimension",
-            "value",
-            "MiB",
-            "runs",
-            "staged GB/s",
-            "raw GB/s",
-            "samples",
-            "p50 s",
-            "high s",
-            "ring MiB",
-            "RSS MiB",
-            "ok",
+        columns: tuple[tuple[str, Callable[[ScalingRow], str]], ...] = (
+            ("engine", lambda row: row.engine),
+            ("dimension", lambda row: row.dimension),
+            ("value", lambda row: str(row.value)),
+            ("MiB", lambda row: f"{row.bytes / 2**20:.1f}"),
+            ("runs", lambda row: str(row.runs)),
+            ("staged GB/s", lambda row: _num(row.staged_gbps)),
+            ("raw GB/s", lambda row: _num(row.raw_gbps)),
+            ("samples", lambda row: str(row.latency_samples)),
+            ("p50 s", lambda row: _num(row.latency_p50_s)),
+            ("high s", lambda row: f"{_num(row.latency_high_s)} ({row.high_label()})"),
+            ("ring MiB", lambda row: f"{row.peak_ring_bytes / 2**20:.1f}"),
+            ("RSS MiB", lambda row: _mib(row.peak_rss_bytes)),
+            ("ok", lambda row: "yes" if row.ok else "NO"),
         )
-        table = [header]
-        for row in self.rows:
-            rss = "-" if row.peak_rss_bytes is None else f"{row.peak_rss_bytes / 2**20:.0f}"
-            table.append(
-                (
-                    row.engine,
-                    row.dimension,
-                    str(row.value),
-                    f"{row.bytes / 2**20:.1f}",
-                    str(row.runs),
-                    _num(row.staged_gbps),
-                    _num(row.raw_gbps),
-                    str(row.latency_samples),
-                    _num(row.latency_p50_s),
-                    f"{_num(row.latency_high_s)} ({row.high_label()})",
-                    f"{row.peak_ring_bytes / 2**20:.1f}",
-                    rss,
-                    "yes" if row.ok else "NO",
-                )
-            )
-        widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-        lines = [
-            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table
-        ]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        table = [[name for name, _ in columns]]
+        table += [[cell(row) for _, cell in columns] for row in self.rows]
         base = self.plan.describe()["base"]
-        lines.insert(
-            0,
+        lines = [
             "base point: {tokens} tokens, TP {prefill_tp}->{decode_tp}, page size {page_size}, "
             "{concurrency} request(s) at once; {layers} layers, {kv_heads} KV heads of "
             "{head_dim}, {dtype}, chunks of {chunk_tokens} tokens, ring of {ring_chunks} "
@@ -466,7 +341,8 @@ class ScalingResult:
             "pooled); high = p99 from {p99} samples, else the max".format(
                 **base, runs=self.plan.runs, p99=P99_MIN_SAMPLES
             ),
-        )
+            *aligned(table),
+        ]
         lines.extend(
             f"{row.engine} {row.dimension}={row.value}: {row.error}"
             for row in self.rows
@@ -488,16 +364,12 @@ def _num(value: float, spec: str = ".4g") -> str:
     return "-" if math.isnan(value) else format(value, spec)
 
 
-def _json_row(row: ScalingRow) -> dict[str, Any]:
-    """A row for JSON: ``nan`` becomes ``null`` (JSON has no NaN)."""
-    return _no_nan(row.as_dict())
-
-
-def _json_fit(fit: Fit) -> dict[str, Any]:
-    return _no_nan(asdict(fit))
+def _mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.0f}"
 
 
 def _no_nan(values: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no NaN: ``nan`` becomes ``None``."""
     return {
         key: None if isinstance(value, float) and math.isnan(value) else value
         for key, value in values.items()
@@ -531,14 +403,8 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
-    """Least-squares line through ``(xs, ys)``: ``(slope, intercept, r2)``.
-
-    ``r2`` is 1.0 when every ``y`` is the same (the line explains all there is).
-
-    Raises:
-        ValueError: different lengths, or fewer than two distinct ``x``.
-    """
+def _least_squares(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float, float]:
+    """``(slope, intercept, r2, slope standard error)``: see :func:`fit_line`."""
     if len(xs) != len(ys):
         raise ValueError(f"{len(xs)} x values but {len(ys)} y values")
     if len(set(xs)) < 2:
@@ -553,6 +419,19 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, fl
     ss_tot = sum((y - mean_y) ** 2 for y in ys)
     ss_res = sum((y - (slope * x + intercept)) ** 2 for x, y in zip(xs, ys, strict=True))
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    se = math.sqrt(ss_res / (n - 2) / sxx) if n > 2 else math.nan
+    return slope, intercept, r2, se
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares line through ``(xs, ys)``: ``(slope, intercept, r2)``.
+
+    ``r2`` is 1.0 when every ``y`` is the same (the line explains all there is).
+
+    Raises:
+        ValueError: different lengths, or fewer than two distinct ``x``.
+    """
+    slope, intercept, r2, _ = _least_squares(xs, ys)
     return slope, intercept, r2
 
 
@@ -563,25 +442,19 @@ def slope_stderr(xs: Sequence[float], ys: Sequence[float]) -> float:
     Raises:
         ValueError: as :func:`fit_line`.
     """
-    slope, intercept, _ = fit_line(xs, ys)
-    n = len(xs)
-    if n < 3:
-        return math.nan
-    mean_x = sum(xs) / n
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    ss_res = sum((y - (slope * x + intercept)) ** 2 for x, y in zip(xs, ys, strict=True))
-    return math.sqrt(ss_res / (n - 2) / sxx)
+    return _least_squares(xs, ys)[3]
 
 
 def fit_rows(rows: Iterable[ScalingRow]) -> list[Fit]:
     """The slopes of each engine's series: transfer time against thousands of tokens (every
     run's time: ``elapsed_runs_s``, else ``elapsed_s``), and latency p50 and high figure
     against concurrency (points that failed are left out; a series with fewer than two
-    distinct values gets no fit). Each slope comes with its standard error."""
+    distinct values gets no fit)."""
     rows = [row for row in rows if row.ok]
     fits: list[Fit] = []
     for engine in dict.fromkeys(row.engine for row in rows):
         mine = [row for row in rows if row.engine == engine]
+        concurrent = [r for r in mine if r.dimension == "concurrency"]
         series: list[tuple[str, str, list[tuple[float, float]]]] = [
             (
                 "time-vs-tokens",
@@ -596,21 +469,19 @@ def fit_rows(rows: Iterable[ScalingRow]) -> list[Fit]:
             (
                 "latency-p50-vs-concurrency",
                 "s per concurrent request",
-                [(r.concurrency, r.latency_p50_s) for r in mine if r.dimension == "concurrency"],
+                [(r.concurrency, r.latency_p50_s) for r in concurrent],
             ),
             (
                 "latency-high-vs-concurrency",
                 "s per concurrent request",
-                [(r.concurrency, r.latency_high_s) for r in mine if r.dimension == "concurrency"],
+                [(r.concurrency, r.latency_high_s) for r in concurrent],
             ),
         ]
         for name, unit, measured in series:
             pairs = [(x, y) for x, y in measured if not math.isnan(y)]
             if len({x for x, _ in pairs}) < 2:
                 continue
-            xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
-            slope, intercept, r2 = fit_line(xs, ys)
-            se = slope_stderr(xs, ys)
+            slope, intercept, r2, se = _least_squares([x for x, _ in pairs], [y for _, y in pairs])
             fits.append(Fit(engine, name, slope, se, intercept, r2, len(pairs), unit))
     return fits
 
@@ -631,10 +502,9 @@ def run_scaling(
         progress: called with one line before each measurement.
 
     **Blocking:** every point's cluster runs (staged, and raw where its TP pair and bytes
-    are new), ``plan.runs`` staged runs a point, each bounded by ``plan.run_timeout_s``
-    (minutes for the full plan, most of it starting rank processes). Under
-    :func:`~staging_contracts._run.stop_on_signals` (raising), a stop signal ends the sweep:
-    the point being measured is dropped (its ranks are killed as the
+    are new), ``plan.runs`` staged runs a point, each bounded by ``plan.run_timeout_s``.
+    Under :func:`~staging_contracts._run.stop_on_signals` (raising), a stop signal ends the
+    sweep: the point being measured is dropped (its ranks are killed as the
     :class:`~staging_contracts._run.Interrupted` unwinds the run), the rows before it are
     returned, with :attr:`ScalingResult.interrupted` set.
 
@@ -660,7 +530,6 @@ def run_scaling(
     machine: dict[str, Any] = {"cpus": os.cpu_count(), "load_before": _load()}
     rows: list[ScalingRow] = []
     skipped: dict[str, str] = {}
-    points = chosen.points()
     interrupted = None
     try:
         for engine in dict.fromkeys(engines):
@@ -669,7 +538,7 @@ def run_scaling(
                 skipped[engine] = reason
                 say(f"bench scaling: skipping {engine}: {reason}")
                 continue
-            _sweep(engine, points, chosen, say, rows)
+            _sweep(engine, chosen, say, rows)
     except Interrupted as stop:  # a driver under stop_on_signals: keep what was measured
         interrupted = str(stop)
     machine["load_after"] = _load()
@@ -695,15 +564,12 @@ class _Measured:
 
 
 def _sweep(
-    engine: str,
-    points: list[ScalingPoint],
-    plan: ScalingPlan,
-    say: Callable[[str], None],
-    rows: list[ScalingRow],
+    engine: str, plan: ScalingPlan, say: Callable[[str], None], rows: list[ScalingRow]
 ) -> None:
     """Every point of one engine, each row added to ``rows`` as soon as it is measured: each
     distinct staged run ``plan.runs`` times (stopping at its first failure), the raw write
     once per TP pair and byte count (the first point with them is run in ``mode="raw"``)."""
+    points = plan.points()
     configs = [replace(point.config, backend=engine) for point in points]
     runs: dict[TransferConfig, list[_Measured]] = {}
     raw: dict[tuple[int, int, int], _Measured] = {}
@@ -728,18 +594,18 @@ def _sweep(
             done += 1
             say(f"bench scaling: {where}, raw write ({done}/{total})")
             raw[key] = _measure(replace(config, mode="raw"), plan)
-        rows.append(_row(engine, point, config, nbytes, runs[config], raw[key]))
+        rows.append(_row(engine, point, config, runs[config], raw[key]))
 
 
 def _row(
     engine: str,
     point: ScalingPoint,
     config: TransferConfig,
-    nbytes: int,
     found: list[_Measured],
     anchor: _Measured,
 ) -> ScalingRow:
     """A point's row from its staged runs (a failed run fails it) and its raw write."""
+    nbytes = config.request_bytes * config.requests
     errors = [
         f"run {i + 1}: {m.error}" if len(found) > 1 else m.error
         for i, m in enumerate(found)
@@ -761,9 +627,9 @@ def _row(
         concurrency=config.requests,
         bytes=nbytes,
         runs=len(found),
-        elapsed_s=_median([m.elapsed_s for m in good]),
+        elapsed_s=percentile([m.elapsed_s for m in good], 50),
         elapsed_runs_s=tuple(m.elapsed_s for m in good),
-        staged_gbps=_median([_gbps(nbytes, m.elapsed_s) for m in good]),
+        staged_gbps=percentile([_gbps(nbytes, m.elapsed_s) for m in good], 50),
         raw_gbps=_gbps(nbytes, anchor.elapsed_s),
         latency_samples=len(samples),
         latency_p50_s=percentile(samples, 50),
@@ -774,10 +640,6 @@ def _row(
         ok=not errors,
         error="; ".join(errors),
     )
-
-
-def _median(values: Sequence[float]) -> float:
-    return percentile(values, 50)
 
 
 def _raw_key(config: TransferConfig) -> tuple[int, int, int]:

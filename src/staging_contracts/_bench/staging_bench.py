@@ -1,59 +1,31 @@
 """Group ``staging``: the data path's kernels and the ring allocator.
 
 Every bandwidth row is ``bytes / median time`` of ours against a plain ``copy_`` of the same
-number of bytes between two preallocated contiguous tensors on the same device, measured
-alternately in the same run (ratio = ours / copy, goal >= 0.5). They run with one torch
-intra-op thread, as the cluster's rank processes do (``torch.set_num_threads(1)`` in
-``cluster.rank``; the previous count is restored afterwards), on ``options.device`` (on CUDA
-the clock is read after ``torch.cuda.synchronize()``). A chunk is 4096 tokens (1024 quick)
-of 32 layers (4 quick) x 128 head_dim bf16, page_size 16, on random pages of a pool 25 %
-larger than the chunk; each row's note states heads, rows, bytes, threads and device.
+number of bytes between two preallocated tensors on the same device, measured alternately in
+the same run (ratio = ours / copy, goal >= 0.5), with one torch intra-op thread as the
+cluster's rank processes run (the previous count is restored afterwards), on
+``options.device``. A chunk is 4096 tokens (1024 quick) of 32 layers (4 quick) x 128
+head_dim bf16, page_size 16, on random pages of a pool 25 % larger than the chunk.
 
-* ``staging.gather.<case>`` / ``staging.scatter.<case>`` — the head-slice cases the staging
-  exists for, through the code the ranks run: the pool is one allocation ``[2, layers, tokens,
-  heads, head_dim]`` (the layout the ranks allocate, so the
-  fused path), the gather is what ``prefill.writer.StagingWriter`` does per chunk (page
-  tensor, ``PagedKVPools.gather`` of the head slice ``compute_head_slice_params`` names into
-  the zeroed staging buffer, the device ordering's ``gathered()``), the scatter is
-  ``decode.scatter.ChunkScatter.scatter`` of a region of a ``StagingAllocator`` ring, as
-  ``decode.handler.DecodeStagingHandler`` calls it. Cases (prefill rank 0, decode rank 0):
-
-  - ``p4d2`` — P=4 -> D=2 of 8 KV heads (P > D): each prefill rank gathers its 2 heads (whole
-    page rows of its pool); decode scatters a region of 2 writers, each 2 heads, into heads
-    0-1 and 2-3 of its 4-head pool (the writers' half rows interleave into whole token rows);
-  - ``p2d4-gqa`` — P=2 -> D=4 of 2 KV heads (P < D, each head replicated on 2 decode ranks):
-    prefill gathers its 1 head (whole rows), decode scatters 1 writer's head (whole rows);
-  - ``p1d4-gqa`` — P=1 -> D=4 of 2 KV heads: prefill gathers 1 head of its 2 (half of each
-    token row, strided), decode scatters it into its 1-head pool (whole rows);
-* ``staging.gather`` / ``staging.scatter`` — the former all-heads rows, kept for comparison:
-  ``kernels.gather_chunk`` and ``kernels.scatter_chunk`` (pools re-checked per call) of all
-  8 heads of 32 pools allocated one by one (layer by layer, not fused): whole contiguous page
-  rows, not a case the ranks' fused pools run;
-* ``staging.integrity.tag.<case>`` / ``staging.integrity.check.<case>`` /
-  ``staging.integrity.transfer.<case>`` — the cost of the integrity tags
-  (:mod:`~staging_contracts._control.integrity`), each against the same work without them,
-  measured alternately in the same run (ratio = with / without, in ms per chunk): the tag is
-  the gather above plus the writer's digest of its staged bytes (``chunk_digest`` over
-  ``host_view`` of the buffer, as ``StagingWriter`` does); the check is the scatter above
-  plus ``ArrivalVerifier.check`` of every writer's bytes in the region (as
-  ``DecodeStagingHandler`` runs it after the scatter); the transfer is prefill rank 0's
-  gather, a ``copy_`` of its bytes into the ring region (the engine's write, at memory speed:
-  the fastest an engine can be, so the dearest the tags can look) and decode's scatter of the
-  region, with the tag and the check against without (goal <= 1.1: integrity is on by
-  default only if it costs at most 10 % of the staged transfer);
-* ``staging.alloc-scaling`` — our ``assign`` + ``free`` at 100,000 live allocations against
-  the same at 10 (ratio, goal <= 1.2: flat);
-* ``staging.alloc-scaling.anchor`` — the same two figures for a straightforward list-based
-  ring allocator (the reference's design), informative.
+* ``staging.gather.<case>`` / ``staging.scatter.<case>``: prefill rank 0's gather of its head
+  slice for decode rank 0 (as ``StagingWriter`` runs it) and decode rank 0's scatter of a
+  complete ring region (as ``DecodeStagingHandler`` runs it), each rank's pool one
+  allocation; cases in :data:`_CASES`;
+* ``staging.gather`` / ``staging.scatter``: ``kernels.gather_chunk`` / ``scatter_chunk`` of
+  all heads of pools allocated one by one (not a case the ranks run), for comparison;
+* ``staging.integrity.{tag,check,transfer}.<case>``: the gather with the writer's digest, the
+  scatter with ``ArrivalVerifier.check``, and gather, ``copy_`` into the ring and scatter
+  with both, each against the same work without them (goal on the transfer <= 1.1);
+* ``staging.alloc-scaling``: our ``assign`` + ``free`` at 100,000 live allocations against
+  the same at 10 (goal <= 1.2: flat), and ``.anchor``, the same for a list-based ring
+  allocator (the reference's design).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import replace
-from typing import Final, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -65,22 +37,15 @@ from .._staging.allocator import StagingAllocator
 from .._staging.host_view import host_view
 from .._staging.kernels import PagedKVPools, gather_chunk, scatter_chunk
 from .._staging.layout import (
-    HeadSlice,
-    StagingLayout,
     WriterPlacement,
     compute_head_slice_params,
     compute_staging_layout,
     heads_per_rank,
-    writer_placements,
 )
 from .._staging.ordering import ordering_for
 from ..protocols import Allocation, KVBufferTensors, Watermark
-from . import BenchOptions, BenchRow, ratio_row
+from . import BenchOptions, BenchRow, ratio_row, smoke
 from .timing import alternating_seconds, interleaved_ns_per_call
-
-_QUICK: Final = "quick: smoke only"
-
-__all__ = ["run"]
 
 _LAYERS = 32
 _HEADS = 8
@@ -142,17 +107,6 @@ class _Size(NamedTuple):
         return f"{_RANK_THREADS} torch thread, {self.device.type}"
 
 
-@contextlib.contextmanager
-def _rank_threads() -> Iterator[None]:
-    """Run the block with the torch intra-op threads of a rank process."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(_RANK_THREADS)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _one_allocation(size: _Size, heads: int) -> KVBufferTensors:
     """A rank's pool as the cluster builds it: views of one ``[2, layers, tokens, heads,
     head_dim]`` allocation (K of every layer, then V)."""
@@ -188,131 +142,112 @@ def _ratio(name: str, size: _Size, nbytes: int, ours: Callable[[], object], note
     return ratio_row(name, ours_gbps, copy_gbps, "GB/s", ">= 0.5", note=note)
 
 
-class _PrefillRank0(NamedTuple):
-    """Prefill rank 0 of a case: its pool and what it stages for decode rank 0."""
+class _Pair:
+    """Prefill rank 0 and decode rank 0 of a case: the gather of what the one stages for the
+    other (into a staging buffer, as ``StagingWriter`` does) and the scatter of a complete
+    ring region (as ``DecodeStagingHandler`` calls ``ChunkScatter.scatter``)."""
 
-    heads: int
-    pools: PagedKVPools
-    head: HeadSlice
-    head_bytes: int
-    layout: StagingLayout
+    def __init__(self, case: _Case, size: _Size) -> None:
+        self.case = case
+        self.size = size
+        self.prefill_heads = heads_per_rank(case.kv_heads, case.prefill_tp)
+        self.decode_heads = heads_per_rank(case.kv_heads, case.decode_tp)
+        pool = _one_allocation(size, self.prefill_heads)
+        self.pools = PagedKVPools(pool.k_buffers, pool.v_buffers, pool.page_size)
+        self.head = compute_head_slice_params(case.prefill_tp, case.decode_tp, 0, 0, case.kv_heads)
+        self.head_bytes = _HEAD_DIM * self.pools.geometry.element_size
+        self.layout = compute_staging_layout(
+            case.prefill_tp,
+            case.decode_tp,
+            0,
+            case.kv_heads,
+            size.tokens,
+            self.head_bytes,
+            size.layers,
+        )
+        self.buffer = torch.zeros(
+            self.layout.writer_bytes[0], dtype=torch.uint8, device=size.device
+        )
+        self.ordering = ordering_for(size.device, None)
+        self.page_list = size.pages()
+        self.allocator = StagingAllocator(self.layout.total_bytes, device=size.device)
+        self.scatterer = ChunkScatter(
+            self.allocator,
+            _one_allocation(size, self.decode_heads),
+            decode_tp=case.decode_tp,
+            decode_rank=0,
+            total_kv_heads=case.kv_heads,
+        )
+        allocation = self.allocator.assign(self.layout.total_bytes)
+        if allocation is None:
+            raise RuntimeError(f"a ring of {self.layout.total_bytes} bytes refused as many")
+        self.allocation = allocation
+        self.pages = torch.tensor(self.page_list, dtype=torch.int64, device=size.device)
 
+    def gather(self) -> None:
+        pages = torch.tensor(self.page_list, dtype=torch.int64, device=self.size.device)
+        self.pools.gather(pages, self.head.src_head_start, self.head.num_heads, self.buffer)
+        self.ordering.gathered()
 
-def _prefill_rank0(case: _Case, size: _Size) -> _PrefillRank0:
-    heads = heads_per_rank(case.kv_heads, case.prefill_tp)
-    pool = _one_allocation(size, heads)
-    pools = PagedKVPools(pool.k_buffers, pool.v_buffers, pool.page_size)
-    head = compute_head_slice_params(case.prefill_tp, case.decode_tp, 0, 0, case.kv_heads)
-    head_bytes = _HEAD_DIM * pools.geometry.element_size
-    layout = compute_staging_layout(
-        case.prefill_tp, case.decode_tp, 0, case.kv_heads, size.tokens, head_bytes, size.layers
-    )
-    return _PrefillRank0(heads, pools, head, head_bytes, layout)
+    def scatter(self) -> None:
+        self.scatterer.scatter(self.allocation, self.pages, self.case.prefill_tp)
+
+    def terms(self) -> str:
+        """``P=4 -> D=2, 8 KV heads``."""
+        case = self.case
+        return f"P={case.prefill_tp} -> D={case.decode_tp}, {case.kv_heads} KV heads"
 
 
 def _gather_row(case: _Case, size: _Size) -> BenchRow:
-    """Prefill rank 0's gather for decode rank 0, as ``StagingWriter`` runs it."""
-    prefill_heads, pools, head, head_bytes, layout = _prefill_rank0(case, size)
-    nbytes = layout.writer_bytes[0]
-    buffer = torch.zeros(
-        size.chunk_pages * _PAGE_SIZE * prefill_heads * head_bytes * 2 * size.layers,
-        dtype=torch.uint8,
-        device=size.device,
-    )
-    ordering = ordering_for(size.device, None)
-    page_list = size.pages()
-
-    def gather() -> None:
-        pages = torch.tensor(page_list, dtype=torch.int64, device=size.device)
-        pools.gather(pages, head.src_head_start, head.num_heads, buffer[:nbytes])
-        ordering.gathered()
-
+    pair = _Pair(case, size)
+    head, heads, head_bytes = pair.head, pair.prefill_heads, pair.head_bytes
+    nbytes = pair.layout.writer_bytes[0]
     rows = (
         f"whole {_PAGE_SIZE * head.num_heads * head_bytes} B page rows"
-        if head.num_heads == prefill_heads
-        else f"{head.num_heads * head_bytes} B of each {prefill_heads * head_bytes} B token row"
+        if head.num_heads == heads
+        else f"{head.num_heads * head_bytes} B of each {heads * head_bytes} B token row"
     )
     note = (
-        f"P={case.prefill_tp} -> D={case.decode_tp}, {case.kv_heads} KV heads: prefill rank 0 "
-        f"gathers {_heads(head.src_head_start, head.num_heads)} of its {prefill_heads} "
-        f"({rows}), {size.tokens} tokens x {size.layers} layers K+V bf16 = {_mib(nbytes)}, "
-        f"into its staging buffer as StagingWriter does (PagedKVPools.gather, pool in one "
-        f"allocation); copy_ of {_mib(nbytes)}; {size.where()}"
+        f"{pair.terms()}: prefill rank 0 gathers {_heads(head.src_head_start, head.num_heads)} "
+        f"of its {heads} ({rows}), {size.tokens} tokens x {size.layers} layers K+V bf16 = "
+        f"{_mib(nbytes)}, into its staging buffer as StagingWriter does (PagedKVPools.gather, "
+        f"pool in one allocation); copy_ of {_mib(nbytes)}; {size.where()}"
     )
-    return _ratio(f"staging.gather.{case.name}", size, nbytes, gather, note)
+    return _ratio(f"staging.gather.{case.name}", size, nbytes, pair.gather, note)
 
 
 def _scatter_row(case: _Case, size: _Size) -> BenchRow:
-    """Decode rank 0's scatter of a complete region, as ``DecodeStagingHandler`` runs it."""
-    decode_heads = heads_per_rank(case.kv_heads, case.decode_tp)
-    pool = _one_allocation(size, decode_heads)
-    head_bytes = _HEAD_DIM * torch.empty((), dtype=_DTYPE).element_size()
-    nbytes = compute_staging_layout(
-        case.prefill_tp, case.decode_tp, 0, case.kv_heads, size.tokens, head_bytes, size.layers
-    ).total_bytes
-    allocator = StagingAllocator(nbytes, device=size.device)
-    scatterer = ChunkScatter(
-        allocator,
-        pool,
-        decode_tp=case.decode_tp,
-        decode_rank=0,
-        total_kv_heads=case.kv_heads,
-    )
-    allocation = allocator.assign(scatterer.region_bytes(case.prefill_tp, size.chunk_pages))
-    if allocation is None:
-        raise RuntimeError(f"a ring of {nbytes} bytes refused a region of {nbytes} bytes")
-    pages = torch.tensor(size.pages(), dtype=torch.int64, device=size.device)
-
-    def scatter() -> None:
-        scatterer.scatter(allocation, pages, case.prefill_tp)
-
-    writers = writer_placements(
-        case.prefill_tp, case.decode_tp, 0, case.kv_heads, size.tokens, head_bytes, size.layers
-    )
-    per_writer = writers[0].num_heads
+    pair = _Pair(case, size)
+    heads, per_writer, head_bytes = pair.decode_heads, pair.head.num_heads, pair.head_bytes
+    writers = pair.layout.num_writers
+    nbytes = pair.layout.total_bytes
     rows = (
-        f"whole {_PAGE_SIZE * decode_heads * head_bytes} B page rows"
-        if len(writers) == 1 and per_writer == decode_heads
+        f"whole {_PAGE_SIZE * heads * head_bytes} B page rows"
+        if writers == 1 and per_writer == heads
         else f"the writers' {per_writer * head_bytes} B pieces side by side in each "
-        f"{decode_heads * head_bytes} B token row"
+        f"{heads * head_bytes} B token row"
     )
     note = (
-        f"P={case.prefill_tp} -> D={case.decode_tp}, {case.kv_heads} KV heads: decode rank 0 "
-        f"scatters a ring region of {_plural(len(writers), 'writer')} x "
-        f"{_plural(per_writer, 'head')} into its {decode_heads}-head pool ({rows}), "
+        f"{pair.terms()}: decode rank 0 scatters a ring region of {_plural(writers, 'writer')} "
+        f"x {_plural(per_writer, 'head')} into its {heads}-head pool ({rows}), "
         f"{size.tokens} tokens x {size.layers} layers K+V bf16 = {_mib(nbytes)}, as "
         f"DecodeStagingHandler does (ChunkScatter.scatter, pool in one allocation); copy_ of "
         f"{_mib(nbytes)}; {size.where()}"
     )
-    return _ratio(f"staging.scatter.{case.name}", size, nbytes, scatter, note)
+    return _ratio(f"staging.scatter.{case.name}", size, nbytes, pair.scatter, note)
 
 
 def _integrity_rows(case: _Case, size: _Size) -> list[BenchRow]:
     """Tag at gather, check at scatter, and both in the staged transfer, each against the
-    same work without them (prefill rank 0 and decode rank 0 of ``case``)."""
-    _, pools, head, _head_bytes, layout = _prefill_rank0(case, size)
-    decode_heads = heads_per_rank(case.kv_heads, case.decode_tp)
+    same work without them."""
+    pair = _Pair(case, size)
+    layout, allocation, scatterer = pair.layout, pair.allocation, pair.scatterer
     nbytes = layout.writer_bytes[0]
-    buffer = torch.zeros(nbytes, dtype=torch.uint8, device=size.device)
-    ordering = ordering_for(size.device, None)
-    page_list = size.pages()
-    allocator = StagingAllocator(layout.total_bytes, device=size.device)
-    scatterer = ChunkScatter(
-        allocator,
-        _one_allocation(size, decode_heads),
-        decode_tp=case.decode_tp,
-        decode_rank=0,
-        total_kv_heads=case.kv_heads,
-    )
-    allocation = allocator.assign(layout.total_bytes)
-    if allocation is None:
-        raise RuntimeError(f"a ring of {layout.total_bytes} bytes refused a region of as many")
-    pages = torch.tensor(page_list, dtype=torch.int64, device=size.device)
     session = "decode-0"
     writers = range(layout.num_writers)
     plan = RoomPlan(
         0,
-        tuple(page_list),
+        tuple(pair.page_list),
         size.chunk_pages,
         case.prefill_tp,
         tuple(PrefillPeer(rank, f"tcp://prefill:{rank}") for rank in writers),
@@ -323,65 +258,62 @@ def _integrity_rows(case: _Case, size: _Size) -> list[BenchRow]:
     def identity(rank: int) -> ChunkIdentity:
         return ChunkIdentity(0, 0, 0, size.chunk_pages, session, rank, allocation.round)
 
-    target = allocator.buffer[allocation.offset : allocation.offset + nbytes]
-
-    def gather() -> None:
-        chunk_pages = torch.tensor(page_list, dtype=torch.int64, device=size.device)
-        pools.gather(chunk_pages, head.src_head_start, head.num_heads, buffer)
-        ordering.gathered()
+    target = pair.allocator.buffer[allocation.offset : allocation.offset + nbytes]
 
     def tag() -> None:
-        chunk_digest(identity(0), host_view(buffer))
-
-    def scatter() -> None:
-        scatterer.scatter(allocation, pages, case.prefill_tp)
+        pair.gather()
+        chunk_digest(identity(0), host_view(pair.buffer))
 
     def check() -> None:
+        pair.scatter()
         if verifier.check(plan, 0, region) is not None:
             raise RuntimeError("the integrity check of unchanged bytes failed")
 
-    def transfer(tagged: bool) -> None:
-        gather()
-        if tagged:
-            tag()
-        target.copy_(buffer)
-        scatter()
-        if tagged:
-            check()
+    def tagged_transfer() -> None:
+        tag()
+        target.copy_(pair.buffer)
+        check()
+
+    def transfer() -> None:
+        pair.gather()
+        target.copy_(pair.buffer)
+        pair.scatter()
 
     # Writer 0's part of the region holds what it gathers, so copying the gather in keeps
     # every digest valid; each writer's part is checked, as the handler does.
-    gather()
-    target.copy_(buffer)
+    pair.gather()
+    target.copy_(pair.buffer)
     for rank in writers:  # the digests the writers would have sent for these bytes
         staged = scatterer.writer_bytes(allocation, case.prefill_tp, size.chunk_pages, rank)
         region.digests[rank] = chunk_digest(identity(rank), host_view(staged))
 
-    def gather_and_tag() -> None:
-        gather()
-        tag()
-
-    def scatter_and_check() -> None:
-        scatter()
-        check()
-
-    pairs: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {
-        "tag": (gather_and_tag, gather),
-        "check": (scatter_and_check, scatter),
-        "transfer": (lambda: transfer(True), lambda: transfer(False)),
-    }
-    what = {
-        "tag": f"gather of {_mib(nbytes)} + XXH3-64 digest of it (StagingWriter), against the "
-        "gather alone",
-        "check": f"scatter of a {_mib(layout.total_bytes)} region of "
-        f"{_plural(layout.num_writers, 'writer')} + ArrivalVerifier.check of each writer's "
-        "bytes, against the scatter alone",
-        "transfer": f"gather of {_mib(nbytes)} + copy_ into the ring (the engine's write at "
-        f"memory speed) + scatter of the {_mib(layout.total_bytes)} region, with the tag and "
-        "the check against without",
-    }
+    compared: tuple[tuple[str, Callable[[], object], Callable[[], object], str], ...] = (
+        (
+            "tag",
+            tag,
+            pair.gather,
+            f"gather of {_mib(nbytes)} + XXH3-64 digest of it (StagingWriter), against the "
+            "gather alone",
+        ),
+        (
+            "check",
+            check,
+            pair.scatter,
+            f"scatter of a {_mib(layout.total_bytes)} region of "
+            f"{_plural(layout.num_writers, 'writer')} + ArrivalVerifier.check of each writer's "
+            "bytes, against the scatter alone",
+        ),
+        (
+            "transfer",
+            tagged_transfer,
+            transfer,
+            f"gather of {_mib(nbytes)} + copy_ into the ring (the engine's write at memory "
+            f"speed) + scatter of the {_mib(layout.total_bytes)} region, with the tag and the "
+            "check against without",
+        ),
+    )
     rows = []
-    for name, (ours, anchor) in pairs.items():
+    for name, ours, anchor, what in compared:
         seconds = alternating_seconds(
             {"ours": ours, "anchor": anchor}, repeats=size.repeats, sync=size.sync()
         )
@@ -392,15 +324,15 @@ def _integrity_rows(case: _Case, size: _Size) -> list[BenchRow]:
                 seconds["anchor"] * 1e3,
                 "ms/chunk",
                 "<= 1.1" if name == "transfer" else "",
-                note=f"P={case.prefill_tp} -> D={case.decode_tp}, {case.kv_heads} KV heads, "
-                f"{size.tokens} tokens x {size.layers} layers: {what[name]}; {size.where()}",
+                note=f"{pair.terms()}, {size.tokens} tokens x {size.layers} layers: {what}; "
+                f"{size.where()}",
             )
         )
     return rows
 
 
 def _all_heads_rows(size: _Size) -> list[BenchRow]:
-    """The former rows: every head of 32 pools allocated one by one, checked per call."""
+    """Every head of 32 pools allocated one by one, checked per call."""
     pool_tokens = size.pool_pages * _PAGE_SIZE
     shape = (pool_tokens, _HEADS, _HEAD_DIM)
     k = [torch.ones(shape, dtype=_DTYPE, device=size.device) for _ in range(size.layers)]
@@ -437,13 +369,17 @@ def _bandwidths(options: BenchOptions) -> list[BenchRow]:
         device=torch.device(options.device),
     )
     rows: list[BenchRow] = []
-    with _rank_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(_RANK_THREADS)  # as a rank process runs
+    try:
         for case in _CASES:
             rows.append(_gather_row(case, size))
             rows.append(_scatter_row(case, size))
         rows.extend(_all_heads_rows(size))
         for case in _CASES:
             rows.extend(_integrity_rows(case, size))
+    finally:
+        torch.set_num_threads(before)
     return rows
 
 
@@ -509,42 +445,25 @@ def _churn(ring: StagingAllocator | _ListRing, live: int) -> Callable[[int], obj
 
 
 def _alloc_scaling(quick: bool) -> list[BenchRow]:
-    small, large = 10, 100_000
+    """Assign + free at 100,000 live allocations against 10, ours and the list ring's."""
     total = 1 << 20
-    ours_large, ours_small = interleaved_ns_per_call(
-        _churn(StagingAllocator(total), large),
-        _churn(StagingAllocator(total), small),
-        loops=20_000 if quick else 200_000,
-        repeats=3 if quick else 11,
-    )
-    list_large, list_small = interleaved_ns_per_call(
-        _churn(_ListRing(total), large),
-        _churn(_ListRing(total), small),
-        loops=200 if quick else 2_000,
-        repeats=3 if quick else 7,
-    )
-    return [
-        ratio_row(
-            "staging.alloc-scaling",
-            ours_large,
-            ours_small,
-            "ns/assign+free (@100k, @10 live)",
-            "<= 1.2",
-        ),
-        ratio_row(
-            "staging.alloc-scaling.anchor",
-            list_large,
-            list_small,
-            "ns/assign+free (@100k, @10 live)",
-        ),
-    ]
+    rows = []
+    for name, ring, goal, loops, repeats in (
+        ("staging.alloc-scaling", StagingAllocator, "<= 1.2", 200_000, 11),
+        ("staging.alloc-scaling.anchor", _ListRing, "", 2_000, 7),
+    ):
+        large, small = interleaved_ns_per_call(
+            _churn(ring(total), 100_000),
+            _churn(ring(total), 10),
+            loops=loops // 10 if quick else loops,
+            repeats=3 if quick else repeats,
+        )
+        rows.append(ratio_row(name, large, small, "ns/assign+free (@100k, @10 live)", goal))
+    return rows
 
 
 def run(options: BenchOptions) -> list[BenchRow]:
     """Run the group on ``options.device``; ``options.quick`` trades size and precision for
-    time (smoke tests): its rows have no goal, and their notes start with
-    ``quick: smoke only``."""
+    time (:func:`smoke` rows)."""
     rows = [*_bandwidths(options), *_alloc_scaling(options.quick)]
-    if options.quick:  # small sizes, few repetitions: nothing to judge against a goal
-        rows = [replace(r, goal="", note="; ".join(filter(None, (_QUICK, r.note)))) for r in rows]
-    return rows
+    return smoke(rows) if options.quick else rows  # quick: nothing to judge against a goal

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TypeVar
 
-__all__ = ["alternating_seconds", "interleaved_ns_per_call", "median_seconds"]
+T = TypeVar("T")
+
+
+def in_turns(items: Sequence[T], rounds: int) -> Iterator[T]:
+    """Each of ``items`` once a round for ``rounds`` rounds, the order reversed every other
+    round, so that none always runs first or after the same neighbour and all share the
+    machine's conditions (a loaded host, a warm cache)."""
+    for index in range(rounds):
+        yield from reversed(items) if index % 2 else items
 
 
 def median_seconds(fn: Callable[[], object], *, repeats: int, warmup: int = 1) -> float:
@@ -28,24 +37,19 @@ def interleaved_ns_per_call(
     loops: int,
     repeats: int,
 ) -> tuple[float, float]:
-    """Median nanoseconds per call of two loop bodies, measured alternately.
+    """Median nanoseconds per call of two loop bodies, measured :func:`in_turns` (which
+    matters when the expected difference is a few percent).
 
     Each callable runs ``loops`` iterations of the operation when called with ``loops``.
-    Alternating the two in every repeat puts both under the same machine conditions, which
-    matters when the expected difference is a few percent.
     """
     ours(loops // 10 or 1)
     anchor(loops // 10 or 1)
-    ours_samples: list[float] = []
-    anchor_samples: list[float] = []
-    for index in range(repeats):
-        order = (ours, anchor) if index % 2 == 0 else (anchor, ours)
-        for fn in order:
-            start = time.perf_counter_ns()
-            fn(loops)
-            elapsed = (time.perf_counter_ns() - start) / loops
-            (ours_samples if fn is ours else anchor_samples).append(elapsed)
-    return statistics.median(ours_samples), statistics.median(anchor_samples)
+    samples: dict[Callable[[int], object], list[float]] = {ours: [], anchor: []}
+    for fn in in_turns((ours, anchor), repeats):
+        start = time.perf_counter_ns()
+        fn(loops)
+        samples[fn].append((time.perf_counter_ns() - start) / loops)
+    return statistics.median(samples[ours]), statistics.median(samples[anchor])
 
 
 def alternating_seconds(
@@ -54,33 +58,23 @@ def alternating_seconds(
     repeats: int,
     sync: Callable[[], object] | None = None,
 ) -> dict[str, float]:
-    """Median wall time of each named function, all measured in turns.
-
-    After one warm-up call of each, every round calls each function once, the order reversed
-    every other round, so that none of them always runs first or after the same neighbour
-    and all share the machine's conditions (a loaded host, a warm cache). ``sync`` (e.g.
-    ``torch.cuda.synchronize`` when the work is asynchronous) runs before each clock reading,
-    so a time covers the work done, not only the work enqueued.
+    """Median wall time of each named function, after one warm-up call of each, all
+    measured :func:`in_turns`. ``sync`` (e.g. ``torch.cuda.synchronize`` when the work is
+    asynchronous) runs before each clock reading, so a time covers the work done, not only
+    the work enqueued.
 
     Returns:
         Name -> median seconds of one call.
     """
-    wait = sync if sync is not None else _no_wait
     for fn in functions.values():
         fn()
     samples: dict[str, list[float]] = {name: [] for name in functions}
-    for index in range(repeats):
-        order = list(functions.items())
-        if index % 2:
-            order.reverse()
-        for name, fn in order:
-            wait()
-            start = time.perf_counter()
-            fn()
-            wait()
-            samples[name].append(time.perf_counter() - start)
+    for name, fn in in_turns(list(functions.items()), repeats):
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(times) for name, times in samples.items()}
-
-
-def _no_wait() -> None:
-    """Nothing to wait for: the work is done when the call returns (CPU)."""
