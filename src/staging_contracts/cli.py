@@ -86,8 +86,25 @@ def _debug() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
-def _examples(*lines: str) -> str:
-    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+def _command(
+    commands: argparse._SubParsersAction[_Parser],
+    name: str,
+    help: str,
+    description: str,
+    *examples: str,
+    aliases: Sequence[str] = (),
+) -> _Parser:
+    """A command's parser: its ``--help`` keeps the description's lines and ends with the
+    examples."""
+    epilog = "examples:\n" + "\n".join(f"  {line}" for line in examples) if examples else None
+    return commands.add_parser(
+        name,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help=help,
+        aliases=aliases,
+    )
 
 
 _COMMANDS = ("check", "explain", "demo", "soak", "bench")
@@ -110,24 +127,20 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     _add_log_format(parser, default=None)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    check = commands.add_parser(
+    check = _command(
+        commands,
         "check",
+        "explain how classes satisfy the contract of their enforcing mixin (alias: explain)",
+        "Import each MODULE:CLASS and print how it satisfies the contract of every enforcing "
+        "mixin it uses (the StagingHost contract when it uses none), or of the mixin named by "
+        "--mixin. Exit 0 if none has a problem these checks can see (each verdict says what was "
+        "not verified, such as types the class does not declare), 1 if any has one, 2 if a "
+        "name cannot be imported (importing it raised, or it is not a class), 3 if the check "
+        "itself failed.",
+        "staging-contracts check staging_contracts.backends.nixl:NixlKVManager",
+        "staging-contracts check mypkg.backends:AcmeKVManager mypkg.backends:OtherKVManager",
+        "staging-contracts check mypkg.hosts:CacheHost --mixin mypkg.mixins:CacheMixin",
         aliases=["explain"],
-        help="explain how classes satisfy the contract of their enforcing mixin (alias: explain)",
-        description=(
-            "Import each MODULE:CLASS and print how it satisfies the contract of every "
-            "enforcing mixin it uses (the StagingHost contract when it uses none), or of the "
-            "mixin named by --mixin. Exit 0 if none has a problem these checks can see (each "
-            "verdict says what was not verified, such as types the class does not declare), "
-            "1 if any has one, 2 if a name cannot be imported (importing it raised, or it is "
-            "not a class), 3 if the check itself failed."
-        ),
-        epilog=_examples(
-            "staging-contracts check staging_contracts.backends.nixl:NixlKVManager",
-            "staging-contracts check mypkg.backends:AcmeKVManager mypkg.backends:OtherKVManager",
-            "staging-contracts check mypkg.hosts:CacheHost --mixin mypkg.mixins:CacheMixin",
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     check.add_argument("targets", nargs="+", metavar="MODULE:CLASS")
     check.add_argument(
@@ -140,39 +153,33 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     check.set_defaults(run=_run_check)
 
-    demo = commands.add_parser(
+    demo = _command(
+        commands,
         "demo",
-        help="run a verified heterogeneous-TP staged transfer across processes",
-        description=(
-            "Fill each prefill rank's KV pool with seeded data, stage R requests into the "
-            "decode ranks through the chosen engine, and verify every decode page. "
-            "Exit 0 only when every page verified. Options the layout, the engine or this "
-            "machine's memory cannot serve are refused before any process starts, as is a bad "
-            "STAGING_CONTRACTS_* variable. Prefill's chunk bounds take their variables, else "
-            "the demo's own (deadline 60 s); the ring is sized by the demo (4 regions of the "
-            "largest chunk): STAGING_CONTRACTS_RING_BYTES is ignored, with a warning."
-        ),
-        epilog=_examples(
-            "staging-contracts demo",
-            "staging-contracts demo --backend mooncake --prefill-tp 2 --decode-tp 4",
-            "staging-contracts demo --tokens 8192 --requests 8 --chunk-tokens 1024",
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "run a verified heterogeneous-TP staged transfer across processes",
+        "Fill each prefill rank's KV pool with seeded data, stage R requests into the decode "
+        "ranks through the chosen engine, and verify every decode page. Exit 0 only when every "
+        "page verified. Options the layout, the engine or this machine's memory cannot serve "
+        "are refused before any process starts, as is a bad STAGING_CONTRACTS_* variable. "
+        "Prefill's chunk bounds take their variables, else the demo's own (deadline 60 s); the "
+        "ring is sized by the demo (4 regions of the largest chunk): "
+        "STAGING_CONTRACTS_RING_BYTES is ignored, with a warning.",
+        "staging-contracts demo",
+        "staging-contracts demo --backend mooncake --prefill-tp 2 --decode-tp 4",
+        "staging-contracts demo --tokens 8192 --requests 8 --chunk-tokens 1024",
     )
     if command == "demo":
         _add_demo(demo)
     demo.set_defaults(run=_run_demo)
 
-    soak = commands.add_parser(
+    soak = _command(
+        commands,
         "soak",
-        help="run the multi-process transfer continuously while injecting faults",
-        description=(
-            "Keep rooms moving from P prefill to D decode rank processes while injecting the "
-            "listed faults in turn; verify every completed room bit for bit; print a summary: "
-            "rooms succeeded and failed by reason, corrupt and hung rooms, time to detect "
-            "each kill, ring use at the end, listener restarts."
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "run the multi-process transfer continuously while injecting faults",
+        "Keep rooms moving from P prefill to D decode rank processes while injecting the listed "
+        "faults in turn; verify every completed room bit for bit; print a summary: rooms "
+        "succeeded and failed by reason, corrupt and hung rooms, time to detect each kill, ring "
+        "use at the end, listener restarts.",
     )
     if command == "soak":
         from ._cluster.metrics_relay import add_metrics_port_argument  # noqa: PLC0415
@@ -189,21 +196,17 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         from ._bench import GROUPS  # noqa: PLC0415 - keeps `check` free of benchmark imports
 
         groups = tuple(GROUPS)
-    bench = commands.add_parser(
+    bench = _command(
+        commands,
         "bench",
-        help="run benchmarks against anchors measured in the same run",
-        description=(
-            f"Groups: {', '.join(groups)} (default: all). `bench scaling` (on its own) sweeps "
-            "request length, TP pairs, page size and concurrency per engine, writes "
-            "scaling.json and scaling.csv under --out, and charts under --plot."
-        ),
-        epilog=_examples(
-            "staging-contracts bench",
-            "staging-contracts bench contract staging --json rows.json",
-            "staging-contracts bench control --quick",
-            "staging-contracts bench scaling --out results --plot charts",
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "run benchmarks against anchors measured in the same run",
+        f"Groups: {', '.join(groups)} (default: all). `bench scaling` (on its own) sweeps "
+        "request length, TP pairs, page size and concurrency per engine, writes scaling.json "
+        "and scaling.csv under --out, and charts under --plot.",
+        "staging-contracts bench",
+        "staging-contracts bench contract staging --json rows.json",
+        "staging-contracts bench control --quick",
+        "staging-contracts bench scaling --out results --plot charts",
     )
     bench.add_argument("groups", nargs="*", metavar="GROUP", help=", ".join(groups))
     bench.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list")
