@@ -545,9 +545,14 @@ def _build(job: _RankJob, processes: bool = False) -> _DecodeRank | _PrefillRank
         meta_timeout_s=job.timeout_s,
         prepare=_refuse_process_local if processes else None,
     )
-    if job.role is Role.DECODE:
-        return _DecodeRank(DecodeBody(job.config, job.rank, options, job.backend))
-    return _PrefillRank(PrefillBody(job.config, job.rank, options, job.backend))
+    if job.role is Role.PREFILL:
+        return _PrefillRank(PrefillBody(job.config, job.rank, options, job.backend))
+    body = DecodeBody(job.config, job.rank, options, job.backend)
+    try:
+        return _DecodeRank(body)  # taps the handler's arrivals
+    except BaseException:
+        body.close()
+        raise
 
 
 def _trust_and_start(body: DecodeBody | PrefillBody, infos: Sequence[RankInfo]) -> None:
@@ -631,11 +636,12 @@ class _PrefillRank:
             for plan in request_plans(self.body.config)
         ]
 
-    def finish(self) -> None:
-        """Wait (at most :data:`_TEARDOWN_S` in all) for the rooms still running to hear that
-        they failed, so that the workers drop their chunks and stop promptly."""
+    def finish(self, deadline: float | None = None) -> None:
+        """Wait (until ``deadline``; by default :data:`_TEARDOWN_S` from now) for the rooms
+        still running to hear that they failed, so that the workers drop their chunks and
+        stop promptly."""
         unfinished = [s for s in self.ends if s.poll() not in _DONE]
-        _wait_all(unfinished, time.monotonic() + _TEARDOWN_S)
+        _wait_all(unfinished, time.monotonic() + _TEARDOWN_S if deadline is None else deadline)
 
     def close(self) -> None:
         self.body.close_side(_TEARDOWN_S)  # the workers (bounded), then the manager
@@ -782,8 +788,9 @@ class _Run:
         self.outcomes = [_outcomes(rank.ends) for rank in self.ranks]
         for decode in self.decode:  # on decode, and (ROOM_FAILED) on prefill
             decode.finish()
+        teardown = time.monotonic() + _TEARDOWN_S  # one bound for every prefill rank
         for prefill in self.prefill:
-            prefill.finish()
+            prefill.finish(teardown)
 
     def _wait_while_progress(self, started: float, deadline: float, stall_s: float) -> str | None:
         """Wait for every room until ``deadline``, or until no progress is possible; why it
