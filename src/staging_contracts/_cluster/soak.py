@@ -304,8 +304,10 @@ class _Driver:
         cycle = [name for name in FAULT_ORDER if name in config.faults and name != "drop"]
         # forge: NIXL notifications authenticated with the secret, or Mooncake (hostile
         # one-sided writes, with or without the secret)
-        nixl_forge = config.backend == "nixl" and load_cluster_secret() is not None
-        if "forge" in cycle and not (nixl_forge or config.backend == "mooncake"):
+        if "forge" in cycle and not (
+            config.backend == "mooncake"
+            or (config.backend == "nixl" and load_cluster_secret() is not None)
+        ):
             logger.warning("forge skipped: it needs nixl and the cluster secret, or mooncake")
             cycle.remove("forge")
         turn = 0

@@ -7,7 +7,8 @@ it from the rooms' outcomes so far: ``"progress: 40 rooms started, 35 ok, 3 fail
 0 hung, 2 in flight"``, stamped like every progress line with the seconds since the soak
 started.
 
-**Threads:** one; the driver's.
+**Threads:** a :class:`Ticker` belongs to one thread: the driver's loop, or a soak rank's
+main loop (its status reports).
 """
 
 from __future__ import annotations
