@@ -99,7 +99,8 @@ MAX_WAITERS: Final = 1024
 request that would wait gets a ``busy`` answer at once, and the client retries."""
 MAX_WAITERS_PER_PEER: Final = 256
 """Most requests held at once for one peer address (ZMQ's ``Peer-Address``, the sender's
-IP), so that one host cannot hold every slot."""
+IP): a quarter of :data:`MAX_WAITERS`, so that one host cannot hold every slot; the ranks of
+one host hold one each."""
 RETRY_FIRST_S: Final = 0.05
 """First pause of a client before it asks again after a ``busy`` answer."""
 RETRY_MAX_S: Final = 2.0
