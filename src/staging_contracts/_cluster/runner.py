@@ -35,6 +35,18 @@ from .bootstrap import BootstrapServer
 from .metrics_relay import MetricsRelay
 from .rank import rank_main
 
+__all__ = [  # the reference page renders these (RankMemory: what transfer_memory returns)
+    "EXIT_GRACE_S",
+    "REPORT_GRACE_S",
+    "STOP_GRACE_S",
+    "ClusterResult",
+    "RankExit",
+    "RankMemory",
+    "RankReport",
+    "RankSet",
+    "run_cluster",
+]
+
 logger = logging.getLogger(__name__)
 
 REPORT_GRACE_S: Final = 0.5
