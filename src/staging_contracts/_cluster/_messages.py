@@ -7,9 +7,10 @@ the sender's ``role``, ``rank`` and ``pid`` for an event (``None`` for a command
 (the dataclass's fields; a field whose type has ``to_json``/``from_json``, such as
 :class:`~.bootstrap.RankInfo`, goes through them; ``dict`` keys as text). :func:`decode` reads
 it back against the field types, or raises :class:`~staging_contracts._control.wire.
-MalformedMessage`.
+MalformedMessage`. :func:`bind_pull` makes the loopback socket that takes them (a driver's
+inbox, a soak rank's commands).
 
-**Threads:** pure; any thread.
+**Threads:** the codec is pure (any thread); a socket belongs to the thread that uses it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import os
 import types
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
+
+import zmq
 
 from .._control.wire import MalformedMessage
 from ..metrics._snapshot import MetricsSnapshot
@@ -352,3 +355,16 @@ def _dataclass(cls: Any, value: object) -> Any:
         elif f.default is MISSING and f.default_factory is MISSING:
             raise ValueError(f"{cls.__name__}: field {f.name!r} missing")
     return cls(**given)
+
+
+# ---------------------------------------------------------------- the socket
+
+
+def bind_pull(ctx: zmq.Context[zmq.Socket[bytes]]) -> tuple[zmq.Socket[bytes], str]:
+    """A PULL socket bound on loopback (a free port, no linger), and its endpoint: where a
+    driver takes its ranks' events, or a soak rank its driver's commands."""
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind("tcp://127.0.0.1:*")
+    raw = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return sock, raw.decode() if isinstance(raw, bytes) else str(raw)

@@ -30,7 +30,16 @@ import zmq
 from .._control.wire import MalformedMessage
 from .._run import INTERRUPT_GRACE_S, StopRequest, Supervisor
 from .._run.workload import TransferConfig
-from ._messages import Metrics, RankMemory, RankSummary, Ready, Received, RequestDone, decode
+from ._messages import (
+    Metrics,
+    RankMemory,
+    RankSummary,
+    Ready,
+    Received,
+    RequestDone,
+    bind_pull,
+    decode,
+)
 from .bootstrap import BootstrapServer
 from .metrics_relay import MetricsRelay
 from .rank import rank_main
@@ -317,11 +326,7 @@ def run_cluster(
         server.start()
         bootstrap = server.endpoint
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.setsockopt(zmq.LINGER, 0)
-    inbox.bind("tcp://127.0.0.1:*")
-    raw_endpoint = inbox.getsockopt(zmq.LAST_ENDPOINT)
-    report_to = raw_endpoint.decode() if isinstance(raw_endpoint, bytes) else str(raw_endpoint)
+    inbox, report_to = bind_pull(ctx)
     roles = _roles(config, ranks)
     supervisor: Supervisor[RankKey] = Supervisor()
     try:

@@ -65,7 +65,7 @@ from .soak_flood import (
 )
 from .soak_forge import FORGE_WRITE_TIMEOUT_S, SCRIBBLE_S, Forger, Scribbler, forged_arrivals
 from .soak_memory import judge_memory
-from .soak_rank import bind_pull, soak_rank_main
+from .soak_rank import soak_rank_main
 from .soak_report import (
     FAULT_ORDER,
     FloodRecord,
@@ -245,7 +245,7 @@ class _Driver:
         self.long_stall_s = config.liveness_timeout_s + LONG_STALL_EXTRA_S
         """How long ``stall-long`` and ``pause`` stop a rank."""
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self.inbox, self.inbox_endpoint = bind_pull(self.ctx)  # the ranks run on this host
+        self.inbox, self.inbox_endpoint = msg.bind_pull(self.ctx)  # the ranks run on this host
         self.processes: Supervisor[RankKey] = Supervisor()
         """Every rank process of the soak, each able to say how it died."""
         self.keys: list[RankKey] = [("decode", d) for d in range(config.decode_tp)] + [

@@ -75,6 +75,7 @@ from ._messages import (
     Serving,
     Stop,
     Trust,
+    bind_pull,
     decode,
     encode,
 )
@@ -206,15 +207,6 @@ def soak_rank_main(role: str, rank: int, settings: RankSettings, driver: str) ->
         if server is not None:
             server.close()
         events.close()
-
-
-def bind_pull(ctx: zmq.Context[zmq.Socket[bytes]]) -> tuple[zmq.Socket[bytes], str]:
-    """A PULL socket bound on loopback (a free port, no linger), and its endpoint."""
-    sock = ctx.socket(zmq.PULL)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind("tcp://127.0.0.1:*")
-    raw = sock.getsockopt(zmq.LAST_ENDPOINT)
-    return sock, raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 class EventSink(Protocol):
