@@ -576,7 +576,7 @@ def _sweep(
     total = len(set(configs)) * plan.runs + len({_raw_key(config) for config in configs})
     done = 0
     for point, config in zip(points, configs, strict=True):
-        nbytes = config.request_bytes * config.requests
+        nbytes = _timed_bytes(config)
         where = f"{engine} {point.dimension}={point.value}"
         if config not in runs:
             runs[config] = []
@@ -605,7 +605,7 @@ def _row(
     anchor: _Measured,
 ) -> ScalingRow:
     """A point's row from its staged runs (a failed run fails it) and its raw write."""
-    nbytes = config.request_bytes * config.requests
+    nbytes = _timed_bytes(config)
     errors = [
         f"run {i + 1}: {m.error}" if len(found) > 1 else m.error
         for i, m in enumerate(found)
@@ -642,9 +642,14 @@ def _row(
     )
 
 
+def _timed_bytes(config: TransferConfig) -> int:
+    """KV bytes of every timed request of a run (what the staged run and the raw write move)."""
+    return config.request_bytes * config.requests
+
+
 def _raw_key(config: TransferConfig) -> tuple[int, int, int]:
     """What the raw write depends on: the writers, the receivers and the bytes."""
-    return config.prefill_tp, config.decode_tp, config.request_bytes * config.requests
+    return config.prefill_tp, config.decode_tp, _timed_bytes(config)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
