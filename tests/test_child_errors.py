@@ -23,7 +23,8 @@ from staging_contracts._run import LIMIT_CHARS, Supervisor
 from staging_contracts._run.workload import TransferConfig
 from staging_contracts.backends.nixl import NixlKVManager
 from staging_contracts.engines import engine_available
-from staging_contracts.testing._processes import RankFailed, RankGroup
+from staging_contracts.testing._processes import Failure, ParentLink, RankFailed, RankGroup
+from staging_contracts.testing._rank_steps import Arm, Joined, Wire, Wired
 
 REPO: Final = Path(__file__).resolve().parent.parent
 NIXL_OK, NIXL_WHY = engine_available("nixl")
@@ -39,6 +40,23 @@ def _exits(job: object, conn: Connection) -> None:
     """A rank entry point that ends its process with no exception (as a crash would)."""
     del job, conn
     os._exit(3)
+
+
+def _answers_out_of_step(job: object, conn: Connection) -> None:
+    """A rank entry point that does what ``job`` says: send a :class:`Wired` where the parent
+    waits for :class:`Joined`, send bytes that do not decode, or wait for an ``Arm`` and be
+    told to wire (its :class:`Failure` carries the error)."""
+    link = ParentLink(conn, 30.0)
+    if job == "wired":
+        link.send(Wired())
+    elif job == "garbage":
+        conn.send_bytes(b"{not json")
+    else:
+        try:
+            link.expect(Arm)
+        except RuntimeError as exc:
+            link.send(Failure(str(exc)))
+    link.expect(Arm)  # until the parent closes the pipe
 
 
 def _raises_long(length: int) -> None:
@@ -65,7 +83,7 @@ def test_a_rank_that_raises_gives_its_traceback_to_the_gather() -> None:
     group = RankGroup(_raises, ["job-7"], ["decode rank 0"])
     try:
         with pytest.raises(RankFailed) as failed:
-            group.gather([0], "ready", 60.0)
+            group.gather([0], Joined, 60.0)
     finally:
         group.close()
     detail = failed.value.detail
@@ -80,9 +98,34 @@ def test_a_rank_that_exits_without_an_exception_is_said_to() -> None:
     group = RankGroup(_exits, ["job"], ["prefill rank 1"])
     try:
         with pytest.raises(RankFailed, match="exited with code 3 without a word"):
-            group.gather([0], "ready", 60.0)
+            group.gather([0], Joined, 60.0)
     finally:
         group.close()
+
+
+@pytest.mark.parametrize(
+    ("job", "sent", "detail"),
+    [
+        ("wired", "Wired", "Wired()"),
+        ("garbage", None, "sent not JSON"),
+        ("expects", "Failure", "expected the command Arm, got Wire(ranks=())"),
+    ],
+)
+def test_a_rank_out_of_step_ends_the_gather_with_what_it_sent(
+    job: str, sent: str | None, detail: str
+) -> None:
+    """The pipe is typed both ways: another message than the one awaited, or bytes that do not
+    decode, fail the step with what came instead, on either side."""
+    group = RankGroup(_answers_out_of_step, [job], ["decode rank 0"])
+    try:
+        if job == "expects":
+            group.send([0], Wire(()))
+        with pytest.raises(RankFailed) as failed:
+            group.gather([0], Joined, 60.0)
+    finally:
+        group.close()
+    assert (failed.value.kind, failed.value.sent) == ("Joined", sent)
+    assert failed.value.detail.startswith(detail), failed.value.detail
 
 
 def test_the_traceback_kept_is_bounded_to_its_end() -> None:

@@ -13,10 +13,11 @@ from typing import NamedTuple
 
 import pytest
 
-from staging_contracts._cluster._messages import Ready, Received
+from staging_contracts._cluster._messages import Ready
 from staging_contracts._cluster.demo import format_summary
 from staging_contracts._cluster.preflight import PROCESS_OVERHEAD_BYTES, memory_need, preflight
 from staging_contracts._cluster.runner import run_cluster
+from staging_contracts._run._codec import Received
 from staging_contracts._run.workload import TransferConfig
 from staging_contracts.engines import engine_available
 from tests.test_cluster_faults import tiny_config

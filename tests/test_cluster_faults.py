@@ -10,8 +10,9 @@ import time
 
 import pytest
 
-from staging_contracts._cluster._messages import RankSummary, Ready, Received, RequestDone
+from staging_contracts._cluster._messages import RankSummary, Ready, RequestDone
 from staging_contracts._cluster.runner import ClusterResult, RankExit, RankReport, run_cluster
+from staging_contracts._run._codec import Received
 from staging_contracts._run.workload import TransferConfig
 from staging_contracts.engines import engine_available
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from staging_contracts._cluster._messages import Message, RankMemory, RankSummary, RequestDone
+from staging_contracts._cluster._messages import RankMemory, RankSummary, RequestDone
 from staging_contracts._cluster.rank import (
     FirstRequestClock,
     TransferMemory,
@@ -24,6 +24,7 @@ from staging_contracts._cluster.rank import (
 from staging_contracts._cluster.runner import ClusterResult, RankReport, run_cluster
 from staging_contracts._control.transport import PeerSockets
 from staging_contracts._control.wire import StagingReq, WatermarkUpdate
+from staging_contracts._run._codec import Message
 from staging_contracts._run.workload import TransferConfig
 from staging_contracts.backends._kv_requests import KVPoll
 from staging_contracts.engines import engine_available

@@ -118,13 +118,13 @@ def test_an_in_process_engine_is_refused_with_the_reason(backend: object) -> Non
 
 def test_a_rank_whose_factory_raises_is_named_with_its_error() -> None:
     """The first rank to fail is named, with the factory's own error."""
-    with pytest.raises(RankFailed, match=r"rank 0, waited for 'ready': RuntimeError: no engine"):
+    with pytest.raises(RankFailed, match=r"rank 0, waited for 'Joined': RuntimeError: no engine"):
         run_transfer(failing_factory, prefill_tp=1, decode_tp=1, rooms=1, processes=True)
 
 
 def test_a_rank_process_that_dies_is_named_with_its_exit_code() -> None:
     """A rank process that exits without a word: RankFailed names it and its exit code."""
-    with pytest.raises(RankFailed, match=r"rank 0, waited for 'ready': exited .*7"):
+    with pytest.raises(RankFailed, match=r"rank 0, waited for 'Joined': exited .*7"):
         run_transfer(dying_factory, prefill_tp=1, decode_tp=1, rooms=1, processes=True)
 
 

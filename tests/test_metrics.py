@@ -8,8 +8,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from staging_contracts._cluster._messages import Metrics, decode, encode
+from staging_contracts._cluster._messages import Metrics
 from staging_contracts._control.wire import MalformedMessage
+from staging_contracts._run._codec import decode, encode
 from staging_contracts.backends._kv_requests import KVPoll, KVReceiver, KVSender
 from staging_contracts.metrics import register, snapshot_of
 from staging_contracts.metrics._collector import SERIES

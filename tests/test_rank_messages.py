@@ -1,10 +1,12 @@
-"""Rank⇄driver traffic is typed: dataclasses on one codec (``_cluster/_messages.py``), read back
-exactly or refused, and no ``dict[str, Any]`` left in the cluster's modules but the JSON
-documents they build."""
+"""Rank⇄driver traffic is typed: dataclasses on one codec (``_run/_codec.py``), the cluster's
+(``_cluster/_messages.py``) and the harness's (``testing/_rank_steps.py``) alike, read back
+exactly or refused; no two message classes share a name; and no ``dict[str, Any]`` left in
+the tooling but the JSON documents it builds."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -12,7 +14,6 @@ import pytest
 
 from staging_contracts._cluster._messages import (
     Exit,
-    Message,
     OpenRoom,
     Peers,
     RankMemory,
@@ -20,25 +21,47 @@ from staging_contracts._cluster._messages import (
     RankSummary,
     RoomEnded,
     Stop,
-    decode,
-    encode,
 )
 from staging_contracts._cluster.bootstrap import RankInfo
 from staging_contracts._control.wire import MalformedMessage
+from staging_contracts._run._codec import Message, decode, encode
+from staging_contracts.backends._kv_requests import KVPoll
+from staging_contracts.stats import StagingStats
+from staging_contracts.testing._rank_steps import (
+    Close,
+    DecodeReport,
+    DecodeReported,
+    Joined,
+    PrefillReported,
+    ProcessLocal,
+    Settled,
+    Wire,
+)
 
-CLUSTER: Final = Path(__file__).resolve().parent.parent / "src" / "staging_contracts" / "cluster"
+PACKAGE: Final = Path(__file__).resolve().parent.parent / "src" / "staging_contracts"
+TOOLING: Final = ("_run", "_cluster", "_bench", "testing")
 UNTYPED_ALLOWED: Final = {
-    "bootstrap.py": "the bootstrap wire protocol (cross-host, hostile input): its own strict "
-    "JSON validator reads request fields from the parsed document",
-    "summary_json.py": "builds the --json summary documents",
-    "logformat.py": "builds a JSON log line",
+    "_cluster/bootstrap.py": "the bootstrap wire protocol (cross-host, hostile input): its own "
+    "strict JSON validator reads request fields from the parsed document",
+    "_run/_rank_info.py": "RankInfo's JSON document for that protocol, every field checked",
+    "_cluster/summary_json.py": "builds the --json summary documents",
+    "_cluster/logformat.py": "builds a JSON log line",
+    "_bench/scaling.py": "the scaling run's JSON document and its machine facts",
+    "_bench/contract_bench.py": "the namespace of a class the benchmark makes",
+    "testing/plugin.py": "the namespace of a class the contract kit makes",
+    "testing/_factories.py": "a backend's constructor keywords",
 }
-"""Modules of ``cluster/`` that may still say ``dict[str, Any]``, and why: none of them
-carries rank⇄driver traffic."""
+"""Modules of the tooling that may still say ``dict[str, Any]``, and why: none of them
+carries rank⇄driver (or harness rank⇄parent) traffic."""
 
 
 def test_no_untyped_dicts_in_rank_driver_traffic() -> None:
-    found = {p.name for p in CLUSTER.glob("*.py") if "dict[str, Any]" in p.read_text()}
+    modules = [p for d in TOOLING for p in (PACKAGE / d).glob("*.py")]
+    assert len(modules) > 40, "the tooling's modules are not where this test looks"
+    assert all((PACKAGE / name).is_file() for name in UNTYPED_ALLOWED), "stale allowance"
+    found = {
+        p.relative_to(PACKAGE).as_posix() for p in modules if "dict[str, Any]" in p.read_text()
+    }
     assert found <= set(UNTYPED_ALLOWED), sorted(found - set(UNTYPED_ALLOWED))
 
 
@@ -57,6 +80,13 @@ SAMPLES: Final[tuple[Message, ...]] = (
     RoomEnded(7, 2, "ok", 12.5, verified=True, problems=("page 3 differs",)),
     Exit(False, "RuntimeError: x"),
     Stop(),
+    Joined(RankInfo("prefill", 0, "tcp://127.0.0.1:8", "s", b"", 0, 0), notifies=True),
+    Settled(((KVPoll.Success, None), (KVPoll.Failed, "boom"))),
+    DecodeReported(DecodeReport([[True, False], []], [2, 0], {9, 3}, StagingStats(received=4))),
+    PrefillReported(StagingStats(malformed=1, deferred=2)),
+    ProcessLocal("LocalEngine moves bytes within one process"),
+    Wire(()),
+    Close(),
 )
 
 
@@ -85,9 +115,33 @@ def _doc(kind: str, body: object, **head: object) -> bytes:
         (_doc("RankSummary", {"failed": {"x": "boom"}}), "invalid literal"),
         (_doc("Peers", {"ranks": [{"role": "decode"}]}), "bad rank info"),
         (_doc("Stop", {}, role="decode"), "both role and rank"),
+        (_doc("Settled", {"outcomes": [[7, None]]}), "7 is not a KVPoll"),
+        (_doc("Settled", {"outcomes": [[True, None]]}), "True is not a KVPoll"),
+        (_doc("PrefillReported", {"stats": {"received": 1.5}}), "1.5 is not int"),
+        (
+            _doc(
+                "DecodeReported",
+                {"report": {"chunks_ok": {}, "arrivals": [], "stray": [], "stats": {}}},
+            ),
+            "is not a list",
+        ),
         (_doc("Stop", {}, role="decode", rank=0, pid="1"), "is not"),
     ],
 )
 def test_a_malformed_message_is_refused(raw: bytes, why: str) -> None:
     with pytest.raises(MalformedMessage, match=why):
         decode(raw)
+
+
+def test_a_second_message_class_of_a_known_name_is_refused() -> None:
+    """The codec knows a message by its class name: a clash would decode as the other class."""
+    with pytest.raises(TypeError, match=r"message kind 'Stop' is already .*_messages\.Stop"):
+
+        @dataclass(frozen=True, slots=True)
+        class Stop(Message):
+            pass
+
+
+def test_a_set_goes_as_a_sorted_list() -> None:
+    raw = encode(DecodeReported(DecodeReport([], [], {5, 1, 3}, StagingStats())))
+    assert json.loads(raw)["body"]["report"]["stray"] == [1, 3, 5]

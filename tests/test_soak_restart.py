@@ -26,7 +26,6 @@ import pytest
 from staging_contracts._cluster import soak
 from staging_contracts._cluster._messages import (
     AskStatus,
-    Message,
     OpenRoom,
     Peers,
     PeersTaken,
@@ -35,7 +34,6 @@ from staging_contracts._cluster._messages import (
     RoomEnded,
     Serving,
     Stop,
-    encode,
 )
 from staging_contracts._cluster.bootstrap import RankInfo
 from staging_contracts._cluster.soak_rank import CommandLoop, RankSettings
@@ -45,6 +43,7 @@ from staging_contracts._cluster.soak_report import (
     format_summary,
     reason_group,
 )
+from staging_contracts._run._codec import Message, encode
 from tests.test_soak import passing_result
 
 Key = tuple[str, int]

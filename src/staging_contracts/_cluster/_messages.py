@@ -1,41 +1,18 @@
-"""Rank⇄driver traffic, typed: the events a rank process sends its driver (a demo rank's
-progress and final :class:`RankSummary`, a soak rank's rooms, counters and exit) and the
-commands a soak driver sends its ranks, each a frozen dataclass, all on one codec.
+"""Rank⇄driver traffic of the cluster commands, typed: the events a rank process sends its
+driver (a demo rank's progress and final :class:`RankSummary`, a soak rank's rooms, counters
+and exit) and the commands a soak driver sends its ranks, each a frozen
+:class:`~staging_contracts._run._codec.Message` on the run layer's one codec.
 
-**Codec.** :func:`encode` writes one JSON object per ZMQ message: ``kind`` (the class's name),
-the sender's ``role``, ``rank`` and ``pid`` for an event (``None`` for a command), and ``body``
-(the dataclass's fields; a field whose type has ``to_json``/``from_json``, such as
-:class:`~.bootstrap.RankInfo`, goes through them; ``dict`` keys as text). :func:`decode` reads
-it back against the field types, or raises :class:`~staging_contracts._control.wire.
-MalformedMessage`. :func:`bind_pull` makes the loopback socket that takes them (a driver's
-inbox, a soak rank's commands).
-
-**Threads:** the codec is pure (any thread); a socket belongs to the thread that uses it.
+**Threads:** messages are immutable values (any thread).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import types
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
+from dataclasses import dataclass, field
 
-import zmq
-
-from .._control.wire import MalformedMessage
+from .._run._codec import Message
+from .._run._rank_info import RankInfo
 from ..metrics._snapshot import MetricsSnapshot
-from .bootstrap import RankInfo
-
-
-class Message:
-    """A command or an event; every subclass is a frozen dataclass, known by its name."""
-
-    KINDS: ClassVar[dict[str, type[Message]]] = {}
-
-    def __init_subclass__(cls) -> None:
-        Message.KINDS[cls.__name__] = cls
-
 
 # ---------------------------------------------------------------- a demo rank's events
 
@@ -239,132 +216,3 @@ class Trust(Message):
 @dataclass(frozen=True, slots=True)
 class Stop(Message):
     """Close the backend and exit."""
-
-
-# ---------------------------------------------------------------- the codec
-
-
-@dataclass(frozen=True, slots=True)
-class Received:
-    """A decoded message and who sent it (``role``, ``rank``, ``pid``: ``None`` for a
-    command)."""
-
-    message: Message
-    role: str | None = None
-    rank: int | None = None
-    pid: int | None = None
-
-
-def encode(
-    message: Message, role: str | None = None, rank: int | None = None, pid: int | None = None
-) -> bytes:
-    """One message as the bytes of one ZMQ frame; with ``role`` and ``rank``, an event of
-    process ``pid`` (this one's unless given)."""
-    pid = (pid or os.getpid()) if role is not None else None
-    kind = type(message).__name__
-    doc = {"kind": kind, "role": role, "rank": rank, "pid": pid, "body": _plain(message)}
-    return json.dumps(doc).encode()
-
-
-def decode(raw: bytes) -> Received:
-    """Read back what :func:`encode` wrote.
-
-    Raises:
-        MalformedMessage: not JSON, an unknown kind, or a field missing or of the wrong type.
-    """
-    try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        raise MalformedMessage(f"not JSON: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("kind") not in Message.KINDS:
-        raise MalformedMessage(f"not a rank message: {raw[:80]!r}")
-    kind = Message.KINDS[doc["kind"]]
-    try:
-        message = _build(kind, doc.get("body"))
-        role = _build(str | None, doc.get("role"))
-        rank, pid = _build(int | None, doc.get("rank")), _build(int | None, doc.get("pid"))
-    except (ValueError, TypeError) as exc:
-        raise MalformedMessage(str(exc), message_type=kind.__name__) from None
-    if (role is None) != (rank is None):
-        raise MalformedMessage("a sender needs both role and rank", message_type=kind.__name__)
-    return Received(message, role, rank, pid)
-
-
-def _plain(value: object) -> object:
-    """``value`` as JSON-ready values."""
-    to_json = getattr(value, "to_json", None)
-    if callable(to_json):
-        return to_json()
-    if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _build(hint: Any, value: object) -> Any:
-    """``value`` (decoded JSON) as an instance of type ``hint``.
-
-    Raises:
-        ValueError: it is not one.
-    """
-    origin, args = get_origin(hint), get_args(hint)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _build(arg, value)
-            except ValueError:
-                continue
-        raise ValueError(f"{value!r:.60} is not {hint}")
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise ValueError(f"{value!r:.60} is not a list")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_build(args[0], v) for v in value)
-        if len(args) != len(value):
-            raise ValueError(f"{value!r:.60} does not have {len(args)} items")
-        return tuple(_build(a, v) for a, v in zip(args, value, strict=True))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"{value!r:.60} is not an object")
-        key = int if args[0] is int else str
-        return {key(k): _build(args[1], v) for k, v in value.items()}
-    if isinstance(hint, type) and hasattr(hint, "from_json"):
-        return hint.from_json(value)
-    if is_dataclass(hint):
-        return _dataclass(hint, value)
-    if hint is float and type(value) in (int, float):
-        return float(value)  # type: ignore[arg-type]  # an int or a float
-    if hint in (bool, int, str) and type(value) is hint:
-        return value
-    raise ValueError(f"{value!r:.60} is not {getattr(hint, '__name__', hint)}")
-
-
-def _dataclass(cls: Any, value: object) -> Any:
-    if not isinstance(value, dict):
-        raise ValueError(f"{cls.__name__}: {value!r:.60} is not an object")
-    hints = get_type_hints(cls)
-    given: dict[str, object] = {}
-    for f in fields(cls):
-        if f.name in value:
-            given[f.name] = _build(hints[f.name], value[f.name])
-        elif f.default is MISSING and f.default_factory is MISSING:
-            raise ValueError(f"{cls.__name__}: field {f.name!r} missing")
-    return cls(**given)
-
-
-# ---------------------------------------------------------------- the socket
-
-
-def bind_pull(ctx: zmq.Context[zmq.Socket[bytes]]) -> tuple[zmq.Socket[bytes], str]:
-    """A PULL socket bound on loopback (a free port, no linger), and its endpoint: where a
-    driver takes its ranks' events, or a soak rank its driver's commands."""
-    sock = ctx.socket(zmq.PULL)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind("tcp://127.0.0.1:*")
-    raw = sock.getsockopt(zmq.LAST_ENDPOINT)
-    return sock, raw.decode() if isinstance(raw, bytes) else str(raw)

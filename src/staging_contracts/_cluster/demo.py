@@ -27,8 +27,9 @@ import torch
 
 from .._control.security import SecurityError, check_insecure_bind, load_cluster_secret
 from .._run import exit_status, stop_on_signals
+from .._run._codec import Received
 from .._run.workload import DTYPES, TransferConfig
-from ._messages import RankMemory, Received, RequestDone
+from ._messages import RankMemory, RequestDone
 from ._options import add_backend_argument, add_typed_options
 from .bootstrap import BootstrapServer
 from .metrics_relay import serving

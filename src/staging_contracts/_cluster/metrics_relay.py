@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Final
 
 import zmq
 
+from .._run._codec import encode
 from ..metrics import MetricsSnapshot, snapshot_of
-from ._messages import Metrics, encode
+from ._messages import Metrics
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer

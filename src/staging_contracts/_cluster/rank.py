@@ -55,6 +55,7 @@ import zmq
 
 from .._control.transport import PeerSockets
 from .._control.wire import StagingReq
+from .._run._codec import Message, encode
 from .._run._rank_body import (
     BodyOptions,
     DecodeBody,
@@ -80,7 +81,7 @@ from ..backends._common import Role
 from ..backends._kv_requests import DecodeTransfers, KVPoll
 from ..protocols import KVBufferTensors, Transfer, TransferError
 from . import logformat
-from ._messages import Message, RankMemory, RankSummary, Ready, RequestDone, encode
+from ._messages import RankMemory, RankSummary, Ready, RequestDone
 from .bootstrap import arrive, query_ranks, register_rank, wait_barrier
 from .metrics_relay import MetricsPusher
 from .plain_paths import (

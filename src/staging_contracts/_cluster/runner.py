@@ -29,17 +29,9 @@ import zmq
 
 from .._control.wire import MalformedMessage
 from .._run import INTERRUPT_GRACE_S, StopRequest, Supervisor
+from .._run._codec import Received, bind_pull, decode
 from .._run.workload import TransferConfig
-from ._messages import (
-    Metrics,
-    RankMemory,
-    RankSummary,
-    Ready,
-    Received,
-    RequestDone,
-    bind_pull,
-    decode,
-)
+from ._messages import Metrics, RankMemory, RankSummary, Ready, RequestDone
 from .bootstrap import BootstrapServer
 from .metrics_relay import MetricsRelay
 from .rank import rank_main

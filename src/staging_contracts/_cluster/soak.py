@@ -51,6 +51,7 @@ import zmq
 from .._control.security import CurveKeys, check_insecure_bind, load_cluster_secret
 from .._control.wire import MalformedMessage
 from .._run import INTERRUPT_GRACE_S, Interrupted, Supervisor, stop_on_signals
+from .._run._codec import Message, bind_pull, decode, encode
 from . import _messages as msg
 from .bootstrap import RankInfo
 from .metrics_relay import MetricsRelay, serving
@@ -245,7 +246,7 @@ class _Driver:
         self.long_stall_s = config.liveness_timeout_s + LONG_STALL_EXTRA_S
         """How long ``stall-long`` and ``pause`` stop a rank."""
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self.inbox, self.inbox_endpoint = msg.bind_pull(self.ctx)  # the ranks run on this host
+        self.inbox, self.inbox_endpoint = bind_pull(self.ctx)  # the ranks run on this host
         self.processes: Supervisor[RankKey] = Supervisor()
         """Every rank process of the soak, each able to say how it died."""
         self.keys: list[RankKey] = [("decode", d) for d in range(config.decode_tp)] + [
@@ -707,7 +708,7 @@ class _Driver:
 
     def _event(self, raw: bytes) -> None:
         try:
-            got = msg.decode(raw)
+            got = decode(raw)
         except MalformedMessage as exc:
             logger.warning("malformed event from a rank dropped: %s", exc)
             return
@@ -784,11 +785,11 @@ class _Driver:
     def _role_keys(self, role: str) -> list[RankKey]:
         return [key for key in self.keys if key[0] == role]
 
-    def _send(self, rank: _Rank, command: msg.Message) -> bool:
+    def _send(self, rank: _Rank, command: Message) -> bool:
         if rank.commands is None or rank.gone:
             return False
         try:
-            rank.commands.send(msg.encode(command))
+            rank.commands.send(encode(command))
         except zmq.Again:
             logger.warning("%s %d takes no commands; %s dropped", *rank.key, type(command).__name__)
             return False

@@ -48,6 +48,7 @@ import zmq
 from .._control.transport import PeerSockets
 from .._decode.handler import PrefillPeer, peers_for
 from .._prefill.writer import DecodeTarget, PrefillTimeouts
+from .._run._codec import Message, bind_pull, decode, encode
 from .._run._rank_body import BodyOptions, DecodeBody, PrefillBody, RankBody, freeze_heap
 from .._run._rank_info import RankInfo
 from .._run.workload import (
@@ -64,7 +65,6 @@ from ._messages import (
     AskStatus,
     Exit,
     ListenerDown,
-    Message,
     Metrics,
     OpenRoom,
     Peers,
@@ -75,9 +75,6 @@ from ._messages import (
     Serving,
     Stop,
     Trust,
-    bind_pull,
-    decode,
-    encode,
 )
 from .metrics_relay import REPORT_EVERY_S
 from .soak_memory import RssSampler

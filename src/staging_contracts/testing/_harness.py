@@ -17,7 +17,8 @@ deadline) the rooms still running are failed, everything is closed, and each dec
 pages, arrivals and stray pages make the :class:`TransferReport`.
 
 **Across processes** (``processes=True``) every rank runs in a spawned process of its own
-(:mod:`~staging_contracts.testing._processes`), in lockstep with the harness: each sends its
+(:mod:`~staging_contracts.testing._processes`), in lockstep with the harness, on typed
+messages (:mod:`~staging_contracts.testing._rank_steps`): each sends its
 :class:`~staging_contracts._run._rank_info.RankInfo` and gets everyone's, wires, arms its rooms,
 and only when every rank has done so do prefill ranks stage them; each rank then sends its
 rooms' final states and, after closing, its report. A rank whose engine stays within one
@@ -41,12 +42,13 @@ from collections.abc import Sequence
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Final, Protocol, TypeAlias, cast
+from typing import Any, Final, Protocol
 
 import torch
 
 from .._decode.handler import DecodeStagingHandler
 from .._prefill.writer import DecodeTarget, PrefillTimeouts
+from .._run._codec import Message
 from .._run._rank_body import BodyOptions, DecodeBody, PrefillBody
 from .._run._rank_info import RankInfo
 from .._run.workload import (
@@ -68,7 +70,24 @@ from ..backends._kv_requests import (
 from ..protocols import ArrivalOutcome, KVArgs, StagingReqOutcome
 from ..stats import StagingStats
 from ._decode_setup import StartableBackend
-from ._processes import ParentLink, RankFailed, RankGroup
+from ._processes import Failure, ParentLink, RankFailed, RankGroup
+from ._rank_steps import (
+    Arm,
+    Armed,
+    Close,
+    DecodeReport,
+    DecodeReported,
+    Finish,
+    Finished,
+    Go,
+    Joined,
+    Outcome,
+    PrefillReported,
+    ProcessLocal,
+    Settled,
+    Wire,
+    Wired,
+)
 
 __all__ = [
     "IDLE_HOOK_HINT",
@@ -371,10 +390,6 @@ class TransferReport:
         return "\n".join(lines)
 
 
-_Outcome: TypeAlias = tuple[KVPoll, str | None]
-"""A rank's final state of a room and its failure text."""
-
-
 class _ArrivalTally:
     """Writer arrivals per room, counted as one decode handler accepts them.
 
@@ -401,19 +416,6 @@ class _ArrivalTally:
         """Arrivals counted for ``room`` so far."""
         with self._lock:
             return self._counts.get(room, 0)
-
-
-@dataclass(frozen=True, slots=True)
-class _DecodeReport:
-    """What a decode rank reports once its manager is closed (no arrival or scatter is late)."""
-
-    chunks_ok: list[list[bool]]
-    """Per room, per chunk: it landed bit for bit here."""
-    arrivals: list[int]
-    """Per room: writer arrivals this rank's handler accepted."""
-    stray: set[int]
-    """Pages outside every room written here."""
-    stats: StagingStats
 
 
 def _backend_name(backend: ManagerFactory | str) -> str:
@@ -600,10 +602,10 @@ class _DecodeRank:
     def close(self) -> None:
         self.body.close()
 
-    def report(self) -> _DecodeReport:
+    def report(self) -> DecodeReport:
         body, config = self.body, self.body.config
         plans = request_plans(config)
-        return _DecodeReport(
+        return DecodeReport(
             chunks_ok=[chunks_landed(body.pool, config, body.rank, plan) for plan in plans],
             arrivals=[self.tally.count(plan.room) for plan in plans],
             stray=stray_pages(body.pool, config, plans),
@@ -676,7 +678,7 @@ def _room_reason(
     return f"timed out after {timeout_s:g}s ({states})"
 
 
-def _outcomes(ends: Sequence[KVReceiver | KVSender]) -> list[_Outcome]:
+def _outcomes(ends: Sequence[KVReceiver | KVSender]) -> list[Outcome]:
     return [(end.poll(), end.failure()) for end in ends]
 
 
@@ -688,8 +690,8 @@ def _wait_all(ends: Sequence[KVReceiver | KVSender], deadline: float) -> None:
 def _report(
     config: TransferConfig,
     timeout_s: float,
-    outcomes: Sequence[Sequence[_Outcome]],
-    decode: Sequence[_DecodeReport],
+    outcomes: Sequence[Sequence[Outcome]],
+    decode: Sequence[DecodeReport],
     prefill_stats: Sequence[StagingStats],
     notifications: bool,
     elapsed_s: float,
@@ -765,7 +767,7 @@ class _Run:
         infos = [rank.body.info() for rank in self.ranks]
         for rank in self.ranks:
             rank.wire(infos)
-        self.outcomes: list[list[_Outcome]] = []
+        self.outcomes: list[list[Outcome]] = []
         self.elapsed_s = 0.0
 
     def _ends(self) -> list[KVReceiver | KVSender]:
@@ -854,36 +856,36 @@ def _run_across_processes(jobs: Sequence[_RankJob]) -> TransferReport:
     group = RankGroup(_rank_process, jobs, labels)
     try:
         try:
-            ready = group.gather(everyone, "ready", _START_S)
+            joined = group.gather(everyone, Joined, _START_S)
         except RankFailed as exc:
-            if exc.sent == "process-local":
+            if exc.sent == ProcessLocal.__name__:
                 raise ProcessesUnavailable(
                     f"{name} cannot run across processes: {exc.detail}"
                 ) from None
             raise
-        group.send(everyone, "peers", [payload[0] for payload in ready])
-        group.gather(everyone, "wired", _STEP_S)
-        group.send(everyone, "arm")
-        group.gather(everyone, "armed", _STEP_S)
+        group.send(everyone, Wire(tuple(rank.info for rank in joined)))
+        group.gather(everyone, Wired, _STEP_S)
+        group.send(everyone, Arm())
+        group.gather(everyone, Armed, _STEP_S)
         started = time.monotonic()
-        group.send(everyone, "go")
-        states = group.gather(everyone, "states", timeout_s + _STEP_S)
+        group.send(everyone, Go())
+        settled = group.gather(everyone, Settled, timeout_s + _STEP_S)
         elapsed = time.monotonic() - started
-        group.send(everyone, "finish")
-        group.gather(everyone, "finished", _TEARDOWN_S + _STEP_S)
-        group.send(prefill, "close")  # prefill workers first, as in one process
-        prefill_reports = group.gather(prefill, "report", _TEARDOWN_S + _STEP_S)
-        group.send(decode, "close")
-        decode_reports = group.gather(decode, "report", _STEP_S)
+        group.send(everyone, Finish())
+        group.gather(everyone, Finished, _TEARDOWN_S + _STEP_S)
+        group.send(prefill, Close())  # prefill workers first, as in one process
+        prefill_reports = group.gather(prefill, PrefillReported, _TEARDOWN_S + _STEP_S)
+        group.send(decode, Close())
+        decode_reports = group.gather(decode, DecodeReported, _STEP_S)
     finally:
         group.close()
     return _report(
         config,
         timeout_s,
-        [cast(list[_Outcome], payload[0]) for payload in states],
-        [cast(_DecodeReport, payload[0]) for payload in decode_reports],
-        [cast(StagingStats, payload[0]) for payload in prefill_reports],
-        all(ready[r][1] is True for r in prefill),
+        [rank.outcomes for rank in settled],
+        [rank.report for rank in decode_reports],
+        [rank.stats for rank in prefill_reports],
+        all(joined[r].notifies for r in prefill),
         elapsed,
         processes=True,
     )
@@ -903,12 +905,12 @@ def _rank_process(job: object, conn: Connection) -> None:
         finally:
             rank.body.close()
     except ProcessesUnavailable as exc:  # the body closed its manager
-        link.send("process-local", str(exc))
+        link.send(ProcessLocal(str(exc)))
     except (EOFError, BrokenPipeError):
         logger.debug("the harness closed the pipe; rank process ends")
     except BaseException as exc:  # noqa: BLE001 - the parent gets every failure, in words
         with suppress(OSError, ValueError):
-            link.send("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            link.send(Failure(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         link.close()
 
@@ -917,23 +919,26 @@ def _step_by_step(rank: _DecodeRank | _PrefillRank, link: ParentLink, timeout_s:
     """A rank process's steps, each on the parent's command once every rank has taken the one
     before: no rank sends a room's message before every rank routes it, and prefill stages
     the rooms only once decode has registered them all."""
-    link.send("ready", rank.body.info(), rank.notifies)
-    (peers,) = link.expect("peers")
-    rank.wire(cast(list[RankInfo], peers))
-    _step(link, "wired", "arm")
+    link.send(Joined(rank.body.info(), rank.notifies))
+    rank.wire(link.expect(Wire).ranks)
+    _step(link, Wired(), Arm)
     rank.arm()
-    _step(link, "armed", "go")
+    _step(link, Armed(), Go)
     rank.go()
     _wait_all(rank.ends, time.monotonic() + timeout_s)
-    _step(link, "states", "finish", _outcomes(rank.ends))
+    _step(link, Settled(tuple(_outcomes(rank.ends))), Finish)
     rank.finish()
-    _step(link, "finished", "close")
+    _step(link, Finished(), Close)
     rank.close()
-    link.send("report", rank.report())
+    report = rank.report()
+    if isinstance(report, DecodeReport):
+        link.send(DecodeReported(report))
+    else:
+        link.send(PrefillReported(report))
 
 
-def _step(link: ParentLink, done: str, then: str, *payload: object) -> None:
+def _step(link: ParentLink, done: Message, then: type[Message]) -> None:
     """Tell the parent this rank has done ``done``; wait for ``then``, which the parent sends
     once every rank has."""
-    link.send(done, *payload)
+    link.send(done)
     link.expect(then)

@@ -1,15 +1,18 @@
 """A small group of spawned processes driven in lockstep: what the harness runs ranks in.
 
 :class:`RankGroup` starts one process per job (:class:`~staging_contracts._run.Supervisor`),
-each given a :class:`ParentLink` to talk back over a pipe. The parent moves the group from
-step to step: it sends a command to some ranks (:meth:`RankGroup.send`) and gathers one
-message of an expected kind from each (:meth:`RankGroup.gather`), every wait bounded. A rank
-that sends ``("error", text)``, exits (its traceback, or why it has none, in the error), or
+each given a :class:`ParentLink` to talk back over a pipe; what goes over it is typed
+(:class:`~staging_contracts._run._codec.Message`, on the run layer's one codec). The parent
+moves the group from step to step: it sends a command to some ranks (:meth:`RankGroup.send`)
+and gathers one message of an expected class from each (:meth:`RankGroup.gather`), every wait
+bounded. A rank that sends a :class:`Failure` (or another message than the one expected),
+exits (its traceback, or why it has none, in the error), sends what does not decode, or
 stays silent past the bound ends the gather with :class:`RankFailed`;
 :meth:`RankGroup.close` then ends every process (closing the pipes first, so that a rank
 waiting for a command stops by itself; then ``SIGKILL``, each step bounded).
 
-The module knows nothing of staging: the harness gives it the entry point and the jobs.
+The module knows nothing of staging: the harness gives it the entry point, the jobs and its
+messages (:mod:`~staging_contracts.testing._rank_steps`).
 
 **Threads:** one, the caller's, on each side.
 """
@@ -18,14 +21,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Final
+from typing import Final, TypeVar
 
+from .._control.wire import MalformedMessage
 from .._run import Supervisor
+from .._run._codec import Message, decode, encode
+
+M = TypeVar("M", bound=Message)
 
 JOIN_S: Final = 10.0
 """Longest :meth:`RankGroup.close` waits for the processes to exit by themselves, and a rank's
 process to be gone once its pipe said it ended."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failure(Message):
+    """A rank's answer in place of the one expected: why it stops, in words (its error and
+    traceback)."""
+
+    error: str
 
 
 class RankFailed(RuntimeError):
@@ -33,9 +49,9 @@ class RankFailed(RuntimeError):
 
     Attributes:
         label: the rank (e.g. ``decode rank 0``).
-        kind: the message the parent was waiting for.
-        sent: the rank's own message kind when it sent one (``"error"`` or another), else
-            ``None``.
+        kind: the name of the message class the parent was waiting for.
+        sent: the name of the rank's own message class when it sent another
+            (:class:`Failure` or a subclass, or any other), else ``None``.
         detail: what the rank said (its error and traceback), or why it is silent.
     """
 
@@ -59,24 +75,25 @@ class ParentLink:
         self._conn = conn
         self._bound_s = bound_s
 
-    def send(self, kind: str, *payload: object) -> None:
-        """Send ``(kind, *payload)`` to the parent (picklable values only)."""
-        self._conn.send((kind, *payload))
+    def send(self, event: Message) -> None:
+        """Send ``event`` to the parent."""
+        self._conn.send_bytes(encode(event))
 
-    def expect(self, kind: str) -> tuple[object, ...]:
-        """Wait (at most ``bound_s``) for the parent's command ``kind``; its payload.
+    def expect(self, kind: type[M]) -> M:
+        """Wait (at most ``bound_s``) for the parent's command of class ``kind``.
 
         Raises:
             TimeoutError: no command within the bound.
             EOFError: the parent closed the pipe (it gave up on the run).
-            RuntimeError: a command of another kind came.
+            MalformedMessage: what came does not decode.
+            RuntimeError: a command of another class came.
         """
         if not self._conn.poll(self._bound_s):
-            raise TimeoutError(f"no {kind!r} command from the parent in {self._bound_s:g}s")
-        message = self._conn.recv()
-        if not isinstance(message, tuple) or not message or message[0] != kind:
-            raise RuntimeError(f"expected the command {kind!r}, got {message!r}")
-        return message[1:]
+            raise TimeoutError(f"no {kind.__name__} command from the parent in {self._bound_s:g}s")
+        message = decode(self._conn.recv_bytes()).message
+        if not isinstance(message, kind):
+            raise RuntimeError(f"expected the command {kind.__name__}, got {message!r}")
+        return message
 
     def close(self) -> None:
         """Close the pipe end; safe to call twice."""
@@ -113,29 +130,32 @@ class RankGroup:
             self.close()
             raise
 
-    def send(self, indices: Sequence[int], kind: str, *payload: object) -> None:
-        """Send the command ``(kind, *payload)`` to the ranks at ``indices``.
+    def send(self, indices: Sequence[int], command: Message) -> None:
+        """Send ``command`` to the ranks at ``indices``.
 
         Raises:
             RankFailed: a rank's pipe is closed (it died).
         """
+        raw = encode(command)
         for index in indices:
             try:
-                self._conns[index].send((kind, *payload))
+                self._conns[index].send_bytes(raw)
             except (BrokenPipeError, EOFError, OSError) as exc:
                 detail = f"its pipe is closed ({exc})"
-                raise RankFailed(self.labels[index], kind, None, detail) from None
+                raise RankFailed(self.labels[index], type(command).__name__, None, detail) from None
 
-    def gather(self, indices: Sequence[int], kind: str, bound_s: float) -> list[tuple[object, ...]]:
-        """One message of ``kind`` from each rank at ``indices``, in that order; payloads only.
+    def gather(self, indices: Sequence[int], kind: type[M], bound_s: float) -> list[M]:
+        """One message of class ``kind`` from each rank at ``indices``, in that order.
 
         **Blocking:** until every one answered, at most ``bound_s``.
 
         Raises:
-            RankFailed: a rank sent another kind (its ``error``), exited first, or is still
-                silent after ``bound_s``; the first such rank, by arrival.
+            RankFailed: a rank sent another message (its :class:`Failure`) or one that does
+                not decode, exited first, or is still silent after ``bound_s``; the first such
+                rank, by arrival.
         """
-        got: dict[int, tuple[object, ...]] = {}
+        name = kind.__name__
+        got: dict[int, M] = {}
         deadline = time.monotonic() + bound_s
         while len(got) < len(indices):
             waiting = [i for i in indices if i not in got]
@@ -146,7 +166,7 @@ class RankGroup:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 silent = ", ".join(self.labels[i] for i in waiting)
-                raise RankFailed(silent, kind, None, f"no answer within {bound_s:g}s")
+                raise RankFailed(silent, name, None, f"no answer within {bound_s:g}s")
             ends = [self._conns[i] for i in waiting] + [self._ranks[i].sentinel for i in waiting]
             for ready in wait(ends, remaining):
                 i = handles[ready]
@@ -154,18 +174,17 @@ class RankGroup:
                     continue
                 conn = self._conns[i]
                 if not conn.poll():  # the sentinel: exited; a last message may still be there
-                    raise RankFailed(self.labels[i], kind, None, self._exited(i))
+                    raise RankFailed(self.labels[i], name, None, self._exited(i))
                 try:
-                    message = conn.recv()
+                    message = decode(conn.recv_bytes()).message
                 except EOFError:
-                    raise RankFailed(self.labels[i], kind, None, self._exited(i)) from None
-                if not isinstance(message, tuple) or not message:
-                    raise RankFailed(self.labels[i], kind, None, f"sent {message!r}")
-                sent = str(message[0])
-                if sent != kind:
-                    detail = " ".join(str(part) for part in message[1:]) or sent
-                    raise RankFailed(self.labels[i], kind, sent, detail)
-                got[i] = tuple(message[1:])
+                    raise RankFailed(self.labels[i], name, None, self._exited(i)) from None
+                except MalformedMessage as exc:
+                    raise RankFailed(self.labels[i], name, None, f"sent {exc}") from None
+                if not isinstance(message, kind):
+                    detail = message.error if isinstance(message, Failure) else repr(message)
+                    raise RankFailed(self.labels[i], name, type(message).__name__, detail)
+                got[i] = message
         return [got[i] for i in indices]
 
     def _exited(self, index: int) -> str:
