@@ -4,7 +4,8 @@
 bound, respawned, each process's own traceback kept for the parent's message);
 :func:`stop_on_signals` turns ``SIGTERM`` and ``SIGINT`` into a :class:`StopRequest` the
 driver passes on to its ranks, so that a stopped run still gives what it measured, marked
-partial, and exits with :func:`exit_status`.
+partial, and exits with :func:`exit_status`. What a rank process and its driver say to each
+other are typed messages on one codec (:mod:`~staging_contracts._run._codec`).
 
 May import: ``backends`` and everything below it; never ``testing``, ``_cluster``, ``_bench`` or
 ``cli``.
