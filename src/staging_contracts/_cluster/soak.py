@@ -275,8 +275,8 @@ class _Driver:
         self.stalls: list[StallRecord] = []
         self.floods: list[FloodRecord] = []
         self.forges: list[ForgeRecord] = []
-        self.forger: Forger | None = None
-        self.scribbler: Scribbler | None = None
+        self.forger = Forger(config.host)  # each starts its engine at its first use
+        self.scribbler = Scribbler(config.host)
         self.injected: Counter[str] = Counter()
         self.listener_deaths: set[int] = set()
         self.unexpected: list[str] = []
@@ -362,12 +362,8 @@ class _Driver:
             rank.close_commands()
         self.ended = time.monotonic()
         self.inbox.close(linger=0)
-        if self.forger is not None:
-            self.forger.close()
-            self.forger = None
-        if self.scribbler is not None:
-            self.scribbler.close()
-            self.scribbler = None
+        self.forger.close()
+        self.scribbler.close()
 
     # ------------------------------------------------------------------ faults
 
@@ -576,8 +572,6 @@ class _Driver:
         if self.config.backend == "mooncake":
             self._scribble(rank, info)
             return
-        if self.forger is None:
-            self.forger = Forger(self.config.host)
         before = (self._status_of(rank) or _NO_STATUS).unauthorized
         rooms = [room.room for room in self._unsettled()]
         chunks = list(self.config.transfer().chunks())
@@ -588,8 +582,7 @@ class _Driver:
 
         def counted_all() -> bool:
             nonlocal counted
-            if self.forger is not None:
-                self.forger.progress()
+            self.forger.progress()
             answer = self._status_of(rank)
             if answer is not None:
                 counted = answer.unauthorized - before
@@ -607,9 +600,6 @@ class _Driver:
         """Overwrite ``rank``'s ring with garbage from a hostile Mooncake engine for
         ``SCRIBBLE_S`` while rooms go on (``soak_forge.Scribbler``, on a thread), and count
         the rooms that failed ``integrity`` meanwhile."""
-        if self.scribbler is None:
-            self.scribbler = Scribbler(self.config.host)
-        scribbler = self.scribbler
         rooms = len(self._unsettled())
         stop = threading.Event()
         seed = self.rng.randrange(1 << 30)
@@ -619,7 +609,7 @@ class _Driver:
         def run() -> None:
             try:
                 done.append(
-                    scribbler.scribble(
+                    self.scribbler.scribble(
                         info.session_id,
                         info.metadata,
                         (info.ring_base, info.ring_size),
