@@ -64,18 +64,19 @@ COUNTERS: Final = (
     "answers_dropped",
     "early_meta_held",
 )
-"""The target's counters that account for a flood message, one each: malformed (the codec
-or the frame count refused it), unauthorized (an authenticated sender an authoriser refused:
-a late ``STAGING_RSP`` from a participant that is not the session's decode rank, a
-``CHUNK_READY`` without a MAC), staging dropped (a well-formed message for a room the rank
-does not know), answers dropped (a ``STAGING_RSP`` no open room asked for) and early meta
-held (a ``ROOM_META`` for a room not opened, held within the sender's cap). With the secret,
-a malformed message of a kind an authoriser judges (``STAGING_RSP``, ``ROOM_FENCE``, ...) may
-be refused there before any codec sees it: it counts in ``unauthorized``. The rank's own
-traffic moves some of these counters too, so they add up to at least what was sent."""
+"""The target's counters (:class:`~._messages.RankStatus` fields) that account for a flood
+message, one each: malformed (the codec or the frame count refused it), unauthorized (an
+authenticated sender an authoriser refused: a late ``STAGING_RSP`` from a participant that
+is not the session's decode rank, a ``CHUNK_READY`` without a MAC), staging dropped (a
+well-formed message for a room the rank does not know), answers dropped (a ``STAGING_RSP``
+no open room asked for) and early meta held (a ``ROOM_META`` for a room not opened, held
+within the sender's cap). With the secret, a malformed message of a kind an authoriser
+judges (``STAGING_RSP``, ``ROOM_FENCE``, ...) may be refused there before any codec sees it:
+it counts in ``unauthorized``. The rank's own traffic moves some of these counters too, so
+they add up to at least what was sent."""
 STATE: Final = ("answers_held", "early_meta", "open_rooms")
-"""What a flood could grow on its target: the answer table, the early ``ROOM_META`` store,
-the rank's open rooms."""
+"""What a flood could grow on its target (:class:`~._messages.RankStatus` fields): the answer
+table, the early ``ROOM_META`` store, the rank's open rooms."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,20 +183,12 @@ def send_flood(
 def flood_counts(before: RankStatus, after: RankStatus) -> dict[str, int]:
     """How much each of :data:`COUNTERS` moved on the target between two ``status`` answers
     (a counter the target does not report moved 0)."""
-    moved = [
-        (after.listener_malformed - before.listener_malformed),
-        (after.unauthorized - before.unauthorized),
-        (after.staging_dropped - before.staging_dropped),
-        (after.answers_dropped or 0) - (before.answers_dropped or 0),
-        (after.early_meta_held or 0) - (before.early_meta_held or 0),
-    ]
-    return dict(zip(COUNTERS, moved, strict=True))
+    return {name: (getattr(after, name) or 0) - (getattr(before, name) or 0) for name in COUNTERS}
 
 
 def flood_state(status: RankStatus) -> dict[str, int]:
     """What ``status`` says of each of :data:`STATE` (those its side reports)."""
-    held = (status.answers_held, status.early_meta, status.open_rooms)
-    return {name: value for name, value in zip(STATE, held, strict=True) if value is not None}
+    return {name: getattr(status, name) for name in STATE if getattr(status, name) is not None}
 
 
 def state_bounds(rooms_in_flight: int, chunks: int, decode_tp: int) -> dict[str, int]:
