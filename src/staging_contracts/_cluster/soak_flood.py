@@ -1,22 +1,11 @@
 """The soak's ``flood`` fault: a burst of bad and unwanted control messages at one rank.
 
-The flood sends, from two threads, a mix of messages to one rank's control listener:
-malformed ones (:func:`malformed_message`, which no codec accepts) and well-formed ones the
-rank must not keep (:func:`unwanted_message`): to prefill, ``STAGING_RSP`` for rooms that
-closed or were never asked (late answers) and ``ROOM_META`` for rooms never opened; to
-decode, ``CHUNK_READY`` without a tag for rooms it never registered.
-
-**With the cluster secret** the flooder holds it, as any participant that registered on the
-bootstrap does: it has a CURVE key pair of its own (:data:`FLOOD_ENDPOINT` is the endpoint it
-is trusted for, through the rank's ``trust`` command), so its messages pass the listener's
-CURVE handshake and reach the rank's dispatch. A flood without a key would be refused at the
-handshake and test nothing beyond it. **Without the secret** the sockets are plain, as every
-participant's on loopback.
-
-:func:`flood_counts` says what the target did with them, by counter (each a difference of
-the target's ``status`` before and after): :data:`COUNTERS`. :func:`state_bounds` says how much
-the state the flood could grow (:data:`STATE`) may hold once it is over, whatever it sent: a
-rank that kept what the flood sent leaves far more.
+Two threads (:func:`send_flood`) send one rank's control listener malformed messages
+(:func:`malformed_message`) and well-formed ones it must not keep (:func:`unwanted_message`);
+with the cluster secret, through CURVE sockets whose key the rank was told to trust for
+:data:`FLOOD_ENDPOINT`, so that they pass the handshake, as a registered participant's do.
+:func:`flood_counts` and :func:`state_bounds` judge what the rank did with them. What the
+fault is for: docs/operating.md (its ``flood`` row) and docs/security.md.
 
 **Threads:** :func:`send_flood` runs on each flood thread; the rest is pure.
 """
@@ -129,8 +118,10 @@ def malformed_message(rng: random.Random) -> list[bytes]:
 
 
 def unwanted_message(target: FloodTarget, rng: random.Random) -> tuple[str, list[bytes]]:
-    """One well-formed message the target must drop or hold within a bound (the module's
-    docstring says which, by role), and its kind."""
+    """One well-formed message the target must drop or hold within a bound, and its kind: to
+    prefill, a late ``STAGING_RSP`` (a room that closed or was never asked) or a ``ROOM_META``
+    for a room never opened; to decode, a ``CHUNK_READY`` without a tag for a room it never
+    registered."""
     never = _ROOMS_NEVER_OPENED + rng.randrange(1 << 30)
     if target.role == "decode":
         ready = ChunkReady(never, rng.randrange(8), rng.randrange(64), 1, target.session_id, 0)
