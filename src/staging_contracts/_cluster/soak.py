@@ -1,18 +1,16 @@
 """The soak's driver: rank processes kept busy with rooms while faults are injected.
 
-:func:`run_soak` starts P prefill and D decode rank processes (:mod:`.soak_rank`), keeps
-:attr:`~.soak_report.SoakConfig.rooms_in_flight` rooms moving through them, and injects the
-listed :data:`~.soak_report.FAULTS` in turn, until the configured duration has passed and each
-listed fault was injected at least once. Every room a decode rank completes is checked bit for
-bit against the seeded workload (:mod:`.workload`). At the end no room is issued any more, the
-rooms in flight end (bounded), and every rank is asked for its counters until it is idle. The
-outcome is a :class:`~.soak_report.SoakResult` (:mod:`.soak_report` says what counts as what).
+:func:`run_soak` runs the soak docs/operating.md describes: P prefill and D decode rank
+processes (:mod:`.soak_rank`), :attr:`~.soak_report.SoakConfig.rooms_in_flight` rooms moving
+through them, each checked against the seeded workload (:mod:`.workload`), and the listed
+faults in turn; at the end the rooms in flight end (bounded) and every rank is asked for its
+counters until it is idle. The outcome is a :class:`~.soak_report.SoakResult`.
 
 A room is issued to every rank at once (decode first: it registers the room before prefill
-asks for regions); its workload request (its pages and data) is reused only after every rank
-reported the previous room on it, and a decode rank zeroes the pages first, so a room that
-moves nothing cannot verify. While a killed rank is down, rooms keep coming to the survivors,
-with the peers they know (a router has not noticed either).
+asks for regions); its workload request is reused only after every rank reported the
+previous room on it (a decode rank zeroes the pages first). While a killed rank is down,
+rooms keep coming to the survivors, with the peers they know (a router has not noticed
+either).
 
 **Rooms go only to ranks that know their peers.** A rank is sent rooms once it answered a
 ``peers`` command (its ``peers`` event), never merely because it is ``ready``: a restarted rank
