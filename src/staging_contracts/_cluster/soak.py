@@ -1,18 +1,16 @@
 """The soak's driver: rank processes kept busy with rooms while faults are injected.
 
-:func:`run_soak` starts P prefill and D decode rank processes (:mod:`.soak_rank`), keeps
-:attr:`~.soak_report.SoakConfig.rooms_in_flight` rooms moving through them, and injects the
-listed :data:`~.soak_report.FAULTS` in turn, until the configured duration has passed and each
-listed fault was injected at least once. Every room a decode rank completes is checked bit for
-bit against the seeded workload (:mod:`.workload`). At the end no room is issued any more, the
-rooms in flight end (bounded), and every rank is asked for its counters until it is idle. The
-outcome is a :class:`~.soak_report.SoakResult` (:mod:`.soak_report` says what counts as what).
+:func:`run_soak` runs the soak docs/operating.md describes: P prefill and D decode rank
+processes (:mod:`.soak_rank`), :attr:`~.soak_report.SoakConfig.rooms_in_flight` rooms moving
+through them, each checked against the seeded workload (:mod:`.workload`), and the listed
+faults in turn; at the end the rooms in flight end (bounded) and every rank is asked for its
+counters until it is idle. The outcome is a :class:`~.soak_report.SoakResult`.
 
 A room is issued to every rank at once (decode first: it registers the room before prefill
-asks for regions); its workload request (its pages and data) is reused only after every rank
-reported the previous room on it, and a decode rank zeroes the pages first, so a room that
-moves nothing cannot verify. While a killed rank is down, rooms keep coming to the survivors,
-with the peers they know (a router has not noticed either).
+asks for regions); its workload request is reused only after every rank reported the
+previous room on it (a decode rank zeroes the pages first). While a killed rank is down,
+rooms keep coming to the survivors, with the peers they know (a router has not noticed
+either).
 
 **Rooms go only to ranks that know their peers.** A rank is sent rooms once it answered a
 ``peers`` command (its ``peers`` event), never merely because it is ``ready``: a restarted rank
@@ -275,8 +273,8 @@ class _Driver:
         self.stalls: list[StallRecord] = []
         self.floods: list[FloodRecord] = []
         self.forges: list[ForgeRecord] = []
-        self.forger: Forger | None = None
-        self.scribbler: Scribbler | None = None
+        self.forger = Forger(config.host)  # each starts its engine at its first use
+        self.scribbler = Scribbler(config.host)
         self.injected: Counter[str] = Counter()
         self.listener_deaths: set[int] = set()
         self.unexpected: list[str] = []
@@ -362,12 +360,8 @@ class _Driver:
             rank.close_commands()
         self.ended = time.monotonic()
         self.inbox.close(linger=0)
-        if self.forger is not None:
-            self.forger.close()
-            self.forger = None
-        if self.scribbler is not None:
-            self.scribbler.close()
-            self.scribbler = None
+        self.forger.close()
+        self.scribbler.close()
 
     # ------------------------------------------------------------------ faults
 
@@ -576,8 +570,6 @@ class _Driver:
         if self.config.backend == "mooncake":
             self._scribble(rank, info)
             return
-        if self.forger is None:
-            self.forger = Forger(self.config.host)
         before = (self._status_of(rank) or _NO_STATUS).unauthorized
         rooms = [room.room for room in self._unsettled()]
         chunks = list(self.config.transfer().chunks())
@@ -588,8 +580,7 @@ class _Driver:
 
         def counted_all() -> bool:
             nonlocal counted
-            if self.forger is not None:
-                self.forger.progress()
+            self.forger.progress()
             answer = self._status_of(rank)
             if answer is not None:
                 counted = answer.unauthorized - before
@@ -607,9 +598,6 @@ class _Driver:
         """Overwrite ``rank``'s ring with garbage from a hostile Mooncake engine for
         ``SCRIBBLE_S`` while rooms go on (``soak_forge.Scribbler``, on a thread), and count
         the rooms that failed ``integrity`` meanwhile."""
-        if self.scribbler is None:
-            self.scribbler = Scribbler(self.config.host)
-        scribbler = self.scribbler
         rooms = len(self._unsettled())
         stop = threading.Event()
         seed = self.rng.randrange(1 << 30)
@@ -619,7 +607,7 @@ class _Driver:
         def run() -> None:
             try:
                 done.append(
-                    scribbler.scribble(
+                    self.scribbler.scribble(
                         info.session_id,
                         info.metadata,
                         (info.ring_base, info.ring_size),

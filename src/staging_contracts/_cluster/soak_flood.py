@@ -1,22 +1,11 @@
 """The soak's ``flood`` fault: a burst of bad and unwanted control messages at one rank.
 
-The flood sends, from two threads, a mix of messages to one rank's control listener:
-malformed ones (:func:`malformed_message`, which no codec accepts) and well-formed ones the
-rank must not keep (:func:`unwanted_message`): to prefill, ``STAGING_RSP`` for rooms that
-closed or were never asked (late answers) and ``ROOM_META`` for rooms never opened; to
-decode, ``CHUNK_READY`` without a tag for rooms it never registered.
-
-**With the cluster secret** the flooder holds it, as any participant that registered on the
-bootstrap does: it has a CURVE key pair of its own (:data:`FLOOD_ENDPOINT` is the endpoint it
-is trusted for, through the rank's ``trust`` command), so its messages pass the listener's
-CURVE handshake and reach the rank's dispatch. A flood without a key would be refused at the
-handshake and test nothing beyond it. **Without the secret** the sockets are plain, as every
-participant's on loopback.
-
-:func:`flood_counts` says what the target did with them, by counter (each a difference of
-the target's ``status`` before and after): :data:`COUNTERS`. :func:`state_bounds` says how much
-the state the flood could grow (:data:`STATE`) may hold once it is over, whatever it sent: a
-rank that kept what the flood sent leaves far more.
+Two threads (:func:`send_flood`) send one rank's control listener malformed messages
+(:func:`malformed_message`) and well-formed ones it must not keep (:func:`unwanted_message`);
+with the cluster secret, through CURVE sockets whose key the rank was told to trust for
+:data:`FLOOD_ENDPOINT`, so that they pass the handshake, as a registered participant's do.
+:func:`flood_counts` and :func:`state_bounds` judge what the rank did with them. What the
+fault is for: docs/operating.md (its ``flood`` row) and docs/security.md.
 
 **Threads:** :func:`send_flood` runs on each flood thread; the rest is pure.
 """
@@ -64,18 +53,19 @@ COUNTERS: Final = (
     "answers_dropped",
     "early_meta_held",
 )
-"""The target's counters that account for a flood message, one each: malformed (the codec
-or the frame count refused it), unauthorized (an authenticated sender an authoriser refused:
-a late ``STAGING_RSP`` from a participant that is not the session's decode rank, a
-``CHUNK_READY`` without a MAC), staging dropped (a well-formed message for a room the rank
-does not know), answers dropped (a ``STAGING_RSP`` no open room asked for) and early meta
-held (a ``ROOM_META`` for a room not opened, held within the sender's cap). With the secret,
-a malformed message of a kind an authoriser judges (``STAGING_RSP``, ``ROOM_FENCE``, ...) may
-be refused there before any codec sees it: it counts in ``unauthorized``. The rank's own
-traffic moves some of these counters too, so they add up to at least what was sent."""
+"""The target's counters (:class:`~._messages.RankStatus` fields) that account for a flood
+message, one each: malformed (the codec or the frame count refused it), unauthorized (an
+authenticated sender an authoriser refused: a late ``STAGING_RSP`` from a participant that
+is not the session's decode rank, a ``CHUNK_READY`` without a MAC), staging dropped (a
+well-formed message for a room the rank does not know), answers dropped (a ``STAGING_RSP``
+no open room asked for) and early meta held (a ``ROOM_META`` for a room not opened, held
+within the sender's cap). With the secret, a malformed message of a kind an authoriser
+judges (``STAGING_RSP``, ``ROOM_FENCE``, ...) may be refused there before any codec sees it:
+it counts in ``unauthorized``. The rank's own traffic moves some of these counters too, so
+they add up to at least what was sent."""
 STATE: Final = ("answers_held", "early_meta", "open_rooms")
-"""What a flood could grow on its target: the answer table, the early ``ROOM_META`` store,
-the rank's open rooms."""
+"""What a flood could grow on its target (:class:`~._messages.RankStatus` fields): the answer
+table, the early ``ROOM_META`` store, the rank's open rooms."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +118,10 @@ def malformed_message(rng: random.Random) -> list[bytes]:
 
 
 def unwanted_message(target: FloodTarget, rng: random.Random) -> tuple[str, list[bytes]]:
-    """One well-formed message the target must drop or hold within a bound (the module's
-    docstring says which, by role), and its kind."""
+    """One well-formed message the target must drop or hold within a bound, and its kind: to
+    prefill, a late ``STAGING_RSP`` (a room that closed or was never asked) or a ``ROOM_META``
+    for a room never opened; to decode, a ``CHUNK_READY`` without a tag for a room it never
+    registered."""
     never = _ROOMS_NEVER_OPENED + rng.randrange(1 << 30)
     if target.role == "decode":
         ready = ChunkReady(never, rng.randrange(8), rng.randrange(64), 1, target.session_id, 0)
@@ -182,20 +174,12 @@ def send_flood(
 def flood_counts(before: RankStatus, after: RankStatus) -> dict[str, int]:
     """How much each of :data:`COUNTERS` moved on the target between two ``status`` answers
     (a counter the target does not report moved 0)."""
-    moved = [
-        (after.listener_malformed - before.listener_malformed),
-        (after.unauthorized - before.unauthorized),
-        (after.staging_dropped - before.staging_dropped),
-        (after.answers_dropped or 0) - (before.answers_dropped or 0),
-        (after.early_meta_held or 0) - (before.early_meta_held or 0),
-    ]
-    return dict(zip(COUNTERS, moved, strict=True))
+    return {name: (getattr(after, name) or 0) - (getattr(before, name) or 0) for name in COUNTERS}
 
 
 def flood_state(status: RankStatus) -> dict[str, int]:
     """What ``status`` says of each of :data:`STATE` (those its side reports)."""
-    held = (status.answers_held, status.early_meta, status.open_rooms)
-    return {name: value for name, value in zip(STATE, held, strict=True) if value is not None}
+    return {name: getattr(status, name) for name in STATE if getattr(status, name) is not None}
 
 
 def state_bounds(rooms_in_flight: int, chunks: int, decode_tp: int) -> dict[str, int]:

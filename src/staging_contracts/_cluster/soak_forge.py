@@ -1,18 +1,11 @@
 """The soak's ``forge`` fault: a hostile engine that holds decode's engine metadata.
 
-Over NIXL, :class:`Forger` is an agent of its own in the driver's process (no cluster secret
-used) that loads a decode rank's NIXL metadata, as anyone who saw it on the bootstrap could,
-and sends that rank arrival notifications (:class:`~staging_contracts._control.wire.ChunkReady`)
-for rooms in flight: without a tag, and with a tag whose MAC is made up. With the cluster
-secret set, decode must drop every one and count it in ``unauthorized``; a forged arrival that
-it took would complete a room before its bytes landed (the soak's check then finds it corrupt).
-
-Over Mooncake, arrivals are ``CHUNK_READY`` control messages (authenticated with the secret),
-so the hostile engine does what it can still do: :class:`Scribbler`, a Mooncake engine of its
-own in the driver's process, writes garbage one-sidedly over a decode rank's whole staging
-ring, again and again for a while, with no arrival at all. With the integrity check on, a
-room whose region it overwrote before the check fails with reason ``integrity``; one that
-reported success with those bytes would be found corrupt by the soak's check.
+Over NIXL, :class:`Forger`, an agent of its own in the driver's process (no secret), sends a
+decode rank forged arrival notifications for the rooms in flight (:func:`forged_arrivals`).
+Over Mooncake, whose arrivals are authenticated control messages, :class:`Scribbler` writes
+garbage one-sidedly over the rank's whole staging ring instead. What decode must do with
+either (a forged arrival taken, or garbage passed, shows as a corrupt room):
+docs/operating.md (the ``forge`` row) and docs/security.md.
 
 **Threads:** the driver's (:meth:`Scribbler.scribble` runs on a thread of its own, one at a
 time); every call blocks for at most the engine's write timeout.

@@ -1,21 +1,11 @@
 """What a soak is and what it found: its faults, its configuration, its result and summary.
 
 The pure half of ``staging-contracts soak``: no process is started here
-(:func:`~.soak.run_soak` runs a soak).
-
-A room *succeeds* when every decode rank reported it done and its pages verified bit for bit
-(a prefill rank that failed it or died afterwards is counted apart); it *fails* when a
-decode rank failed it or died (grouped by :func:`reason_group` of the first reason given,
-decode's first); it is *corrupt* when a decode rank reported success but its pages do not
-hold the expected bytes; it is *hung* when a rank that stayed alive did not end it within
-:attr:`SoakConfig.room_bound_s` (a liveness bug). A soak passes (:attr:`SoakResult.ok`) when
-no room was corrupt or hung, nothing was left in a ring, a fence or an open room once idle
-at the end, every control listener lived, no rank died by itself, no command failed on a
-rank and some rooms succeeded.
-
-Every time in a result and its summary (``at_s``, ``elapsed_s``) is in seconds since the soak
-started, as are the driver's progress lines; durations (``detect_s``, ``restart_s``, a stall's
-length) are differences on that clock.
+(:func:`~.soak.run_soak` runs a soak). How each room is counted (succeeded, failed, corrupt,
+hung) is in :class:`SoakResult`'s fields, what passes in :attr:`SoakResult.problems`, and
+the operator's view in docs/operating.md. Every time in a result, its summary and the
+driver's progress lines (``at_s``, ``elapsed_s``) is in seconds since the soak started;
+durations (``detect_s``, ``restart_s``, a stall's length) are differences on that clock.
 """
 
 from __future__ import annotations
@@ -524,15 +514,17 @@ class SoakResult:
     """Of those, rooms a prefill rank failed or died in after its part had landed (the
     request still goes on on decode)."""
     failed_by_reason: dict[str, int]
-    """Failed rooms by :func:`reason_group` of their first failure reason, decode's first
-    (``"rank killed"``: no survivor failed it, a decode rank it needed died)."""
+    """Rooms a decode rank failed or died in, by :func:`reason_group` of their first failure
+    reason, decode's first (``"rank killed"``: no survivor failed it, a decode rank it needed
+    died)."""
     failure_examples: dict[str, str]
     """One failure reason of each group, as a rank gave it."""
     corrupt: int
     """Rooms a decode rank reported done whose pages do not verify. Must be 0."""
     corrupt_details: tuple[str, ...]
     hung: int
-    """Rooms not ended within the bound by a rank that stayed alive. Must be 0."""
+    """Rooms not ended within :attr:`SoakConfig.room_bound_s` by a rank that stayed alive (a
+    liveness bug). Must be 0."""
     hung_details: tuple[str, ...]
     kills: tuple[KillRecord, ...]
     stalls: tuple[StallRecord, ...]

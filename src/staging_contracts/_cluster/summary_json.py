@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
@@ -75,6 +76,11 @@ def _head(command: str, problems: Sequence[str], interrupted: str | None) -> dic
         "interrupted": interrupted,
         "problems": list(problems),
     }
+
+
+def _fields(config: object, names: str) -> dict[str, Any]:
+    """``config``'s attributes named in ``names`` (space-separated), in that order."""
+    return {name: getattr(config, name) for name in names.split()}
 
 
 def check_target(path: str | os.PathLike[str]) -> None:
@@ -179,16 +185,16 @@ def _demo_rooms(result: ClusterResult) -> dict[str, Any]:
         for i in range(total)
         if i not in failed and marks and all(m.get(i) is True for m in marks)
     }
-    by_reason: dict[str, int] = {}
-    for index in sorted(failed):
-        group = reason_group(reasons[index]) if index in reasons else "rank died"
-        by_reason[group] = by_reason.get(group, 0) + 1
+    by_reason = Counter(
+        reason_group(reasons[index]) if index in reasons else "rank died"
+        for index in sorted(failed)
+    )
     return {
         "total": total,
         "succeeded": len(succeeded),
         "failed": len(failed),
         "unfinished": total - len(succeeded) - len(failed),
-        "by_reason": by_reason,
+        "by_reason": dict(by_reason),
     }
 
 
@@ -209,21 +215,11 @@ def demo_summary(result: ClusterResult) -> dict[str, Any]:
     sides = [role for role in ("prefill", "decode") if result.side in ("all", role)]
     return {
         **_head("demo", _demo_problems(result), result.interrupted),
-        "config": {
-            "backend": config.backend,
-            "device": config.device,
-            "prefill_tp": config.prefill_tp,
-            "decode_tp": config.decode_tp,
-            "kv_heads": config.kv_heads,
-            "layers": config.layers,
-            "head_dim": config.head_dim,
-            "dtype": config.dtype,
-            "requests": config.requests,
-            "tokens": config.tokens,
-            "page_size": config.page_size,
-            "chunk_pages": config.chunk_pages,
-            "host": config.host,
-        },
+        "config": _fields(
+            config,
+            "backend device prefill_tp decode_tp kv_heads layers head_dim dtype requests tokens "
+            "page_size chunk_pages host",
+        ),
         "side": result.side,
         "rooms": _demo_rooms(result),
         "failed_requests": sorted(result.failed_requests),
@@ -267,15 +263,12 @@ def soak_summary(result: SoakResult) -> dict[str, Any]:
     return {
         **_head("soak", result.problems, result.interrupted),
         "config": {
-            "backend": config.backend,
-            "duration_s": config.duration_s,
-            "faults": list(config.faults),
-            "prefill_tp": config.prefill_tp,
-            "decode_tp": config.decode_tp,
-            "prefill_instances": config.prefill_instances,
-            "rooms_in_flight": config.rooms_in_flight,
-            "seed": config.seed,
-            "host": config.host,
+            **_fields(
+                config,
+                "backend duration_s faults prefill_tp decode_tp prefill_instances "
+                "rooms_in_flight seed host",
+            ),
+            "faults": list(config.faults),  # keeps its place, third
         },
         "elapsed_s": result.elapsed_s,
         "rooms": {
