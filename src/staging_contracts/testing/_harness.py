@@ -1,29 +1,11 @@
 """``run_transfer``: a staged transfer through any backend, every decode page verified.
 
-The contract kit's behaviour checks drive one decode manager with fake prefill peers; this
-harness runs the real thing over the backend's own engine and listeners::
-
-    from staging_contracts.testing import run_transfer
-
-    report = run_transfer(MyKVManager, prefill_tp=2, decode_tp=1, rooms=3)
-    if not report.ok:
-        pytest.fail(report.summary())
-
 Every rank is a body of the run layer (:mod:`staging_contracts._run._rank_body`), built with
-the backend's standard constructor and wired as a bootstrap would (each prefill engine
-``add_peer``-s each decode engine; every manager ``trust_peer``-s every other). Decode ranks
-register every room, prefill ranks stage them, all at once; after the verdicts (or the
-deadline) the rooms still running are failed, everything is closed, and each decode rank's
-pages, arrivals and stray pages make the :class:`TransferReport`.
-
-**Across processes** (``processes=True``) every rank runs in a spawned process of its own
-(:mod:`~staging_contracts.testing._processes`), in lockstep with the harness, on typed
-messages (:mod:`~staging_contracts.testing._rank_steps`): each sends its
-:class:`~staging_contracts._run._rank_info.RankInfo` and gets everyone's, wires, arms its rooms,
-and only when every rank has done so do prefill ranks stage them; each rank then sends its
-rooms' final states and, after closing, its report. A rank whose engine stays within one
-process says so as soon as its manager is built (:class:`ProcessesUnavailable`). Every step
-is bounded; every rank process is gone when the run returns.
+the backend's standard constructor and wired as a bootstrap would. In one process the harness
+takes each step on every rank in turn; across processes (``processes=True``) each rank runs in
+a spawned process of its own (:mod:`~staging_contracts.testing._processes`), in lockstep with
+the harness on typed messages (:mod:`~staging_contracts.testing._rank_steps`). What a run does,
+reports and raises: ``docs/writing-a-backend.md``, section 5.
 
 **Thread:** call it from any thread but a listener's; it blocks until the report is ready.
 Across processes, call it from the main module's ``if __name__ == "__main__":`` block or a

@@ -1,25 +1,9 @@
 """``StagingBackendContract``: the conformance tests a staging backend runs against itself.
 
-A backend author subclasses it in a test module::
-
-    class TestMyKVManager(StagingBackendContract):
-        backend_class = MyKVManager
-
-        def make_decode_manager(self, setup: DecodeSetup) -> MyKVManager:
-            manager = MyKVManager(setup.kv_args, role=Role.DECODE, attn_tp_size=setup.attn_tp_size)
-            return setup.start(manager)
-
-and pytest runs every ``test_*`` method below on that class. The class checks need only
-``backend_class``; the behaviour checks need a live decode manager from
-``make_decode_manager``; the transfer checks run a whole staged transfer (prefill TP 2 to
-decode TP 1, and 1 to 2) through :func:`~staging_contracts.testing.run_transfer`, with
-managers from ``make_manager``. Both hooks default to the ``--staging-backend`` manager
-factory, if one was named, else the backend's standard constructor ``Class(kv_args, role=...,
-attn_tp_size=...)``; when that cannot build the backend, the checks that need it are skipped
-in a test file's subclass, saying exactly why and how to add a factory, and fail for a backend
-named by ``--staging-backend``. Any failure to build a manager (or a missing
-``backend_class``) is reported once, by the first check that needs it, naming what the author
-wrote; the other checks that need it skip, pointing at that test.
+The class checks need only ``backend_class``; the behaviour checks need a live decode manager
+from ``make_decode_manager``; the transfer checks run
+:func:`~staging_contracts.testing.run_transfer` with managers from ``make_manager``. How the
+hooks default, skip and report a failure once: ``docs/writing-a-backend.md``, sections 2 to 4.
 
 **Any contract.** The class and instance checks hold the backend to the contract of whatever
 enforcing mixin it uses: ours (``StagingManagerMixin``) or a serving stack's own

@@ -1,12 +1,9 @@
 """Backends named on the command line: ``NAME``, ``MODULE:CLASS``, either with ``=MODULE:FACTORY``.
 
-``NAME`` is an in-tree backend (``local``, ``mooncake``, ``nixl``, ``ascend``) or one
-registered under the ``staging_contracts.backends`` entry-point group; it is turned into its
-``MODULE:CLASS`` when pytest is configured, without importing anything (an unknown name, like
-a malformed value, is a usage error). Importing happens when the plugin collects the kit's
-tests: a backend that cannot be imported, or whose ``class`` statement the contract rejects,
-is then reported once, as one collection error with the reason (and the class's explanation),
-not by every test of the kit.
+A ``NAME`` (in-tree or registered under ``staging_contracts.backends``) becomes its
+``MODULE:CLASS`` when pytest is configured, importing nothing; importing happens when the
+plugin collects the kit's tests, and a failure is one collection error with the reason (see
+``docs/writing-a-backend.md``, "Without a test file").
 """
 
 from __future__ import annotations
