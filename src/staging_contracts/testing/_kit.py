@@ -169,12 +169,7 @@ class StagingBackendContract:
         live decode manager of our staging path, for a ``StagingManagerMixin`` backend.
         """
         target = type(self)._backend_target
-        if target is None:
-            return None
-        try:
-            factory = target.load_host_factory()
-        except BackendLoadError as exc:
-            self._once(f"the factory {target.factory_ref}", str(exc))
+        factory = None if target is None else self._load(target, target.load_host_factory)
         if factory is None:
             return None
         built = factory()
@@ -203,19 +198,10 @@ class StagingBackendContract:
         # Outcomes are raised outside the except blocks: pytest would show the caught error
         # too ("During handling of the above exception"), though the text already says it.
         target = type(self)._backend_target
-        problem: str | None = None
-        if target is not None:
-            try:
-                factory = target.load_factory()
-            except BackendLoadError as exc:
-                problem = str(exc)
-            else:
-                if factory is not None:
-                    return factory
-            if problem is not None:
-                self._once(f"the factory {target.factory_ref}", problem)
+        factory = None if target is None else self._load(target, target.load_factory)
+        if factory is not None:
+            return factory
         backend = self._backend()
-        skip = False
         try:
             return standard_factory(backend)
         except FactoryUnavailable as exc:
@@ -231,6 +217,15 @@ class StagingBackendContract:
             "FACTORY(kv_args, *, role, attn_tp_size) returns a new, unstarted manager (the "
             "same factory demo --backend takes)",
         )
+
+    def _load(self, target: BackendTarget, load: Callable[[], _T]) -> _T:
+        """``load()`` of a ``target`` method; its failure is reported once, outside the except
+        block."""
+        try:
+            return load()
+        except BackendLoadError as exc:
+            problem = str(exc)
+        self._once(f"the factory {target.factory_ref}", problem)
 
     def _builder(self, hook: str) -> str:
         """What the author wrote that builds managers for ``hook``: their override, their
