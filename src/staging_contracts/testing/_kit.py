@@ -235,9 +235,7 @@ class StagingBackendContract:
         target = type(self)._backend_target
         if target is not None and target.factory_ref is not None:
             return f"the factory {target.factory_ref}"
-        backend = getattr(type(self), "backend_class", None)
-        if target is not None:
-            backend = target.class_qualname
+        backend = target.class_qualname if target else getattr(type(self), "backend_class", None)
         name = backend if isinstance(backend, str) else class_label(cast(type, backend))
         return f"the constructor {name}(kv_args, role=..., attn_tp_size=...)"
 
@@ -611,9 +609,8 @@ class StagingBackendContract:
                 raise
 
         report = None
-        quiet = _Duplicates()
         try:
-            with quiet:
+            with _Duplicates():
                 report = run_transfer(
                     make,
                     prefill_tp=prefill_tp,

@@ -87,15 +87,13 @@ def pytest_configure(config: pytest.Config) -> None:
     given: Sequence[str] | None = config.getoption(INI_KEY)
     specs = list(given) if given else list(config.getini(INI_KEY))
     if not specs:
-        config.stash[_TARGETS] = ()
-        return
+        return  # no targets: collection adds nothing
     from ._targets import BackendTarget  # noqa: PLC0415 - only when a backend is named
 
     try:
-        targets = tuple(BackendTarget.parse(spec) for spec in specs)
+        config.stash[_TARGETS] = tuple(BackendTarget.parse(spec) for spec in specs)
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
-    config.stash[_TARGETS] = targets
 
 
 @pytest.hookimpl(tryfirst=True)
