@@ -15,7 +15,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Final, cast
+from typing import Final, cast
 
 from .._contract.typeforms import class_label
 from ..backends import BACKENDS
@@ -58,8 +58,7 @@ class StandardFactory:
 
     def __call__(self, kv_args: KVArgs, *, role: Role, attn_tp_size: int) -> TransferManager:
         """``cls(kv_args, role=role, attn_tp_size=attn_tp_size, **options)``."""
-        options: dict[str, Any] = dict(self.options)
-        made = self.cls(kv_args, role=role, attn_tp_size=attn_tp_size, **options)
+        made = self.cls(kv_args, role=role, attn_tp_size=attn_tp_size, **self.options)
         return cast(TransferManager, made)
 
     def __repr__(self) -> str:
@@ -120,13 +119,7 @@ def _parameters(signature: inspect.Signature) -> str:
     for param in signature.parameters.values():
         if param.kind is param.KEYWORD_ONLY and not star:
             out.append("*")
-            star = True
-        prefix = ""
-        if param.kind is param.VAR_POSITIONAL:
-            prefix = "*"
-        elif param.kind is param.VAR_KEYWORD:
-            prefix = "**"
-        star = star or param.kind is param.VAR_POSITIONAL
-        default = "=..." if param.default is not param.empty else ""
-        out.append(f"{prefix}{param.name}{default}")
+        star = star or param.kind in (param.KEYWORD_ONLY, param.VAR_POSITIONAL)
+        bare = param.replace(annotation=param.empty, default=param.empty)  # *args, **kwargs
+        out.append(f"{bare}{'=...' if param.default is not param.empty else ''}")
     return ", ".join(out)

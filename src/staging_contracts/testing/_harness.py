@@ -1,29 +1,11 @@
 """``run_transfer``: a staged transfer through any backend, every decode page verified.
 
-The contract kit's behaviour checks drive one decode manager with fake prefill peers; this
-harness runs the real thing over the backend's own engine and listeners::
-
-    from staging_contracts.testing import run_transfer
-
-    report = run_transfer(MyKVManager, prefill_tp=2, decode_tp=1, rooms=3)
-    if not report.ok:
-        pytest.fail(report.summary())
-
 Every rank is a body of the run layer (:mod:`staging_contracts._run._rank_body`), built with
-the backend's standard constructor and wired as a bootstrap would (each prefill engine
-``add_peer``-s each decode engine; every manager ``trust_peer``-s every other). Decode ranks
-register every room, prefill ranks stage them, all at once; after the verdicts (or the
-deadline) the rooms still running are failed, everything is closed, and each decode rank's
-pages, arrivals and stray pages make the :class:`TransferReport`.
-
-**Across processes** (``processes=True``) every rank runs in a spawned process of its own
-(:mod:`~staging_contracts.testing._processes`), in lockstep with the harness, on typed
-messages (:mod:`~staging_contracts.testing._rank_steps`): each sends its
-:class:`~staging_contracts._run._rank_info.RankInfo` and gets everyone's, wires, arms its rooms,
-and only when every rank has done so do prefill ranks stage them; each rank then sends its
-rooms' final states and, after closing, its report. A rank whose engine stays within one
-process says so as soon as its manager is built (:class:`ProcessesUnavailable`). Every step
-is bounded; every rank process is gone when the run returns.
+the backend's standard constructor and wired as a bootstrap would. In one process the harness
+takes each step on every rank in turn; across processes (``processes=True``) each rank runs in
+a spawned process of its own (:mod:`~staging_contracts.testing._processes`), in lockstep with
+the harness on typed messages (:mod:`~staging_contracts.testing._rank_steps`). What a run does,
+reports and raises: ``docs/writing-a-backend.md``, section 5.
 
 **Thread:** call it from any thread but a listener's; it blocks until the report is ready.
 Across processes, call it from the main module's ``if __name__ == "__main__":`` block or a
@@ -501,14 +483,7 @@ def run_transfer(
         for role, tp in ((Role.PREFILL, prefill_tp), (Role.DECODE, decode_tp))
         for rank in range(tp)
     ]
-    if processes:
-        report = _run_across_processes(jobs)
-    else:
-        with ExitStack() as stack:  # closes, last first: prefill workers, then every body
-            run = _Run(jobs, stack, stall_s)
-            logger.debug("%s: %d prefill and %d decode ranks built", name, prefill_tp, decode_tp)
-            run.execute()
-        report = run.report()
+    report = _run_across_processes(jobs) if processes else _run_in_process(jobs, stall_s)
     logger.log(logging.DEBUG if report.ok else logging.WARNING, "%s", report.summary())
     return report
 
@@ -747,92 +722,93 @@ def _report(
 # --------------------------------------------------------------------------- one process
 
 
-class _Run:
-    """One harness run over every rank's body, in this process (closed by ``stack``)."""
-
-    def __init__(self, jobs: Sequence[_RankJob], stack: ExitStack, stall_s: float | None) -> None:
-        self.config = jobs[0].config
-        self.timeout_s = jobs[0].timeout_s
-        self.stall_s = stall_s
-        self.stopped: str | None = None
-        self.ranks: list[_DecodeRank | _PrefillRank] = []
+def _run_in_process(jobs: Sequence[_RankJob], stall_s: float | None) -> TransferReport:
+    """Every rank's body in this process: run the rooms to the end or the deadline, note each
+    rank's verdict, fail the rooms still running (the managers still open), close everything,
+    then report (no arrival or scatter is late)."""
+    config, timeout_s = jobs[0].config, jobs[0].timeout_s
+    stopped: str | None = None
+    with ExitStack() as stack:  # closes, last first: prefill workers, then every body
+        ranks: list[_DecodeRank | _PrefillRank] = []
         for job in jobs:
             rank = _build(job)
             stack.callback(rank.body.close)
-            self.ranks.append(rank)
-        self.prefill = [rank for rank in self.ranks if isinstance(rank, _PrefillRank)]
-        self.decode = [rank for rank in self.ranks if isinstance(rank, _DecodeRank)]
-        for prefill in self.prefill:  # the prefill workers stop first (bounded)
-            stack.callback(prefill.body.close_side, _TEARDOWN_S)
-        infos = [rank.body.info() for rank in self.ranks]
-        for rank in self.ranks:
+            ranks.append(rank)
+        prefill = [rank for rank in ranks if isinstance(rank, _PrefillRank)]
+        decode = [rank for rank in ranks if isinstance(rank, _DecodeRank)]
+        for p in prefill:  # the prefill workers stop first (bounded)
+            stack.callback(p.body.close_side, _TEARDOWN_S)
+        infos = [rank.body.info() for rank in ranks]
+        for rank in ranks:
             rank.wire(infos)
-        self.outcomes: list[list[Outcome]] = []
-        self.elapsed_s = 0.0
-
-    def _ends(self) -> list[KVReceiver | KVSender]:
-        return [end for rank in self.ranks for end in rank.ends]
-
-    def execute(self) -> None:
-        """Run the rooms to the end or the deadline; note each rank's verdict, then fail
-        the rooms still running (the managers are still open)."""
-        started = time.monotonic()
-        deadline = started + self.timeout_s
-        for rank in self.ranks:
-            rank.arm()
-        for rank in self.ranks:
-            rank.go()
-        if self.stall_s is None:
-            _wait_all(self._ends(), deadline)
-        else:
-            self.stopped = self._wait_while_progress(started, deadline, self.stall_s)
-        self.elapsed_s = time.monotonic() - started
-        self.outcomes = [_outcomes(rank.ends) for rank in self.ranks]
-        for decode in self.decode:  # on decode, and (ROOM_FAILED) on prefill
-            decode.finish()
-        teardown = time.monotonic() + _TEARDOWN_S  # one bound for every prefill rank
-        for prefill in self.prefill:
-            prefill.finish(teardown)
-
-    def _wait_while_progress(self, started: float, deadline: float, stall_s: float) -> str | None:
-        """Wait for every room until ``deadline``, or until no progress is possible; why it
-        stopped early, or ``None``. Bounded by ``deadline``; polls every 50 ms."""
-        writes_done_at: float | None = None
-        rooms = [self.config.room(i) for i in range(self.config.requests)]
-        while True:
-            waiting = self._ends()
-            if all(x.poll() in _DONE for x in waiting):
-                return None
-            now = time.monotonic()
-            if now >= deadline:
-                return None
-            received = sum(d.body.manager.staging_stats().received for d in self.decode)
-            if received == 0 and now - started >= stall_s:
-                return f"stopped after {now - started:.1f}s: decode got no staging message"
-            arrivals = sum(d.tally.count(room) for d in self.decode for room in rooms)
-            senders = [s for p in self.prefill for s in p.ends]
-            if writes_done_at is None and all(s.poll() is KVPoll.Success for s in senders):
-                writes_done_at = now
-            if writes_done_at is not None and arrivals == 0 and now - writes_done_at >= stall_s:
-                return (
-                    f"stopped after {now - started:.1f}s: every write was done {stall_s:g}s "
-                    "ago and no arrival reached decode"
-                )
-            pending = next(x for x in waiting if x.poll() not in _DONE)
-            pending.wait(min(_STALL_POLL_S, max(0.0, deadline - now)))
-
-    def report(self) -> TransferReport:
-        """The report, built once every manager is closed (no arrival or scatter is late)."""
-        return _report(
-            self.config,
-            self.timeout_s,
-            self.outcomes,
-            [rank.report() for rank in self.decode],
-            [rank.report() for rank in self.prefill],
-            all(rank.notifies for rank in self.prefill),
-            self.elapsed_s,
-            stopped=self.stopped,
+        logger.debug(
+            "%s: %d prefill and %d decode ranks built",
+            config.backend,
+            config.prefill_tp,
+            config.decode_tp,
         )
+        started = time.monotonic()
+        deadline = started + timeout_s
+        for rank in ranks:
+            rank.arm()
+        for rank in ranks:
+            rank.go()
+        if stall_s is None:
+            _wait_all([end for rank in ranks for end in rank.ends], deadline)
+        else:
+            stopped = _wait_while_progress(config, prefill, decode, started, deadline, stall_s)
+        elapsed_s = time.monotonic() - started
+        outcomes = [_outcomes(rank.ends) for rank in ranks]
+        for d in decode:  # on decode, and (ROOM_FAILED) on prefill
+            d.finish()
+        teardown = time.monotonic() + _TEARDOWN_S  # one bound for every prefill rank
+        for p in prefill:
+            p.finish(teardown)
+    return _report(
+        config,
+        timeout_s,
+        outcomes,
+        [rank.report() for rank in decode],
+        [rank.report() for rank in prefill],
+        all(rank.notifies for rank in prefill),
+        elapsed_s,
+        stopped=stopped,
+    )
+
+
+def _wait_while_progress(
+    config: TransferConfig,
+    prefill: Sequence[_PrefillRank],
+    decode: Sequence[_DecodeRank],
+    started: float,
+    deadline: float,
+    stall_s: float,
+) -> str | None:
+    """Wait for every room until ``deadline``, or until no progress is possible; why it
+    stopped early, or ``None``. Bounded by ``deadline``; polls every 50 ms."""
+    writes_done_at: float | None = None
+    rooms = [config.room(i) for i in range(config.requests)]
+    senders = [s for p in prefill for s in p.ends]
+    waiting: list[KVReceiver | KVSender] = [*senders, *(r for d in decode for r in d.ends)]
+    while True:
+        if all(x.poll() in _DONE for x in waiting):
+            return None
+        now = time.monotonic()
+        if now >= deadline:
+            return None
+        received = sum(d.body.manager.staging_stats().received for d in decode)
+        if received == 0 and now - started >= stall_s:
+            return f"stopped after {now - started:.1f}s: decode got no staging message"
+        arrivals = sum(d.tally.count(room) for d in decode for room in rooms)
+        if writes_done_at is None and all(s.poll() is KVPoll.Success for s in senders):
+            writes_done_at = now
+        if writes_done_at is not None and arrivals == 0 and now - writes_done_at >= stall_s:
+            return (
+                f"stopped after {now - started:.1f}s: every write was done {stall_s:g}s "
+                "ago and no arrival reached decode"
+            )
+        pending = next(x for x in waiting if x.poll() not in _DONE)
+        pending.wait(min(_STALL_POLL_S, max(0.0, deadline - now)))
 
 
 # --------------------------------------------------------------------------- across processes

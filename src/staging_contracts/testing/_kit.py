@@ -1,25 +1,9 @@
 """``StagingBackendContract``: the conformance tests a staging backend runs against itself.
 
-A backend author subclasses it in a test module::
-
-    class TestMyKVManager(StagingBackendContract):
-        backend_class = MyKVManager
-
-        def make_decode_manager(self, setup: DecodeSetup) -> MyKVManager:
-            manager = MyKVManager(setup.kv_args, role=Role.DECODE, attn_tp_size=setup.attn_tp_size)
-            return setup.start(manager)
-
-and pytest runs every ``test_*`` method below on that class. The class checks need only
-``backend_class``; the behaviour checks need a live decode manager from
-``make_decode_manager``; the transfer checks run a whole staged transfer (prefill TP 2 to
-decode TP 1, and 1 to 2) through :func:`~staging_contracts.testing.run_transfer`, with
-managers from ``make_manager``. Both hooks default to the ``--staging-backend`` manager
-factory, if one was named, else the backend's standard constructor ``Class(kv_args, role=...,
-attn_tp_size=...)``; when that cannot build the backend, the checks that need it are skipped
-in a test file's subclass, saying exactly why and how to add a factory, and fail for a backend
-named by ``--staging-backend``. Any failure to build a manager (or a missing
-``backend_class``) is reported once, by the first check that needs it, naming what the author
-wrote; the other checks that need it skip, pointing at that test.
+The class checks need only ``backend_class``; the behaviour checks need a live decode manager
+from ``make_decode_manager``; the transfer checks run
+:func:`~staging_contracts.testing.run_transfer` with managers from ``make_manager``. How the
+hooks default, skip and report a failure once: ``docs/writing-a-backend.md``, sections 2 to 4.
 
 **Any contract.** The class and instance checks hold the backend to the contract of whatever
 enforcing mixin it uses: ours (``StagingManagerMixin``) or a serving stack's own
@@ -185,12 +169,7 @@ class StagingBackendContract:
         live decode manager of our staging path, for a ``StagingManagerMixin`` backend.
         """
         target = type(self)._backend_target
-        if target is None:
-            return None
-        try:
-            factory = target.load_host_factory()
-        except BackendLoadError as exc:
-            self._once(f"the factory {target.factory_ref}", str(exc))
+        factory = None if target is None else self._load(target, target.load_host_factory)
         if factory is None:
             return None
         built = factory()
@@ -219,19 +198,10 @@ class StagingBackendContract:
         # Outcomes are raised outside the except blocks: pytest would show the caught error
         # too ("During handling of the above exception"), though the text already says it.
         target = type(self)._backend_target
-        problem: str | None = None
-        if target is not None:
-            try:
-                factory = target.load_factory()
-            except BackendLoadError as exc:
-                problem = str(exc)
-            else:
-                if factory is not None:
-                    return factory
-            if problem is not None:
-                self._once(f"the factory {target.factory_ref}", problem)
+        factory = None if target is None else self._load(target, target.load_factory)
+        if factory is not None:
+            return factory
         backend = self._backend()
-        skip = False
         try:
             return standard_factory(backend)
         except FactoryUnavailable as exc:
@@ -248,6 +218,15 @@ class StagingBackendContract:
             "same factory demo --backend takes)",
         )
 
+    def _load(self, target: BackendTarget, load: Callable[[], _T]) -> _T:
+        """``load()`` of a ``target`` method; its failure is reported once, outside the except
+        block."""
+        try:
+            return load()
+        except BackendLoadError as exc:
+            problem = str(exc)
+        self._once(f"the factory {target.factory_ref}", problem)
+
     def _builder(self, hook: str) -> str:
         """What the author wrote that builds managers for ``hook``: their override, their
         ``--staging-backend`` factory, or their class's constructor."""
@@ -256,9 +235,7 @@ class StagingBackendContract:
         target = type(self)._backend_target
         if target is not None and target.factory_ref is not None:
             return f"the factory {target.factory_ref}"
-        backend = getattr(type(self), "backend_class", None)
-        if target is not None:
-            backend = target.class_qualname
+        backend = target.class_qualname if target else getattr(type(self), "backend_class", None)
         name = backend if isinstance(backend, str) else class_label(cast(type, backend))
         return f"the constructor {name}(kv_args, role=..., attn_tp_size=...)"
 
@@ -632,9 +609,8 @@ class StagingBackendContract:
                 raise
 
         report = None
-        quiet = _Duplicates()
         try:
-            with quiet:
+            with _Duplicates():
                 report = run_transfer(
                     make,
                     prefill_tp=prefill_tp,

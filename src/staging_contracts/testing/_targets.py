@@ -1,12 +1,9 @@
 """Backends named on the command line: ``NAME``, ``MODULE:CLASS``, either with ``=MODULE:FACTORY``.
 
-``NAME`` is an in-tree backend (``local``, ``mooncake``, ``nixl``, ``ascend``) or one
-registered under the ``staging_contracts.backends`` entry-point group; it is turned into its
-``MODULE:CLASS`` when pytest is configured, without importing anything (an unknown name, like
-a malformed value, is a usage error). Importing happens when the plugin collects the kit's
-tests: a backend that cannot be imported, or whose ``class`` statement the contract rejects,
-is then reported once, as one collection error with the reason (and the class's explanation),
-not by every test of the kit.
+A ``NAME`` (in-tree or registered under ``staging_contracts.backends``) becomes its
+``MODULE:CLASS`` when pytest is configured, importing nothing; importing happens when the
+plugin collects the kit's tests, and a failure is one collection error with the reason (see
+``docs/writing-a-backend.md``, "Without a test file").
 """
 
 from __future__ import annotations
@@ -157,8 +154,8 @@ class BackendTarget:
                 arguments (say, a decode factory ``FACTORY(setup)``: the message says which
                 kinds are expected and which was given).
         """
-        kind, obj = self._factory()
-        if kind != "manager":
+        obj = self._factory("manager")
+        if obj is None:
             return None
         cls = self.load_class()
         return cast(ManagerFactory, BackendFactory(self.spec, cls, obj, takes_host=False))
@@ -170,13 +167,13 @@ class BackendTarget:
         Raises:
             BackendLoadError: as :meth:`load_factory`.
         """
-        kind, obj = self._factory()
-        return cast(HostFactory, obj) if kind == "host" else None
+        return self._factory("host")
 
-    def _factory(self) -> tuple[str, Callable[..., object]]:
-        """The named factory and its kind (``"manager"``, ``"host"``, or ``"none"``)."""
+    def _factory(self, kind: str) -> Callable[..., object] | None:
+        """The named factory when it is of ``kind`` (``"manager"`` or ``"host"``), else
+        ``None``."""
         if self.factory_ref is None:
-            return "none", _no_factory
+            return None
         obj = _load(self.factory_ref, "factory", path_hint=True)
         if not callable(obj):
             raise BackendLoadError(f"{self.factory_ref}: {type(obj).__name__} is not callable")
@@ -190,13 +187,13 @@ class BackendTarget:
         except TypeError:
             pass
         else:
-            return "host", obj
+            return obj if kind == "host" else None
         try:
             signature.bind(None, role=None, attn_tp_size=1)
         except TypeError as exc:
             problem = str(exc)
         else:
-            return "manager", obj
+            return obj if kind == "manager" else None
         raise BackendLoadError(
             f"the factory {self.factory_ref}{signature} takes the arguments of neither kind "
             "of factory: --staging-backend MODULE:CLASS=MODULE:FACTORY (like demo --backend "
@@ -207,10 +204,6 @@ class BackendTarget:
             "make_decode_manager(self, setup) on a StagingBackendContract subclass in a test "
             "file"
         ) from None
-
-
-def _no_factory() -> None:
-    """Stands for the factory when none was named."""
 
 
 def _load(text: str, what: str, *, path_hint: bool) -> object:

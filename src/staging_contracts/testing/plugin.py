@@ -1,45 +1,18 @@
 """The contract kit's pytest plugin: run the kit on backends named on the command line.
 
-One option group, ``staging-contracts``, whose flag is mirrored by an ini key:
-
-==========================================  ======================  =========================
-flag                                        ini key                 meaning
-==========================================  ======================  =========================
-``--staging-backend NAME|MODULE:CLASS[=F]`` ``staging_backend``     run the kit on the class
-                                            (one per line)          (may repeat); ``F`` is
-                                                                    ``MODULE:FACTORY`` of a
-                                                                    manager factory
-==========================================  ======================  =========================
-
-``NAME`` is an in-tree backend (``local``, ``mooncake``, ``nixl``, ``ascend``) or one registered
-under the ``staging_contracts.backends`` entry-point group. ``F`` is called like the standard
-constructor, ``F(kv_args, *, role=..., attn_tp_size=...)``, for each manager the kit builds (its
-decode manager, started with :meth:`~staging_contracts.testing.DecodeSetup.start`, and every
-rank of the transfer checks), as ``demo --backend`` calls it; a function that does not take
-those arguments (a decode factory ``F(setup)``) is one collection error saying which kind is
-expected. The flag wins over the ini key. For
-each backend the plugin adds a test class generated from
-:class:`~staging_contracts.testing.StagingBackendContract`, collected under the node
-``staging-backend::Test<Class>`` with the session's other tests, so ``-k``, ``-m`` and
-``--collect-only`` treat it like any test class. The backend is imported when its class is
-collected: if that fails (the module does not import, or the contract rejects a ``class``
-statement), the class is one collection error that says why, and none of its tests run.
-
+``--staging-backend NAME|MODULE:CLASS[=MODULE:FACTORY]`` (may repeat; its ini twin,
+``staging_backend``, takes one per line and loses to the flag) adds a test class generated from
+:class:`~staging_contracts.testing.StagingBackendContract` per backend, collected under the
+node ``staging-backend::Test<Class>``; a backend that does not load is one collection error.
 After the run it lists, under ``staging-contracts``, each backend the kit checked that states
-no witness (``__contract: ClassVar[StagingHostCheck[MyKVManager]]``), with the line to add:
-a recommendation, not a failure (see :mod:`~staging_contracts._contract.witness`).
+no witness, with the line to add (a recommendation, see
+:mod:`~staging_contracts._contract.witness`). It also rewords two collection errors of an
+author's own test module: a ``class`` statement the contract rejects, and a project module
+not on ``sys.path``. See ``docs/writing-a-backend.md``, "Without a test file".
 
-It also shortens two collection errors a backend author meets in a test module of their own:
-a ``class`` statement the contract rejects while the module is imported is reported with the
-contract's message and the class's explanation (no frames of the library), and a module that
-is not found although it lies in the project (next to the tests or under ``src/``) gets a hint
-on ``sys.path``.
-
-Loaded through the ``pytest11`` entry point of the installed package, or with
-``-p staging_contracts.testing.plugin`` from a source tree. Loading it imports neither torch
-nor pyzmq: the kit, its targets and the backends are imported only when a backend is named
-(or a collection error needs the contract's explanation), so that every other pytest run of
-the environment starts as fast as without it.
+Loaded through the ``pytest11`` entry point, or with ``-p staging_contracts.testing.plugin``.
+Loading it imports neither torch nor pyzmq: the kit, its targets and the backends are imported
+only when a backend is named (or a collection error needs the contract's explanation).
 """
 
 from __future__ import annotations
@@ -114,15 +87,13 @@ def pytest_configure(config: pytest.Config) -> None:
     given: Sequence[str] | None = config.getoption(INI_KEY)
     specs = list(given) if given else list(config.getini(INI_KEY))
     if not specs:
-        config.stash[_TARGETS] = ()
-        return
+        return  # no targets: collection adds nothing
     from ._targets import BackendTarget  # noqa: PLC0415 - only when a backend is named
 
     try:
-        targets = tuple(BackendTarget.parse(spec) for spec in specs)
+        config.stash[_TARGETS] = tuple(BackendTarget.parse(spec) for spec in specs)
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
-    config.stash[_TARGETS] = targets
 
 
 @pytest.hookimpl(tryfirst=True)
