@@ -368,3 +368,7 @@ class RoomWaiter:
     def wait(self, timeout_s: float) -> KVPoll:
         """Block until the room ended or ``timeout_s`` passed; its state."""
         return self._book.wait(self.room, timeout_s)
+
+    def failure(self) -> str | None:
+        """Which writers failed the room, if any did."""
+        return self._book.failure(self.room)
