@@ -43,7 +43,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -618,14 +618,12 @@ def _wait_all(
     done: dict[int, KVPoll] = {}
     at: dict[int, float] = {}
     while len(done) < len(requests):
-        try:
-            index, state, when = ended.get(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
-        except queue.Empty:
-            raise TimeoutError(
-                f"requests {sorted(set(requests) - set(done))} did not finish"
-            ) from None
-        if state not in (KVPoll.Success, KVPoll.Failed):
+        got = None
+        with suppress(queue.Empty):
+            got = ended.get(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+        if got is None or got[1] not in (KVPoll.Success, KVPoll.Failed):
             raise TimeoutError(f"requests {sorted(set(requests) - set(done))} did not finish")
+        index, state, when = got
         done[index] = state
         at[index] = when
         report(RequestDone(index, state is KVPoll.Success))
