@@ -71,15 +71,14 @@ def memory_need(config: TransferConfig) -> MemoryNeed:
     pool_tokens = config.pool_pages * config.page_size
     chunk_tokens = config.chunk_pages * config.page_size
 
-    def heads(tp: int) -> int:
-        return heads_per_rank(config.kv_heads, tp)
+    def per_token(tp: int) -> int:
+        return heads_per_rank(config.kv_heads, tp) * per_head_token * 2 * config.layers
 
-    prefill_pool = pool_tokens * heads(config.prefill_tp) * per_head_token * 2 * config.layers
-    decode_pool = pool_tokens * heads(config.decode_tp) * per_head_token * 2 * config.layers
+    prefill_pool = pool_tokens * per_token(config.prefill_tp)
+    decode_pool = pool_tokens * per_token(config.decode_tp)
     # (bytes that live where the pools do, bytes that are host temporaries) of each rank
     if config.mode == "staged":
-        staging_buffer = chunk_tokens * heads(config.prefill_tp) * per_head_token * 2
-        staging_buffer *= config.layers
+        staging_buffer = chunk_tokens * per_token(config.prefill_tp)
         region = max(
             compute_staging_layout(
                 config.prefill_tp,
