@@ -185,11 +185,7 @@ def soak_rank_main(role: str, rank: int, settings: RankSettings, driver: str) ->
     events = _Events(ctx, driver, role, rank)
     server: _RankServer | None = None
     try:
-        server = (
-            _DecodeServer(rank, settings, events)
-            if role == "decode"
-            else _PrefillServer(rank, settings, events)
-        )
+        server = (_DecodeServer if role == "decode" else _PrefillServer)(rank, settings, events)
         server.serve(ctx, parent)
     except BaseException as exc:  # the driver hears of every failure, even KeyboardInterrupt
         logger.exception("soak rank failed")
