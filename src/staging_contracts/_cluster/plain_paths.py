@@ -136,19 +136,16 @@ def per_token_writes(
     length = head.num_heads * head_bytes
     src_rows = (token_rows(plan.prefill_pages, config.page_size) * src_row).tolist()
     dst_rows = (token_rows(plan.decode_pages, config.page_size) * dst_row).tolist()
-    calls: list[list[Transfer]] = []
-    whole: list[Transfer] = []
+    buffers: list[list[Transfer]] = []  # one per K or V buffer of a layer
     for src_base, dst_base in zip(prefill_pool, decode_pool, strict=True):
         src = src_base + head.src_head_start * head_bytes
         dst = dst_base + head.dst_head_start * head_bytes
-        buffer = [
-            Transfer(src + s, dst + d, length) for s, d in zip(src_rows, dst_rows, strict=True)
-        ]
-        if batch == 0:
-            whole.extend(buffer)
-        else:
-            calls.extend(buffer[i : i + batch] for i in range(0, len(buffer), batch))
-    return [whole] if batch == 0 else calls
+        buffers.append(
+            [Transfer(src + s, dst + d, length) for s, d in zip(src_rows, dst_rows, strict=True)]
+        )
+    if batch == 0:
+        return [[transfer for buffer in buffers for transfer in buffer]]
+    return [buffer[i : i + batch] for buffer in buffers for i in range(0, len(buffer), batch)]
 
 
 def raw_request_bytes(config: TransferConfig, decode_rank: int) -> int:
