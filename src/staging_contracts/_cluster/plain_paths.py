@@ -267,18 +267,14 @@ class ArrivalBook:
     """
 
     def __init__(self, writers: Iterable[int], endpoints: Mapping[int, str] | None = None) -> None:
-        self._writers = frozenset(writers)
+        self.writers = frozenset(writers)
+        """The prefill ranks feeding this decode rank."""
         self._endpoints: dict[int, str] = dict(endpoints or {})
         self._cond = threading.Condition()
         self._rooms: dict[int, dict[int, bool]] = {}
         self._done: dict[int, tuple[KVPoll, float]] = {}
         self.malformed = 0
         """``PLAIN_DONE`` messages dropped as malformed, unexpected or duplicated."""
-
-    @property
-    def writers(self) -> frozenset[int]:
-        """The prefill ranks feeding this decode rank."""
-        return self._writers
 
     def set_endpoints(self, endpoints: Mapping[int, str]) -> None:
         """The prefill ranks' control listeners, once known from the bootstrap."""
@@ -318,14 +314,14 @@ class ArrivalBook:
             raise
         with self._cond:
             arrived = self._rooms.get(done.room)
-            if arrived is None or done.prefill_rank not in self._writers:
+            if arrived is None or done.prefill_rank not in self.writers:
                 self.malformed += 1
                 raise MalformedMessage(f"PLAIN_DONE for unknown room {done.room} or writer")
             if done.prefill_rank in arrived or done.room in self._done:
                 self.malformed += 1
                 raise MalformedMessage(f"PLAIN_DONE repeated for room {done.room}")
             arrived[done.prefill_rank] = done.ok
-            if set(arrived) == self._writers:
+            if set(arrived) == self.writers:
                 state = KVPoll.Success if all(arrived.values()) else KVPoll.Failed
                 self._done[done.room] = (state, now)
                 self._cond.notify_all()
