@@ -29,6 +29,7 @@ from .._staging.layout import (
     validate_tp_pair,
 )
 from ..backends import BACKENDS, resolve_backend
+from ..backends._registry import in_tree_name
 from .plain_paths import raw_request_bytes
 
 PROCESS_OVERHEAD_BYTES: Final = 300 << 20
@@ -255,14 +256,8 @@ def backend_engine(spec: str) -> str | None:
         cls = resolve_backend(spec).backend_class
     except (ImportError, ValueError):
         return None
-    for klass in cls.__mro__:
-        for known in BACKENDS.values():
-            if known.engine and (klass.__module__, klass.__name__) == (
-                known.module,
-                known.class_name,
-            ):
-                return known.engine
-    return None
+    names = (in_tree_name(klass) for klass in cls.__mro__)
+    return next((BACKENDS[n].engine for n in names if n is not None and BACKENDS[n].engine), None)
 
 
 def check_device(spec: str, device: str) -> None:
