@@ -335,11 +335,12 @@ def _run_prefill(run: _RankRun) -> RankSummary:
             sender.release()
         body.close_side()
         stats = body.manager.staging_stats()
+        sent = writer.requests_sent - requests_before
         return RankSummary(
             start=start,
             end=end,
             bytes_written=writer.bytes_written - bytes_before,
-            requests_sent=writer.requests_sent - requests_before,
+            requests_sent=sent,
             succeeded=tuple(sorted(i for i, s in outcome.items() if s is KVPoll.Success)),
             failed=failures,
             room_first_request_s={
@@ -347,10 +348,7 @@ def _run_prefill(run: _RankRun) -> RankSummary:
                 for plan in request_plans(config)
                 if plan.room in clock.first
             },
-            control_messages=stats.received
-            - before.received
-            + writer.requests_sent
-            - requests_before,
+            control_messages=stats.received - before.received + sent,
             registered_after=body.registered(),
             memory=at_done,
         )
