@@ -1,22 +1,13 @@
 """The two paths the staged transfer is measured against, as the same rank processes run them.
 
 ``TransferConfig(mode="per-token")`` and ``mode="raw"`` (see
-:attr:`~staging_contracts._run.workload.TransferConfig.mode`) run through the ranks of
-:mod:`~staging_contracts._cluster.rank`, with the same writers, receivers and bytes as the
-staged path; this module holds what is particular to them, and does no I/O of its own:
-
-* **per-token** (the non-staging path staging replaces): :func:`per_token_writes` plans
-  one :class:`~staging_contracts.protocols.Transfer` per (K/V, layer, token) from a prefill
-  rank's pool row (its head slice for that decode rank) into the decode pool row at the
-  decode rank's head offset, cut into ``write`` calls as :func:`per_token_batch` says;
-* **raw** (the engine's bulk write): :func:`raw_share` is the bytes of a prefill rank's share
-  of one request for one decode rank (what it stages for it), written in one call into that
-  rank's raw buffer at :func:`raw_offset`; :func:`verify_raw` checks every byte received.
-
-Writers tell a decode rank that their writes of a request landed with one
-:class:`PlainDone` message each (frames ``PLAIN_DONE``, room, prefill rank, ``1`` or ``0``),
-sent over the control plane once the engine's ``write`` returned; :class:`ArrivalBook`
-counts them on the decode rank's listener thread and stamps when each room is complete.
+:attr:`~staging_contracts._run.workload.TransferConfig.mode`, and docs/benchmarks.md for what
+each measures) run through the ranks of :mod:`~staging_contracts._cluster.rank`, with the same
+writers, receivers and bytes as the staged path. This module holds what is particular to
+them, and does no I/O of its own: the per-token path's plan (:func:`per_token_writes`,
+:func:`per_token_batch`), the raw path's bytes (:func:`raw_share`, :func:`raw_offset`,
+:func:`verify_raw`), and the :class:`PlainDone` message by which each writer tells a decode
+rank that its writes of a request landed, counted by :class:`ArrivalBook`.
 """
 
 from __future__ import annotations
