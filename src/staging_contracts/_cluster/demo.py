@@ -5,13 +5,8 @@ requests through the staging path with the chosen engine, and verifies that ever
 rank's pages hold exactly the expected heads. It prints a progress bar while it runs and a
 summary table at the end; the exit status is 0 only when every page verified.
 
-**Two machines.** ``--host`` is the address this side's ranks (and a bootstrap server
-started here) bind and advertise; ``--ranks prefill`` or ``--ranks decode`` starts one side's
-ranks only, and ``--bootstrap tcp://ADDR:PORT`` joins the bootstrap server the other side
-started (and printed) instead of starting one. Each side then checks what it can: prefill
-that every request was sent, decode every page. A non-loopback ``--host`` needs the cluster
-secret in the environment of both sides (``STAGING_CONTRACTS_SECRET`` or
-``STAGING_CONTRACTS_SECRET_FILE``; never an argument).
+**Two machines** (``--host``, ``--ranks``, ``--bootstrap``; the cluster secret on both
+sides): docs/security.md, "The demo on two machines".
 """
 
 from __future__ import annotations

@@ -127,10 +127,8 @@ class _StderrHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            text = self.format(record)
-            stream = sys.stderr
-            stream.write(text + "\n")
-            stream.flush()
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
         except Exception:  # noqa: BLE001 - logging's own convention: report, never raise
             self.handleError(record)
 

@@ -1,22 +1,13 @@
 """The two paths the staged transfer is measured against, as the same rank processes run them.
 
 ``TransferConfig(mode="per-token")`` and ``mode="raw"`` (see
-:attr:`~staging_contracts._run.workload.TransferConfig.mode`) run through the ranks of
-:mod:`~staging_contracts._cluster.rank`, with the same writers, receivers and bytes as the
-staged path; this module holds what is particular to them, and does no I/O of its own:
-
-* **per-token** (the non-staging path staging replaces): :func:`per_token_writes` plans
-  one :class:`~staging_contracts.protocols.Transfer` per (K/V, layer, token) from a prefill
-  rank's pool row (its head slice for that decode rank) into the decode pool row at the
-  decode rank's head offset, cut into ``write`` calls as :func:`per_token_batch` says;
-* **raw** (the engine's bulk write): :func:`raw_share` is the bytes of a prefill rank's share
-  of one request for one decode rank (what it stages for it), written in one call into that
-  rank's raw buffer at :func:`raw_offset`; :func:`verify_raw` checks every byte received.
-
-Writers tell a decode rank that their writes of a request landed with one
-:class:`PlainDone` message each (frames ``PLAIN_DONE``, room, prefill rank, ``1`` or ``0``),
-sent over the control plane once the engine's ``write`` returned; :class:`ArrivalBook`
-counts them on the decode rank's listener thread and stamps when each room is complete.
+:attr:`~staging_contracts._run.workload.TransferConfig.mode`, and docs/benchmarks.md for what
+each measures) run through the ranks of :mod:`~staging_contracts._cluster.rank`, with the same
+writers, receivers and bytes as the staged path. This module holds what is particular to
+them, and does no I/O of its own: the per-token path's plan (:func:`per_token_writes`,
+:func:`per_token_batch`), the raw path's bytes (:func:`raw_share`, :func:`raw_offset`,
+:func:`verify_raw`), and the :class:`PlainDone` message by which each writer tells a decode
+rank that its writes of a request landed, counted by :class:`ArrivalBook`.
 """
 
 from __future__ import annotations
@@ -136,19 +127,16 @@ def per_token_writes(
     length = head.num_heads * head_bytes
     src_rows = (token_rows(plan.prefill_pages, config.page_size) * src_row).tolist()
     dst_rows = (token_rows(plan.decode_pages, config.page_size) * dst_row).tolist()
-    calls: list[list[Transfer]] = []
-    whole: list[Transfer] = []
+    buffers: list[list[Transfer]] = []  # one per K or V buffer of a layer
     for src_base, dst_base in zip(prefill_pool, decode_pool, strict=True):
         src = src_base + head.src_head_start * head_bytes
         dst = dst_base + head.dst_head_start * head_bytes
-        buffer = [
-            Transfer(src + s, dst + d, length) for s, d in zip(src_rows, dst_rows, strict=True)
-        ]
-        if batch == 0:
-            whole.extend(buffer)
-        else:
-            calls.extend(buffer[i : i + batch] for i in range(0, len(buffer), batch))
-    return [whole] if batch == 0 else calls
+        buffers.append(
+            [Transfer(src + s, dst + d, length) for s, d in zip(src_rows, dst_rows, strict=True)]
+        )
+    if batch == 0:
+        return [[transfer for buffer in buffers for transfer in buffer]]
+    return [buffer[i : i + batch] for buffer in buffers for i in range(0, len(buffer), batch)]
 
 
 def raw_request_bytes(config: TransferConfig, decode_rank: int) -> int:
@@ -270,18 +258,14 @@ class ArrivalBook:
     """
 
     def __init__(self, writers: Iterable[int], endpoints: Mapping[int, str] | None = None) -> None:
-        self._writers = frozenset(writers)
+        self.writers = frozenset(writers)
+        """The prefill ranks feeding this decode rank."""
         self._endpoints: dict[int, str] = dict(endpoints or {})
         self._cond = threading.Condition()
         self._rooms: dict[int, dict[int, bool]] = {}
         self._done: dict[int, tuple[KVPoll, float]] = {}
         self.malformed = 0
         """``PLAIN_DONE`` messages dropped as malformed, unexpected or duplicated."""
-
-    @property
-    def writers(self) -> frozenset[int]:
-        """The prefill ranks feeding this decode rank."""
-        return self._writers
 
     def set_endpoints(self, endpoints: Mapping[int, str]) -> None:
         """The prefill ranks' control listeners, once known from the bootstrap."""
@@ -321,14 +305,14 @@ class ArrivalBook:
             raise
         with self._cond:
             arrived = self._rooms.get(done.room)
-            if arrived is None or done.prefill_rank not in self._writers:
+            if arrived is None or done.prefill_rank not in self.writers:
                 self.malformed += 1
                 raise MalformedMessage(f"PLAIN_DONE for unknown room {done.room} or writer")
             if done.prefill_rank in arrived or done.room in self._done:
                 self.malformed += 1
                 raise MalformedMessage(f"PLAIN_DONE repeated for room {done.room}")
             arrived[done.prefill_rank] = done.ok
-            if set(arrived) == self._writers:
+            if set(arrived) == self.writers:
                 state = KVPoll.Success if all(arrived.values()) else KVPoll.Failed
                 self._done[done.room] = (state, now)
                 self._cond.notify_all()
@@ -368,3 +352,7 @@ class RoomWaiter:
     def wait(self, timeout_s: float) -> KVPoll:
         """Block until the room ended or ``timeout_s`` passed; its state."""
         return self._book.wait(self.room, timeout_s)
+
+    def failure(self) -> str | None:
+        """Which writers failed the room, if any did."""
+        return self._book.failure(self.room)

@@ -29,6 +29,7 @@ from .._staging.layout import (
     validate_tp_pair,
 )
 from ..backends import BACKENDS, resolve_backend
+from ..backends._registry import in_tree_name
 from .plain_paths import raw_request_bytes
 
 PROCESS_OVERHEAD_BYTES: Final = 300 << 20
@@ -71,15 +72,14 @@ def memory_need(config: TransferConfig) -> MemoryNeed:
     pool_tokens = config.pool_pages * config.page_size
     chunk_tokens = config.chunk_pages * config.page_size
 
-    def heads(tp: int) -> int:
-        return heads_per_rank(config.kv_heads, tp)
+    def per_token(tp: int) -> int:
+        return heads_per_rank(config.kv_heads, tp) * per_head_token * 2 * config.layers
 
-    prefill_pool = pool_tokens * heads(config.prefill_tp) * per_head_token * 2 * config.layers
-    decode_pool = pool_tokens * heads(config.decode_tp) * per_head_token * 2 * config.layers
+    prefill_pool = pool_tokens * per_token(config.prefill_tp)
+    decode_pool = pool_tokens * per_token(config.decode_tp)
     # (bytes that live where the pools do, bytes that are host temporaries) of each rank
     if config.mode == "staged":
-        staging_buffer = chunk_tokens * heads(config.prefill_tp) * per_head_token * 2
-        staging_buffer *= config.layers
+        staging_buffer = chunk_tokens * per_token(config.prefill_tp)
         region = max(
             compute_staging_layout(
                 config.prefill_tp,
@@ -256,14 +256,8 @@ def backend_engine(spec: str) -> str | None:
         cls = resolve_backend(spec).backend_class
     except (ImportError, ValueError):
         return None
-    for klass in cls.__mro__:
-        for known in BACKENDS.values():
-            if known.engine and (klass.__module__, klass.__name__) == (
-                known.module,
-                known.class_name,
-            ):
-                return known.engine
-    return None
+    names = (in_tree_name(klass) for klass in cls.__mro__)
+    return next((BACKENDS[n].engine for n in names if n is not None and BACKENDS[n].engine), None)
 
 
 def check_device(spec: str, device: str) -> None:

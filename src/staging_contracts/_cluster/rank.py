@@ -43,7 +43,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -235,7 +235,7 @@ def _run_decode(run: _RankRun) -> RankSummary:
                 for number, plan in enumerate(warmup_plans(config))
             }
             arrive(bootstrap, "warm-rooms", f"decode-{rank}")
-            _warm_up(warm, {i: r.failure for i, r in warm.items()})
+            _warm_up(warm)
             for receiver in warm.values():
                 receiver.release()
             _zero_for_timed(config, body.pool, None)
@@ -245,13 +245,11 @@ def _run_decode(run: _RankRun) -> RankSummary:
             for plan in request_plans(config)
         }
         timed = _time_decode(run, receivers, partial(verify_decode_pool, body.pool, config, rank))
-        failures = {i: r.failure() for i, r in receivers.items() if i not in timed.succeeded}
         for receiver in receivers.values():
             receiver.release()
         stats = body.manager.staging_stats()
         return replace(
             timed,
-            failed=failures,
             ring_peak=allocator.peak_bytes,
             ring_size=allocator.total_size,
             ring_live_after=allocator.live_count,
@@ -263,11 +261,11 @@ def _run_decode(run: _RankRun) -> RankSummary:
 
 
 def _time_decode(
-    run: _RankRun, requests: Mapping[int, _Waitable], verify: Callable[[set[int]], list[str]]
+    run: _RankRun, requests: Mapping[int, _Request], verify: Callable[[set[int]], list[str]]
 ) -> RankSummary:
     """A decode rank's timed requests: barrier ``rooms``, every request waited for, the
     memory read, barrier ``done``, then ``verify`` of those that succeeded; the summary's
-    clocks, outcome, verdict and memory."""
+    clocks, outcome, failures, verdict and memory."""
     memory = TransferMemory(run.config)
     arrive(run.bootstrap, "rooms", f"decode-{run.rank}")
     start = time.monotonic()
@@ -283,6 +281,7 @@ def _time_decode(
         verified=not problems,
         problems=tuple(problems[:10]),
         succeeded=tuple(sorted(succeeded)),
+        failed=_failures(requests, outcome),
         room_done_s=dict(sorted(done_at.items())),
         memory=at_done,
     )
@@ -306,7 +305,7 @@ def _run_prefill(run: _RankRun) -> RankSummary:
                 number: body.send(plan.room, plan, targets)
                 for number, plan in enumerate(warmup_plans(config))
             }
-            _warm_up(warm, {i: s.failure for i, s in warm.items()})
+            _warm_up(warm)
             for sender in warm.values():
                 sender.release()
         bytes_before, requests_before = writer.bytes_written, writer.requests_sent
@@ -331,18 +330,17 @@ def _run_prefill(run: _RankRun) -> RankSummary:
         # processes down would take the CPU from the decode ranks' last scatters.
         wait_barrier(bootstrap, "done", config.decode_tp, timeout=ROOM_TIMEOUT_S)
         at_done = memory.at_done()
-        failures = {
-            i: senders[i].failure() for i, state in outcome.items() if state is not KVPoll.Success
-        }
+        failures = _failures(senders, outcome)
         for sender in senders.values():
             sender.release()
         body.close_side()
         stats = body.manager.staging_stats()
+        sent = writer.requests_sent - requests_before
         return RankSummary(
             start=start,
             end=end,
             bytes_written=writer.bytes_written - bytes_before,
-            requests_sent=writer.requests_sent - requests_before,
+            requests_sent=sent,
             succeeded=tuple(sorted(i for i, s in outcome.items() if s is KVPoll.Success)),
             failed=failures,
             room_first_request_s={
@@ -350,10 +348,7 @@ def _run_prefill(run: _RankRun) -> RankSummary:
                 for plan in request_plans(config)
                 if plan.room in clock.first
             },
-            control_messages=stats.received
-            - before.received
-            + writer.requests_sent
-            - requests_before,
+            control_messages=stats.received - before.received + sent,
             registered_after=body.registered(),
             memory=at_done,
         )
@@ -394,9 +389,7 @@ def _run_plain_decode(run: _RankRun) -> RankSummary:
             warm = warmup_plans(config)
             book.expect(plan.room for plan in warm)
             arrive(bootstrap, "warm-rooms", f"decode-{rank}")
-            waiters = {number: RoomWaiter(book, plan.room) for number, plan in enumerate(warm)}
-            failure = {n: partial(book.failure, plan.room) for n, plan in enumerate(warm)}
-            _warm_up(waiters, failure)
+            _warm_up({number: RoomWaiter(book, plan.room) for number, plan in enumerate(warm)})
             _zero_for_timed(config, pool, buffer)
         plans = request_plans(config)
         book.expect(plan.room for plan in plans)
@@ -410,11 +403,6 @@ def _run_plain_decode(run: _RankRun) -> RankSummary:
         done_at = {p.index: book.done_at(p.room) for p in plans}
         return replace(
             timed,
-            failed={
-                p.index: book.failure(p.room) or "not every writer reported"
-                for p in plans
-                if p.index not in timed.succeeded
-            },
             room_done_s={i: at for i, at in sorted(done_at.items()) if at is not None},
             ring_live_after=0,
             control_messages=len(plans) * len(book.writers),
@@ -565,16 +553,13 @@ def _raw_source(
     return source, offsets
 
 
-def _warm_up(
-    requests: Mapping[int, _Waitable], failure: Mapping[int, Callable[[], str | None]]
-) -> None:
+def _warm_up(requests: Mapping[int, _Request]) -> None:
     """Wait for the warm-up requests, reporting none of them (they are not the run's).
 
     Raises:
         RuntimeError: one failed (the run would measure a broken set-up).
     """
-    outcome, _ = _wait_all(requests, lambda event: None)
-    failed = {i: failure[i]() for i, state in outcome.items() if state is not KVPoll.Success}
+    failed = _failures(requests, _wait_all(requests, lambda event: None)[0])
     if failed:
         raise RuntimeError(f"warm-up requests failed: {failed}")
 
@@ -583,6 +568,19 @@ class _Waitable(Protocol):
     """A request a driver can wait for (``KVSender``, ``KVReceiver``)."""
 
     def wait(self, timeout_s: float) -> KVPoll: ...
+
+
+class _Request(_Waitable, Protocol):
+    """A request that says why it failed (``KVSender``, ``KVReceiver``, ``RoomWaiter``)."""
+
+    def failure(self) -> str | None: ...
+
+
+def _failures(
+    requests: Mapping[int, _Request], outcome: Mapping[int, KVPoll]
+) -> dict[int, str | None]:
+    """Why each request that did not succeed failed, by index."""
+    return {i: r.failure() for i, r in requests.items() if outcome[i] is not KVPoll.Success}
 
 
 def _wait_all(
@@ -618,14 +616,12 @@ def _wait_all(
     done: dict[int, KVPoll] = {}
     at: dict[int, float] = {}
     while len(done) < len(requests):
-        try:
-            index, state, when = ended.get(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
-        except queue.Empty:
-            raise TimeoutError(
-                f"requests {sorted(set(requests) - set(done))} did not finish"
-            ) from None
-        if state not in (KVPoll.Success, KVPoll.Failed):
+        got = None
+        with suppress(queue.Empty):
+            got = ended.get(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+        if got is None or got[1] not in (KVPoll.Success, KVPoll.Failed):
             raise TimeoutError(f"requests {sorted(set(requests) - set(done))} did not finish")
+        index, state, when = got
         done[index] = state
         at[index] = when
         report(RequestDone(index, state is KVPoll.Success))

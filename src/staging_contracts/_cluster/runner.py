@@ -19,6 +19,7 @@ collecting their reports for up to :data:`STOP_GRACE_S`, then kills what is left
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable
@@ -399,10 +400,7 @@ class _Watch:
             return
         self.interrupted = self.stop.name
         logger.warning("interrupted by %s; stopping the ranks", self.interrupted)
-        deadline = self.stop_deadline
         self._stop(now, f"interrupted by {self.interrupted}", INTERRUPT_GRACE_S)
-        if deadline is not None:
-            self.stop_deadline = min(deadline, now + INTERRUPT_GRACE_S)
 
     def _settled(self) -> bool:
         now = time.monotonic()
@@ -464,8 +462,9 @@ class _Watch:
             logger.info("%s %d died too: %s", key[0], key[1], death.reason)
 
     def _stop(self, now: float, why: str, grace_s: float = STOP_GRACE_S) -> None:
-        """Tell every rank still running without a final report to stop (SIGTERM)."""
-        self.stop_deadline = now + grace_s
+        """Tell every rank still running without a final report to stop (SIGTERM); they
+        have ``grace_s``, or less where an earlier stop's deadline comes sooner."""
+        self.stop_deadline = min(now + grace_s, self.stop_deadline or math.inf)
         running = [k for k in self.roles if k not in self.reports and k not in self.ended_at]
         for key in self.processes.terminate(running):
             logger.info("stopping %s %d: %s", key[0], key[1], why)

@@ -51,11 +51,7 @@ from .._prefill.writer import DecodeTarget, PrefillTimeouts
 from .._run._codec import Message, bind_pull, decode, encode
 from .._run._rank_body import BodyOptions, DecodeBody, PrefillBody, RankBody, freeze_heap
 from .._run._rank_info import RankInfo
-from .._run.workload import (
-    TransferConfig,
-    request_plans,
-    verify_decode_pool,
-)
+from .._run.workload import TransferConfig, request_plans, token_rows, verify_decode_pool
 from ..backends._common import Role
 from ..backends._kv_requests import DecodeTransfers, KVPoll
 from ..backends._staging_setup import StagingBackend
@@ -189,11 +185,7 @@ def soak_rank_main(role: str, rank: int, settings: RankSettings, driver: str) ->
     events = _Events(ctx, driver, role, rank)
     server: _RankServer | None = None
     try:
-        server = (
-            _DecodeServer(rank, settings, events)
-            if role == "decode"
-            else _PrefillServer(rank, settings, events)
-        )
+        server = (_DecodeServer if role == "decode" else _PrefillServer)(rank, settings, events)
         server.serve(ctx, parent)
     except BaseException as exc:  # the driver hears of every failure, even KeyboardInterrupt
         logger.exception("soak rank failed")
@@ -520,14 +512,11 @@ class _DecodeServer(_RankServer):
 
         return finish
 
-    def _zero(self, pages: Sequence[int]) -> None:
+    def _zero(self, pages: tuple[int, ...]) -> None:
         """Zero a request's pages, so that a room that moves nothing cannot verify."""
-        size = self.config.page_size
-        rows = torch.tensor(pages, dtype=torch.int64).unsqueeze(1) * size + torch.arange(size)
-        flat = rows.reshape(-1)
-        for buffers in (self.body.pool.k_buffers, self.body.pool.v_buffers):
-            for buffer in buffers:
-                buffer[flat] = 0
+        rows = token_rows(pages, self.config.page_size)
+        for buffer in (*self.body.pool.k_buffers, *self.body.pool.v_buffers):
+            buffer[rows] = 0
 
     def side_status(self, status: RankStatus) -> RankStatus:
         allocator, handler = self.body.handler.allocator, self.body.handler
