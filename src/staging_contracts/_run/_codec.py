@@ -9,7 +9,9 @@ over a pipe. Both go through :func:`encode` and :func:`decode`.
 **Document.** ``kind`` (the class's name), the sender's ``role``, ``rank`` and ``pid`` for an
 event (``None`` for a command), and ``body``: the dataclass's fields, a field whose type has
 ``to_json``/``from_json`` (such as :class:`~staging_contracts._run._rank_info.RankInfo`)
-through them, an enum by its value, a set as a sorted list, ``dict`` keys as text.
+through them, an enum by its value, a set as a list (in one order), ``dict`` keys (``str``,
+``int`` or an ``int`` enum) as text. Every field of every message is of a type it reads back
+(``tests/test_rank_messages.py`` walks them).
 :func:`decode` reads it back against the field types, or raises
 :class:`~staging_contracts._control.wire.MalformedMessage`. :func:`bind_pull` makes the
 loopback socket that takes them (a driver's inbox, a soak rank's commands).
@@ -68,8 +70,8 @@ class Received:
 def encode(
     message: Message, role: str | None = None, rank: int | None = None, pid: int | None = None
 ) -> bytes:
-    """One message as the bytes of one ZMQ frame; with ``role`` and ``rank``, an event of
-    process ``pid`` (this one's unless given)."""
+    """One message as bytes (one ZMQ frame, or one pipe message); with ``role`` and
+    ``rank``, an event of process ``pid`` (this one's unless given)."""
     pid = (pid or os.getpid()) if role is not None else None
     kind = type(message).__name__
     doc = {"kind": kind, "role": role, "rank": rank, "pid": pid, "body": _plain(message)}
@@ -108,11 +110,11 @@ def _plain(value: object) -> object:
     if isinstance(value, enum.Enum):
         return _plain(value.value)
     if isinstance(value, set | frozenset):
-        return sorted(_plain(v) for v in value)  # type: ignore[type-var]  # one kind of item
+        return sorted((_plain(v) for v in value), key=json.dumps)  # any items: one order
     if is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(_plain(k)): _plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
     return value
@@ -142,18 +144,17 @@ def _build(hint: Any, value: object) -> Any:
         if len(args) != len(value):
             raise ValueError(f"{value!r:.60} does not have {len(args)} items")
         return tuple(_build(a, v) for a, v in zip(args, value, strict=True))
-    if origin in (list, set):
+    if origin in (list, set, frozenset):
         if not isinstance(value, list):
             raise ValueError(f"{value!r:.60} is not a list")
         return origin(_build(args[0], v) for v in value)
     if origin is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{value!r:.60} is not an object")
-        key = int if args[0] is int else str
-        return {key(k): _build(args[1], v) for k, v in value.items()}
+        return {_key(args[0], k): _build(args[1], v) for k, v in value.items()}
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         try:
-            if type(value) not in (int, str):
+            if type(value) not in (int, float, str):
                 raise ValueError
             return hint(value)
         except ValueError:
@@ -167,6 +168,12 @@ def _build(hint: Any, value: object) -> Any:
     if hint in (bool, int, str) and type(value) is hint:
         return value
     raise ValueError(f"{value!r:.60} is not {getattr(hint, '__name__', hint)}")
+
+
+def _key(hint: Any, text: str) -> Any:
+    """A ``dict`` key read back from its text: a ``str`` as it is, anything else (an ``int``,
+    an ``int`` enum) by its decimal value."""
+    return text if hint is str else _build(hint, int(text))
 
 
 def _dataclass(cls: Any, value: object) -> Any:

@@ -7,7 +7,7 @@
 and fences, the prefill writer's bytes and chunks, and each side's
 :class:`~staging_contracts.stats.RoomTally`) into a frozen :class:`MetricsSnapshot`.
 A rank sends it to its driver (``--metrics-port``) as a ``Metrics`` message on the
-rank<->driver codec (``_cluster/_messages.py``), which checks every field's type.
+rank<->driver codec (``_run/_codec.py``), which checks every field's type.
 
 **Threads:** :func:`snapshot_of` may run on any thread (it takes the handler's or the
 transfers' lock for a copy only); the records are immutable.

@@ -49,9 +49,11 @@ class RankFailed(RuntimeError):
 
     Attributes:
         label: the rank (e.g. ``decode rank 0``).
-        kind: the name of the message class the parent was waiting for.
+        kind: the name of the message class the parent was waiting for, or of the command
+            it could not send.
         sent: the name of the rank's own message class when it sent another
-            (:class:`Failure` or a subclass, or any other), else ``None``.
+            (:class:`Failure` or a subclass, or any other), else ``None`` (it sent nothing, or
+            bytes that do not decode: :attr:`detail` says which).
         detail: what the rank said (its error and traceback), or why it is silent.
     """
 
