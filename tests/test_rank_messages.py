@@ -111,6 +111,8 @@ class _EveryForm(Message):
     frozen: frozenset[int]
     mixed: set[int | None]
     points: list[tuple[float, KVPoll]]
+    by_name: dict[str, int]
+    either: tuple[int | str, ...]
     maybe: RankInfo | None = None
 
 
@@ -121,6 +123,8 @@ def test_every_form_reads_back_with_its_types() -> None:
         frozen=frozenset({10, 9}),
         mixed={None, 3},
         points=[(1, KVPoll.Bootstrapping), (2.5, KVPoll.Success)],
+        by_name={"a": 1, "7": 2},
+        either=(3, "three"),
     )
     got = decode(encode(message)).message
     assert got == message
@@ -212,3 +216,34 @@ def test_a_second_message_class_of_a_known_name_is_refused() -> None:
 def test_a_set_goes_as_a_sorted_list() -> None:
     raw = encode(DecodeReported(DecodeReport([], [], {5, 1, 3}, StagingStats())))
     assert json.loads(raw)["body"]["report"]["stray"] == [1, 3, 5]
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        ({"id": 1, "listener_alive": True, "rss": "x"}, "'x' is not a list"),
+        ({"id": 1, "listener_alive": True, "rss": [[1.0]]}, "[1.0] does not have 2 items"),
+        ({"id": 1, "listener_alive": True, "rss": [[1.0, 2.5]]}, "2.5 is not int"),
+    ],
+)
+def test_a_refusal_names_the_value_and_the_message_type(body: object, why: str) -> None:
+    """Each refusal says what was wrong in words, and which message it was reading."""
+    with pytest.raises(MalformedMessage) as refused:
+        decode(_doc("RankStatus", body))
+    assert (refused.value.reason, refused.value.message_type) == (why, "RankStatus")
+
+
+def test_a_refused_sender_and_a_refused_body_say_which_and_of_what() -> None:
+    with pytest.raises(MalformedMessage) as refused:
+        decode(_doc("Stop", {}, role="decode"))
+    assert (refused.value.reason, refused.value.message_type) == (
+        "a sender needs both role and rank",
+        "Stop",
+    )
+    with pytest.raises(MalformedMessage) as refused:
+        decode(_doc("RankSummary", {"failed": []}))
+    assert refused.value.reason == "[] is not an object"
+    long = b"[" + b"1, " * 100 + b"1]"
+    with pytest.raises(MalformedMessage) as refused:
+        decode(long)
+    assert refused.value.reason == f"not a rank message: {long[:80]!r}"
