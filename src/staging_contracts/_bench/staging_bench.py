@@ -182,9 +182,11 @@ class _Pair:
         if allocation is None:
             raise RuntimeError(f"a ring of {self.layout.total_bytes} bytes refused as many")
         self.allocation = allocation
+        # decode's page tensor is built once per room, as the handler does at registration
         self.pages = torch.tensor(self.page_list, dtype=torch.int64, device=size.device)
 
     def gather(self) -> None:
+        # prefill's is built for every chunk, as StagingWriter does: part of the timed work
         pages = torch.tensor(self.page_list, dtype=torch.int64, device=self.size.device)
         self.pools.gather(pages, self.head.src_head_start, self.head.num_heads, self.buffer)
         self.ordering.gathered()
