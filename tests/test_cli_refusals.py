@@ -17,7 +17,7 @@ from staging_contracts._cluster._messages import Ready
 from staging_contracts._cluster.demo import format_summary
 from staging_contracts._cluster.preflight import PROCESS_OVERHEAD_BYTES, memory_need, preflight
 from staging_contracts._cluster.runner import run_cluster
-from staging_contracts._run._codec import Received
+from staging_contracts._run._codec import RankEvent
 from staging_contracts._run.workload import TransferConfig
 from staging_contracts.engines import engine_available
 from tests.test_cluster_faults import tiny_config
@@ -200,9 +200,9 @@ def test_a_rank_failing_mid_run_is_named_first_and_the_others_stop() -> None:
     names that rank and why, before the table."""
     killed: list[float] = []
 
-    def kill_decode(got: Received) -> None:
+    def kill_decode(got: RankEvent) -> None:
         if isinstance(got.message, Ready) and got.role == "decode" and not killed:
-            os.kill(got.pid or 0, 9)
+            os.kill(got.pid, 9)
             killed.append(time.monotonic())
 
     result = run_cluster(tiny_config(), progress=kill_decode, timeout_s=60)

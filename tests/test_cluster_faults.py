@@ -12,7 +12,7 @@ import pytest
 
 from staging_contracts._cluster._messages import RankSummary, Ready, RequestDone
 from staging_contracts._cluster.runner import ClusterResult, RankExit, RankReport, run_cluster
-from staging_contracts._run._codec import Received
+from staging_contracts._run._codec import RankEvent
 from staging_contracts._run.workload import TransferConfig
 from staging_contracts.engines import engine_available
 
@@ -43,9 +43,9 @@ def test_a_rank_killed_mid_run_is_named_and_the_survivor_is_stopped_at_once() ->
     that rank and its signal, and holds the survivor's own report of where it stopped."""
     killed_at: list[float] = []
 
-    def kill_decode_when_ready(got: Received) -> None:
+    def kill_decode_when_ready(got: RankEvent) -> None:
         if isinstance(got.message, Ready) and got.role == "decode" and not killed_at:
-            os.kill(got.pid or 0, signal.SIGKILL)
+            os.kill(got.pid, signal.SIGKILL)
             killed_at.append(time.monotonic())
 
     result = run_cluster(tiny_config(), progress=kill_decode_when_ready, timeout_s=60)
@@ -81,9 +81,9 @@ def test_a_rank_killed_after_the_transfer_leaves_the_survivors_report_whole() ->
     killed_at: list[float] = []
     prefill_pid: list[int] = []
 
-    def kill_prefill_after_the_room(got: Received) -> None:
+    def kill_prefill_after_the_room(got: RankEvent) -> None:
         if isinstance(got.message, Ready) and got.role == "prefill":
-            prefill_pid.append(got.pid or 0)
+            prefill_pid.append(got.pid)
         if isinstance(got.message, RequestDone) and got.role == "decode" and not killed_at:
             os.kill(prefill_pid[0], signal.SIGKILL)
             killed_at.append(time.monotonic())

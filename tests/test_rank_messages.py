@@ -26,7 +26,7 @@ from staging_contracts._cluster._messages import (
 )
 from staging_contracts._cluster.bootstrap import RankInfo
 from staging_contracts._control.wire import MalformedMessage
-from staging_contracts._run._codec import Message, decode, encode
+from staging_contracts._run._codec import Message, RankEvent, decode, encode, rank_event
 from staging_contracts.backends._kv_requests import KVPoll
 from staging_contracts.stats import StagingStats
 from staging_contracts.testing._rank_steps import (
@@ -247,3 +247,23 @@ def test_a_refused_sender_and_a_refused_body_say_which_and_of_what() -> None:
     with pytest.raises(MalformedMessage) as refused:
         decode(long)
     assert refused.value.reason == f"not a rank message: {long[:80]!r}"
+
+
+def test_a_driver_takes_only_well_formed_events_that_name_their_sender(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A driver's inbox reads an event with its whole sender, and drops (with a warning, not
+    an exception) bytes that do not decode and a message that names no sender."""
+    got = rank_event(encode(Exit(ok=True), "decode", 3, pid=4242))
+    assert got == RankEvent(Exit(ok=True), "decode", 3, 4242)
+    assert got.key == ("decode", 3)
+    with caplog.at_level("WARNING", logger="staging_contracts._run._codec"):
+        assert rank_event(b"{not json") is None
+        assert rank_event(encode(Stop())) is None
+        no_pid = json.dumps({"kind": "Stop", "role": "decode", "rank": 0, "body": {}}).encode()
+        assert rank_event(no_pid) is None
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "malformed event from a rank dropped",
+        "event without a sender dropped",
+        "event without a sender dropped",
+    ]

@@ -22,7 +22,7 @@ import torch
 
 from .._control.security import SecurityError, check_insecure_bind, load_cluster_secret
 from .._run import exit_status, stop_on_signals
-from .._run._codec import Received
+from .._run._codec import RankEvent
 from .._run.workload import DTYPES, TransferConfig
 from ._messages import RankMemory, RequestDone
 from ._options import add_backend_argument, add_typed_options
@@ -182,7 +182,7 @@ class _ProgressBar:
         self._out = out
         self._tty = out.isatty()
 
-    def __call__(self, got: Received) -> None:
+    def __call__(self, got: RankEvent) -> None:
         event = got.message
         if not isinstance(event, RequestDone) or got.role != self._role:
             return

@@ -28,9 +28,8 @@ from typing import Final, Literal
 
 import zmq
 
-from .._control.wire import MalformedMessage
 from .._run import INTERRUPT_GRACE_S, StopRequest, Supervisor
-from .._run._codec import Received, bind_pull, decode
+from .._run._codec import RankEvent, bind_pull, rank_event
 from .._run.workload import TransferConfig
 from ._messages import Metrics, RankMemory, RankSummary, Ready, RequestDone
 from .bootstrap import BootstrapServer
@@ -265,7 +264,7 @@ def _stamps(
     return {index: pick([m[index] for m in per_rank]) for index in common}
 
 
-ProgressCallback = Callable[[Received], None]
+ProgressCallback = Callable[[RankEvent], None]
 """Called on the driver's thread with each progress event of a rank (:class:`Ready`,
 :class:`RequestDone`) and who sent it."""
 
@@ -411,16 +410,13 @@ class _Watch:
         )
 
     def _receive(self, raw: bytes) -> None:
-        try:
-            got = decode(raw)
-        except MalformedMessage as exc:
-            logger.warning("malformed message from a rank dropped: %s", exc)
+        got = rank_event(raw)
+        if got is None:
             return
-        event = got.message
-        if (got.role, got.rank) not in self.rooms:
-            logger.warning("message from unknown rank %s dropped", (got.role, got.rank))
+        event, key = got.message, got.key
+        if key not in self.rooms:
+            logger.warning("message from unknown rank %s dropped", key)
             return
-        key = (str(got.role), int(got.rank or 0))
         if isinstance(event, RankSummary):
             self.reports[key] = event
             if not event.ok and not (event.stopped and key in self.stopped):

@@ -47,9 +47,8 @@ from typing import Final
 import zmq
 
 from .._control.security import CurveKeys, check_insecure_bind, load_cluster_secret
-from .._control.wire import MalformedMessage
 from .._run import INTERRUPT_GRACE_S, Interrupted, Supervisor, stop_on_signals
-from .._run._codec import Message, bind_pull, decode, encode
+from .._run._codec import Message, bind_pull, encode, rank_event
 from . import _messages as msg
 from .bootstrap import RankInfo
 from .metrics_relay import MetricsRelay, serving
@@ -695,15 +694,10 @@ class _Driver:
             self._died(rank, now, unexpected=True)
 
     def _event(self, raw: bytes) -> None:
-        try:
-            got = decode(raw)
-        except MalformedMessage as exc:
-            logger.warning("malformed event from a rank dropped: %s", exc)
+        got = rank_event(raw)
+        if got is None:
             return
-        if got.role is None or got.rank is None or got.pid is None:
-            logger.warning("event without a sender dropped: %s", type(got.message).__name__)
-            return
-        key, pid, event = (got.role, got.rank), got.pid, got.message
+        key, pid, event = got.key, got.pid, got.message
         rank = self.ranks.get(key)
         current = rank is not None and rank.pid == pid
         if isinstance(event, msg.RoomEnded):

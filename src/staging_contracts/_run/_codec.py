@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import os
 import types
 from dataclasses import MISSING, dataclass, fields, is_dataclass
@@ -31,6 +32,8 @@ from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 import zmq
 
 from .._control.wire import MalformedMessage
+
+logger = logging.getLogger(__name__)
 
 
 class Message:
@@ -100,6 +103,39 @@ def decode(raw: bytes) -> Received:
     if (role is None) != (rank is None):
         raise MalformedMessage("a sender needs both role and rank", message_type=kind.__name__)
     return Received(message, role, rank, pid)
+
+
+@dataclass(frozen=True, slots=True)
+class RankEvent:
+    """An event a rank sent, with its sender (every part known)."""
+
+    message: Message
+    role: str
+    rank: int
+    pid: int
+    """The sending process: a respawned rank has the same ``role`` and ``rank``, not this."""
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """``(role, rank)``."""
+        return self.role, self.rank
+
+
+def rank_event(raw: bytes) -> RankEvent | None:
+    """``raw`` decoded as an event a rank sent, or ``None`` when it is malformed or names no
+    sender: a warning is logged and the event dropped, so that a driver's inbox keeps serving.
+
+    **Called by** a driver's inbox loop (the demo's runner, the soak), on its thread.
+    """
+    try:
+        got = decode(raw)
+    except MalformedMessage as exc:
+        logger.warning("malformed event from a rank dropped: %s", exc)
+        return None
+    if got.role is None or got.rank is None or got.pid is None:
+        logger.warning("event without a sender dropped: %s", type(got.message).__name__)
+        return None
+    return RankEvent(got.message, got.role, got.rank, got.pid)
 
 
 def _plain(value: object) -> object:
