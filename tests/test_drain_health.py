@@ -217,3 +217,16 @@ def test_closing_prefill_without_a_drain_fails_its_room_and_the_worker_lives_on(
         other.init(ROOM_PAGES, s.cluster.targets)  # the worker still takes rooms
         assert other.poll() is not KVPoll.Failed
         other.release()
+
+
+def test_polling_a_room_after_closing_decode_fails_it_without_raising() -> None:
+    """``close()`` on decode with a room in flight fails the room; the poll that then tells
+    prefill finds the sockets closed and returns ``Failed`` instead of raising
+    ``RuntimeError: PeerSockets is closed`` on the polling thread (a demo rank's waiter
+    thread died of it when a signal stopped the run)."""
+    with sides(Geometry(1, 1, 2)) as s:
+        _, receiver, _ = _start_room(s, 52, seed=6)
+        s.cluster.decode[0].close()
+        s.cluster.handlers[0].fail_room(52, "its writer went too")
+        assert receiver.poll() is KVPoll.Failed
+        assert receiver.failure() is not None

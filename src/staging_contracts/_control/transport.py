@@ -49,6 +49,7 @@ __all__ = [
     "LogThrottle",
     "PeerSockets",
     "Received",
+    "SocketsClosed",
     "open_socket_count",
     "recv_frames",
 ]
@@ -267,6 +268,12 @@ class _PeerSocket:
         _opened(-1)
 
 
+class SocketsClosed(RuntimeError):
+    """A send on :class:`PeerSockets` after its :meth:`~PeerSockets.close`: the manager is
+    shutting down, and nothing more goes out. Best-effort senders (a failure notice, an
+    acknowledgement) catch it; anything else is a bug of the caller's."""
+
+
 class PeerSockets:
     """PUSH sockets to peers, one per endpoint, created on first use.
 
@@ -346,7 +353,7 @@ class PeerSockets:
         try:
             with self._lock:
                 if self._closed:
-                    raise RuntimeError("PeerSockets is closed")
+                    raise SocketsClosed("PeerSockets is closed")
                 now = self._clock()
                 if now >= self._next_reap:
                     self._next_reap = now + self.idle_s / 4
@@ -392,7 +399,7 @@ class PeerSockets:
         """Queue one multipart message for ``endpoint``; ``False`` if it was dropped.
 
         Raises:
-            RuntimeError: after :meth:`close`.
+            SocketsClosed: after :meth:`close`.
         """
         entry = self._socket(endpoint)
         if entry is not None:

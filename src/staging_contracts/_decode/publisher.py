@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from typing import Final
 
-from .._control.transport import PeerSockets
+from .._control.transport import PeerSockets, SocketsClosed
 
 __all__ = ["PrefillPublisher"]
 
@@ -74,8 +74,15 @@ class PrefillPublisher:
             return tuple(self._rooms_of)
 
     def send(self, endpoint: str, frames: Sequence[bytes]) -> bool:
-        """Send one message; ``False`` if the peer's queue was full (counted toward pruning)."""
-        if self._sender.send(endpoint, frames):
+        """Send one message; ``False`` if the peer's queue was full (counted toward pruning),
+        or if the sockets were closed (the manager is shutting down: a room failing then, on
+        whichever thread polls it, must not raise there)."""
+        try:
+            sent = self._sender.send(endpoint, frames)
+        except SocketsClosed as exc:
+            logger.info("message to %s not sent: %s", endpoint, exc)
+            return False
+        if sent:
             with self._lock:
                 self._failures.pop(endpoint, None)
             return True

@@ -31,6 +31,7 @@ from typing import Final, Protocol
 from .. import config
 from .._control.resend import ResendBox
 from .._control.room_messages import RoomFailed, RoomFailedAck, RoomMeta
+from .._control.transport import SocketsClosed
 from .._decode.handler import (
     ROOM_FAILED_COPIES,
     ROOM_FAILED_MAX_INTERVAL_S,
@@ -837,7 +838,7 @@ class PrefillTransfers:
         sockets (a room failing then, on the worker thread, must not end the worker)."""
         try:
             self._manager.send(endpoint, frames)
-        except RuntimeError as exc:  # PeerSockets is closed: nobody left to tell
+        except SocketsClosed as exc:  # nobody left to tell
             logger.info("ROOM_FAILED to %s not sent: %s", endpoint, exc)
 
 
