@@ -235,6 +235,33 @@ def test_a_request_that_does_not_end_times_out() -> None:
         _wait_all({0: _Gate(KVPoll.Success)}, lambda kind, **f: None, timeout_s=0.05)
 
 
+class _Raising:
+    """A request whose wait raises (a closed manager's, say)."""
+
+    def wait(self, timeout_s: float) -> KVPoll:
+        raise RuntimeError("PeerSockets is closed")
+
+
+def test_a_request_whose_wait_raises_is_reported_failed_and_the_others_still_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A waiter thread survives its request's exception: the request counts as failed (with
+    the traceback logged), instead of the rank waiting for it until the timeout."""
+    ends = _Gate(KVPoll.Success)
+    ends.gate.set()
+    requests: dict[int, _Raising | _Gate] = {0: _Raising(), 1: ends}
+    reported: list[tuple[int, bool]] = []
+
+    def report(event: Message) -> None:
+        assert isinstance(event, RequestDone)
+        reported.append((event.index, event.ok))
+
+    outcome, _ = _wait_all(requests, report, timeout_s=30)
+    assert outcome == {0: KVPoll.Failed, 1: KVPoll.Success}
+    assert sorted(reported) == [(0, False), (1, True)]
+    assert "waiting for request 0 raised" in caplog.text
+
+
 class _Recorder(PeerSockets):
     """Peer sockets that record instead of sending."""
 

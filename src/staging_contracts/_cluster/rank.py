@@ -606,7 +606,11 @@ def _wait_all(
     deadline = time.monotonic() + timeout_s
 
     def wait_one(index: int, request: _Waitable) -> None:
-        state = request.wait(max(0.0, deadline - time.monotonic()))
+        try:
+            state = request.wait(max(0.0, deadline - time.monotonic()))
+        except Exception:  # every request is handed over: one whose wait raised failed
+            logger.exception("waiting for request %d raised: counted as failed", index)
+            state = KVPoll.Failed
         ended.put((index, state, time.monotonic()))
 
     for index, request in requests.items():
