@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from ._contract.contract import Contract, is_abstract
 from ._contract.enforcement import contract_roots
 from ._contract.typeforms import class_label
 from ._contract.witness import witness_note
+from ._run import Interrupted, exit_status, stop_on_signals
 from .mixin import STAGING_CONTRACT
 from .testing._notes import WITNESS_GUIDE
 
@@ -51,9 +53,26 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+    """Run the command line; returns the exit status.
+
+    ``SIGTERM`` or ``SIGINT`` before a command's run has its own handlers (while the heavy
+    modules load, during the preflight checks) ends it with one ``PARTIAL`` line and
+    ``128 + N``; once a run took a signal, further ones are ignored until the command ends,
+    so that its partial summary and ``--json`` file are written whole.
+    """
     words = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser(next((w for w in words if w in _COMMANDS), None))
+    command = next((w for w in words if w in _COMMANDS), None)
+    try:
+        with stop_on_signals(raise_on_signal=True):
+            return _main(words, command)
+    except Interrupted as stop:
+        name = signal.Signals(stop.signum).name
+        print(f"PARTIAL: interrupted by {name} before {command or 'the command'} measured anything")
+        return exit_status(name)
+
+
+def _main(words: list[str], command: str | None) -> int:
+    parser = _parser(command)
     args = parser.parse_args(words)
     if args.debug:
         os.environ[DEBUG_ENV] = "1"  # seen by _debug() and by rank processes
@@ -466,7 +485,6 @@ def _run_soak(args: argparse.Namespace) -> int:
     from ._cluster.soak_report import config_from_args, format_summary  # noqa: PLC0415
     from ._cluster.summary_json import soak_summary  # noqa: PLC0415
     from ._control.security import SecurityError  # noqa: PLC0415
-    from ._run import exit_status  # noqa: PLC0415
     from .config import INTEGRITY, RING_BYTES, Setting  # noqa: PLC0415
 
     _local_modules_importable()
@@ -517,7 +535,6 @@ def _run_bench(args: argparse.Namespace) -> int:
         run_groups,
         write_json,
     )
-    from ._run import exit_status, stop_on_signals  # noqa: PLC0415
 
     if "scaling" in args.groups:
         return _run_scaling(args)
@@ -565,7 +582,6 @@ def _run_scaling(args: argparse.Namespace) -> int:
     from ._bench import BenchOptions  # noqa: PLC0415 - heavy
     from ._bench.plots import matplotlib_missing, write_plots  # noqa: PLC0415
     from ._bench.scaling import run_scaling  # noqa: PLC0415
-    from ._run import exit_status, stop_on_signals  # noqa: PLC0415
 
     refusal = None
     if args.groups != ["scaling"]:

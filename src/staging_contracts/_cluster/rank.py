@@ -55,6 +55,7 @@ import zmq
 
 from .._control.transport import PeerSockets
 from .._control.wire import StagingReq
+from .._prefill.writer import StagingWriter
 from .._run._codec import Message, encode
 from .._run._rank_body import (
     BodyOptions,
@@ -106,6 +107,8 @@ ROOM_TIMEOUT_S = 120.0
 RENDEZVOUS_TIMEOUT_S = 120.0
 """How long a rank waits for the other side's ranks to register or reach a barrier: when
 the two sides are started by hand on two machines, one may start well after the other."""
+STOPPED_CLOSE_S = 0.5
+"""How long a stopped rank waits for its transfer worker before it closes and reports."""
 _FAULT_OFFSET = 1 << 40
 _PROC_STATUS: Final = Path("/proc/self/status")
 _CLEAR_REFS: Final = Path("/proc/self/clear_refs")
@@ -117,6 +120,9 @@ class RankStopped(BaseException):
     A ``BaseException``, like ``KeyboardInterrupt``, so that no handler for ordinary errors
     on the way keeps the rank running.
     """
+
+    so_far: RankSummary | None = None
+    """What the rank's timed requests had moved when it came (prefill, staged), if known."""
 
 
 def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -171,8 +177,10 @@ def rank_main(
         peak = max(peak_rss_bytes(), seen)
         report(replace(summary, ok=True, mode=config.mode, peak_rss_bytes=peak))
     except BaseException as exc:  # noqa: BLE001 - a rank reports every failure, then exits
+        so_far = exc.so_far if isinstance(exc, RankStopped) else None
         report(
-            RankSummary(
+            replace(
+                so_far or RankSummary(),
                 ok=False,
                 stopped=isinstance(exc, RankStopped),
                 error=f"{type(exc).__name__}: {exc}",
@@ -210,6 +218,11 @@ class _RankRun:
                 prefill = body.transfers if isinstance(body, PrefillBody) else None
                 self.pusher.start(body.common, prefill)
             yield
+        except RankStopped:  # the driver waits INTERRUPT_GRACE_S for the report: be brief
+            # and quiet: every room in flight fails on the way, as the stop asked
+            logging.getLogger("staging_contracts").setLevel(logging.ERROR)
+            body.close_side(STOPPED_CLOSE_S)
+            raise
         finally:
             if self.pusher is not None:
                 self.pusher.stop()
@@ -313,19 +326,21 @@ def _run_prefill(run: _RankRun) -> RankSummary:
         memory = TransferMemory(config)
         # Start once decode has registered every room, as a serving decode does before
         # prefill computes: the clock then measures the transfer, not the bootstrap.
-        wait_barrier(bootstrap, "rooms", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
-        start = time.monotonic()
-        faulty = [replace(t, ring_base=t.ring_base + _FAULT_OFFSET) for t in targets]
-        senders = {
-            plan.index: body.send(
-                plan.room,
-                plan,
-                faulty if rank == 0 and plan.index in config.fail_rooms else targets,
-            )
-            for plan in request_plans(config)
-        }
-        outcome, _ = _wait_all(senders, report)
-        end = time.monotonic()
+        moved = partial(_moved, writer, bytes_before, requests_before)
+        with _measured_if_stopped(moved):
+            wait_barrier(bootstrap, "rooms", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
+            start = time.monotonic()
+            faulty = [replace(t, ring_base=t.ring_base + _FAULT_OFFSET) for t in targets]
+            senders = {
+                plan.index: body.send(
+                    plan.room,
+                    plan,
+                    faulty if rank == 0 and plan.index in config.fail_rooms else targets,
+                )
+                for plan in request_plans(config)
+            }
+            outcome, _ = _wait_all(senders, report)
+            end = time.monotonic()
         # Stay up until every decode rank is done, as a serving prefill does: tearing four
         # processes down would take the CPU from the decode ranks' last scatters.
         wait_barrier(bootstrap, "done", config.decode_tp, timeout=ROOM_TIMEOUT_S)
@@ -352,6 +367,25 @@ def _run_prefill(run: _RankRun) -> RankSummary:
             registered_after=body.registered(),
             memory=at_done,
         )
+
+
+def _moved(writer: StagingWriter, bytes_before: int, requests_before: int) -> RankSummary:
+    """What a prefill rank's timed requests wrote so far."""
+    return RankSummary(
+        bytes_written=writer.bytes_written - bytes_before,
+        requests_sent=writer.requests_sent - requests_before,
+    )
+
+
+@contextmanager
+def _measured_if_stopped(measure: Callable[[], RankSummary]) -> Iterator[None]:
+    """A stop in the block carries ``measure()`` (:attr:`RankStopped.so_far`), so that the
+    rank's last report, and the run's partial summary, hold what was moved until then."""
+    try:
+        yield
+    except RankStopped as stop:
+        stop.so_far = measure()
+        raise
 
 
 def _run_plain_decode(run: _RankRun) -> RankSummary:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -170,8 +169,6 @@ def soak_rank_main(role: str, rank: int, settings: RankSettings, driver: str) ->
         settings: the soak's rank settings.
         driver: the driver's PULL endpoint, where events go.
     """
-    # Ctrl-C reaches every process of the terminal's group: the driver stops the ranks.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logformat.install(
         role=role,
         rank=rank,

@@ -61,35 +61,50 @@ def exit_status(name: str) -> int:
     return 128 + int(signal.Signals[name])
 
 
+_UNDER_WAY = StopRequest()
+"""The first stop signal of the outermost block still open: while it is set, every block's
+handler ignores further signals (the stop is already bounded), so that a second signal cannot
+cut short the summary an enclosing block is writing."""
+_depth = 0
+
+
 @contextmanager
 def stop_on_signals(*, raise_on_signal: bool) -> Iterator[StopRequest]:
     """Record ``SIGTERM`` and ``SIGINT`` instead of dying for the length of the block.
 
-    Off the main thread (where Python cannot set handlers) the request never fires. Later
-    signals, once one was recorded, are ignored: the stop is already bounded.
+    Off the main thread (where Python cannot set handlers) the request never fires. Blocks
+    nest (the command line opens one around the whole command, a driver one around its run):
+    the innermost block takes the first signal; later signals, in it or in any enclosing
+    block until the outermost one ends, are ignored: the stop is already bounded.
 
     Args:
         raise_on_signal: also raise :class:`Interrupted` where the first signal lands (for a
             driver whose waits do not all look at the request).
 
-    **Called by:** the demo and soak drivers, around one run (the cluster runner tells its
-    ranks to stop with ``SIGTERM`` once the request records a signal).
+    **Called by:** the command line, around a whole command; the demo and soak drivers and
+    the benchmarks, around one run (the cluster runner tells its ranks to stop with
+    ``SIGTERM`` once the request records a signal).
     """
+    global _depth  # noqa: PLW0603 - signal handlers are process-wide
     request = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield request
         return
 
     def handle(signum: int, _frame: FrameType | None) -> None:
-        if request.signum is not None:
+        if _UNDER_WAY.signum is not None:
             return
-        request.signum = signum
+        _UNDER_WAY.signum = request.signum = signum
         if raise_on_signal:
             raise Interrupted(signum)
 
     previous = {signum: signal.signal(signum, handle) for signum in STOP_SIGNALS}
+    _depth += 1
     try:
         yield request
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        _depth -= 1
+        if _depth == 0:
+            _UNDER_WAY.signum = None

@@ -23,11 +23,14 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import shutil
+import signal
 import tempfile
+import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -68,6 +71,29 @@ def run_reporting(path: str, target: Callable[..., object], args: tuple[Any, ...
         raise
 
 
+@contextmanager
+def _children_ignore_sigint() -> Iterator[None]:
+    """Processes started in the block ignore ``SIGINT`` from their first instruction on.
+
+    A terminal's Ctrl-C reaches every process of its group; a rank that took it would die
+    with a ``KeyboardInterrupt`` traceback (while its modules load, as often as not) instead
+    of letting its driver stop it with ``SIGTERM``. An ignored signal stays ignored across the
+    spawn's ``exec`` (and Python keeps it so), so the parent ignores ``SIGINT`` while it starts
+    the process; it blocks it meanwhile, so that one coming then waits for the parent's own
+    handler instead of being lost. Off the main thread, nothing is changed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 class Supervisor(Generic[K]):
     """The rank processes of one run, each under its key, each able to say how it died.
 
@@ -96,7 +122,8 @@ class Supervisor(Generic[K]):
         process = self._context.Process(
             target=run_reporting, args=(str(record), target, args), name=name, daemon=True
         )
-        process.start()  # first: an unstarted process cannot be joined
+        with _children_ignore_sigint():
+            process.start()  # first: an unstarted process cannot be joined
         self._records[id(process)] = record
         self._started.append(process)
         self.current[key] = process
