@@ -93,6 +93,26 @@ def test_heads_that_do_not_divide_the_tp_size_are_refused() -> None:
     )
 
 
+def test_more_requests_than_decode_registers_at_once_are_refused() -> None:
+    """demo --requests 2000: every room is registered before the first is sent, and a decode
+    rank holds 1024 per prefill instance; the variable raises the bound, and the run starts."""
+    assert_refused(
+        run("demo", "--requests", "2000"),
+        "--requests 2000",
+        "at most 1024",
+        "STAGING_CONTRACTS_MAX_ROOMS_PER_PEER",
+    )
+    raised = run(
+        "demo",
+        "--requests",
+        "2000",
+        "--tokens",
+        "100000000",
+        env={"STAGING_CONTRACTS_MAX_ROOMS_PER_PEER": "4096"},
+    )
+    assert "GiB" in assert_refused(raised, "--requests 2000")  # refused by memory, not rooms
+
+
 def test_a_run_larger_than_memory_is_refused_with_the_figures() -> None:
     """demo --tokens 100000000 --requests 1: how much is needed and how much there is."""
     line = assert_refused(

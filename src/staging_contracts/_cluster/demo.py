@@ -24,6 +24,7 @@ from .._control.security import SecurityError, check_insecure_bind, load_cluster
 from .._run import exit_status, stop_on_signals
 from .._run._codec import RankEvent
 from .._run.workload import DTYPES, TransferConfig
+from ..config import MAX_ROOMS_PER_PEER
 from ._messages import RankMemory, RequestDone
 from ._options import add_backend_argument, add_typed_options
 from .bootstrap import BootstrapServer
@@ -126,10 +127,19 @@ def config_from_args(args: argparse.Namespace) -> TransferConfig:
 
     Raises:
         ValueError: a size is not positive, ``--device cuda`` with a backend whose engine moves
-            host memory only (Mooncake's wheel here; :func:`~.preflight.check_device`), or
-            ``--device cuda`` without a CUDA device.
+            host memory only (Mooncake's wheel here; :func:`~.preflight.check_device`),
+            ``--device cuda`` without a CUDA device, or more requests than a decode rank
+            registers at once for one prefill instance (every room of the demo is registered
+            before the first is sent).
     """
     check_device(args.backend, args.device)
+    most = MAX_ROOMS_PER_PEER.value()
+    if args.requests > most:
+        raise ValueError(
+            f"--requests {args.requests}: the demo registers every request's room on decode "
+            f"at once, and a decode rank holds at most {most} per prefill instance "
+            f"({MAX_ROOMS_PER_PEER.name})"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here (torch.cuda.is_available() is false)")
     return TransferConfig(
