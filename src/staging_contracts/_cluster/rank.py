@@ -27,8 +27,9 @@ The rank binds and advertises ``config.host`` (Mooncake listens on every interfa
 it is told, see :mod:`staging_contracts.engines.mooncake`).
 
 ``SIGTERM`` (the driver's "stop") raises :class:`RankStopped` in the main thread: the rank
-closes its backend and reports ``stopped``, the ``phase`` it was in and the ``rooms`` it
-finished.
+closes its backend (its transfer worker given :data:`STOPPED_CLOSE_S`) and reports
+``stopped``, the ``phase`` it was in, the ``rooms`` it finished and, on a staged prefill rank,
+the bytes its timed requests wrote until then.
 """
 
 from __future__ import annotations
@@ -341,9 +342,9 @@ def _run_prefill(run: _RankRun) -> RankSummary:
             }
             outcome, _ = _wait_all(senders, report)
             end = time.monotonic()
-        # Stay up until every decode rank is done, as a serving prefill does: tearing four
-        # processes down would take the CPU from the decode ranks' last scatters.
-        wait_barrier(bootstrap, "done", config.decode_tp, timeout=ROOM_TIMEOUT_S)
+            # Stay up until every decode rank is done, as a serving prefill does: tearing four
+            # processes down would take the CPU from the decode ranks' last scatters.
+            wait_barrier(bootstrap, "done", config.decode_tp, timeout=ROOM_TIMEOUT_S)
         at_done = memory.at_done()
         failures = _failures(senders, outcome)
         for sender in senders.values():
