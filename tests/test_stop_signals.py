@@ -249,7 +249,7 @@ def _sigint_disposition(path: str) -> None:
 def test_rank_processes_ignore_sigint_from_their_start(tmp_path: Path) -> None:
     """A terminal's Ctrl-C reaches every process of its group: ranks ignore it from their
     first instruction (their driver stops them), and the driver keeps its own handler."""
-    mine = signal.getsignal(signal.SIGINT)
+    mine, mask = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])
     seen = tmp_path / "sigint.txt"
     supervisor: Supervisor[str] = Supervisor()
     try:
@@ -259,3 +259,4 @@ def test_rank_processes_ignore_sigint_from_their_start(tmp_path: Path) -> None:
         supervisor.close(grace_s=1.0)
     assert seen.read_text() == repr(signal.SIG_IGN)
     assert signal.getsignal(signal.SIGINT) == mine
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask
