@@ -429,4 +429,6 @@ def test_stop_and_a_bad_command() -> None:
     last = side.sent[-1]
     assert isinstance(last, RankError)
     assert "not a command: PeersTaken" in last.error
-    assert not side.command(encode(Stop()))
+    assert side.close_s == 10.0
+    assert not side.command(encode(Stop(close_s=0.5)))
+    assert side.close_s == 0.5  # an interrupted soak gives the worker a quarter of its grace

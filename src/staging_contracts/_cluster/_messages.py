@@ -215,4 +215,6 @@ class Trust(Message):
 
 @dataclass(frozen=True, slots=True)
 class Stop(Message):
-    """Close the backend and exit."""
+    """Close the backend, the transfer worker given at most ``close_s``, and exit."""
+
+    close_s: float = 10.0

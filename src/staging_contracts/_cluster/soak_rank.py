@@ -79,8 +79,8 @@ logger = logging.getLogger(__name__)
 
 COMMAND_POLL_MS: Final = 100
 """Longest the rank's main loop waits for a command before it checks its listener and parent."""
-CLOSE_TIMEOUT_S: Final = 10.0
-"""Longest the prefill worker gets to stop at ``stop``."""
+CLOSE_TIMEOUT_S: Final = Stop().close_s
+"""Longest the prefill worker gets to stop at ``stop``, unless the command says less."""
 SOAK_PREFILL_TIMEOUTS: Final = PrefillTimeouts(answer_s=0.2, ready_s=0.2, deadline_s=10.0)
 """A soak prefill's chunk waits: quick re-requests (lost answers are part of the soak), and
 a deadline well under the room bound."""
@@ -253,6 +253,8 @@ class CommandLoop:
         self.room_instance: dict[int, int] = {}
         """Room -> the prefill instance it comes from (``room`` commands' ``instance``;
         decode reads it when it opens the room)."""
+        self.close_s = CLOSE_TIMEOUT_S
+        """How long the prefill worker gets at close (the ``stop`` command says)."""
 
     # ------------------------------------------------------------------ to override
 
@@ -281,6 +283,7 @@ class CommandLoop:
         try:
             command = decode(raw).message
             if isinstance(command, Stop):
+                self.close_s = command.close_s
                 return False
             if isinstance(command, Peers):
                 self.on_peers(list(command.ranks))
@@ -580,7 +583,7 @@ class _PrefillServer(_RankServer):
         )
 
     def close(self) -> None:
-        self.body.close_side(CLOSE_TIMEOUT_S)
+        self.body.close_side(self.close_s)
         super().close()
 
 
