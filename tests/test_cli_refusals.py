@@ -95,7 +95,8 @@ def test_heads_that_do_not_divide_the_tp_size_are_refused() -> None:
 
 def test_more_requests_than_decode_registers_at_once_are_refused() -> None:
     """demo --requests 2000: every room is registered before the first is sent, and a decode
-    rank holds 1024 per prefill instance; the variable raises the bound, and the run starts."""
+    rank holds 1024 per prefill instance; the variable raises the bound, and a prefill-only
+    side leaves it to the decode side (both are then refused for memory instead)."""
     assert_refused(
         run("demo", "--requests", "2000"),
         "--requests 2000",
@@ -111,6 +112,8 @@ def test_more_requests_than_decode_registers_at_once_are_refused() -> None:
         env={"STAGING_CONTRACTS_MAX_ROOMS_PER_PEER": "4096"},
     )
     assert "GiB" in assert_refused(raised, "--requests 2000")  # refused by memory, not rooms
+    prefill_side = run("demo", "--requests", "2000", "--ranks", "prefill", "--tokens", "100000000")
+    assert "GiB" in assert_refused(prefill_side, "--requests 2000")  # decode's bound is not ours
 
 
 def test_a_run_larger_than_memory_is_refused_with_the_figures() -> None:

@@ -230,3 +230,22 @@ def test_polling_a_room_after_closing_decode_fails_it_without_raising() -> None:
         s.cluster.handlers[0].fail_room(52, "its writer went too")
         assert receiver.poll() is KVPoll.Failed
         assert receiver.failure() is not None
+
+
+def test_polling_a_refused_room_after_decode_closed_does_not_raise() -> None:
+    """A room decode refused (it holds no opening for it) is told to prefill by a plain send
+    when first polled; polled only once decode has closed, it fails without raising
+    ``SocketsClosed`` on the polling thread."""
+    with sides(Geometry(1, 1, 2)) as s:
+        c, decode = s.cluster, s.cluster.decode[0]
+        request, _, sender = _start_room(s, 20, seed=20)
+        closer = _Closer(decode, drain_s=30.0)  # waits for room 20
+        assert wait_for(_draining(decode))
+        late = c.add_request(21, num_pages=ROOM_PAGES, chunk_pages=CHUNK_PAGES, seed=21)
+        c.requests.remove(late)  # never lands: not part of the expected pool
+        refused = KVReceiver(s.decode[0], 21)
+        refused.init(late.decode_pages, chunk_pages=CHUNK_PAGES)
+        _send_last(request, sender)
+        assert closer.join().finished == (20,)
+        assert decode.health().closed
+        assert refused.poll() is KVPoll.Failed

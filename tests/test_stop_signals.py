@@ -79,7 +79,8 @@ def _interrupt_mid_run(
         if after is None:
             time.sleep(settle_s)  # the ranks started their work
         while after is not None and not any(after in line for line in list(lines)):
-            assert time.monotonic() < deadline, f"no {after!r} in\n{''.join(lines)}"
+            alive = process.poll() is None and time.monotonic() < deadline
+            assert alive, f"no {after!r} in\n{''.join(lines)}"
             time.sleep(0.02)
         assert process.poll() is None, "the run ended before the signal"
         process.send_signal(signum)
@@ -210,13 +211,14 @@ def test_a_signal_before_the_run_ends_the_command_with_one_partial_line(
             process.wait()
     name = signal.Signals(signum).name
     assert process.returncode == 128 + signum, out
-    assert out == f"PARTIAL: interrupted by {name} before check measured anything\n"
+    assert out == f"PARTIAL: interrupted by {name} before check had anything to report\n"
 
 
 def test_once_a_run_took_a_signal_later_ones_are_ignored_until_the_command_ends() -> None:
     """Blocks nest as the command line nests them (one around the command, one around the
     run): the run's block takes the first signal; a second one, after the run while the
-    summary is written, neither raises nor kills; the handlers come back at the end."""
+    summary is written, neither raises nor kills; nor does a first one that comes after a
+    run that ended by itself; the handlers come back at the end."""
     before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     with stop_on_signals(raise_on_signal=True) as command:
         with stop_on_signals(raise_on_signal=False) as run:
@@ -226,6 +228,12 @@ def test_once_a_run_took_a_signal_later_ones_are_ignored_until_the_command_ends(
         time.sleep(0.1)
         assert (run.name, command.name) == ("SIGTERM", None)
     assert {signum: signal.getsignal(signum) for signum in STOP_SIGNALS} == before
+    with stop_on_signals(raise_on_signal=True) as command:
+        with stop_on_signals(raise_on_signal=True):
+            pass  # the run ended by itself
+        os.kill(os.getpid(), signal.SIGTERM)  # its output is being written: ignored too
+        time.sleep(0.1)
+        assert command.name is None
     with stop_on_signals(raise_on_signal=True), pytest.raises(Interrupted):
         _signal_myself()  # a new command: its first signal counts again
 
@@ -243,7 +251,8 @@ def _until(done: Callable[[], bool]) -> None:
 
 
 def _sigint_disposition(path: str) -> None:
-    Path(path).write_text(repr(signal.getsignal(signal.SIGINT)))
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    Path(path).write_text(f"{signal.getsignal(signal.SIGINT)!r} blocked={blocked}")
 
 
 def test_rank_processes_ignore_sigint_from_their_start(tmp_path: Path) -> None:
@@ -257,6 +266,6 @@ def test_rank_processes_ignore_sigint_from_their_start(tmp_path: Path) -> None:
         process.join(timeout=60)
     finally:
         supervisor.close(grace_s=1.0)
-    assert seen.read_text() == repr(signal.SIG_IGN)
+    assert seen.read_text() == f"{signal.SIG_IGN!r} blocked=False"
     assert signal.getsignal(signal.SIGINT) == mine
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask

@@ -56,9 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status.
 
     ``SIGTERM`` or ``SIGINT`` before a command's run has its own handlers (while the heavy
-    modules load, during the preflight checks) ends it with one ``PARTIAL`` line and
-    ``128 + N``; once a run took a signal, further ones are ignored until the command ends,
-    so that its partial summary and ``--json`` file are written whole.
+    modules load, during the preflight checks; ``check`` throughout) ends it with one
+    ``PARTIAL`` line and ``128 + N``. Once a run began, the run takes the first signal and
+    every later one is ignored until the command ends, so that its summary and ``--json``
+    file are written whole (``SIGINT`` does not raise ``KeyboardInterrupt`` anywhere here).
     """
     words = list(sys.argv[1:] if argv is None else argv)
     command = next((w for w in words if w in _COMMANDS), None)
@@ -66,8 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with stop_on_signals(raise_on_signal=True):
             return _main(words, command)
     except Interrupted as stop:
-        name = signal.Signals(stop.signum).name
-        print(f"PARTIAL: interrupted by {name} before {command or 'the command'} measured anything")
+        name, what = signal.Signals(stop.signum).name, command or "the command"
+        print(f"PARTIAL: interrupted by {name} before {what} had anything to report")
         return exit_status(name)
 
 
@@ -85,9 +86,6 @@ def _main(words: list[str], command: str | None) -> int:
     try:
         with logformat.installed(fmt=fmt):
             status: int = args.run(args)
-    except KeyboardInterrupt:
-        print(f"staging-contracts {args.command}: interrupted", file=sys.stderr)
-        return 130
     except Exception as exc:  # noqa: BLE001 - one line for the user; --debug shows the rest
         if debug:
             traceback.print_exc()
@@ -516,9 +514,6 @@ def _run_soak(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # the ranks did not start; they are stopped already
         print(f"staging-contracts soak: {exc}", file=sys.stderr)
         return EXIT_NONCONFORMING
-    except KeyboardInterrupt:  # run_soak stopped every rank on the way out
-        print("staging-contracts soak: interrupted", file=sys.stderr)
-        return 130
     print(format_summary(result))
     if args.json:
         print(f"wrote the summary to {write_summary(soak_summary(result), args.json)}")

@@ -128,13 +128,13 @@ def config_from_args(args: argparse.Namespace) -> TransferConfig:
     Raises:
         ValueError: a size is not positive, ``--device cuda`` with a backend whose engine moves
             host memory only (Mooncake's wheel here; :func:`~.preflight.check_device`),
-            ``--device cuda`` without a CUDA device, or more requests than a decode rank
-            registers at once for one prefill instance (every room of the demo is registered
-            before the first is sent).
+            ``--device cuda`` without a CUDA device, or (where decode ranks run) more requests
+            than a decode rank registers at once for one prefill instance (every room of the
+            demo is registered before the first is sent).
     """
     check_device(args.backend, args.device)
     most = MAX_ROOMS_PER_PEER.value()
-    if args.requests > most:
+    if args.requests > most and args.ranks != "prefill":  # else the decode side's bound
         raise ValueError(
             f"--requests {args.requests}: the demo registers every request's room on decode "
             f"at once, and a decode rank holds at most {most} per prefill instance "

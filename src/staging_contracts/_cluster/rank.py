@@ -56,7 +56,6 @@ import zmq
 
 from .._control.transport import PeerSockets
 from .._control.wire import StagingReq
-from .._prefill.writer import StagingWriter
 from .._run._codec import Message, encode
 from .._run._rank_body import (
     BodyOptions,
@@ -327,7 +326,17 @@ def _run_prefill(run: _RankRun) -> RankSummary:
         memory = TransferMemory(config)
         # Start once decode has registered every room, as a serving decode does before
         # prefill computes: the clock then measures the transfer, not the bootstrap.
-        moved = partial(_moved, writer, bytes_before, requests_before)
+        start: float | None = None
+
+        def moved() -> RankSummary:
+            """What the timed requests wrote until now, and over how long."""
+            return RankSummary(
+                start=start,
+                end=None if start is None else time.monotonic(),
+                bytes_written=writer.bytes_written - bytes_before,
+                requests_sent=writer.requests_sent - requests_before,
+            )
+
         with _measured_if_stopped(moved):
             wait_barrier(bootstrap, "rooms", config.decode_tp, RENDEZVOUS_TIMEOUT_S)
             start = time.monotonic()
@@ -368,14 +377,6 @@ def _run_prefill(run: _RankRun) -> RankSummary:
             registered_after=body.registered(),
             memory=at_done,
         )
-
-
-def _moved(writer: StagingWriter, bytes_before: int, requests_before: int) -> RankSummary:
-    """What a prefill rank's timed requests wrote so far."""
-    return RankSummary(
-        bytes_written=writer.bytes_written - bytes_before,
-        requests_sent=writer.requests_sent - requests_before,
-    )
 
 
 @contextmanager

@@ -491,7 +491,9 @@ def _result(
     first = "prefill" if ranks != "decode" else "decode"
     last = "decode" if ranks != "prefill" else "prefill"
     starts = [r.fields.start for r in out if r.role == first and r.fields.start is not None]
-    ends = [r.fields.end for r in out if r.role == last and r.fields.end is not None]
+    ends = [r.fields.end for r in out if r.role == last and r.fields.end is not None] or [
+        r.fields.end for r in out if r.role == first and r.fields.end is not None
+    ]  # none: the run was stopped, and its first side's ranks said when they stopped
     elapsed = max(ends) - min(starts) if starts and ends else 0.0
     death = watch.first_death
     if death is not None and death.exitcode is None:  # it reported a failure, then exited

@@ -349,12 +349,14 @@ class _Driver:
         }.get(fault, self.config.liveness_timeout_s + self.startup_s + 2.0)
 
     def shutdown(self, grace_s: float = STOP_S) -> None:
-        """Stop every rank process (``stop``, its transfer worker given a quarter of
-        ``grace_s``, then ``SIGKILL`` after ``grace_s``); idempotent."""
+        """Stop every rank process (``stop``, then ``SIGKILL`` after ``grace_s``; a grace
+        shorter than :data:`STOP_S`, an interrupt's, gives the transfer worker a quarter of
+        it); idempotent."""
         self.issuing = False
+        stop = msg.Stop(close_s=grace_s / 4) if grace_s < STOP_S else msg.Stop()
         for rank in self.ranks.values():
             if not rank.gone:
-                self._send(rank, msg.Stop(close_s=grace_s / 4))
+                self._send(rank, stop)
         self.processes.close(grace_s)
         for rank in self.ranks.values():
             rank.close_commands()

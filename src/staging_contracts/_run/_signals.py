@@ -61,21 +61,36 @@ def exit_status(name: str) -> int:
     return 128 + int(signal.Signals[name])
 
 
-_UNDER_WAY = StopRequest()
-"""The first stop signal of the outermost block still open: while it is set, every block's
-handler ignores further signals (the stop is already bounded), so that a second signal cannot
-cut short the summary an enclosing block is writing."""
-_depth = 0
+@dataclass
+class _Blocks:
+    """The process's open :func:`stop_on_signals` blocks (signal handlers are process-wide).
+
+    **Threads:** the main thread only (handlers run there, blocks open there)."""
+
+    depth: int = 0
+    signum: int | None = None
+    """The first stop signal any open block took: further ones are ignored (the stop is
+    already bounded), so that a second signal cannot cut short the summary being written."""
+    nested: bool = False
+    """A block opened inside the outermost one (a driver's run in the command's): once it
+    has, the outermost block no longer raises, so that a run's output is written whole."""
+
+
+_BLOCKS = _Blocks()
 
 
 @contextmanager
 def stop_on_signals(*, raise_on_signal: bool) -> Iterator[StopRequest]:
     """Record ``SIGTERM`` and ``SIGINT`` instead of dying for the length of the block.
 
-    Off the main thread (where Python cannot set handlers) the request never fires. Blocks
+    Off the main thread (where Python cannot set handlers), or where a stop signal's handler
+    was not set from Python (it could not be put back), the request never fires. Blocks
     nest (the command line opens one around the whole command, a driver one around its run):
     the innermost block takes the first signal; later signals, in it or in any enclosing
-    block until the outermost one ends, are ignored: the stop is already bounded.
+    block until the outermost one ends, are ignored: the stop is already bounded. Once a
+    block was opened inside the outermost one, the outermost ignores signals too: the run has
+    ended, and the command writes what it measured. The handlers come back when the block
+    ends, whatever lands meanwhile.
 
     Args:
         raise_on_signal: also raise :class:`Interrupted` where the first signal lands (for a
@@ -85,26 +100,34 @@ def stop_on_signals(*, raise_on_signal: bool) -> Iterator[StopRequest]:
     the benchmarks, around one run (the cluster runner tells its ranks to stop with
     ``SIGTERM`` once the request records a signal).
     """
-    global _depth  # noqa: PLW0603 - signal handlers are process-wide
     request = StopRequest()
-    if threading.current_thread() is not threading.main_thread():
+    main = threading.current_thread() is threading.main_thread()
+    if not main or any(signal.getsignal(signum) is None for signum in STOP_SIGNALS):
         yield request
         return
+    outermost = _BLOCKS.depth == 0
+    _BLOCKS.nested = _BLOCKS.nested or not outermost
+    closing = False
 
     def handle(signum: int, _frame: FrameType | None) -> None:
-        if _UNDER_WAY.signum is not None:
+        if closing or _BLOCKS.signum is not None or (outermost and _BLOCKS.nested):
             return
-        _UNDER_WAY.signum = request.signum = signum
+        _BLOCKS.signum = request.signum = signum
         if raise_on_signal:
             raise Interrupted(signum)
 
-    previous = {signum: signal.signal(signum, handle) for signum in STOP_SIGNALS}
-    _depth += 1
+    previous: dict[signal.Signals, signal._HANDLER] = {}
+    _BLOCKS.depth += 1
     try:
+        for signum in STOP_SIGNALS:
+            previous[signum] = signal.signal(signum, handle)
         yield request
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        _depth -= 1
-        if _depth == 0:
-            _UNDER_WAY.signum = None
+        closing = True  # a signal landing from here on cannot raise halfway through
+        try:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        finally:
+            _BLOCKS.depth -= 1
+            if _BLOCKS.depth == 0:
+                _BLOCKS.signum, _BLOCKS.nested = None, False

@@ -78,20 +78,20 @@ def _children_ignore_sigint() -> Iterator[None]:
     A terminal's Ctrl-C reaches every process of its group; a rank that took it would die
     with a ``KeyboardInterrupt`` traceback (while its modules load, as often as not) instead
     of letting its driver stop it with ``SIGTERM``. An ignored signal stays ignored across the
-    spawn's ``exec`` (and Python keeps it so), so the parent ignores ``SIGINT`` while it starts
-    the process; it blocks it meanwhile, so that one coming then waits for the parent's own
-    handler instead of being lost. Off the main thread, nothing is changed.
+    spawn's ``exec`` (and Python keeps it so), so the parent ignores ``SIGINT`` for the few
+    milliseconds a start takes: a Ctrl-C landing in them is lost (press it again). A signal
+    mask would not keep it: another thread of the parent may take it, and drop it as ignored.
+    Off the main thread, or under a handler not set from Python, nothing is changed.
     """
-    if threading.current_thread() is not threading.main_thread():
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None or threading.current_thread() is not threading.main_thread():
         yield
         return
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, previous)
 
 
 class Supervisor(Generic[K]):

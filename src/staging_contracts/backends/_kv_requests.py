@@ -1083,4 +1083,8 @@ class KVReceiver:
             return
         frames = RoomFailed(self.room, reason).to_frames()  # no opening to name: once
         for peer in t.peers:
-            t.manager.send(peer.endpoint, frames)
+            try:
+                t.manager.send(peer.endpoint, frames)
+            except SocketsClosed as exc:  # the manager closed: nobody left to tell
+                logger.info("ROOM_FAILED to %s not sent: %s", peer.endpoint, exc)
+                return
