@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -825,6 +826,31 @@ def test_wait_room_is_woken_by_the_completing_arrival() -> None:
     r.arrive(1, 0, 0)
     waiter.join(5)
     assert result == [RoomStatus.SUCCESS]
+
+
+def test_many_waiters_share_one_progress_pass_per_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fifty threads in wait_room make about one progress pass per wait slice between them,
+    not one each: a pass per waiter per slice (a demo rank's 150 waiters) held the handler's
+    lock so often that the listener thread starved and live peers were declared dead."""
+    r = rig()
+    monkeypatch.setattr(r.handler, "_clock", time.monotonic)  # slices pass in real time
+    r.handler.register_room(plan(1))
+    passes: list[int] = []
+    look = r.handler._idle_too_long
+
+    def counted(state: object, now: float) -> bool:
+        passes.append(1)
+        return look(state, now)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(r.handler, "_idle_too_long", counted)
+    waiters = [threading.Thread(target=r.handler.wait_room, args=(1, 0.3)) for _ in range(50)]
+    for waiter in waiters:
+        waiter.start()
+    for waiter in waiters:
+        waiter.join(5)
+    slices = 0.3 / handler_module.WAIT_SLICE_S
+    assert raw_status(r, 1) is RoomStatus.REGISTERED  # every waiter waited its 0.3 s
+    assert 1 <= len(passes) <= 3 * slices, len(passes)  # 50 waiters each: ~1,500
 
 
 def test_wait_room_times_out_with_the_current_status() -> None:

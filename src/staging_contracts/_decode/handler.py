@@ -625,11 +625,16 @@ class DecodeStagingHandler:
 
         **Called by:** the scheduler or a driver, any thread but the listener's (which
         completes the room). **Blocking:** up to ``timeout_s``; woken as soon as the room
-        ends on CPU, within ``WAIT_SLICE_S`` on CUDA (whose scatters end asynchronously).
+        ends on CPU, within about ``WAIT_SLICE_S`` on CUDA (whose scatters end
+        asynchronously: one progress pass per slice reaps them, whichever waiter, or the
+        listener, makes it).
         """
         deadline = time.monotonic() + timeout_s
         while True:
-            self.progress()
+            # One pass per slice whatever the number of waiters: a pass per waiter per slice
+            # (150 waiters: 15,000 passes a second over every room) starved the listener
+            # thread of this lock, so that PINGs went unanswered and live peers died.
+            self.progress(min_interval_s=WAIT_SLICE_S)
             with self._lock:
                 state = self._rooms.get(room)
                 shown = None if state is None else _shown(state)
