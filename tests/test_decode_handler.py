@@ -766,6 +766,39 @@ def test_an_asynchronous_scatter_frees_its_region_when_its_event_completes(
     assert r.sender.take() == [(P0, r.watermark())]
 
 
+def test_a_poll_reaps_its_own_room_at_once_and_the_full_pass_once_per_slice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A scheduler polling many rooms pays one pass over every room per wait slice, not one
+    per poll; the polled room's own finished scatter is still reaped by its poll at once."""
+    r = rig()
+    r.handler.register_room(plan(1, pages=2))
+    r.handler.register_room(plan(2, pages=2))
+    r.req(1, 0)
+    r.sender.take()
+    event = FakeEvent()
+    monkeypatch.setattr(r.handler._scatterer, "scatter", lambda *args: event)
+    r.arrive(1, 0, 0)
+    passes: list[int] = []
+    look = r.handler._idle_too_long
+
+    def counted(state: object, now: float) -> bool:
+        passes.append(1)
+        return look(state, now)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(r.handler, "_idle_too_long", counted)
+    for _ in range(100):
+        assert r.handler.poll_room(2) is RoomStatus.REGISTERED
+    assert len(passes) == 2  # one pass (two rooms), then none while the clock stands
+    event.done = True
+    assert r.handler.poll_room(1) is RoomStatus.SUCCESS  # no pass due: reaped by its poll
+    assert len(passes) == 2
+    assert r.sender.take() == [(P0, r.watermark())]
+    r.clock.now += handler_module.WAIT_SLICE_S
+    r.handler.poll_room(2)
+    assert len(passes) == 4  # a slice later, one more pass
+
+
 def test_release_waits_for_pending_events_and_frees_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """release_room polls a pending scatter event (never synchronizes it: a hung device would
     hold the caller and the listener's lock for good) until it completed, then frees it."""
@@ -1623,6 +1656,7 @@ def test_the_default_stall_timeout_is_ten_seconds() -> None:
     clock.now += 10.0
     assert handler.poll_room(1) is RoomStatus.TRANSFERRING
     clock.now += 0.001
+    handler.progress()  # the listener's pass: a poll makes one at most once per wait slice
     assert handler.poll_room(1) is RoomStatus.FAILED
     assert handler.room_failure(1) == "no progress for 10.0s while holding a writable region"
 

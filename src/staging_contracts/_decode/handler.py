@@ -614,10 +614,23 @@ class DecodeStagingHandler:
 
         **Called by:** the scheduler, any thread.
         """
-        self.progress()
+        self._catch_up(room)
         with self._lock:
             state = self._rooms.get(room)
             return None if state is None else _shown(state)
+
+    def _catch_up(self, room: int) -> None:
+        """Before ``room``'s status is read: its own finished scatters reaped now, and the
+        pass over every room (stalls, fences, re-sends) made at most once per
+        ``WAIT_SLICE_S``, whoever asks. A pass per call cost a scheduler that polls N rooms
+        N passes over N rooms a step, and a demo rank's 150 waiters (one pass each per
+        slice) so much of this lock that the listener starved and live peers died."""
+        self.progress(min_interval_s=WAIT_SLICE_S)
+        with self._lock:
+            state = self._rooms.get(room)
+            freed = state is not None and self._reap_events(state)
+        if freed:
+            self._broadcast_watermark()
 
     def wait_room(self, room: int, timeout_s: float) -> RoomStatus | None:
         """Block until the room succeeded or failed, or ``timeout_s`` passed; its status then
@@ -631,10 +644,7 @@ class DecodeStagingHandler:
         """
         deadline = time.monotonic() + timeout_s
         while True:
-            # One pass per slice whatever the number of waiters: a pass per waiter per slice
-            # (150 waiters: 15,000 passes a second over every room) starved the listener
-            # thread of this lock, so that PINGs went unanswered and live peers died.
-            self.progress(min_interval_s=WAIT_SLICE_S)
+            self._catch_up(room)
             with self._lock:
                 state = self._rooms.get(room)
                 shown = None if state is None else _shown(state)
