@@ -606,7 +606,8 @@ class DecodeStagingHandler:
         return None
 
     def poll_room(self, room: int) -> RoomStatus | None:
-        """The room's status (``None`` if unknown), after completing finished scatters.
+        """The room's status (``None`` if unknown), after completing its finished scatters
+        (and, at most once per ``WAIT_SLICE_S`` whoever polls, the pass over every room).
 
         ``FAILED`` means done: a failed room is shown ``TRANSFERRING`` until no scatter into
         its pages can still land (none runs on a thread, none is queued on the device), so a
@@ -638,9 +639,8 @@ class DecodeStagingHandler:
 
         **Called by:** the scheduler or a driver, any thread but the listener's (which
         completes the room). **Blocking:** up to ``timeout_s``; woken as soon as the room
-        ends on CPU, within about ``WAIT_SLICE_S`` on CUDA (whose scatters end
-        asynchronously: one progress pass per slice reaps them, whichever waiter, or the
-        listener, makes it).
+        ends on CPU, within ``WAIT_SLICE_S`` on CUDA (whose scatters end asynchronously:
+        each wake reaps the room's finished ones, see :meth:`_catch_up`).
         """
         deadline = time.monotonic() + timeout_s
         while True:
