@@ -195,6 +195,19 @@ def plan(
     )
 
 
+def rooms_checked(r: Rig, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one for each room a progress pass looks at from now on."""
+    checked: list[int] = []
+    look = r.handler._idle_too_long
+
+    def counted(state: object, now: float) -> bool:
+        checked.append(1)
+        return look(state, now)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(r.handler, "_idle_too_long", counted)
+    return checked
+
+
 def raw_status(r: Rig, room: int) -> RoomStatus:
     """A room's status without the progress pass of poll_room."""
     return r.handler._rooms[room].status
@@ -779,14 +792,7 @@ def test_a_poll_reaps_its_own_room_at_once_and_the_full_pass_once_per_slice(
     event = FakeEvent()
     monkeypatch.setattr(r.handler._scatterer, "scatter", lambda *args: event)
     r.arrive(1, 0, 0)
-    passes: list[int] = []
-    look = r.handler._idle_too_long
-
-    def counted(state: object, now: float) -> bool:
-        passes.append(1)
-        return look(state, now)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(r.handler, "_idle_too_long", counted)
+    passes = rooms_checked(r, monkeypatch)
     for _ in range(100):
         assert r.handler.poll_room(2) is RoomStatus.REGISTERED
     assert len(passes) == 2  # one pass (two rooms), then none while the clock stands
@@ -868,14 +874,7 @@ def test_many_waiters_share_one_progress_pass_per_slice(monkeypatch: pytest.Monk
     r = rig()
     monkeypatch.setattr(r.handler, "_clock", time.monotonic)  # slices pass in real time
     r.handler.register_room(plan(1))
-    passes: list[int] = []
-    look = r.handler._idle_too_long
-
-    def counted(state: object, now: float) -> bool:
-        passes.append(1)
-        return look(state, now)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(r.handler, "_idle_too_long", counted)
+    passes = rooms_checked(r, monkeypatch)
     waiters = [threading.Thread(target=r.handler.wait_room, args=(1, 0.3)) for _ in range(50)]
     for waiter in waiters:
         waiter.start()
